@@ -1,0 +1,251 @@
+"""Model and executor configuration, read from a Hugging Face model directory and validated.
+
+Every problem a user can cause (a wrong path, an unsupported architecture, a budget that cannot
+hold one sequence) raises `ConfigError` with the cause and the fix, before anything is served.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from npuserve.kernels.rope import RopeScaling
+
+
+class ConfigError(ValueError):
+    """A configuration the user must change; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureSpec:
+    """What sets one Llama-family architecture apart from the others; architectures are data."""
+
+    qkv_bias: bool | None = None  # None: read `attention_bias` from config.json
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "LlamaForCausalLM": ArchitectureSpec(),
+    "MistralForCausalLM": ArchitectureSpec(),
+    "Qwen2ForCausalLM": ArchitectureSpec(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchitectureSpec(qk_norm=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_dir: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None  # the checkpoint's dtype name, e.g. "bfloat16"
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sliding_window: int | None
+    initializer_range: float = 0.02
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def served_name(self) -> str:
+        return self.model_dir.name
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir).expanduser()
+        if not path.is_dir():
+            raise ConfigError(
+                f"model directory {str(path)!r} does not exist; pass --model with a local "
+                "Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
+            )
+        raw = _read_json(path / "config.json", required=True)
+        generation = _read_json(path / "generation_config.json", required=False)
+        return cls.from_dict(raw, path, generation)
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], model_dir: Path, generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        architecture = _architecture(raw, model_dir)
+        spec = ARCHITECTURES[architecture]
+        get = _FieldReader(raw, model_dir)
+        hidden_size = get.int("hidden_size")
+        num_heads = get.int("num_attention_heads")
+        num_kv_heads = get.int("num_key_value_heads", default=num_heads)
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise ConfigError(
+                f"{model_dir}/config.json: num_attention_heads ({num_heads}) is not a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ConfigError(f"{model_dir}/config.json: hidden_act {hidden_act!r} is unsupported")
+        rope_theta, rope_scaling = _rope(raw, model_dir)
+        qkv_bias = spec.qkv_bias if spec.qkv_bias is not None else bool(raw.get("attention_bias"))
+        eos = [raw.get("eos_token_id"), (generation or {}).get("eos_token_id")]
+        sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return cls(
+            model_dir=model_dir,
+            architecture=architecture,
+            vocab_size=get.int("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=get.int("intermediate_size"),
+            num_layers=get.int("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=get.int("max_position_embeddings"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=spec.qk_norm,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            eos_token_ids=_token_ids(eos),
+            bos_token_id=raw.get("bos_token_id"),
+            sliding_window=sliding_window,
+            initializer_range=float(raw.get("initializer_range", 0.02)),
+            raw=raw,
+        )
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ConfigError(
+                f"{path} is missing: the model directory must be in Hugging Face layout "
+                "(config.json, *.safetensors, tokenizer.json)"
+            )
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); re-download or fix the file") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def _architecture(raw: dict[str, Any], model_dir: Path) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    raise ConfigError(
+        f"{model_dir}: architecture {names or '(none given)'} is not supported; npuserve serves "
+        f"{', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def _rope(raw: dict[str, Any], model_dir: Path) -> tuple[float, RopeScaling]:
+    # transformers 5 folds rope_theta into `rope_parameters`; older configs use `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in RopeScaling.SUPPORTED:
+        raise ConfigError(
+            f"{model_dir}/config.json: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(RopeScaling.SUPPORTED)})"
+        )
+    known = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    kwargs = {k: v for k, v in params.items() if k in known}
+    return theta, RopeScaling(rope_type=rope_type, **kwargs)
+
+
+def _token_ids(values: list[Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+class _FieldReader:
+    def __init__(self, raw: dict[str, Any], model_dir: Path) -> None:
+        self.raw = raw
+        self.model_dir = model_dir
+
+    def int(self, name: str, default: int | None = None) -> int:
+        value = self.raw.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(
+                f"{self.model_dir}/config.json: field {name!r} must be a positive integer, "
+                f"got {value!r}"
+            )
+        return value
+
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(slots=True)
+class ExecutorConfig:
+    """How one executor runs a model; flag names follow vLLM's."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int | None = None  # None: 128 on Ascend, 16 elsewhere
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # KV cache budget: an explicit size (the only option on CPU), or a fraction of device memory.
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
+            raise ConfigError(
+                f"--block-size must be a positive multiple of 16, got {self.block_size}"
+            )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"--load-format {self.load_format!r} is unknown (choose {', '.join(LOAD_FORMATS)})"
+            )
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if model.sliding_window:
+            # NOTE: no sliding-window attention kernel yet; stay inside the window so results
+            # are exact rather than silently attend past it.
+            limit = min(limit, model.sliding_window)
+        if self.max_model_len is None:
+            return limit
+        if not 0 < self.max_model_len <= limit:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} is outside 1..{limit}, the longest "
+                f"context {model.model_dir.name} supports; lower --max-model-len"
+            )
+        return self.max_model_len

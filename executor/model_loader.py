@@ -1,0 +1,113 @@
+"""Builds a model on its device and fills it from a local checkpoint (or random weights)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from npuserve.executor.config import ConfigError, ModelConfig
+from npuserve.executor.layers import TensorParallel
+from npuserve.executor.models.llama import CausalLM
+from npuserve.kernels import KernelBackend
+
+log = structlog.get_logger(__name__)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those of the shard index if there is one, else every file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{index} is malformed ({exc}); re-download the checkpoint") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{model_dir}: shards named in {index.name} are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"{model_dir} holds no *.safetensors weights; convert the checkpoint to safetensors "
+            "or pass --load-format dummy for random weights"
+        )
+    return files
+
+
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields every (name, tensor) of the files, with a progress bar over tensors."""
+    handles = []
+    total = 0
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise ConfigError(f"{path} is not a readable safetensors file ({exc})") from exc
+        handles.append(handle)
+        total += len(handle.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
+        for handle in handles:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, handle.get_tensor(name)
+                progress.update(1)
+
+
+def load_model(
+    config: ModelConfig,
+    backend: KernelBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    start = time.perf_counter()
+    with torch.device(device):
+        model = CausalLM(config, backend, dtype, tp)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        loaded = model.load_weights(iterate_safetensors(safetensors_files(config.model_dir)))
+        missing = sorted(model.expected_weights() - loaded)
+        if missing:
+            raise ConfigError(
+                f"{config.model_dir}: the checkpoint lacks {len(missing)} tensors the model needs, "
+                f"e.g. {missing[:3]}; is it complete and of architecture {config.architecture}?"
+            )
+    model.init_rotary_cache(max_positions)
+    model.eval()
+    log.info(
+        "model loaded",
+        model=str(config.model_dir),
+        architecture=config.architecture,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        load_format=load_format,
+        parameters=sum(p.numel() for p in model.parameters()),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+    return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Random weights for benchmarks: normal(0, initializer_range), norms at one."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    std = model.config.initializer_range
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(
+                0, std, generator=generator
+            )
+            param.copy_(values)

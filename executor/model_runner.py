@@ -1,0 +1,231 @@
+"""The ModelRunner: executes step plans against a model and its paged KV cache.
+
+It keeps per-request state between steps (`InputBatch`), so a plan carries a request's data
+once and later only deltas. One step: drop finished requests, admit new ones, append blocks,
+gather the flat batch, run the model, compute logits only for the requests that reached their
+last known token, sample there, and record the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import structlog
+import torch
+
+from npuserve.executor.config import ExecutorConfig, ModelConfig
+from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
+from npuserve.executor.kv_cache import GIB, allocate_kv_caches, block_bytes, num_blocks_for_budget
+from npuserve.executor.layers import TensorParallel
+from npuserve.executor.model_loader import load_model
+from npuserve.executor.platform import resolve_device, resolve_dtype
+from npuserve.executor.profiling import profile_kv_budget
+from npuserve.executor.sampler import (
+    Sampler,
+    SamplerOutput,
+    build_sampling_metadata,
+)
+from npuserve.executor.step_plan import (
+    ExecutorInfo,
+    StepPlan,
+    StepResult,
+    StepTimings,
+    TokenLogprobs,
+)
+from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ModelRunner", "PlanError"]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        model_config: ModelConfig | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config or ModelConfig.from_pretrained(config.model)
+        self.tp = tp or TensorParallel()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.block_size = config.block_size or (NPU_BLOCK_SIZE if self.device.type == "npu" else 16)
+        self.backend = get_backend(self.device)
+        self.model = load_model(
+            self.model_config,
+            self.backend,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.load_format,
+            config.seed,
+            self.tp,
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.kv_caches = allocate_kv_caches(
+            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device, self.tp
+        )
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
+        self.sampler = Sampler()
+        self._seed_source = np.random.default_rng(config.seed)
+        self._last_result: StepResult | None = None
+
+    def _size_kv_cache(self) -> int:
+        per_block = block_bytes(self.model_config, self.block_size, self.dtype, self.tp)
+        if self.config.kv_cache_memory_gib is not None:
+            budget = int(self.config.kv_cache_memory_gib * GIB)
+        elif self.device.type == "cpu":
+            budget = 4 * GIB  # NOTE: like vLLM's CPU default KV space; --kv-cache-memory sets it
+        else:
+            budget = profile_kv_budget(self)
+        num_blocks = num_blocks_for_budget(budget, per_block, self.block_size, self.max_model_len)
+        log.info(
+            "kv cache sized",
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            gib=round(num_blocks * per_block / GIB, 3),
+            max_concurrency=round((num_blocks - 1) * self.block_size / self.max_model_len, 2),
+        )
+        return num_blocks
+
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            model=self.model_config.served_name,
+            architecture=self.model_config.architecture,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            tensor_parallel_size=self.tp.size,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step. A repeated step id returns the earlier result (retries are idempotent).
+
+        A plan that contradicts the executor's state raises `PlanError`; any failure drops the
+        state of every request in the plan, which the scheduler then fails or re-sends whole.
+        """
+        if self._last_result is not None and plan.step_id == self._last_result.step_id:
+            return self._last_result
+        try:
+            result = self._execute(plan)
+        except Exception:
+            for req_id in [*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests)]:
+                self.batch.remove(req_id)
+            raise
+        self._last_result = result
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self._update_states(plan)
+        result = StepResult(step_id=plan.step_id)
+        if not plan.num_scheduled_tokens:
+            return result
+        inputs = self.batch.prepare(plan.num_scheduled_tokens)
+        metadata = build_attention_metadata(
+            inputs.query_lens,
+            inputs.seq_lens,
+            inputs.block_table,
+            inputs.slot_mapping,
+            self.block_size,
+            self.device,
+        )
+        self.backend.prepare(metadata)
+        input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)
+        positions = torch.from_numpy(inputs.positions).to(self.device)
+        prepared = time.perf_counter()
+
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+        sampled_ids = np.zeros(0, dtype=np.int32)
+        forwarded = sampled = time.perf_counter()
+        if len(inputs.logits_indices):
+            indices = torch.from_numpy(inputs.logits_indices).to(self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
+            forwarded = time.perf_counter()
+            output = self.sampler(logits, self._sampling_metadata(inputs))
+            sampled_ids = output.token_ids.cpu().numpy().astype(np.int32)
+            result.sampled_req_ids = [
+                r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
+            ]
+            result.sampled_token_ids = sampled_ids.tolist()
+            result.logprobs = _logprobs_lists(
+                output, self.batch.sampling.num_logprobs[inputs.rows[inputs.sample_mask]]
+            )
+            sampled = time.perf_counter()
+        self.batch.commit(inputs, sampled_ids)
+        result.timings = StepTimings(
+            prepare_s=prepared - start,
+            forward_s=forwarded - prepared,
+            sample_s=sampled - forwarded,
+            total_s=time.perf_counter() - start,
+        )
+        return result
+
+    def _update_states(self, plan: StepPlan) -> None:
+        batch = self.batch
+        for req_id in plan.finished_req_ids:
+            batch.remove(req_id)
+        for req in plan.new_requests:
+            batch.check_new(req)
+            seed = req.sampling.seed
+            if seed is None:
+                seed = int(self._seed_source.integers(0, 2**63 - 1))
+            batch.add(req, seed)
+        for cached in plan.cached_requests:
+            row = batch.row_of.get(cached.req_id)
+            if row is None:
+                raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
+            batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
+            batch.append_blocks(row, cached.new_block_ids)
+
+    def _sampling_metadata(self, inputs: StepInputs):
+        rows = inputs.rows[inputs.sample_mask]
+        s, batch = self.batch.sampling, self.batch
+        num_tokens = batch.num_tokens[rows]
+        return build_sampling_metadata(
+            temperature=s.temperature[rows],
+            top_k=s.top_k[rows],
+            top_p=s.top_p[rows],
+            min_p=s.min_p[rows],
+            seeds=s.seeds[rows],
+            presence_penalty=s.presence_penalty[rows],
+            frequency_penalty=s.frequency_penalty[rows],
+            repetition_penalty=s.repetition_penalty[rows],
+            num_logprobs=s.num_logprobs[rows],
+            min_tokens=s.min_tokens[rows],
+            stop_token_ids=s.stop_token_ids[rows],
+            token_ids=batch.token_ids[rows, : int(num_tokens.max())],
+            num_prompt_tokens=batch.num_prompt_tokens[rows],
+            num_tokens=num_tokens,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+
+
+def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[TokenLogprobs | None]:
+    """Host lists of the logprobs each sampled request asked for (None where it asked none)."""
+    if output.logprobs is None:
+        return [None] * len(output.token_ids)
+    logprobs = output.logprobs.tolist()
+    ranks = output.ranks.tolist()
+    top_ids = output.top_token_ids.tolist()
+    top_lps = output.top_logprobs.tolist()
+    return [
+        None
+        if n < 0
+        else TokenLogprobs(
+            logprob=logprobs[i], rank=ranks[i], top_token_ids=top_ids[i][:n], top_logprobs=top_lps[i][:n]
+        )
+        for i, n in enumerate(num_logprobs.tolist())
+    ]

@@ -1,0 +1,134 @@
+"""The step contract between the scheduler and an executor, as plain Python data.
+
+A request's full data travels once (`NewRequest`); later steps carry only what changed
+(`CachedRequest`), the number of tokens scheduled for each request, and the ids of requests to
+drop. The executor samples and returns token ids, never logits. This module imports no torch so
+the scheduler can build plans; the gRPC converters map it to and from protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """What the executor needs to sample one request's tokens (stop rules stay in the scheduler)."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means the whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # None: the executor draws one; set: same tokens whatever the batch
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int | None = None  # top logprobs to return with each sampled token
+    min_tokens: int = 0
+    # Tokens that must not be sampled before min_tokens outputs exist (EOS and stop_token_ids).
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.num_logprobs is not None and self.num_logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.num_logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """Sent once, when a request is first scheduled (or resumed after preemption)."""
+
+    req_id: str
+    # Prompt followed by any tokens already generated (a request resumed after preemption).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingOptions
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """A request the executor already holds, with blocks appended since its last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    # Every request that runs this step, in batch order, with its number of new tokens.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Finished, aborted or preempted requests: the executor drops their state before the step.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token, under the model's raw distribution
+    rank: int  # 1 for the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepTimings:
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    # Requests whose scheduled tokens reached the end of their known tokens got one new token;
+    # requests in the middle of a chunked prefill get none.
+    sampled_req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """The capacity handshake: what an executor can hold, reported before any step."""
+
+    model: str  # served model identity (directory name)
+    architecture: str
+    block_size: int
+    num_blocks: int  # including the null block 0
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    tensor_parallel_size: int = 1

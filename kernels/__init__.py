@@ -1,0 +1,40 @@
+"""Paged-attention and fused ops behind one small API, with a backend per device family."""
+
+from __future__ import annotations
+
+import torch
+
+from npuserve.kernels.backends.base import KernelBackend
+from npuserve.kernels.layout import (
+    NPU_BLOCK_SIZE,
+    NULL_BLOCK_ID,
+    cdiv,
+    kv_cache_block_bytes,
+    kv_cache_shape,
+    slot_mapping,
+)
+from npuserve.kernels.metadata import AttentionMetadata, build_attention_metadata
+
+__all__ = [
+    "NPU_BLOCK_SIZE",
+    "NULL_BLOCK_ID",
+    "AttentionMetadata",
+    "KernelBackend",
+    "build_attention_metadata",
+    "cdiv",
+    "get_backend",
+    "kv_cache_block_bytes",
+    "kv_cache_shape",
+    "slot_mapping",
+]
+
+
+def get_backend(device: torch.device) -> KernelBackend:
+    """The backend for a device: torch_npu operators on Ascend, plain PyTorch elsewhere."""
+    if device.type == "npu":
+        from npuserve.kernels.backends.npu_backend import NpuBackend
+
+        return NpuBackend()
+    from npuserve.kernels.backends.torch_backend import TorchBackend
+
+    return TorchBackend()

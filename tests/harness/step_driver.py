@@ -1,0 +1,104 @@
+"""A step driver that plans steps for a ModelRunner, for tests of the executor's contract."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from npuserve.executor.step_plan import (
+    CachedRequest,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    TokenLogprobs,
+)
+
+
+@dataclass
+class DrivenRequest:
+    req_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingOptions
+    # Blocks (and their computed tokens) taken over from an earlier request: a prefix-cache hit.
+    cached_block_ids: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    sent: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class StepDriver:
+    """Plans steps for a runner the way a scheduler would, under a per-step token budget.
+
+    Blocks come from a shuffled pool, so block tables are never contiguous. It is a test
+    harness for the executor's contract, not a scheduler: no preemption, no admission control.
+    """
+
+    def __init__(self, runner, token_budget: int = 10_000, seed: int = 0) -> None:
+        self.runner = runner
+        self.token_budget = token_budget
+        self.block_size = runner.block_size
+        self.free_blocks = list(range(1, runner.num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.step_id = 0
+        self.finished: list[str] = []
+
+    def run(self, requests: list[DrivenRequest]) -> list[DrivenRequest]:
+        while not all(r.done for r in requests):
+            self.step([r for r in requests if not r.done])
+        self.step([])  # hand the last finished ids to the runner
+        return requests
+
+    def step(self, active: list[DrivenRequest]) -> None:
+        plan = StepPlan(step_id=self.step_id, finished_req_ids=self.finished)
+        self.step_id += 1
+        self.finished = []
+        budget = self.token_budget
+        for req in active:
+            if not req.sent and req.cached_block_ids:
+                req.block_ids = list(req.cached_block_ids)
+                req.num_computed_tokens = len(req.cached_block_ids) * self.block_size
+            num_new = min(len(req.tokens) - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                break
+            budget -= num_new
+            needed = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
+            new_blocks = [self.free_blocks.pop() for _ in range(max(0, needed))]
+            req.block_ids += new_blocks
+            if not req.sent:
+                plan.new_requests.append(
+                    NewRequest(
+                        req_id=req.req_id,
+                        token_ids=req.tokens,
+                        num_prompt_tokens=len(req.prompt),
+                        sampling=req.sampling,
+                        block_ids=list(req.block_ids),
+                        num_computed_tokens=req.num_computed_tokens,
+                    )
+                )
+                req.sent = True
+            elif new_blocks:
+                plan.cached_requests.append(CachedRequest(req.req_id, new_blocks))
+            plan.num_scheduled_tokens[req.req_id] = num_new
+        result = self.runner.execute(plan)
+        by_id = {r.req_id: r for r in active}
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            by_id[req_id].num_computed_tokens += num_new
+        for req_id, token, logprobs in zip(
+            result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
+        ):
+            req = by_id[req_id]
+            req.output.append(token)
+            req.logprobs.append(logprobs)
+            if req.done:
+                self.finished.append(req_id)
