@@ -187,8 +187,7 @@ class _FieldReader:
         value = self.raw.get(name, default)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(
-                f"{self.model_dir}/config.json: field {name!r} must be a positive integer, "
-                f"got {value!r}"
+                f"{self.model_dir}/config.json: field {name!r} must be a positive integer, got {value!r}"
             )
         return value
 
@@ -215,15 +214,11 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
-            raise ConfigError(
-                f"--block-size must be a positive multiple of 16, got {self.block_size}"
-            )
+            raise ConfigError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -36,9 +36,7 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int
-    ) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -111,9 +109,7 @@ class InputBatch:
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
         num_reqs = len(num_scheduled_tokens)
         try:
-            rows = np.fromiter(
-                (self.row_of[r] for r in num_scheduled_tokens), dtype=np.int64, count=num_reqs
-            )
+            rows = np.fromiter((self.row_of[r] for r in num_scheduled_tokens), dtype=np.int64, count=num_reqs)
         except KeyError as exc:
             raise PlanError(f"request {exc.args[0]!r} is scheduled but unknown") from None
         query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int32, count=num_reqs)

@@ -28,9 +28,7 @@ class TensorParallel:
 
     def shard(self, size: int, what: str) -> int:
         if size % self.size:
-            raise ValueError(
-                f"{what} ({size}) is not divisible by tensor parallel size {self.size}"
-            )
+            raise ValueError(f"{what} ({size}) is not divisible by tensor parallel size {self.size}")
         return size // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,14 +44,14 @@ def _new_parameter(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoade
     return param
 
 
-def default_weight_loader(
-    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} for {tuple(param.shape)}"
-        )
-    param.data.copy_(loaded)
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} into {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    copy_checked(param.data, loaded)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -75,9 +73,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.local_sizes = [tp.shard(size, "output size") for size in output_sizes]
         self.weight = _new_parameter((sum(self.local_sizes), input_size), dtype, self.weight_loader)
-        self.bias = (
-            _new_parameter((sum(self.local_sizes),), dtype, self.weight_loader) if bias else None
-        )
+        self.bias = _new_parameter((sum(self.local_sizes),), dtype, self.weight_loader) if bias else None
 
     def _local_range(self, shard_id: int | str | None) -> tuple[int, int]:
         index = int(shard_id or 0)
@@ -90,12 +86,7 @@ class ColumnParallelLinear(nn.Module):
         start, size = self._local_range(shard_id)
         # This rank's rows of the checkpoint tensor, into this part's rows of the fused weight.
         rows = loaded.narrow(0, self.tp.rank * size, size)
-        target = param.data.narrow(0, start, size)
-        if target.shape != rows.shape:
-            raise ValueError(
-                f"checkpoint tensor of shape {tuple(loaded.shape)} for {tuple(target.shape)}"
-            )
-        target.copy_(rows)
+        copy_checked(param.data.narrow(0, start, size), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out_local]
         return F.linear(x, self.weight, self.bias)
@@ -132,14 +123,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.local_input_size = tp.shard(input_size, "input size")
-        self.weight = _new_parameter(
-            (output_size, self.local_input_size), dtype, self.weight_loader
-        )
+        self.weight = _new_parameter((output_size, self.local_input_size), dtype, self.weight_loader)
         self.bias = _new_parameter((output_size,), dtype, default_weight_loader) if bias else None
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         columns = loaded.narrow(1, self.tp.rank * self.local_input_size, self.local_input_size)
         default_weight_loader(param, columns)
 

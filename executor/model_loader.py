@@ -107,7 +107,5 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(
-                0, std, generator=generator
-            )
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0, std, generator=generator)
             param.copy_(values)

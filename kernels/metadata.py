@@ -68,9 +68,7 @@ def build_attention_metadata(
     np.cumsum(query_lens, out=query_start_loc[1:])
 
     def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(
-            device, non_blocking=True
-        )
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device, non_blocking=True)
 
     return AttentionMetadata(
         num_reqs=num_reqs,

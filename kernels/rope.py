@@ -51,9 +51,7 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin_cache(
-    max_positions: int, rotary_dim: int, theta: float, scaling: RopeScaling
-) -> torch.Tensor:
+def cos_sin_cache(max_positions: int, rotary_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     """[max_positions, rotary_dim] float32: cos in the first half of a row, sin in the second."""
     inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
     positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)

@@ -98,9 +98,7 @@ class MLP(nn.Module):
         super().__init__()
         self.backend = backend
         size = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [size, size], config.mlp_bias, dtype, tp
-        )
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, dtype, tp)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -231,9 +229,7 @@ class CausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter to load into")
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor, shard_id)
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")

@@ -26,13 +26,12 @@ class TorchBackend(KernelBackend):
         query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()  # [B]
         key_pos = torch.arange(metadata.max_seq_len, device=device)  # [S]
         block_table = metadata.block_table.long()  # [B, NB]
-        # [B, S]: cache slot of every context position (padding points into the null block).
-        state["context_slots"] = (
-            block_table[:, key_pos // block_size] * block_size + key_pos % block_size
-        )
-        # [B * S, 1, 1]: positions past a request's length. Their slots (null block, the unwritten
-        # tail of the last block) may hold anything, and NaN/inf would survive the mask in SDPA.
-        state["context_padding"] = (key_pos >= seq_lens[:, None]).reshape(-1, 1, 1)
+        # [B, S]: cache slot of every context position. NOTE: positions past a request's length
+        # read slot 0 of the null block, which is zeroed at allocation and never written: the
+        # unwritten tail of a request's last block may hold anything (NaN included), and a NaN
+        # value would survive SDPA's mask (0 * NaN), while the null block is always finite.
+        slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
+        state["context_slots"] = torch.where(key_pos < seq_lens[:, None], slots, 0)
         query_pos = torch.arange(metadata.max_query_len, device=device)  # [Q]
         context_lens = seq_lens - query_lens  # [B]
         # [B, Q, S]: query i of request b sees key j iff j <= context_len + i and j < seq_len.
@@ -85,10 +84,8 @@ class TorchBackend(KernelBackend):
             .reshape(num_reqs, num_kv_heads, max_q * group, head_size)
         )
         slots = state["context_slots"].reshape(-1)  # [B * S]
-        padding = state["context_padding"]
         k = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, slots)
         v = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, slots)
-        k, v = k.masked_fill_(padding, 0), v.masked_fill_(padding, 0)
         k = k.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)  # [B, Hkv, S, D]
         v = v.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)
         mask = state["gqa_masks"].get(group)

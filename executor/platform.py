@@ -1,0 +1,355 @@
+"""Where the model runs and in which dtype, checked before anything is loaded.
+
+`resolve_device` and `resolve_dtype` turn the ``--device`` and ``--dtype`` flags into torch
+objects; every way a user's machine can get them wrong raises `PlatformError` with the cause and
+the fix. torch_npu is imported here, lazily and only when an NPU is asked for (or probed by
+``auto``), after checking that torch and torch_npu belong to one version set: CANN, torch and
+torch_npu are released together, and a mismatch is the most common Ascend failure.
+
+The memory helpers (`device_memory`, `reset_peak_memory`, `peak_memory_allocated`, `synchronize`,
+`empty_cache`) hide the ``torch.cuda`` / ``torch.npu`` split from the executor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import re
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+
+CANN_SET_ENV = "source /usr/local/Ascend/ascend-toolkit/set_env.sh"
+ATB_SET_ENV = "source /usr/local/Ascend/nnal/atb/set_env.sh"
+VERSION_SET_EXAMPLE = "e.g. CANN 8.5.0 + torch 2.8.0 + torch_npu 2.8.0.post2"
+# Fragments of the errors torch_npu raises when the CANN libraries are missing or mismatched.
+CANN_FAILURE_MARKERS = (
+    "libascend",
+    "libatb",
+    "libhccl",
+    "libacl",
+    "libge_runner",
+    "libruntime",
+    "undefined symbol",
+    "failed to infer device type",
+)
+
+
+class PlatformError(ValueError):
+    """The machine cannot run what was asked; the message names the cause and the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# torch_npu and its version set
+# --------------------------------------------------------------------------------------------
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"\s*(\d+)\.(\d+)", version)
+    if match is None:
+        raise PlatformError(f"cannot read a major.minor version from {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _release(version: str) -> str:
+    """``2.8.0+cpu`` -> ``2.8.0``: the release a matching torch_npu is published for."""
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", version)
+    return match.group(1) if match else version
+
+
+def check_version_set(torch_version: str, torch_npu_version: str) -> None:
+    """Raises PlatformError unless torch and torch_npu share a major.minor version."""
+    if _major_minor(torch_version) == _major_minor(torch_npu_version):
+        return
+    release = _release(torch_version)
+    npu_major, npu_minor = _major_minor(torch_npu_version)
+    raise PlatformError(
+        f"torch {torch_version} and torch_npu {torch_npu_version} are not one version set: "
+        f"torch_npu must be built for the same torch major.minor. Install the torch_npu for "
+        f"your torch (pip install 'torch_npu=={release}.*'), or the torch for your torch_npu "
+        f"(pip install 'torch=={npu_major}.{npu_minor}.*'), and use the CANN release that "
+        f"torch_npu version names ({VERSION_SET_EXAMPLE})."
+    )
+
+
+def _install_hint() -> str:
+    release = _release(torch.__version__)
+    return (
+        f"torch_npu is not installed. Install it for torch {torch.__version__}: "
+        f"pip install 'npuserve[ascend]' 'torch_npu=={release}.*', with the CANN release "
+        f"that torch_npu version names ({VERSION_SET_EXAMPLE}), then {CANN_SET_ENV}."
+    )
+
+
+def _import_failure(exc: BaseException, torch_npu_version: str) -> PlatformError:
+    """Turns the exception ``import torch_npu`` raised into the fix a user can apply."""
+    message = str(exc)
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "torch_npu":
+        return PlatformError(_install_hint())
+    versions = f"torch {torch.__version__}, torch_npu {torch_npu_version}"
+    if any(marker in message.lower() for marker in CANN_FAILURE_MARKERS):
+        return PlatformError(
+            f"torch_npu could not load the CANN libraries ({versions}): {message}. "
+            f"Source the CANN environment in the shell that starts npuserve: {CANN_SET_ENV} "
+            f"(and {ATB_SET_ENV} for libatb.so), and check that the installed CANN, torch and "
+            f"torch_npu are one version set ({VERSION_SET_EXAMPLE})."
+        )
+    return PlatformError(
+        f"import torch_npu failed ({versions}): {message}. Check that CANN is sourced "
+        f"({CANN_SET_ENV}) and that CANN, torch and torch_npu are one version set "
+        f"({VERSION_SET_EXAMPLE})."
+    )
+
+
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def import_torch_npu() -> ModuleType:
+    """Imports torch_npu after checking its version set; raises PlatformError with the fix."""
+    try:
+        npu_version = importlib.metadata.version("torch_npu")
+    except importlib.metadata.PackageNotFoundError:
+        if not torch_npu_installed():
+            raise PlatformError(_install_hint()) from None
+        npu_version = "unknown"  # importable but without package metadata (a source build)
+    if npu_version != "unknown":
+        check_version_set(torch.__version__, npu_version)
+    try:
+        module = importlib.import_module("torch_npu")
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise _import_failure(exc, npu_version) from exc
+    cann = getattr(torch.version, "cann", None)
+    logger.info("torch %s, torch_npu %s, CANN %s", torch.__version__, npu_version, cann)
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+
+
+def _npu_count() -> int:
+    npu = getattr(torch, "npu", None)
+    return npu.device_count() if npu is not None and npu.is_available() else 0
+
+
+def _visible_devices(variable: str) -> str:
+    value = os.environ.get(variable)
+    return f"{variable} is unset" if value is None else f"{variable}={value!r}"
+
+
+def _require_npu() -> torch.device:
+    import_torch_npu()
+    if _npu_count() == 0:
+        raise PlatformError(
+            "--device npu: torch_npu imports but sees no NPU. Check `npu-smi info`, that "
+            f"ASCEND_RT_VISIBLE_DEVICES names existing devices "
+            f"({_visible_devices('ASCEND_RT_VISIBLE_DEVICES')}), and that a container has the "
+            "/dev/davinci* devices mounted."
+        )
+    return torch.device("npu")
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise PlatformError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device. Check `nvidia-smi`, "
+            f"that CUDA_VISIBLE_DEVICES names existing devices "
+            f"({_visible_devices('CUDA_VISIBLE_DEVICES')}), and that torch is a CUDA build "
+            f"(torch.version.cuda is {torch.version.cuda})."
+        )
+    return torch.device("cuda")
+
+
+def _auto_device() -> torch.device:
+    if torch_npu_installed():
+        try:
+            return _require_npu()
+        except PlatformError as exc:
+            logger.warning("--device auto: not using the NPU: %s", exc)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``npu`` -> a usable torch.device, or PlatformError."""
+    choice = name.strip().lower()
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda":
+        return _require_cuda()
+    if choice == "npu":
+        return _require_npu()
+    if choice == "auto":
+        device = _auto_device()
+        logger.info("--device auto: using %s", device.type)
+        return device
+    raise PlatformError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+
+
+def _device_module(device: torch.device) -> ModuleType | None:
+    """torch.cuda or torch.npu for an accelerator, None for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        module = getattr(torch, "npu", None)
+        if module is None:
+            raise PlatformError(f"{device} needs torch_npu: call resolve_device('npu') first")
+        return module
+    return None
+
+
+def is_ascend_310p(device: torch.device) -> bool:
+    if device.type != "npu":
+        return False
+    npu = _device_module(device)
+    assert npu is not None
+    index = device.index if device.index is not None else npu.current_device()
+    return "310P" in npu.get_device_name(index)
+
+
+# --------------------------------------------------------------------------------------------
+# Dtypes
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_dtype(name: str, what: str) -> torch.dtype:
+    key = name.strip().lower().removeprefix("torch.")
+    dtype = DTYPE_NAMES.get(key)
+    if dtype is None:
+        raise PlatformError(f"unknown {what} {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return dtype
+
+
+def _auto_dtype(config_dtype: str | None, device: torch.device) -> torch.dtype:
+    if config_dtype is None:
+        dtype = torch.float32
+    else:
+        try:
+            dtype = _parse_dtype(config_dtype, "checkpoint torch_dtype")
+        except PlatformError as exc:
+            raise PlatformError(f"{exc}: pass --dtype explicitly") from None
+    if device.type == "cpu" and dtype == torch.float16:
+        # NOTE: like vLLM's CPU platform: float16 matmuls on CPUs are slow or missing.
+        logger.info("--dtype auto: the checkpoint is float16; using bfloat16 on cpu")
+        return torch.bfloat16
+    if device.type == "npu" and dtype == torch.float32:
+        # NOTE: the Ascend attention, cache and rope kernels take float16/bfloat16 only.
+        half = torch.float16 if is_ascend_310p(device) else torch.bfloat16
+        logger.info("--dtype auto: the checkpoint is float32; using %s on npu", half)
+        return half
+    return dtype
+
+
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    """``--dtype`` -> the activation and weight dtype, checked to run on ``device``.
+
+    ``auto`` takes the checkpoint's ``torch_dtype`` (float32 when absent), except float16 on
+    CPU, which becomes bfloat16, and float32 on NPU, which becomes the NPU's half type.
+    """
+    choice = name.strip().lower()
+    auto = choice == "auto"
+    dtype = _auto_dtype(config_dtype, device) if auto else _parse_dtype(choice, "dtype")
+    check_dtype_supported(device, dtype)
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_fix(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cpu":
+        return "--dtype float32"
+    if device.type == "npu":
+        return "--dtype float16" if dtype == torch.bfloat16 else "--dtype bfloat16"
+    return "--dtype float16" if dtype == torch.bfloat16 else "--dtype float32"
+
+
+def _check_npu_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        raise PlatformError(
+            "float32 does not run on npu: the Ascend attention, cache and rope kernels take "
+            "float16 or bfloat16. Use --dtype bfloat16 (or --dtype float16)."
+        )
+    if dtype == torch.bfloat16 and is_ascend_310p(device):
+        raise PlatformError(
+            "bfloat16 does not run on npu: Ascend 310P has no bfloat16 support. Use --dtype float16."
+        )
+
+
+def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """Runs a tiny matmul + softmax in ``dtype`` on ``device``; raises PlatformError if it fails."""
+    if device.type == "npu":
+        _check_npu_dtype(device, dtype)
+    try:
+        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        probs = torch.softmax(a @ a.T, dim=-1)
+        synchronize(device)
+        ok = bool(torch.isfinite(probs.float()).all())
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise PlatformError(
+            f"{_dtype_name(dtype)} does not run on {device}: {exc}. Use {_dtype_fix(device, dtype)}."
+        ) from exc
+    if not ok:
+        raise PlatformError(
+            f"{_dtype_name(dtype)} gives non-finite results on {device}. Use {_dtype_fix(device, dtype)}."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Memory and synchronisation
+# --------------------------------------------------------------------------------------------
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of an accelerator's memory."""
+    module = _device_module(device)
+    if module is None:
+        raise PlatformError(f"device memory is only known for cuda and npu devices, not {device.type}")
+    free, total = module.mem_get_info(device)
+    return int(free), int(total)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    module = _device_module(device)
+    if module is not None:
+        module.reset_peak_memory_stats(device)
+
+
+def peak_memory_allocated(device: torch.device) -> int:
+    """Peak bytes allocated by torch since the last reset; 0 on the CPU (not tracked)."""
+    module = _device_module(device)
+    return 0 if module is None else int(module.max_memory_allocated(device))
+
+
+def synchronize(device: torch.device) -> None:
+    module = _device_module(device)
+    if module is not None:
+        module.synchronize(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    module = _device_module(device)
+    if module is not None:
+        module.empty_cache()

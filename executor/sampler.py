@@ -1,0 +1,331 @@
+"""Vectorized token sampler: penalties, min_tokens, temperature, min_p/top_k/top_p, logprobs.
+
+Every step is one pass of batched tensor ops over `[B, V]` logits, with no Python loop over rows
+and no host sync on the sampling path. Random rows draw by inverse CDF with one counter-based
+uniform per row, `u = hash(seed, position)`: the token is the first whose cumulative probability
+reaches `u`. A request's tokens depend only on its own logits, seed and position, the same
+whatever the batch around it and on every run (the hash is exact integer arithmetic), and the
+cost is one cumulative sum over the vocabulary rather than a random number per token.
+
+Semantics follow vLLM: logprobs come from the raw logits; repetition penalty applies to tokens in
+the prompt or the output, frequency/presence penalties to output tokens only; greedy rows take
+the argmax of the penalised logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# NOTE: like vLLM, a temperature this small is treated as greedy (dividing by it would overflow).
+_GREEDY_TEMPERATURE = 1e-5
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio
+
+
+@dataclass
+class PenaltyMetadata:
+    """Per-row penalties and the token statistics they act on (built once per step)."""
+
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32
+    output_counts: torch.Tensor  # [B, V] int32: occurrences of each token in the row's output
+    seen: torch.Tensor  # [B, V] bool: token occurs in the row's prompt or output
+
+
+@dataclass
+class MinTokensBlock:
+    """(row, token) pairs to forbid: stop tokens of rows that have fewer than min_tokens outputs."""
+
+    row_ids: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs; rows are the B requests sampled this step."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [B] int64, 0 = off; None when no row uses top-k
+    top_p: torch.Tensor | None  # [B] float32; None when no row uses it (all 1)
+    min_p: torch.Tensor | None  # [B] float32; None when no row uses it (all 0)
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: sequence index of the token being sampled
+    all_greedy: bool
+    max_num_logprobs: int | None  # None: no row wants logprobs
+    penalties: PenaltyMetadata | None  # None when no row has a penalty
+    min_tokens_block: MinTokensBlock | None  # None when no row is below its min_tokens
+    max_top_k: int = 0  # largest active top_k (host-side, so top-k needs no host sync)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: sampled token's logprob (raw distribution)
+    ranks: torch.Tensor | None  # [B] int64, 1 = most likely
+    top_token_ids: torch.Tensor | None  # [B, max_num_logprobs] int64
+    top_logprobs: torch.Tensor | None  # [B, max_num_logprobs] float32
+
+
+# ---------------------------------------------------------------------------- metadata (host)
+
+
+def build_sampling_metadata(
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    seeds: np.ndarray,
+    presence_penalty: np.ndarray,
+    frequency_penalty: np.ndarray,
+    repetition_penalty: np.ndarray,
+    num_logprobs: np.ndarray,
+    min_tokens: np.ndarray,
+    stop_token_ids: np.ndarray,
+    token_ids: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    num_tokens: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Turn per-row numpy arrays ([B], stop_token_ids [B, K], token_ids [B, L]) into metadata."""
+    temperature = np.where(temperature < _GREEDY_TEMPERATURE, 0.0, temperature).astype(np.float32)
+    top_k = np.where((top_k > 0) & (top_k < vocab_size), top_k, 0).astype(np.int64)
+    uses_top_k = bool((top_k > 0).any())
+    uses_top_p = bool((top_p < 1.0).any())
+    uses_min_p = bool((min_p > 0.0).any())
+    wants_logprobs = num_logprobs >= 0
+
+    def on_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array), device=device).to(dtype)
+
+    return SamplingMetadata(
+        temperature=on_device(temperature, torch.float32),
+        top_k=on_device(top_k, torch.int64) if uses_top_k else None,
+        top_p=on_device(top_p, torch.float32) if uses_top_p else None,
+        min_p=on_device(min_p, torch.float32) if uses_min_p else None,
+        seeds=on_device(seeds, torch.int64),
+        positions=on_device(num_tokens, torch.int64),
+        all_greedy=bool((temperature == 0).all()),
+        max_num_logprobs=int(num_logprobs[wants_logprobs].max()) if wants_logprobs.any() else None,
+        penalties=_build_penalties(
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            token_ids,
+            num_prompt_tokens,
+            num_tokens,
+            vocab_size,
+            device,
+        ),
+        min_tokens_block=_build_min_tokens_block(
+            min_tokens, stop_token_ids, num_prompt_tokens, num_tokens, vocab_size, device
+        ),
+        max_top_k=int(top_k.max()) if uses_top_k else 0,
+    )
+
+
+def _build_penalties(
+    presence: np.ndarray,  # [B] float32
+    frequency: np.ndarray,  # [B] float32
+    repetition: np.ndarray,  # [B] float32
+    token_ids: np.ndarray,  # [B, L] int32
+    num_prompt_tokens: np.ndarray,  # [B] int32
+    num_tokens: np.ndarray,  # [B] int32
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyMetadata | None:
+    if not ((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()):
+        return None
+    batch_size, max_len = token_ids.shape
+    tokens = torch.as_tensor(np.ascontiguousarray(token_ids), device=device).long()  # [B, L]
+    idx = torch.arange(max_len, device=device)[None, :]  # [1, L]
+    prompt_end = torch.as_tensor(num_prompt_tokens, device=device).long()[:, None]  # [B, 1]
+    end = torch.as_tensor(num_tokens, device=device).long()[:, None]  # [B, 1]
+    # NOTE: entries outside their range (and the garbage past num_tokens) go to a spare column V.
+    output_idx = torch.where((idx >= prompt_end) & (idx < end), tokens, vocab_size)
+    prompt_idx = torch.where(idx < prompt_end, tokens, vocab_size)
+    counts = torch.zeros(batch_size, vocab_size + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, output_idx, torch.ones_like(output_idx, dtype=torch.int32))
+    in_prompt = torch.zeros(batch_size, vocab_size + 1, dtype=torch.bool, device=device)
+    in_prompt.scatter_(1, prompt_idx, True)
+    output_counts = counts[:, :vocab_size].contiguous()  # [B, V]
+    return PenaltyMetadata(
+        presence=torch.as_tensor(presence, device=device).float(),
+        frequency=torch.as_tensor(frequency, device=device).float(),
+        repetition=torch.as_tensor(repetition, device=device).float(),
+        output_counts=output_counts,
+        seen=in_prompt[:, :vocab_size] | (output_counts > 0),
+    )
+
+
+def _build_min_tokens_block(
+    min_tokens: np.ndarray,  # [B] int32
+    stop_token_ids: np.ndarray,  # [B, K] int32, padded with -1
+    num_prompt_tokens: np.ndarray,  # [B] int32
+    num_tokens: np.ndarray,  # [B] int32
+    vocab_size: int,
+    device: torch.device,
+) -> MinTokensBlock | None:
+    below = (num_tokens - num_prompt_tokens) < min_tokens  # [B]
+    blocked = below[:, None] & (stop_token_ids >= 0) & (stop_token_ids < vocab_size)  # [B, K]
+    if not blocked.any():
+        return None
+    rows, cols = np.nonzero(blocked)
+    return MinTokensBlock(
+        row_ids=torch.as_tensor(rows, device=device).long(),
+        token_ids=torch.as_tensor(stop_token_ids[rows, cols], device=device).long(),
+    )
+
+
+# ------------------------------------------------------------------------------ hash noise
+
+
+def _mul32_(x: torch.Tensor, c: int, scratch: torch.Tensor) -> torch.Tensor:
+    """x <- (x * c) mod 2**32 in place, for int64 x in [0, 2**32). c is split into 16-bit halves
+    so no product exceeds 2**48: int64 never overflows, so the result is exact on any device."""
+    torch.mul(x, c >> 16, out=scratch)
+    scratch.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(c & 0xFFFF).add_(scratch).bitwise_and_(_MASK32)
+
+
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> torch.Tensor:
+    torch.bitwise_right_shift(x, shift, out=scratch)
+    return x.bitwise_xor_(scratch)
+
+
+def _fmix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in place on int64 x
+    holding uint32 values. NOTE: in place over one scratch buffer: on CPU, allocating [B, V]
+    temporaries costs several times the arithmetic."""
+    _xorshift_(x, 16, scratch)
+    _mul32_(x, 0x85EBCA6B, scratch)
+    _xorshift_(x, 13, scratch)
+    _mul32_(x, 0xC2B2AE35, scratch)
+    return _xorshift_(x, 16, scratch)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    return _fmix32_(x.clone(), torch.empty_like(x))
+
+
+def _combine(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Hash of the pair (h, v), uint32 values in int64 (boost::hash_combine, then fmix32)."""
+    return _fmix32(h ^ (((h << 6) + (h >> 2) + _GOLDEN + v) & _MASK32))
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u[b] = hash(seeds[b], positions[b]) mapped into (0, 1). seeds, positions: [B] int64
+    -> [B] float32. Exact integer arithmetic: depends on nothing but these two inputs."""
+    key = _combine(_fmix32(seeds & _MASK32), (seeds >> 32) & _MASK32)  # [B]
+    bits = _combine(key, positions & _MASK32) >> 8  # [B], 24 bits: exact in float32
+    return bits.float().add_(0.5).mul_(1.0 / (1 << 24))
+
+
+# ---------------------------------------------------------------------- logit processors
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> torch.Tensor:
+    """logits [B, V] float32 -> penalised copy [B, V] (repetition, then frequency, presence)."""
+    rep = penalties.repetition[:, None]  # [B, 1]
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(penalties.seen, scaled, logits)  # a new tensor: in place from here
+    logits.sub_(penalties.frequency[:, None] * penalties.output_counts)
+    return logits.sub_(penalties.presence[:, None] * (penalties.output_counts > 0))
+
+
+def apply_min_tokens(logits: torch.Tensor, block: MinTokensBlock) -> torch.Tensor:
+    """logits [B, V] -> copy with the blocked (row, stop token) pairs at -inf."""
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put((block.row_ids, block.token_ids), neg_inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], min_p [B] -> logits with tokens whose prob < min_p * max prob at -inf."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """logits [B, V], top_k [B] (0 = off) -> logits below each row's k-th largest at -inf.
+    Uses topk(max_top_k) instead of a full sort; ties with the k-th value are kept."""
+    top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k]
+    kth = top_values.gather(1, (top_k.clamp(min=1) - 1)[:, None])  # [B, 1]
+    return logits.masked_fill((logits < kth) & (top_k > 0)[:, None], float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], top_k [B] (0 = off) or None, top_p [B] (1 = off) -> filtered logits [B, V].
+    Top-p keeps the smallest set of most likely tokens (after top-k) whose mass reaches top_p."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending, [B, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k)[:, None] % vocab_size)  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    drop = cum_probs <= (1 - top_p)[:, None]
+    drop[:, -1] = False  # always keep the most likely token
+    # NOTE: rows with top_p == 1 skip the mask outright, so rounding in the cumulative sum can
+    # never change them: a row samples the same whether or not its batch sorts.
+    drop &= (top_p < 1)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+# ------------------------------------------------------------------------------- sampling
+
+
+def compute_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw_logprobs [B, V], token_ids [B] -> (logprob [B], rank [B], top ids [B, n], top lp [B, n])."""
+    sampled = raw_logprobs.gather(1, token_ids[:, None])  # [B, 1]
+    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1  # [B]
+    top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [B, n]
+    return sampled.squeeze(1), ranks, top_ids, top_logprobs
+
+
+class Sampler:
+    """Stateless: `Sampler()(logits [B, V], metadata) -> SamplerOutput`."""
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        if metadata.min_tokens_block is not None:
+            logits = apply_min_tokens(logits, metadata.min_tokens_block)
+        token_ids = logits.argmax(dim=-1)  # [B], greedy
+        if not metadata.all_greedy:
+            is_greedy = metadata.temperature == 0  # [B]
+            token_ids = torch.where(is_greedy, token_ids, self._sample_random(logits, metadata))
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None, None)
+        assert metadata.max_num_logprobs is not None
+        return SamplerOutput(token_ids, *compute_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs))
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits [B, V] (penalised) -> [B] int64 drawn after temperature and the filters."""
+        temperature = metadata.temperature
+        logits = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        # Inverse CDF: the first token whose cumulative probability reaches u * total. A token
+        # of probability zero never adds to the sum, so it can never be the first to reach it.
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
+        u = hash_uniform(metadata.seeds, metadata.positions)  # [B]
+        targets = (u * cdf[:, -1]).unsqueeze(1)  # [B, 1]
+        return torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=logits.shape[-1] - 1)

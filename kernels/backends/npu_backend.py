@@ -1,0 +1,148 @@
+"""Ascend backend: the torch_npu operators vllm-ascend calls, with no decision of its own.
+
+Every dtype, length and padding the operators read comes from `AttentionMetadata`, built by
+`kernels/metadata.py` and tested on CPU; this module only hands those values to the operators.
+It is the only module that imports torch_npu, and it cannot run without an Ascend device.
+
+Operators (signatures checked against vllm-ascend ``attention_v1.py``, ``ops/layernorm.py``,
+``ops/activation.py``, ``ops/rotary_embedding.py`` and op-plugin's ATB wrappers):
+
+* ``_npu_reshape_and_cache``: ATB ReshapeAndCache, writes keys and values into the paged cache
+  in place; slot indices int32.
+* ``npu_fused_infer_attention_score``: one call for the whole mixed batch (prefill, prefix hit,
+  chunked prefill, decode) in the ``TND`` layout, reading keys and values straight from the paged
+  cache through the block table; returns ``(attention_out, softmax_lse)``.
+* ``npu_rms_norm`` returns ``(y, rstd)``; ``npu_add_rms_norm`` returns ``(y, rstd, x1 + x2)``.
+* ``npu_swiglu(x)`` is ``silu(x[..., :I]) * x[..., I:]``, the ``gate | up`` layout.
+* ``_npu_rotary_embedding``: ATB Rope, rotates queries and keys in place; reads the
+  ``cos | sin`` table of `kernels/rope.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_npu
+
+from npuserve.kernels.backends.base import KernelBackend, check_attention_shapes
+from npuserve.kernels.metadata import AttentionMetadata
+
+# NOTE: with sparse_mode 3 ("rightDownCausal") the fused attention kernel takes a compressed
+# causal mask of exactly this size, whatever the sequence lengths: 1 (masked) above the
+# diagonal, 0 on and below it. Query token i of a request then sees keys up to
+# context_len + i, the same rule the torch backend builds by hand.
+CAUSAL_MASK_SIZE = 2048
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+
+
+class NpuBackend(KernelBackend):
+    name = "npu"
+
+    def __init__(self) -> None:
+        self._causal_masks: dict[torch.device, torch.Tensor] = {}
+        # (table the model passed, the same table on the device in the activation dtype)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        # Host lists the kernel reads in every layer: computed once per step.
+        metadata.backend_state["actual_seq_lengths"] = metadata.query_ends_host
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+        assert key.shape == (metadata.num_tokens, num_kv_heads, head_size), key.shape
+        assert value.shape == key.shape
+        assert metadata.slot_mapping.dtype == torch.int32, metadata.slot_mapping.dtype
+        torch_npu._npu_reshape_and_cache(
+            key=key,
+            value=value,
+            key_cache=kv_cache[0],  # [num_blocks, block_size, Hkv, D]
+            value_cache=kv_cache[1],
+            slot_indices=metadata.slot_mapping,
+        )
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_size = check_attention_shapes(query, kv_cache, metadata)
+        assert metadata.block_table.dtype == torch.int32, metadata.block_table.dtype
+        if "actual_seq_lengths" not in metadata.backend_state:
+            self.prepare(metadata)
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        # [num_blocks, block_size, Hkv * D]: the paged layout the kernel reads (a view, no copy).
+        key = kv_cache[0].view(num_blocks, block_size, num_kv_heads * head_size)
+        value = kv_cache[1].view(num_blocks, block_size, num_kv_heads * head_size)
+        output, _ = torch_npu.npu_fused_infer_attention_score(
+            query=query.contiguous(),  # the kernel rejects non-contiguous queries
+            key=key,
+            value=value,
+            atten_mask=self._causal_mask(query.device),
+            block_table=metadata.block_table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_lengths=metadata.backend_state["actual_seq_lengths"],
+            actual_seq_lengths_kv=metadata.seq_lens_host,
+            num_key_value_heads=num_kv_heads,
+            num_heads=num_heads,
+            scale=scale,
+            sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+        )
+        return output  # [T, H, D]
+
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        """[2048, 2048] int8, built once per device."""
+        mask = self._causal_masks.get(device)
+        if mask is None:
+            upper = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool).triu(1)
+            mask = upper.to(torch.int8).to(device)
+            self._causal_masks[device] = mask
+        return mask
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_npu.npu_rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, _, summed = torch_npu.npu_add_rms_norm(x, residual, weight, eps)
+        return normed, summed
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        head_size: int,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert cos_sin_cache.shape[-1] == head_size, "partial rotary is not supported"
+        table = self._device_rope_table(cos_sin_cache, query)
+        # The operator rotates in place and needs contiguous [T, N * D] rows and int64 positions.
+        query, key = query.contiguous(), key.contiguous()
+        torch_npu._npu_rotary_embedding(positions.to(torch.int64), query, key, head_size, table, True)
+        return query, key
+
+    def _device_rope_table(self, cos_sin_cache: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        # NOTE: ATB Rope copies the cos/sin table on its first call and keeps that copy for the
+        # life of the process (op-plugin keeps it in a static), so one process serves one
+        # table: a second, different table would be silently ignored, hence the check.
+        if self._rope_table is None:
+            converted = cos_sin_cache.to(device=like.device, dtype=like.dtype).contiguous()
+            self._rope_table = (cos_sin_cache, converted)
+        source, converted = self._rope_table
+        assert source is cos_sin_cache or source.data_ptr() == cos_sin_cache.data_ptr(), (
+            "the Ascend rotary kernel serves one cos/sin table per process"
+        )
+        assert converted.dtype == like.dtype, (converted.dtype, like.dtype)
+        return converted
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_npu.npu_swiglu(x.contiguous())  # rejects non-contiguous input
