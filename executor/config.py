@@ -90,11 +90,14 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ConfigError(
                 f"{model_dir}/config.json: num_attention_heads ({num_heads}) is not a multiple of "
-                f"num_key_value_heads ({num_kv_heads})"
+                f"num_key_value_heads ({num_kv_heads}); fix the head counts or re-download the checkpoint"
             )
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
-            raise ConfigError(f"{model_dir}/config.json: hidden_act {hidden_act!r} is unsupported")
+            raise ConfigError(
+                f"{model_dir}/config.json: hidden_act {hidden_act!r} is unsupported; npuserve serves "
+                "Llama-family models with hidden_act 'silu' (SwiGLU) only"
+            )
         rope_theta, rope_scaling = _rope(raw, model_dir)
         qkv_bias = spec.qkv_bias if spec.qkv_bias is not None else bool(raw.get("attention_bias"))
         eos = [raw.get("eos_token_id"), (generation or {}).get("eos_token_id")]
