@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from npuserve.executor.config import ConfigError, ModelConfig
 from npuserve.executor.layers import TensorParallel
-from npuserve.executor.models.llama import CausalLM
+from npuserve.executor.models.llama import FUSED_PARAMETERS, CausalLM
 from npuserve.kernels import KernelBackend
 
 log = structlog.get_logger(__name__)
@@ -26,12 +26,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{index} is malformed ({exc}); re-download the checkpoint") from exc
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ConfigError(f"{model_dir}: shards named in {index.name} are missing: {missing}")
+            raise ConfigError(
+                f"{model_dir}: shards named in {index.name} are missing: {missing}; "
+                "re-download the checkpoint"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -50,7 +53,9 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as exc:
-            raise ConfigError(f"{path} is not a readable safetensors file ({exc})") from exc
+            raise ConfigError(
+                f"{path} is not a readable safetensors file ({exc}); re-download or re-convert it"
+            ) from exc
         handles.append(handle)
         total += len(handle.keys())
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
@@ -77,7 +82,7 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         loaded = model.load_weights(iterate_safetensors(safetensors_files(config.model_dir)))
-        missing = sorted(model.expected_weights() - loaded)
+        missing = sorted(_checkpoint_name(name) for name in model.expected_weights() - loaded)
         if missing:
             raise ConfigError(
                 f"{config.model_dir}: the checkpoint lacks {len(missing)} tensors the model needs, "
@@ -96,6 +101,16 @@ def load_model(
         seconds=round(time.perf_counter() - start, 2),
     )
     return model
+
+
+def _checkpoint_name(name: str) -> str:
+    """A part of a fused parameter (``...qkv_proj.weight#k``) as the checkpoint names it
+    (``...k_proj.weight``), so a user can look for it in the checkpoint."""
+    target, _, shard = name.partition("#")
+    for part, (fused, shard_id) in FUSED_PARAMETERS.items():
+        if shard == str(shard_id) and fused in target:
+            return target.replace(fused, part)
+    return name
 
 
 @torch.no_grad()

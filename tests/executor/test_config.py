@@ -75,7 +75,7 @@ def test_missing_directory_names_path_and_flag(tmp_path: Path) -> None:
 def test_directory_without_config_json(tmp_path: Path) -> None:
     """An existing directory without config.json names the missing file and the layout needed."""
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match="config.json is missing") as info:
+    with pytest.raises(ConfigError, match=r"config\.json is missing") as info:
         ModelConfig.from_pretrained(tmp_path)
     assert "Hugging Face layout" in str(info.value)
 
@@ -93,7 +93,7 @@ def test_malformed_generation_config_json(tmp_path: Path) -> None:
     """The optional generation_config.json is validated too when present."""
     write_model_dir(tmp_path)
     (tmp_path / "generation_config.json").write_text("{eos_token_id: 2}")
-    with pytest.raises(ConfigError, match="generation_config.json is not valid JSON"):
+    with pytest.raises(ConfigError, match=r"generation_config\.json is not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
 
 
@@ -168,7 +168,7 @@ def test_max_model_len_defaults_and_sliding_window_limit(tmp_path: Path) -> None
     assert ExecutorConfig(model="m", max_model_len=100).resolve_max_model_len(model) == 100
     windowed = load(tmp_path / "windowed", {"sliding_window": 64})
     assert ExecutorConfig(model="m").resolve_max_model_len(windowed) == 64
-    with pytest.raises(ConfigError, match="outside 1..64"):
+    with pytest.raises(ConfigError, match=r"outside 1\.\.64"):
         ExecutorConfig(model="m", max_model_len=100).resolve_max_model_len(windowed)
     unused = load(tmp_path / "unused", {"sliding_window": 64, "use_sliding_window": False})
     assert unused.sliding_window is None

@@ -1,0 +1,367 @@
+"""The executor's gRPC server: one ModelRunner behind the `npuserve.executor.v1.Executor` service.
+
+Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`). A
+single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
+them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
+refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
+
+`serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
+as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
+serves until SIGTERM or SIGINT. `python -m npuserve.executor.server --help` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+import grpc
+import structlog
+
+from npuserve.executor.config import ConfigError, ExecutorConfig
+from npuserve.executor.input_batch import PlanError
+from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.platform import PlatformError
+from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto import executor_pb2_grpc as pb_grpc
+from npuserve.proto import step_codec
+from npuserve.proto.step_codec import CodecError
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # NOTE: gRPC sets SO_REUSEPORT by default, which lets a second executor bind a port that is
+    # already served and silently share its traffic; a busy port must fail the bind instead.
+    ("grpc.so_reuseport", 0),
+]
+STOP_GRACE_S = 5.0
+# Steps are serialised by a lock, so a few threads suffice: one per open StepStream, plus
+# Info/Health answered while a step runs.
+NUM_WORKER_THREADS = 8
+# Exceptions that mean "the plan is wrong", not "the executor is broken".
+INVALID_PLAN_ERRORS = (PlanError, CodecError)
+
+
+class StepRunner(Protocol):
+    """What the server needs of a runner (`ModelRunner` in production)."""
+
+    def info(self) -> ExecutorInfo: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+# --------------------------------------------------------------------------------------------
+# The servicer
+# --------------------------------------------------------------------------------------------
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    """Decode, call the runner, encode. Owns the lock that keeps steps from overlapping."""
+
+    def __init__(self, runner: StepRunner, executor_id: str, version: str) -> None:
+        self._runner = runner
+        self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
+        self._step_lock = threading.Lock()
+        self._last_step_id: int | None = None
+        self.serving = True
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
+        return self._info
+
+    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        return self._step(request)
+
+    def StepStream(
+        self, request_iterator: Iterator[pb.StepRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StepResponse]:
+        for request in request_iterator:
+            yield self._step(request)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(
+            serving=self.serving, executor_id=self._info.executor_id, last_step_id=self._last_step_id
+        )
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+        plan = step_codec.plan_from_proto(request)
+        with self._step_lock:
+            result = self._runner.execute(plan)
+            self._last_step_id = plan.step_id
+        t = result.timings
+        log.debug(
+            "step",
+            step_id=plan.step_id,
+            num_reqs=len(plan.num_scheduled_tokens),
+            num_tokens=plan.total_num_scheduled_tokens,
+            num_sampled=len(result.sampled_token_ids),
+            prepare_s=t.prepare_s,
+            forward_s=t.forward_s,
+            sample_s=t.sample_s,
+            total_s=t.total_s,
+        )
+        return step_codec.result_to_proto(result)
+
+
+# --------------------------------------------------------------------------------------------
+# Exceptions -> status codes, in one place
+# --------------------------------------------------------------------------------------------
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Wraps every handler so an exception becomes a status code instead of a dead stream/process.
+
+    `PlanError`/`CodecError` -> INVALID_ARGUMENT with the message (the runner has already dropped
+    the plan's requests); anything else -> INTERNAL with the exception's type and text.
+    """
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        codecs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), **codecs)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), **codecs)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), **codecs)
+        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method), **codecs)
+
+
+def _guard_unary(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(request, context)
+        except Exception as exc:
+            _abort(context, method, exc)
+
+    return guarded
+
+
+def _guard_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator], method: str) -> Callable:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Iterator:
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:
+            if not context.is_active():  # the client went away (cancel, closed channel)
+                return
+            _abort(context, method, exc)
+
+    return guarded
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoReturn:
+    """Ends the RPC with the status for `exc` (`context.abort` raises)."""
+    if isinstance(exc, INVALID_PLAN_ERRORS):
+        log.warning("plan refused", method=method, error=str(exc))
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    else:
+        log.error("rpc failed", method=method, exc_info=exc)
+        code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+# --------------------------------------------------------------------------------------------
+# Serving
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunningExecutor:
+    """A started server: where it listens and how to stop it."""
+
+    server: grpc.Server
+    servicer: ExecutorServicer
+    port: int
+    address: str  # host:port a client on this machine connects to
+    executor_id: str
+    version: str
+    info: ExecutorInfo
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.servicer.serving = False
+        self.server.stop(grace_s).wait()
+
+
+def npuserve_version() -> str:
+    try:
+        return importlib.metadata.version("npuserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def start_executor_server(
+    runner: StepRunner, host: str, port: int, executor_id: str | None = None
+) -> RunningExecutor:
+    """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=NUM_WORKER_THREADS, thread_name_prefix="executor-rpc"),
+        interceptors=[StatusInterceptor()],
+        options=SERVER_OPTIONS,
+    )
+    bound = _bind(server, host, port)
+    executor_id = executor_id or f"{socket.gethostname()}:{bound}"
+    version = npuserve_version()
+    servicer = ExecutorServicer(runner, executor_id, version)
+    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
+    server.start()
+    return RunningExecutor(
+        server, servicer, bound, _connect_address(host, bound), executor_id, version, runner.info()
+    )
+
+
+def _bind(server: grpc.Server, host: str, port: int) -> int:
+    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        bound, cause = 0, exc
+    else:
+        cause = None
+    if bound == 0:
+        raise ConfigError(
+            f"cannot listen on {target} ({cause or 'bind failed'}): another process may hold the "
+            "port; choose another --port (0 picks a free one) or --host"
+        )
+    return bound
+
+
+def _connect_address(host: str, port: int) -> str:
+    wildcard_or_local = {"", "0.0.0.0", "::", "[::]", "localhost", "127.0.0.1"}
+    return f"127.0.0.1:{port}" if host in wildcard_or_local else f"{host}:{port}"
+
+
+def write_ready_file(path: Path, running: RunningExecutor) -> None:
+    """Writes the address and handshake as JSON, atomically (temp file + rename)."""
+    payload = {
+        "address": running.address,
+        "pid": os.getpid(),
+        "executor_id": running.executor_id,
+        "version": running.version,
+        "info": dataclasses.asdict(running.info),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+
+
+def serve_executor(
+    config: ExecutorConfig, host: str, port: int, ready_file: Path | None, executor_id: str | None
+) -> None:
+    """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only."""
+    runner = ModelRunner(config)
+    running = start_executor_server(runner, host, port, executor_id)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if ready_file is not None:
+            write_ready_file(ready_file, running)
+        log.info(
+            "executor serving",
+            address=running.address,
+            executor_id=running.executor_id,
+            model=running.info.model,
+            device=running.info.device,
+            dtype=running.info.dtype,
+            num_blocks=running.info.num_blocks,
+            block_size=running.info.block_size,
+        )
+        stop.wait()
+        log.info("executor stopping", grace_s=STOP_GRACE_S)
+    finally:
+        running.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("executor stopped")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def add_executor_flags(parser: argparse.ArgumentParser) -> None:
+    """The executor's flags (vLLM names), for `python -m npuserve.executor.server` and the CLI."""
+    parser.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")
+    parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-cache-memory", type=float, help="KV cache size in GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
+    return ExecutorConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
+        seed=args.seed,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Serves with the flags of `add_executor_flags`; 2 (and the message) on a user error."""
+    try:
+        serve_executor(config_from_args(args), args.host, args.port, args.ready_file, args.executor_id)
+    except (ConfigError, PlatformError) as exc:
+        print(f"npuserve executor: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    from npuserve.deploy.logs import configure_logging
+
+    parser = argparse.ArgumentParser(prog="python -m npuserve.executor.server", description=__doc__)
+    add_executor_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="console", choices=["console", "json"])
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format == "json")
+    sys.exit(run_from_args(args))
+
+
+if __name__ == "__main__":
+    main()

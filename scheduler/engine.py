@@ -1,0 +1,317 @@
+"""The engine: requests in, streams of completions out, over one lane per executor.
+
+It validates and tokenizes requests, places each on an executor (`router`), hands it to that
+executor's lane, and turns the lanes' step results into client streams (`outputs`) on the event
+loop. It never touches tensors: executors are gRPC clients, or in-process runners for offline use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
+from npuserve.scheduler.metrics import SchedulerMetrics
+from npuserve.scheduler.outputs import GenerateOutput, RequestStream
+from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
+from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (gRPC NOT_FOUND, HTTP 404)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than --max-queued-requests allows (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    served_model_name: str
+    enable_prefix_caching: bool = True
+    routing: str = "prefix-aware"
+    max_queued_requests: int | None = None  # None: unbounded
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+
+
+@dataclass(slots=True)
+class PromptInput:
+    """Exactly one of text, token ids or chat messages."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, object]] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        executors: Sequence[tuple[str, StepExecutor, ExecutorInfo]],
+    ) -> None:
+        if not executors:
+            raise ValueError("an engine needs at least one executor")
+        infos = [info for _, _, info in executors]
+        block_sizes = {info.block_size for info in infos}
+        if len(block_sizes) != 1:
+            raise ValueError(f"executors disagree on block size: {sorted(block_sizes)}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name
+        self.block_size = infos[0].block_size
+        self.max_model_len = min(info.max_model_len for info in infos)
+        self.vocab_size = infos[0].vocab_size
+        self.eos_token_ids = tuple(infos[0].eos_token_ids) or (
+            (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        )
+        self.metrics = SchedulerMetrics(self.model_name)
+        self.lanes = [
+            ExecutorLane(executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event)
+            for executor_id, executor, info in executors
+        ]
+        self._streams: dict[str, RequestStream] = {}
+        self._parent_of: dict[str, str] = {}
+        self._lane_of: dict[str, ExecutorLane] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._prefix_counted: dict[str, tuple[int, int]] = {}
+
+    def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_model_len=info.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for lane in self.lanes:
+            lane.start()
+
+    def stop(self) -> None:
+        for lane in self.lanes:
+            lane.stop()
+            lane.executor.close()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise ModelNotFoundError(
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`"
+            )
+
+    def prompt_token_ids(self, prompt: PromptInput, add_special_tokens: bool = True) -> list[int]:
+        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError(
+                "give exactly one of a prompt text, prompt token ids or chat messages", "prompt"
+            )
+        if prompt.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                prompt.messages, prompt.add_generation_prompt, prompt.chat_template
+            )
+            # NOTE: chat templates write their own special tokens (BOS included).
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if prompt.text is not None:
+            return self.tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens)
+        token_ids = list(prompt.token_ids or [])
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        return token_ids
+
+    def _check_lengths(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {num_prompt} tokens, and at least one token must be generated.",
+                "prompt",
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> RequestStream:
+        """Validates, tokenizes and queues a request; errors are raised before anything is queued."""
+        assert self._loop is not None, "Engine.start() was not called"
+        self.check_model(model)
+        params.validate(self.vocab_size)
+        prompt_ids = self.prompt_token_ids(prompt)
+        self._check_lengths(prompt_ids, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        limit = self.config.max_queued_requests
+        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.lanes) >= limit:
+            raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
+        children = [
+            Request(
+                req_id=request_id if params.n == 1 else f"{request_id}-{i}",
+                prompt_token_ids=prompt_ids,
+                params=child_params,
+                options=child_params.to_options(self.eos_token_ids),
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+            )
+            for i, child_params in enumerate(
+                [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
+            )
+        ]
+        stream = RequestStream(request_id, children, self.tokenizer, params, prompt_ids)
+        lane = choose_lane(
+            self.lanes, children[0].block_hashes, len(children[0].block_hashes) + 1, self.config.routing
+        )
+        self._streams[request_id] = stream
+        for child in children:
+            self._parent_of[child.req_id] = request_id
+            self._lane_of[child.req_id] = lane
+        lane.submit(children)
+        log.debug(
+            "request queued",
+            request_id=request_id,
+            prompt_tokens=len(prompt_ids),
+            n=params.n,
+            executor=lane.executor_id,
+        )
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> AsyncIterator[GenerateOutput]:
+        """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
+        stream = self.add_request(prompt, params, request_id, model)
+        try:
+            while True:
+                output = await stream.queue.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+            self._forget(stream)
+
+    def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        for req_id, state in stream.sequences.items():
+            if not state.finished:
+                self._lane_of[req_id].finish([req_id], RequestStatus.FINISHED_ABORTED)
+        log.info("request aborted", request_id=request_id)
+        return True
+
+    def _forget(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        for req_id in stream.sequences:
+            self._parent_of.pop(req_id, None)
+            self._lane_of.pop(req_id, None)
+
+    # -- lane events (lane threads -> event loop) ------------------------------------------------
+
+    def _on_lane_event(self, lane: ExecutorLane, event: LaneEvent) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, lane, event)
+
+    def _dispatch(self, lane: ExecutorLane, event: LaneEvent) -> None:
+        now = time.monotonic()
+        for update in event.updates:
+            request = update.request
+            stream = self._streams.get(self._parent_of.get(request.req_id, ""))
+            if stream is None:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.metrics.time_to_first_token.observe(now - request.arrival_time)
+            if stream.add_tokens(request.req_id, update.new_token_ids, update.new_logprobs, update.finished):
+                lane.finish([request.req_id], RequestStatus.FINISHED_STOPPED)
+                self._record_finish(request, "stop", now)
+            elif update.finished is not None:
+                self._record_finish(request, update.finished.value, now)
+        for request in event.ended:
+            stream = self._streams.get(self._parent_of.get(request.req_id, ""))
+            if stream is not None:
+                stream.end(request.req_id, request.status, event.error)
+            if request.status != RequestStatus.FINISHED_STOPPED:
+                self._record_finish(request, request.status.value, now)
+        self._record_step(lane, event)
+
+    def _record_finish(self, request: Request, reason: str, now: float) -> None:
+        self.metrics.request_finished(reason)
+        self.metrics.e2e_request_latency.observe(now - request.arrival_time)
+        if request.first_token_time is not None and request.num_output_tokens > 1:
+            tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
+            self.metrics.time_per_output_token.observe(tpot)
+
+    def _record_step(self, lane: ExecutorLane, event: LaneEvent) -> None:
+        m = self.metrics
+        if event.stats is not None:
+            m.step_seconds.observe(event.step_seconds)
+            m.prompt_tokens.inc(event.stats.num_prompt_tokens)
+            m.generation_tokens.inc(len(event.updates))
+            m.num_preemptions.inc(event.stats.num_preemptions)
+            for _ in event.updates:
+                m.inter_token_latency.observe(event.step_seconds)
+        stats = lane.scheduler.kv.stats
+        queries, hits = self._prefix_counted.get(lane.executor_id, (0, 0))
+        m.prefix_cache_queries.inc(stats.queries - queries)
+        m.prefix_cache_hits.inc(stats.hits - hits)
+        self._prefix_counted[lane.executor_id] = (stats.queries, stats.hits)
+        m.num_requests_running.set(sum(len(lane.scheduler.running) for lane in self.lanes))
+        m.num_requests_waiting.set(sum(len(lane.scheduler.waiting) for lane in self.lanes))
+        m.kv_cache_usage.set(sum(lane.scheduler.kv.usage for lane in self.lanes) / len(self.lanes))
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    async def check_integrity(self, expect_idle: bool = False) -> None:
+        """Every lane's block pool passes its integrity check (run on the lane threads)."""
+        for lane in self.lanes:
+            await asyncio.wrap_future(lane.call(lambda s: s.check_integrity(expect_idle)))
+
+    async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
+        """Per executor: (prompt tokens looked up, tokens found in the cache)."""
+        result = {}
+        for lane in self.lanes:
+            stats = await asyncio.wrap_future(lane.call(lambda s: (s.kv.stats.queries, s.kv.stats.hits)))
+            result[lane.executor_id] = stats
+        return result

@@ -1,0 +1,152 @@
+"""One executor's step loop: a thread that schedules, calls the executor, and reports results.
+
+Ownership: the lane's `Scheduler` (requests, block pool) is touched only by the lane thread.
+Other threads talk to it through `submit` and `finish`, which queue commands the thread applies
+between steps; results leave through the `on_event` callback, called on the lane thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.request import Request, RequestStatus
+from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, StepStats
+
+log = structlog.get_logger(__name__)
+
+
+class StepExecutor(Protocol):
+    """What a lane needs of an executor: the gRPC client, or an in-process runner."""
+
+    def info(self) -> ExecutorInfo: ...
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class LaneEvent:
+    """Reported after every step, and when requests end outside a step."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+    ended: list[Request] = field(default_factory=list)  # aborted, stopped from outside, or failed
+    error: str | None = None  # why `ended` requests failed, if they did
+    stats: StepStats | None = None
+    step_seconds: float = 0.0
+
+
+class ExecutorLane:
+    def __init__(
+        self,
+        executor_id: str,
+        executor: StepExecutor,
+        scheduler: Scheduler,
+        on_event: Callable[[ExecutorLane, LaneEvent], None],
+    ) -> None:
+        self.executor_id = executor_id
+        self.executor = executor
+        self.scheduler = scheduler
+        self.on_event = on_event
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"lane-{executor_id}", daemon=True)
+        self.num_steps = 0
+
+    # -- called from any thread -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def submit(self, requests: list[Request]) -> None:
+        self._command("add", requests)
+
+    def finish(self, req_ids: list[str], status: RequestStatus) -> None:
+        self._command("finish", (req_ids, status))
+
+    def call(self, fn: Callable[[Scheduler], object]) -> Future[object]:
+        """Runs ``fn(scheduler)`` on the lane thread between steps (e.g. an integrity check)."""
+        future: Future[object] = Future()
+        self._command("call", (fn, future))
+        return future
+
+    def _command(self, kind: str, payload: object) -> None:
+        self._commands.put((kind, payload))
+        self._wakeup.set()
+
+    @property
+    def load(self) -> int:
+        """Requests this lane holds (read without locking: a hint for routing)."""
+        return self.scheduler.num_unfinished
+
+    # -- the lane thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.scheduler.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self._step()
+            except Exception:  # never let the lane die: fail what is running, keep serving
+                log.exception("lane step crashed", executor=self.executor_id)
+                ended = self.scheduler.finish_requests(
+                    list(self.scheduler.requests), RequestStatus.FINISHED_ERROR
+                )
+                self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                for request in payload:  # type: ignore[attr-defined]
+                    self.scheduler.add_request(request)
+            elif kind == "call":
+                fn, future = payload  # type: ignore[misc]
+                try:
+                    future.set_result(fn(self.scheduler))
+                except Exception as exc:
+                    future.set_exception(exc)
+            else:
+                req_ids, status = payload  # type: ignore[misc]
+                ended = self.scheduler.finish_requests(req_ids, status)
+                if ended:
+                    self.on_event(self, LaneEvent(ended=ended))
+
+    def _step(self) -> None:
+        plan, stats = self.scheduler.schedule()
+        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+            self._wakeup.wait(timeout=0.01)  # nothing fits now (e.g. waiting on a stop to land)
+            self._wakeup.clear()
+            return
+        start = time.perf_counter()
+        try:
+            result = self.executor.step(plan)
+        except Exception as exc:
+            failed = self.scheduler.fail_step(plan)
+            log.error("step failed", executor=self.executor_id, step_id=plan.step_id, error=str(exc))
+            self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
+            return
+        updates = self.scheduler.update_from_output(plan, result)
+        self.num_steps += 1
+        self.on_event(self, LaneEvent(updates=updates, stats=stats, step_seconds=time.perf_counter() - start))

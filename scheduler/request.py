@@ -1,0 +1,174 @@
+"""A generation request as the scheduler tracks it, and its full sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+from npuserve.executor.step_plan import SamplingOptions, TokenLogprobs
+from npuserve.scheduler.block_hash import BlockHash, extend_block_hashes
+
+
+class InvalidRequestError(ValueError):
+    """A client error; ``field`` names the offending parameter (gRPC INVALID_ARGUMENT, HTTP 400)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Everything a client may ask of one generation; vLLM's names and defaults."""
+
+    n: int = 1
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_N = 128
+    MAX_LOGPROBS = 20
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises InvalidRequestError naming the first out-of-range field."""
+        _check_range("n", self.n, 1, self.MAX_N)
+        if self.max_tokens is not None:
+            _check_range("max_tokens", self.max_tokens, 1, None)
+        _check_range("temperature", self.temperature, 0, None)
+        _check_range("top_p", self.top_p, 0, 1, low_open=True)
+        if self.top_k != -1:  # -1 disables top-k, as 0 does
+            _check_range("top_k", self.top_k, 0, None)
+        _check_range("min_p", self.min_p, 0, 1)
+        _check_range("presence_penalty", self.presence_penalty, -2, 2)
+        _check_range("frequency_penalty", self.frequency_penalty, -2, 2)
+        _check_range("repetition_penalty", self.repetition_penalty, 0, 2, low_open=True)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop entries must be non-empty strings", field="stop")
+        for token_id in self.stop_token_ids:
+            _check_range("stop_token_ids", token_id, 0, vocab_size - 1)
+
+    def for_sibling(self, index: int) -> SamplingParams:
+        """Sibling ``index`` of an ``n > 1`` request: one sequence, its own seed if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+
+    def to_options(self, eos_token_ids: tuple[int, ...]) -> SamplingOptions:
+        """What the executor needs: sampling knobs, and the tokens min_tokens must hold back."""
+        stop_ids = tuple(self.stop_token_ids) + (() if self.ignore_eos else eos_token_ids)
+        return SamplingOptions(
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            num_logprobs=self.logprobs,
+            min_tokens=self.min_tokens,
+            stop_token_ids=stop_ids if self.min_tokens else (),
+        )
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: its prompt, its output so far, and how much of it the KV cache holds."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    options: SamplingOptions
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    block_size: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_model_len - self.num_prompt_tokens
+        return room if self.params.max_tokens is None else min(room, self.params.max_tokens)
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+        if (self.num_tokens % self.block_size) == 0:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Stop rules that need no text: EOS, stop token ids, max_tokens, the context length."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _check_range(name: str, value: float, low: float, high: float | None, low_open: bool = False) -> None:
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
+        raise InvalidRequestError(f"{name} must be in {bounds}, got {value}", field=name)

@@ -1,0 +1,226 @@
+"""Continuous batching for one executor: one token budget per step, no prefill/decode phases.
+
+Every request has ``num_computed_tokens`` chasing ``num_tokens``. Each step grants tokens under
+``max_num_batched_tokens`` and ``max_num_seqs``: running requests first (a decode takes one
+token, an unfinished prefill takes a chunk), then waiting ones, which may start from a
+prefix-cache hit. When no block is left for a running request, the newest running request is
+preempted (its blocks freed, recomputed later) and no waiting request is admitted that step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from npuserve.executor.step_plan import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
+from npuserve.scheduler.kv_cache_manager import KVCacheManager
+from npuserve.scheduler.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step produced for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: RequestStatus | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # of them, tokens of prompts (prefill work)
+    requests: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Requests the executor must drop before the next step (finished, aborted, preempted).
+        self._to_drop: list[str] = []
+        self._step_ids = itertools.count()
+        self.total_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._to_drop)
+
+    def add_request(self, request: Request) -> None:
+        assert request.req_id not in self.requests, f"duplicate request id {request.req_id!r}"
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends requests from outside the step loop (abort, stop string); their blocks go back now."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None:
+        request.status = status
+        self.kv.free(request, valid=valid)
+        del self.requests[request.req_id]
+        self._to_drop.append(request.req_id)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[StepPlan, StepStats]:
+        plan = StepPlan(step_id=next(self._step_ids), finished_req_ids=self._to_drop)
+        self._to_drop = []
+        stats = StepStats()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
+            if new_blocks is None:
+                continue  # the request itself was preempted
+            if new_blocks:
+                plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
+            self._grant(request, num_new, plan, stats, scheduled)
+            budget -= num_new
+
+        # NOTE: after a preemption the pool is short; admitting more would only thrash.
+        while self.waiting and budget > 0 and not stats.num_preemptions:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            plan.new_requests.append(
+                NewRequest(
+                    req_id=request.req_id,
+                    token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling=request.options,
+                    block_ids=self.kv.get_block_ids(request.req_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            self._grant(request, num_new, plan, stats, scheduled)
+            budget -= num_new
+
+        stats.requests = [r for r in scheduled if r.req_id in plan.num_scheduled_tokens]
+        return plan, stats
+
+    def _grant(
+        self, request: Request, num_new: int, plan: StepPlan, stats: StepStats, scheduled: list[Request]
+    ) -> None:
+        plan.num_scheduled_tokens[request.req_id] = num_new
+        stats.num_scheduled_tokens += num_new
+        stats.num_prompt_tokens += max(
+            0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new)
+        )
+        scheduled.append(request)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: StepPlan, stats: StepStats
+    ) -> list[int] | None:
+        """New block ids for a running request, preempting the newest running requests until
+        they fit; None if ``request`` itself had to be preempted."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return [b.block_id for b in new_blocks]
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            stats.num_preemptions += 1
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.total_preemptions += 1
+        self.waiting.appendleft(request)
+        if request.req_id in plan.num_scheduled_tokens:  # scheduled earlier in this step
+            del plan.num_scheduled_tokens[request.req_id]
+            plan.cached_requests = [c for c in plan.cached_requests if c.req_id != request.req_id]
+        plan.finished_req_ids.append(request.req_id)
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Advances computed tokens, appends sampled tokens, and applies the token stop rules."""
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.num_computed_tokens += num_new
+        updates = []
+        for req_id, token_id, logprobs in zip(
+            result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output(token_id, logprobs)
+            update = RequestUpdate(request, [token_id], [logprobs], request.check_stop())
+            if update.finished is not None:
+                self.running.remove(request)
+                self._finish(request, update.finished)
+            updates.append(update)
+        return updates
+
+    def fail_step(self, plan: StepPlan) -> list[Request]:
+        """The executor failed this step: its requests end with an error and give back every block
+        (un-registered from the prefix cache: their contents were never confirmed)."""
+        failed = []
+        for req_id in list(plan.num_scheduled_tokens):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR, valid=False)
+            failed.append(request)
+        return failed
+
+    def check_integrity(self, expect_idle: bool = False) -> None:
+        self.kv.check_integrity(expect_idle)
+        if expect_idle:
+            assert not self.requests, f"requests still tracked: {list(self.requests)[:8]}"
