@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -25,9 +26,67 @@ def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default="console", choices=["console", "json"])
 
 
+def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--served-model-name", help="the name clients use (default: --model as given)")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks of equal prefixes",
+    )
+    parser.add_argument("--routing", default="prefix-aware", choices=["prefix-aware", "least-load"])
+    parser.add_argument(
+        "--max-queued-requests", type=int, help="refuse new requests beyond this many waiting"
+    )
+    parser.add_argument("--step-transport", default="unary", choices=["unary", "stream"])
+    parser.add_argument(
+        "--step-timeout", type=float, default=60.0, help="seconds an executor may take per step"
+    )
+
+
+def _scheduler_config(args: argparse.Namespace, executors: list[str]):
+    from npuserve.scheduler.server import SchedulerConfig
+
+    return SchedulerConfig(
+        model=args.model,
+        executors=executors,
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        enable_prefix_caching=args.enable_prefix_caching,
+        routing=args.routing,
+        max_queued_requests=args.max_queued_requests,
+        step_transport=args.step_transport,
+        step_timeout_s=args.step_timeout,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from npuserve.deploy.flags import add_executor_flags
+
     parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="scheduler and executors on this machine")
+    add_executor_flags(serve)
+    serve.set_defaults(port=50051)
+    _add_scheduler_flags(serve)
+    serve.add_argument("--num-executors", type=int, default=1, help="executor processes (one per device)")
+    serve.add_argument("--startup-timeout", type=float, default=600.0)
+    _add_logging_flags(serve)
+
+    executor = commands.add_parser("executor", help="one executor: a model on one device, over gRPC")
+    add_executor_flags(executor)
+    _add_logging_flags(executor)
+
+    scheduler = commands.add_parser("scheduler", help="the scheduler, driving running executors")
+    scheduler.add_argument("--model", required=True, help="model directory (tokenizer and chat template)")
+    scheduler.add_argument("--executors", required=True, type=_csv(str), help="comma list of HOST:PORT")
+    scheduler.add_argument("--host", default="127.0.0.1")
+    scheduler.add_argument("--port", type=int, default=50051)
+    scheduler.add_argument("--ready-file", type=Path)
+    _add_scheduler_flags(scheduler)
+    _add_logging_flags(scheduler)
 
     bench = commands.add_parser(
         "bench-runner",
@@ -48,8 +107,112 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from npuserve.deploy.launcher import Launcher, LaunchError
+
+    executor_args = _forwarded(args, exclude={"port", "host", "ready_file", "executor_id"})
+    launcher = Launcher()
+    try:
+        executors = []
+        for index in range(args.num_executors):
+            env = _device_env(args.device, index, args.num_executors)
+            executors.append(
+                launcher.start(f"executor-{index}", ["executor", *executor_args, "--port", "0"], env)
+            )
+        ready = launcher.wait_ready(executors, args.startup_timeout)
+        addresses = ",".join(str(r["address"]) for r in ready)
+        scheduler_args = [
+            "scheduler",
+            "--model",
+            args.model,
+            "--executors",
+            addresses,
+            "--port",
+            str(args.port),
+        ]
+        scheduler_args += _forwarded_scheduler_flags(args)
+        scheduler = launcher.start("scheduler", scheduler_args)
+        (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
+        print(f"npuserve ready: scheduler gRPC at {info['address']}, model {info['model']}", flush=True)
+        return launcher.supervise()
+    except LaunchError as exc:
+        print(f"npuserve serve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop()
+
+
+def _device_env(device: str, index: int, count: int) -> dict[str, str]:
+    """Pins executor ``index`` to one device when several share the machine."""
+    if count == 1 or device not in ("npu", "cuda"):
+        return {}
+    return {"ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES": str(index)}
+
+
+_EXECUTOR_FLAGS = [
+    "model",
+    "device",
+    "dtype",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "load_format",
+    "seed",
+    "log_level",
+    "log_format",
+]
+_SCHEDULER_FLAGS = [
+    "served_model_name",
+    "chat_template",
+    "routing",
+    "max_queued_requests",
+    "step_transport",
+    "step_timeout",
+    "log_level",
+    "log_format",
+]
+
+
+def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def _forwarded(args: argparse.Namespace, exclude: set[str]) -> list[str]:
+    return _flags(args, [n for n in _EXECUTOR_FLAGS if n not in exclude])
+
+
+def _forwarded_scheduler_flags(args: argparse.Namespace) -> list[str]:
+    flags = _flags(args, _SCHEDULER_FLAGS)
+    return [*flags, "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+
+
+def run_executor(args: argparse.Namespace) -> int:
+    from npuserve.executor.server import run_from_args
+
+    return run_from_args(args)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from npuserve.scheduler.server import serve_scheduler
+
+    asyncio.run(
+        serve_scheduler(_scheduler_config(args, list(args.executors)), args.host, args.port, args.ready_file)
+    )
+    return 0
+
+
 def run_bench_runner(args: argparse.Namespace) -> int:
     from npuserve.executor import benchmark
+    from npuserve.executor.config import ConfigError
+    from npuserve.executor.platform import PlatformError
 
     config = benchmark.BenchmarkConfig(
         preset=args.preset,
@@ -62,7 +225,11 @@ def run_bench_runner(args: argparse.Namespace) -> int:
         seed=args.seed,
         kv_cache_memory_gib=args.kv_cache_memory,
     )
-    results = benchmark.run_benchmark(config)
+    try:
+        results = benchmark.run_benchmark(config)
+    except (ConfigError, PlatformError) as exc:
+        print(f"npuserve bench-runner: error: {exc}", file=sys.stderr)
+        return 2
     print(benchmark.report_table(results))
     if args.output_json:
         args.output_json.write_text(json.dumps([r.row() for r in results], indent=2))
@@ -71,17 +238,19 @@ def run_bench_runner(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench-runner": run_bench_runner}
+COMMANDS = {
+    "serve": run_serve,
+    "executor": run_executor,
+    "scheduler": run_scheduler,
+    "bench-runner": run_bench_runner,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format == "json")
-    from npuserve.executor.config import ConfigError
-    from npuserve.executor.platform import PlatformError
+    sys.exit(COMMANDS[args.command](args))
 
-    try:
-        sys.exit(COMMANDS[args.command](args))
-    except (ConfigError, PlatformError) as exc:
-        print(f"npuserve: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 import structlog
 
+from npuserve.deploy.flags import add_executor_flags
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
@@ -58,6 +59,10 @@ NUM_WORKER_THREADS = 8
 INVALID_PLAN_ERRORS = (PlanError, CodecError)
 
 
+class ExecutorStopping(RuntimeError):
+    """A step that arrived after shutdown began (UNAVAILABLE: the executor state is unchanged)."""
+
+
 class StepRunner(Protocol):
     """What the server needs of a runner (`ModelRunner` in production)."""
 
@@ -79,6 +84,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
+        self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
         self.serving = True
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
@@ -90,17 +96,33 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def StepStream(
         self, request_iterator: Iterator[pb.StepRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResponse]:
-        for request in request_iterator:
-            yield self._step(request)
+        self._streams.add(context)
+        try:
+            for request in request_iterator:
+                yield self._step(request)
+        finally:
+            self._streams.discard(context)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
             serving=self.serving, executor_id=self._info.executor_id, last_step_id=self._last_step_id
         )
 
+    def shut_down(self) -> None:
+        """Refuses further steps and ends every open stream once the step in flight is done.
+
+        NOTE: without this an idle StepStream would hold the server for its whole stop grace.
+        """
+        self.serving = False
+        with self._step_lock:
+            for context in list(self._streams):
+                context.cancel()
+
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         plan = step_codec.plan_from_proto(request)
         with self._step_lock:
+            if not self.serving:
+                raise ExecutorStopping("the executor is shutting down; send the step to another")
             result = self._runner.execute(plan)
             self._last_step_id = plan.step_id
         t = result.timings
@@ -127,7 +149,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
     """Wraps every handler so an exception becomes a status code instead of a dead stream/process.
 
     `PlanError`/`CodecError` -> INVALID_ARGUMENT with the message (the runner has already dropped
-    the plan's requests); anything else -> INTERNAL with the exception's type and text.
+    the plan's requests); `ExecutorStopping` -> UNAVAILABLE; anything else -> INTERNAL with the
+    exception's type and text.
     """
 
     def intercept_service(
@@ -179,6 +202,8 @@ def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetu
     if isinstance(exc, INVALID_PLAN_ERRORS):
         log.warning("plan refused", method=method, error=str(exc))
         code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, ExecutorStopping):
+        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
     else:
         log.error("rpc failed", method=method, exc_info=exc)
         code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -204,8 +229,10 @@ class RunningExecutor:
     info: ExecutorInfo
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        self.servicer.serving = False
-        self.server.stop(grace_s).wait()
+        """Refuses new calls, ends open streams after the current step, waits up to `grace_s`."""
+        stopped = self.server.stop(grace_s)
+        self.servicer.shut_down()
+        stopped.wait()
 
 
 def npuserve_version() -> str:
@@ -304,25 +331,6 @@ def serve_executor(
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
-
-
-def add_executor_flags(parser: argparse.ArgumentParser) -> None:
-    """The executor's flags (vLLM names), for `python -m npuserve.executor.server` and the CLI."""
-    parser.add_argument("--model", required=True, help="a local Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")
-    parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-memory", type=float, help="KV cache size in GiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def config_from_args(args: argparse.Namespace) -> ExecutorConfig:

@@ -56,6 +56,7 @@ class PromptInput:
     messages: list[dict[str, object]] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    add_special_tokens: bool | None = None  # None: True for text, False for chat
 
 
 class Engine:
@@ -119,7 +120,7 @@ class Engine:
                 f"the model `{model}` does not exist; this server serves `{self.model_name}`"
             )
 
-    def prompt_token_ids(self, prompt: PromptInput, add_special_tokens: bool = True) -> list[int]:
+    def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
             raise InvalidRequestError(
@@ -130,9 +131,10 @@ class Engine:
                 prompt.messages, prompt.add_generation_prompt, prompt.chat_template
             )
             # NOTE: chat templates write their own special tokens (BOS included).
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens=bool(prompt.add_special_tokens))
         if prompt.text is not None:
-            return self.tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens)
+            add_special = prompt.add_special_tokens is not False
+            return self.tokenizer.encode(prompt.text, add_special_tokens=add_special)
         token_ids = list(prompt.token_ids or [])
         if any(not 0 <= t < self.vocab_size for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")

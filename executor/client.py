@@ -1,0 +1,167 @@
+"""Clients of one executor's gRPC service, for the scheduler (this module never imports torch).
+
+`ExecutorClient` sends each step as a unary `Step` call; `StreamingExecutorClient` sends them over
+one long-lived `StepStream`, reopened after any failure. Both expose the same `.step(plan)` and
+turn every gRPC failure into `ExecutorError`, carrying the status code's name and message.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto import executor_pb2_grpc as pb_grpc
+from npuserve.proto import step_codec
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ExecutorError(RuntimeError):
+    """A failed call to an executor. `code` is the gRPC status name, e.g. "INVALID_ARGUMENT"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, exc: grpc.RpcError) -> ExecutorError:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = exc.details() if isinstance(exc, grpc.Call) else None
+        return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
+
+
+class ExecutorClient:
+    """Unary calls to one executor. `timeout_s` bounds each call (None: no deadline)."""
+
+    def __init__(self, address: str, timeout_s: float | None = 60.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ExecutorStub(self._channel)
+        # Filled by info(): the executor's identity, next to the capacity handshake.
+        self.executor_id: str | None = None
+        self.version: str | None = None
+
+    def info(self) -> ExecutorInfo:
+        """The capacity handshake; waits (up to timeout_s) for an executor that is still starting."""
+        msg = self._call(self._stub.Info, pb.InfoRequest(), wait_for_ready=True)
+        self.executor_id, self.version = msg.executor_id, msg.version
+        return step_codec.info_from_proto(msg)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return step_codec.result_from_proto(self._call(self._stub.Step, step_codec.plan_to_proto(plan)))
+
+    def health(self) -> bool:
+        """True when the executor answers and serves; False when it is unreachable or stopping."""
+        try:
+            return self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s).serving
+        except grpc.RpcError:
+            return False
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _call(self, method: Callable[..., Any], request: Any, wait_for_ready: bool = False) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
+            raise ExecutorError.from_rpc_error(exc) from None
+
+
+_END = object()  # closes a stream's request iterator
+
+
+class _StepStream:
+    """One open `StepStream` call: requests go in through a queue, responses come out of another.
+
+    NOTE: a reader thread moves responses into a queue so that `step()` can wait with a timeout;
+    gRPC's response iterator has no timed `next()`.
+    """
+
+    def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call = stub.StepStream(iter(self._requests.get, _END))
+        self._reader = threading.Thread(target=self._read, name="executor-step-stream", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self._responses.put(response)
+        except grpc.RpcError as exc:
+            self._responses.put(exc)
+        self._responses.put(_END)
+
+    def exchange(self, request: pb.StepRequest, timeout_s: float | None) -> pb.StepResponse:
+        self._requests.put(request)
+        try:
+            item = self._responses.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ExecutorError("DEADLINE_EXCEEDED", f"no step response within {timeout_s} s") from None
+        if isinstance(item, grpc.RpcError):
+            raise ExecutorError.from_rpc_error(item)
+        if item is _END:
+            raise ExecutorError("UNAVAILABLE", "the executor closed the step stream")
+        return item
+
+    def close(self) -> None:
+        # NOTE: ending the request iterator also frees gRPC's thread that waits on it.
+        self._requests.put(_END)
+        self._call.cancel()
+        self._reader.join(timeout=5)
+
+
+class StreamingExecutorClient(ExecutorClient):
+    """Steps over one long-lived bidirectional stream, opened on the first step.
+
+    Any failed step closes the stream (the server ends it with the error's status); the next
+    step opens a new one. `timeout_s` bounds each step's wait for its response.
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = 60.0) -> None:
+        super().__init__(address, timeout_s)
+        self._stream: _StepStream | None = None
+        self._lock = threading.Lock()  # one step in flight: responses come back in order
+
+    def step(self, plan: StepPlan) -> StepResult:
+        request = step_codec.plan_to_proto(plan)
+        with self._lock:
+            if self._stream is None:
+                self._stream = _StepStream(self._stub)
+            try:
+                response = self._stream.exchange(request, self.timeout_s)
+            except ExecutorError:
+                self._close_stream()
+                raise
+        return step_codec.result_from_proto(response)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_stream()
+        super().close()
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None

@@ -1,0 +1,235 @@
+"""Maps the step contract's dataclasses (`npuserve.executor.step_plan`) to protobuf and back.
+
+This is the only module that knows both sides of the scheduler<->executor wire: the scheduler's
+client encodes plans and decodes results, the executor's server does the reverse. It imports no
+torch. A message that cannot describe a valid plan or result raises `CodecError`.
+"""
+
+from __future__ import annotations
+
+from npuserve.executor.step_plan import (
+    CachedRequest,
+    ExecutorInfo,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    StepResult,
+    StepTimings,
+    TokenLogprobs,
+)
+from npuserve.proto import executor_pb2 as pb
+
+__all__ = [
+    "CodecError",
+    "info_from_proto",
+    "info_to_proto",
+    "plan_from_proto",
+    "plan_to_proto",
+    "result_from_proto",
+    "result_to_proto",
+]
+
+
+class CodecError(ValueError):
+    """A message that does not describe a valid step plan or result."""
+
+
+# --------------------------------------------------------------------------------------------
+# StepPlan <-> StepRequest
+# --------------------------------------------------------------------------------------------
+
+
+def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
+    msg = pb.StepRequest(step_id=plan.step_id, finished_req_ids=plan.finished_req_ids)
+    msg.new_requests.extend(_new_request_to_proto(req) for req in plan.new_requests)
+    msg.cached_requests.extend(
+        pb.CachedRequest(req_id=req.req_id, new_block_ids=req.new_block_ids) for req in plan.cached_requests
+    )
+    # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
+    msg.scheduled_req_ids.extend(plan.num_scheduled_tokens.keys())
+    msg.num_scheduled_tokens.extend(plan.num_scheduled_tokens.values())
+    return msg
+
+
+def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
+    # NOTE: slicing copies a repeated field in one call, faster than iterating it item by item.
+    req_ids, counts = msg.scheduled_req_ids[:], msg.num_scheduled_tokens[:]
+    if len(req_ids) != len(counts):
+        raise CodecError(
+            f"step {msg.step_id}: {len(req_ids)} scheduled_req_ids but {len(counts)} num_scheduled_tokens"
+        )
+    num_scheduled_tokens = dict(zip(req_ids, counts, strict=True))
+    if len(num_scheduled_tokens) != len(req_ids):
+        raise CodecError(f"step {msg.step_id}: a request is scheduled twice")
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[_new_request_from_proto(req) for req in msg.new_requests],
+        cached_requests=[CachedRequest(req.req_id, req.new_block_ids[:]) for req in msg.cached_requests],
+        num_scheduled_tokens=num_scheduled_tokens,
+        finished_req_ids=msg.finished_req_ids[:],
+    )
+
+
+def _new_request_to_proto(req: NewRequest) -> pb.NewRequest:
+    return pb.NewRequest(
+        req_id=req.req_id,
+        token_ids=req.token_ids,
+        num_prompt_tokens=req.num_prompt_tokens,
+        sampling=_sampling_to_proto(req.sampling),
+        block_ids=req.block_ids,
+        num_computed_tokens=req.num_computed_tokens,
+    )
+
+
+def _new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
+    if not msg.HasField("sampling"):
+        raise CodecError(f"new request {msg.req_id!r} has no sampling options")
+    return NewRequest(
+        req_id=msg.req_id,
+        token_ids=msg.token_ids[:],
+        num_prompt_tokens=msg.num_prompt_tokens,
+        sampling=_sampling_from_proto(msg.req_id, msg.sampling),
+        block_ids=msg.block_ids[:],
+        num_computed_tokens=msg.num_computed_tokens,
+    )
+
+
+def _sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
+    # NOTE: every field is written, so proto3's zero defaults never stand in for ours (top_p 1.0).
+    return pb.SamplingOptions(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        num_logprobs=s.num_logprobs,
+        min_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
+    )
+
+
+def _sampling_from_proto(req_id: str, msg: pb.SamplingOptions) -> SamplingOptions:
+    try:
+        return SamplingOptions(
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p,
+            min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty,
+            num_logprobs=msg.num_logprobs if msg.HasField("num_logprobs") else None,
+            min_tokens=msg.min_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+        )
+    except ValueError as exc:
+        raise CodecError(f"new request {req_id!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# StepResult <-> StepResponse
+# --------------------------------------------------------------------------------------------
+
+
+def result_to_proto(result: StepResult) -> pb.StepResponse:
+    t = result.timings
+    msg = pb.StepResponse(
+        step_id=result.step_id,
+        sampled_req_ids=result.sampled_req_ids,
+        sampled_token_ids=result.sampled_token_ids,
+        timings=pb.StepTimings(
+            prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
+        ),
+    )
+    # NOTE: only the tokens whose request asked for logprobs travel, each with its index.
+    msg.logprobs.extend(
+        pb.TokenLogprobs(
+            index=i,
+            logprob=lp.logprob,
+            rank=lp.rank,
+            top_token_ids=lp.top_token_ids,
+            top_logprobs=lp.top_logprobs,
+        )
+        for i, lp in enumerate(result.logprobs)
+        if lp is not None
+    )
+    return msg
+
+
+def result_from_proto(msg: pb.StepResponse) -> StepResult:
+    num_sampled = len(msg.sampled_req_ids)
+    if len(msg.sampled_token_ids) != num_sampled:
+        raise CodecError(
+            f"step {msg.step_id}: {num_sampled} sampled_req_ids but "
+            f"{len(msg.sampled_token_ids)} sampled_token_ids"
+        )
+    t = msg.timings
+    return StepResult(
+        step_id=msg.step_id,
+        sampled_req_ids=msg.sampled_req_ids[:],
+        sampled_token_ids=msg.sampled_token_ids[:],
+        logprobs=_logprobs_from_proto(msg, num_sampled),
+        timings=StepTimings(
+            prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
+        ),
+    )
+
+
+def _logprobs_from_proto(msg: pb.StepResponse, num_sampled: int) -> list[TokenLogprobs | None]:
+    logprobs: list[TokenLogprobs | None] = [None] * num_sampled
+    for entry in msg.logprobs:
+        if not 0 <= entry.index < num_sampled:
+            raise CodecError(f"step {msg.step_id}: logprobs index {entry.index} outside 0..{num_sampled - 1}")
+        logprobs[entry.index] = TokenLogprobs(
+            logprob=entry.logprob,
+            rank=entry.rank,
+            top_token_ids=entry.top_token_ids[:],
+            top_logprobs=entry.top_logprobs[:],
+        )
+    return logprobs
+
+
+# --------------------------------------------------------------------------------------------
+# ExecutorInfo
+# --------------------------------------------------------------------------------------------
+
+
+def info_to_proto(info: ExecutorInfo, executor_id: str = "", version: str = "") -> pb.ExecutorInfo:
+    return pb.ExecutorInfo(
+        model=info.model,
+        architecture=info.architecture,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        device=info.device,
+        tensor_parallel_size=info.tensor_parallel_size,
+        executor_id=executor_id,
+        version=version,
+    )
+
+
+def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
+    """The capacity fields; `executor_id` and `version` are read from the message directly."""
+    return ExecutorInfo(
+        model=msg.model,
+        architecture=msg.architecture,
+        block_size=msg.block_size,
+        num_blocks=msg.num_blocks,
+        max_model_len=msg.max_model_len,
+        max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        vocab_size=msg.vocab_size,
+        eos_token_ids=msg.eos_token_ids[:],
+        dtype=msg.dtype,
+        device=msg.device,
+        tensor_parallel_size=msg.tensor_parallel_size,
+    )

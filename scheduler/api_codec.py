@@ -1,0 +1,99 @@
+"""Maps the scheduler's public protobuf API to engine types and back (the only place that does)."""
+
+from __future__ import annotations
+
+from npuserve.executor.step_plan import TokenLogprobs
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.scheduler.engine import PromptInput
+from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
+from npuserve.scheduler.request import InvalidRequestError, SamplingParams
+from npuserve.scheduler.tokenizer import Tokenizer
+
+_OPTIONAL_FIELDS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    params = SamplingParams(
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        ignore_eos=msg.ignore_eos,
+    )
+    for name in _OPTIONAL_FIELDS:
+        if msg.HasField(name):
+            setattr(params, name, getattr(msg, name))
+    return params
+
+
+def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
+    which = msg.WhichOneof("prompt" if isinstance(msg, pb.GenerateRequest) else "input")
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else None
+    if which == "text":
+        return PromptInput(text=msg.text, add_special_tokens=add_special)
+    if which == "token_ids":
+        return PromptInput(token_ids=list(msg.token_ids.ids))
+    if which == "chat":
+        chat = msg.chat
+        return PromptInput(
+            messages=[{"role": m.role, "content": m.content} for m in chat.messages],
+            add_generation_prompt=chat.add_generation_prompt
+            if chat.HasField("add_generation_prompt")
+            else True,
+            chat_template=chat.chat_template if chat.HasField("chat_template") else None,
+            add_special_tokens=add_special,
+        )
+    raise InvalidRequestError("the request has no prompt: set text, token_ids or chat", "prompt")
+
+
+def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=output.request_id)
+    for delta in output.completions:
+        msg.completions.append(_completion_to_proto(delta, tokenizer))
+    if return_prompt and output.prompt_token_ids is not None:
+        msg.prompt.token_ids.extend(output.prompt_token_ids)
+        msg.prompt.text = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+    if output.usage is not None:
+        usage = output.usage
+        msg.usage.prompt_tokens = usage.prompt_tokens
+        msg.usage.completion_tokens = usage.completion_tokens
+        msg.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+    return msg
+
+
+def _completion_to_proto(delta: CompletionDelta, tokenizer: Tokenizer) -> pb.Completion:
+    msg = pb.Completion(index=delta.index, text=delta.text, token_ids=delta.token_ids)
+    msg.finish_reason = delta.finish_reason or ""
+    if isinstance(delta.stop_reason, str):
+        msg.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        msg.stop_token_id = delta.stop_reason
+    for token_id, logprobs in zip(delta.token_ids, delta.logprobs, strict=False):
+        msg.logprobs.append(_logprob_to_proto(token_id, logprobs, tokenizer))
+    return msg
+
+
+def _logprob_to_proto(token_id: int, lp: TokenLogprobs, tokenizer: Tokenizer) -> pb.TokenLogprob:
+    msg = pb.TokenLogprob(
+        token_id=token_id, logprob=lp.logprob, rank=lp.rank, token=_token_text(tokenizer, token_id)
+    )
+    for top_id, top_lp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+        msg.top.append(pb.TopLogprob(token_id=top_id, logprob=top_lp, token=_token_text(tokenizer, top_id)))
+    return msg
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)

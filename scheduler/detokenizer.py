@@ -1,0 +1,185 @@
+"""Streams a request's generated text token by token and finds its stop strings.
+
+Decoding token by token is not decoding each token alone: a character may span several byte-fallback
+tokens ('<0xF0>' '<0x9F>' '<0x98>' '<0x80>' is one emoji) and a sentencepiece '▁' turns into a space
+only after another piece. `IncrementalDetokenizer` therefore decodes a small window of recent ids
+(`prefix_offset` .. end) and emits what the newest ids add to the text of the window's already-emitted
+part (`prefix_offset` .. `read_offset`), as vLLM and TGI do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from npuserve.scheduler.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt ids decoded before the first generated token so its leading space comes out right.
+INITIAL_CONTEXT_TOKENS = 6
+# The longest UTF-8 character is 4 bytes: a prompt ending mid-character holds at most 3 of them.
+MAX_PARTIAL_CHAR_TOKENS = 3
+# Ids before the window are dropped once this many pile up (keeps memory O(window), amortised).
+COMPACT_AFTER_TOKENS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizerUpdate:
+    """What one `update` adds to a request's output.
+
+    `text`: new text, safe to stream now. `stop_str`: the stop string that ended the output, or None.
+    `num_tokens_kept`: how many of the update's ids belong to the output; fewer than given only
+    when a stop string was found (the ids after the one that completed it are dropped).
+    """
+
+    text: str
+    stop_str: str | None
+    num_tokens_kept: int
+
+
+class IncrementalDetokenizer:
+    """The text of one request's output, emitted as it grows, truncated at its first stop string.
+
+    Concatenating every `update(...).text` and the final `flush()` gives the output's text:
+    `tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)):]`, which is
+    `tokenizer.decode(output)` for an empty prompt, and the same for any split of the output into
+    updates. Owned by one request; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # NOTE: the last `hold_back` characters stay unsent: a stop string that starts there may
+        # still be completed by the next token, and none of it may reach the client.
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""
+        self._pending = ""  # decoded, checked for stop strings, not yet sent
+        self._stop_str: str | None = None
+        self._finished = False
+        self._prime(list(prompt_token_ids))
+
+    @property
+    def stop_str(self) -> str | None:
+        """The stop string that ended the output, once found."""
+        return self._stop_str
+
+    @property
+    def finished(self) -> bool:
+        """True after a stop string was found or `flush` was called; later updates add nothing."""
+        return self._finished
+
+    def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """Adds generated ids; returns the text that may be streamed now."""
+        if self._finished:
+            return DetokenizerUpdate("", None, 0)
+        for i, token_id in enumerate(new_token_ids):
+            self._ids.append(token_id)
+            if self._add_text(self._decode_step(force=False)):
+                return self._stopped(i + 1)
+        self._compact()
+        return DetokenizerUpdate(self._release(self.hold_back), None, len(new_token_ids))
+
+    def flush(self) -> str:
+        """Ends the output (eos, length limit, abort) and returns every character still held back."""
+        if self._finished:
+            return ""
+        self._finished = True
+        stopped = self._add_text(self._decode_step(force=True))
+        if stopped:
+            return self._stopped(0).text
+        return self._release(0)
+
+    # -- decoding window ----------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _prime(self, prompt: list[int]) -> None:
+        """Puts the prompt's last ids in the window so the first output ids decode in context."""
+        start = max(0, len(prompt) - INITIAL_CONTEXT_TOKENS)
+        # NOTE: the window's text must not be empty (a sentencepiece decoder would then strip the
+        # first output token's leading space) nor start inside a multi-byte character; if it does,
+        # reach twice as far back.
+        while start > 0 and self._window_start_is_bad(prompt[start:]):
+            start = max(0, len(prompt) - 2 * (len(prompt) - start))
+        self._ids = prompt[start:]
+        self._read_offset = self._complete_chars_end(self._ids)
+        self._prefix_text = self._decode(self._ids[: self._read_offset])
+
+    def _complete_chars_end(self, ids: list[int]) -> int:
+        """How many of `ids` end on a whole character: a prompt's trailing partial bytes count as output."""
+        if not self._decode(ids).endswith(REPLACEMENT_CHAR):
+            return len(ids)
+        for back in range(1, min(MAX_PARTIAL_CHAR_TOKENS, len(ids)) + 1):
+            if not self._decode(ids[: len(ids) - back]).endswith(REPLACEMENT_CHAR):
+                return len(ids) - back
+        return len(ids)
+
+    def _window_start_is_bad(self, ids: list[int]) -> bool:
+        text = self._decode(ids)
+        return not text or text.startswith(REPLACEMENT_CHAR)
+
+    def _decode_step(self, force: bool) -> str:
+        """The text the unread ids add, or "" while they end inside a character (unless `force`).
+
+        Costs two decodes of the window, whatever the output's length.
+        """
+        window = self._ids[self._prefix_offset :]
+        text = self._decode(window)
+        if not force and (len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        delta = text[len(self._prefix_text) :]
+        # The ids just read become the next window's already-emitted part.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset :])
+        return delta
+
+    def _compact(self) -> None:
+        if self._prefix_offset >= COMPACT_AFTER_TOKENS:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    # -- stop strings -------------------------------------------------------------------------
+
+    def _add_text(self, delta: str) -> bool:
+        """Appends `delta` to the unsent text; True when that completed a stop string."""
+        if not delta:
+            return False
+        # Only a stop string ending in `delta` is new; it starts at most len(stop)-1 chars before it.
+        search_from = max(0, len(self._pending) - self.hold_back)
+        self._pending += delta
+        if not self.stop:
+            return False
+        found = [(i, s) for s in self.stop if (i := self._pending.find(s, search_from)) >= 0]
+        if not found:
+            return False
+        index, stop_str = min(found, key=lambda hit: hit[0])
+        end = index + len(stop_str) if self.include_stop_str_in_output else index
+        self._pending = self._pending[:end]
+        self._stop_str = stop_str
+        return True
+
+    def _stopped(self, num_tokens_kept: int) -> DetokenizerUpdate:
+        self._finished = True
+        return DetokenizerUpdate(self._release(0), self._stop_str, num_tokens_kept)
+
+    def _release(self, keep: int) -> str:
+        """Takes the unsent text except its last `keep` characters."""
+        cut = max(0, len(self._pending) - keep)
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return text

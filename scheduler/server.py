@@ -1,0 +1,220 @@
+"""The scheduler process: the public gRPC API over an engine driving remote executors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from npuserve.executor.client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.scheduler import api_codec
+from npuserve.scheduler.engine import Engine, EngineConfig, ModelNotFoundError, QueueFullError
+from npuserve.scheduler.request import InvalidRequestError
+from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+T = TypeVar("T")
+
+# Client errors and what they become on the wire; anything else is INTERNAL.
+STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TokenizerError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    for kind, code in STATUS_OF:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, model_root: str) -> None:
+        self.engine = engine
+        self.model_root = model_root
+        self.created = int(time.time())
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            outputs = self.engine.generate(
+                api_codec.prompt_from_proto(request),
+                api_codec.sampling_from_proto(request.sampling),
+                request.request_id or None,
+                request.model or None,
+            )
+            # NOTE: the first output is awaited inside the guard, so validation errors become a
+            # status rather than a broken stream; a cancelled client cancels this coroutine,
+            # and leaving `generate` aborts the request.
+            async for output in outputs:
+                yield api_codec.output_to_proto(output, self.engine.tokenizer, request.sampling.return_prompt)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        async def run() -> pb.TokenizeResponse:
+            self.engine.check_model(request.model or None)
+            ids = self.engine.prompt_token_ids(api_codec.prompt_from_proto(request))
+            response = pb.TokenizeResponse(
+                token_ids=ids, count=len(ids), max_model_len=self.engine.max_model_len
+            )
+            if request.return_token_strs:
+                response.token_strs.extend(self.engine.tokenizer.convert_ids_to_tokens(ids))
+            return response
+
+        return await _guard(context, run)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        async def run() -> pb.DetokenizeResponse:
+            self.engine.check_model(request.model or None)
+            ids = list(request.token_ids)
+            if any(not 0 <= t < self.engine.vocab_size for t in ids):
+                raise InvalidRequestError(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+            return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+
+        return await _guard(context, run)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        model = pb.Model(
+            id=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            root=self.model_root,
+            created=self.created,
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        total = len(self.engine.lanes)
+        ready = await asyncio.to_thread(lambda: sum(lane.executor.health() for lane in self.engine.lanes))
+        message = "" if ready else "no executor is reachable"
+        return pb.HealthResponse(
+            serving=ready > 0, ready_executors=ready, total_executors=total, message=message
+        )
+
+    async def GetMetrics(
+        self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetMetricsResponse:
+        return pb.GetMetricsResponse(text=self.engine.metrics.render())
+
+
+async def _guard(context: grpc.aio.ServicerContext, run: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await run()
+    except Exception as exc:
+        await _abort(context, exc)
+        raise  # unreachable: abort raises
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("request failed", error=str(exc))
+    await context.abort(code, str(exc))
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    model: str  # model directory (tokenizer, chat template)
+    executors: list[str]  # executor addresses
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    enable_prefix_caching: bool = True
+    routing: str = "prefix-aware"
+    max_queued_requests: int | None = None
+    step_transport: str = "unary"  # "unary" or "stream"
+    step_timeout_s: float = 60.0
+    connect_timeout_s: float = 120.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def connect_executors(config: SchedulerConfig) -> list[tuple[str, ExecutorClient, Any]]:
+    """Clients for every executor, after its capacity handshake (waits while they start)."""
+    client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
+    executors = []
+    for address in config.executors:
+        client = client_class(address, timeout_s=config.step_timeout_s)
+        deadline = time.monotonic() + config.connect_timeout_s
+        while True:
+            try:
+                info = client.info()
+                break
+            except ExecutorError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"executor {address} did not answer within {config.connect_timeout_s} s: {exc}"
+                    ) from exc
+                time.sleep(0.5)
+        executors.append((client.executor_id or address, client, info))
+        log.info(
+            "executor connected", address=address, num_blocks=info.num_blocks, block_size=info.block_size
+        )
+    return executors
+
+
+async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_file: Path | None) -> None:
+    tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
+    executors = await asyncio.to_thread(connect_executors, config)
+    engine = Engine(
+        EngineConfig(
+            served_model_name=config.served_model_name or config.model,
+            enable_prefix_caching=config.enable_prefix_caching,
+            routing=config.routing,
+            max_queued_requests=config.max_queued_requests,
+        ),
+        tokenizer,
+        executors,
+    )
+    engine.start()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, config.model), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    log.info("scheduler serving", address=address, executors=len(executors), model=engine.model_name)
+    if ready_file is not None:
+        _write_ready_file(ready_file, {"address": address, "pid": os.getpid(), "model": engine.model_name})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("scheduler stopping")
+    await server.stop(grace=5)
+    engine.stop()
+
+
+def _write_ready_file(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    tmp.replace(path)

@@ -1,0 +1,214 @@
+"""A real executor process, driven over real gRPC, gives the tokens an in-process ModelRunner gives."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from harness.step_driver import DrivenRequest, StepDriver
+
+from npuserve.executor.client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.executor.config import ExecutorConfig
+from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.server import start_executor_server
+from npuserve.executor.step_plan import ExecutorInfo, SamplingOptions, StepPlan, StepResult
+
+PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
+KV_CACHE_GIB = 0.01
+START_TIMEOUT_S = 60.0
+CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}
+
+
+@dataclass
+class ExecutorProcess:
+    proc: subprocess.Popen
+    address: str
+    ready: dict
+    stderr_path: Path
+
+
+def _start_executor(model_dir: Path, tmp: Path) -> ExecutorProcess:
+    ready_file = tmp / "ready.json"
+    stderr_path = tmp / "executor.stderr"
+    command = [
+        sys.executable, "-m", "npuserve.executor.server",
+        "--model", str(model_dir), "--port", "0", "--ready-file", str(ready_file),
+        "--kv-cache-memory", str(KV_CACHE_GIB), "--device", "cpu", "--log-level", "debug",
+    ]  # fmt: skip
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"executor did not start (exit {proc.poll()}):\n{stderr_path.read_text()}")
+        time.sleep(0.05)
+    ready = json.loads(ready_file.read_text())
+    return ExecutorProcess(proc, ready["address"], ready, stderr_path)
+
+
+def _stop(executor: ExecutorProcess) -> int:
+    executor.proc.send_signal(signal.SIGTERM)
+    try:
+        return executor.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(executor.proc.pid, signal.SIGKILL)
+        raise
+
+
+@pytest.fixture(scope="module")
+def executor(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutorProcess]:
+    running = _start_executor(stories_dir, tmp_path_factory.mktemp("executor"))
+    yield running
+    if running.proc.poll() is None:
+        _stop(running)
+
+
+@pytest.fixture(scope="module")
+def local_runner(stories_dir: Path) -> ModelRunner:
+    return ModelRunner(ExecutorConfig(model=str(stories_dir), kv_cache_memory_gib=KV_CACHE_GIB, device="cpu"))
+
+
+# NOTE: the runner treats a repeated step id as a retry, so every driver gets fresh step ids.
+_step_ids = itertools.count(1_000_000, 10_000)
+
+
+class RemoteRunner:
+    """What StepDriver needs of a runner (`execute`, `block_size`, `num_blocks`), over gRPC."""
+
+    def __init__(self, client: ExecutorClient, info: ExecutorInfo) -> None:
+        self.client = client
+        self.block_size = info.block_size
+        self.num_blocks = info.num_blocks
+        self.base_step_id = next(_step_ids)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        plan.step_id += self.base_step_id
+        return self.client.step(plan)
+
+
+def _requests(tag: str) -> list[DrivenRequest]:
+    return [
+        DrivenRequest(f"{tag}-story", PROMPT_IDS, 60, SamplingOptions(temperature=0)),
+        DrivenRequest(f"{tag}-logprobs", PROMPT_IDS[:3], 12, SamplingOptions(temperature=0, num_logprobs=3)),
+    ]
+
+
+def _drive(runner: object, tag: str) -> list[DrivenRequest]:
+    return StepDriver(runner, token_budget=4).run(_requests(tag))  # chunked prefill, then decode
+
+
+@pytest.fixture(scope="module")
+def expected(local_runner: ModelRunner) -> list[DrivenRequest]:
+    return _drive(local_runner, "local")
+
+
+def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) -> None:
+    with ExecutorClient(executor.address, timeout_s=10) as client:
+        info = client.info()
+        assert info == local_runner.info()
+        assert info.model == "stories260K-hf" and info.block_size == 16 and info.device == "cpu"
+        assert client.executor_id and client.executor_id.endswith(executor.address.rsplit(":", 1)[1])
+        assert client.version
+    assert executor.ready["pid"] == executor.proc.pid
+    assert executor.ready["info"]["num_blocks"] == info.num_blocks
+    assert executor.ready["executor_id"] == client.executor_id
+
+
+@pytest.mark.parametrize("mode", CLIENTS)
+def test_greedy_generation_matches_in_process_runner(
+    executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
+) -> None:
+    with CLIENTS[mode](executor.address, timeout_s=30) as client:
+        got = _drive(RemoteRunner(client, client.info()), mode)
+    assert [r.output for r in got] == [r.output for r in expected]
+    assert len(got[0].output) == 60
+    assert got[0].logprobs == [None] * 60
+    assert got[1].logprobs == expected[1].logprobs  # float32 values travel exactly
+    assert all(lp is not None and len(lp.top_token_ids) == 3 for lp in got[1].logprobs)
+
+
+@pytest.mark.parametrize("mode", CLIENTS)
+def test_bad_plan_is_invalid_argument_and_serving_goes_on(
+    executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
+) -> None:
+    with CLIENTS[mode](executor.address, timeout_s=30) as client:
+        remote = RemoteRunner(client, client.info())
+        with pytest.raises(ExecutorError) as failure:
+            remote.execute(StepPlan(step_id=0, num_scheduled_tokens={"ghost": 1}))
+        assert failure.value.code == "INVALID_ARGUMENT"
+        assert "ghost" in failure.value.message
+        assert client.health()
+        request = DrivenRequest(f"{mode}-after-error", PROMPT_IDS, 8, SamplingOptions(temperature=0))
+        StepDriver(remote, token_budget=4).run([request])
+    assert request.output == expected[0].output[:8]
+
+
+def test_health(executor: ExecutorProcess) -> None:
+    with ExecutorClient(executor.address, timeout_s=5) as client:
+        assert client.health()
+    with ExecutorClient("127.0.0.1:1", timeout_s=2) as nobody:
+        assert not nobody.health()
+        with pytest.raises(ExecutorError) as failure:
+            nobody.step(StepPlan(step_id=0))
+        assert failure.value.code == "UNAVAILABLE"
+
+
+class _BrokenRunner:
+    """Raises a non-plan error on every step, as a device fault would."""
+
+    def __init__(self, info: ExecutorInfo) -> None:
+        self._info = info
+
+    def info(self) -> ExecutorInfo:
+        return self._info
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.step_id == 0:
+            raise RuntimeError("device lost")
+        return StepResult(step_id=plan.step_id)
+
+
+@pytest.mark.parametrize("mode", CLIENTS)
+def test_other_failures_are_internal(local_runner: ModelRunner, mode: str) -> None:
+    running = start_executor_server(_BrokenRunner(local_runner.info()), "127.0.0.1", 0, "broken")
+    try:
+        with CLIENTS[mode](running.address, timeout_s=10) as client:
+            with pytest.raises(ExecutorError) as failure:
+                client.step(StepPlan(step_id=0))
+            assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
+            assert client.step(StepPlan(step_id=1)) == StepResult(step_id=1)
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
+    running = _start_executor(stories_dir, tmp_path)
+    with StreamingExecutorClient(running.address, timeout_s=10) as client:
+        client.info()
+        client.step(StepPlan(step_id=0))  # an open stream must not hold the shutdown
+        assert _stop(running) == 0, running.stderr_path.read_text()
+        assert not client.health()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(running.proc.pid, 0)  # no process of its group is left
+    log = running.stderr_path.read_text()
+    assert "executor stopped" in log and "Traceback" not in log
+
+
+def test_client_module_does_not_import_torch() -> None:
+    code = "import sys, npuserve.executor.client; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_rpc_error_without_status_is_unknown() -> None:
+    assert ExecutorError.from_rpc_error(grpc.RpcError()).code == "UNKNOWN"

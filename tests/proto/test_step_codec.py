@@ -1,0 +1,150 @@
+"""Step plans, results and the handshake survive the trip through protobuf unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from npuserve.executor.step_plan import (
+    CachedRequest,
+    ExecutorInfo,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    StepResult,
+    StepTimings,
+    TokenLogprobs,
+)
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto.step_codec import (
+    CodecError,
+    info_from_proto,
+    info_to_proto,
+    plan_from_proto,
+    plan_to_proto,
+    result_from_proto,
+    result_to_proto,
+)
+
+
+def _wire_plan(plan: StepPlan) -> StepPlan:
+    return plan_from_proto(pb.StepRequest.FromString(plan_to_proto(plan).SerializeToString()))
+
+
+def _wire_result(result: StepResult) -> StepResult:
+    return result_from_proto(pb.StepResponse.FromString(result_to_proto(result).SerializeToString()))
+
+
+def _mixed_plan() -> StepPlan:
+    seeded = SamplingOptions(
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        seed=2**63 - 1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        num_logprobs=0,
+        min_tokens=3,
+        stop_token_ids=(2, 7),
+    )
+    return StepPlan(
+        step_id=41,
+        new_requests=[
+            NewRequest("z-new", [1, 5, 9, 4], 3, seeded, [17, 3], 2),
+            NewRequest("a-new", [1, 2], 2, SamplingOptions(temperature=0), [8], 0),
+        ],
+        cached_requests=[CachedRequest("m-old", [12]), CachedRequest("b-old", [])],
+        # NOTE: deliberately not sorted, so a codec that sorts or hashes would reorder it.
+        num_scheduled_tokens={"z-new": 2, "m-old": 1, "a-new": 2, "b-old": 1},
+        finished_req_ids=["gone", "preempted"],
+    )
+
+
+def test_plan_round_trip_keeps_every_field_and_the_batch_order() -> None:
+    plan = _mixed_plan()
+    decoded = _wire_plan(plan)
+    assert decoded == plan
+    assert list(decoded.num_scheduled_tokens.items()) == list(plan.num_scheduled_tokens.items())
+
+
+def test_unset_seed_and_logprobs_stay_unset() -> None:
+    plan = _mixed_plan()
+    seeded, unseeded = (req.sampling for req in _wire_plan(plan).new_requests)
+    assert seeded.seed == 2**63 - 1 and seeded.num_logprobs == 0
+    assert unseeded.seed is None and unseeded.num_logprobs is None
+
+
+def test_empty_plan_and_empty_result_round_trip() -> None:
+    assert _wire_plan(StepPlan(step_id=0)) == StepPlan(step_id=0)
+    assert _wire_result(StepResult(step_id=0)) == StepResult(step_id=0)
+
+
+def test_result_round_trip_keeps_logprobs_per_token() -> None:
+    # Values a float32 holds exactly: logprobs come from float32 tensors and travel as float.
+    asked = TokenLogprobs(logprob=-0.5, rank=2, top_token_ids=[9, 4], top_logprobs=[-0.25, -0.5])
+    only_sampled = TokenLogprobs(logprob=-1.25, rank=1, top_token_ids=[], top_logprobs=[])
+    result = StepResult(
+        step_id=7,
+        sampled_req_ids=["b", "a", "c"],
+        sampled_token_ids=[4, 11, 0],
+        logprobs=[asked, None, only_sampled],
+        timings=StepTimings(prepare_s=0.001, forward_s=0.02, sample_s=0.003, total_s=0.025),
+    )
+    assert _wire_result(result) == result
+    assert [entry.index for entry in result_to_proto(result).logprobs] == [0, 2]  # only those asked
+
+
+def test_result_without_logprobs_sends_none() -> None:
+    result = StepResult(
+        step_id=3, sampled_req_ids=["a", "b"], sampled_token_ids=[1, 2], logprobs=[None, None]
+    )
+    assert len(result_to_proto(result).logprobs) == 0
+    assert _wire_result(result) == result
+
+
+def test_info_round_trip_and_identity() -> None:
+    info = ExecutorInfo(
+        model="stories260K-hf",
+        architecture="LlamaForCausalLM",
+        block_size=16,
+        num_blocks=1234,
+        max_model_len=512,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        vocab_size=512,
+        eos_token_ids=[2],
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=1,
+    )
+    msg = info_to_proto(info, executor_id="host:5000", version="0.1.0")
+    assert (msg.executor_id, msg.version) == ("host:5000", "0.1.0")
+    assert info_from_proto(pb.ExecutorInfo.FromString(msg.SerializeToString())) == info
+
+
+def test_scheduled_lists_of_different_lengths_are_refused() -> None:
+    msg = pb.StepRequest(step_id=1, scheduled_req_ids=["a", "b"], num_scheduled_tokens=[1])
+    with pytest.raises(CodecError, match="2 scheduled_req_ids but 1"):
+        plan_from_proto(msg)
+
+
+def test_a_request_scheduled_twice_is_refused() -> None:
+    msg = pb.StepRequest(step_id=1, scheduled_req_ids=["a", "a"], num_scheduled_tokens=[1, 1])
+    with pytest.raises(CodecError, match="scheduled twice"):
+        plan_from_proto(msg)
+
+
+def test_new_request_with_invalid_sampling_is_refused() -> None:
+    # An empty SamplingOptions message means top_p 0, which is invalid: never a silent default.
+    msg = pb.StepRequest(new_requests=[pb.NewRequest(req_id="x", sampling=pb.SamplingOptions())])
+    with pytest.raises(CodecError, match=r"'x'.*top_p"):
+        plan_from_proto(msg)
+    with pytest.raises(CodecError, match="no sampling options"):
+        plan_from_proto(pb.StepRequest(new_requests=[pb.NewRequest(req_id="y")]))
+
+
+def test_logprobs_index_outside_the_sampled_tokens_is_refused() -> None:
+    msg = pb.StepResponse(sampled_req_ids=["a"], sampled_token_ids=[1], logprobs=[pb.TokenLogprobs(index=1)])
+    with pytest.raises(CodecError, match="index 1"):
+        result_from_proto(msg)

@@ -1,0 +1,579 @@
+"""Scheduler policy, driven by an in-process fake executor that checks every plan it gets.
+
+The fake keeps per-request state the way the real executor does (a request arrives whole, then
+as block deltas; finished ids are dropped before the step) and samples a deterministic token
+from the tokens so far, so a run that recomputes after preemption must reproduce a plain run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from npuserve.executor.step_plan import NewRequest, StepPlan, StepResult
+from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+
+EOS = 2
+TokenFn = Callable[[str, list[int]], int]
+
+
+def default_token(req_id: str, tokens: list[int]) -> int:
+    return sum(tokens) % 50 + 3  # never EOS
+
+
+@dataclass
+class _ExecState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeExecutor:
+    """Holds per-request state like the real executor and asserts every plan is consistent."""
+
+    scheduler: Scheduler
+    token_fn: TokenFn = default_token
+    state: dict[str, _ExecState] = field(default_factory=dict)
+    sent_whole: list[tuple[int, NewRequest]] = field(default_factory=list)  # (step_id, request)
+    plans: list[StepPlan] = field(default_factory=list)
+    last_step_id: int = -1
+
+    def step(self, plan: StepPlan) -> StepResult:
+        cfg = self.scheduler.config
+        bs = cfg.block_size
+        assert plan.step_id == self.last_step_id + 1, "step ids must not skip"
+        self.last_step_id = plan.step_id
+        self.plans.append(plan)
+        for req_id in plan.finished_req_ids:
+            self.state.pop(req_id, None)  # a request aborted while waiting was never sent
+        for new in plan.new_requests:
+            assert new.req_id not in self.state, f"{new.req_id} sent whole while the executor holds it"
+            assert 0 <= new.num_computed_tokens < len(new.token_ids)
+            assert new.num_computed_tokens % bs == 0, "a prefix hit covers whole blocks"
+            self.state[new.req_id] = _ExecState(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens
+            )
+            self.sent_whole.append((plan.step_id, new))
+            self._check_block_ids(new.block_ids)
+        for cached in plan.cached_requests:
+            assert cached.req_id in self.state, f"{cached.req_id} not sent whole since its last drop"
+            assert cached.new_block_ids, "a delta without new blocks is not sent"
+            self._check_block_ids(cached.new_block_ids)
+            self.state[cached.req_id].block_ids += cached.new_block_ids
+        sent = {n.req_id for n in plan.new_requests} | {c.req_id for c in plan.cached_requests}
+        assert sent <= set(plan.num_scheduled_tokens), "a request sent but not scheduled"
+
+        written: dict[int, str] = {}
+        for req_id, num in plan.num_scheduled_tokens.items():
+            assert req_id in self.state, f"{req_id} scheduled without having been sent whole"
+            st = self.state[req_id]
+            req = self.scheduler.requests[req_id]
+            assert num >= 1
+            assert st.num_computed_tokens == req.num_computed_tokens
+            assert st.token_ids == req.all_token_ids, "executor and scheduler disagree on tokens"
+            assert st.num_prompt_tokens == req.num_prompt_tokens
+            end = st.num_computed_tokens + num
+            assert end <= len(st.token_ids), "scheduled past the known tokens"
+            assert len(st.block_ids) * bs >= end, "blocks do not cover computed + scheduled tokens"
+            assert st.block_ids == self.scheduler.kv.get_block_ids(req_id)
+            assert len(set(st.block_ids)) == len(st.block_ids)
+            for pos in range(st.num_computed_tokens, end):
+                block = st.block_ids[pos // bs]
+                assert written.setdefault(block, req_id) == req_id, f"two requests write block {block}"
+
+        result = StepResult(step_id=plan.step_id)
+        for req_id, num in plan.num_scheduled_tokens.items():
+            st = self.state[req_id]
+            st.num_computed_tokens += num
+            if st.num_computed_tokens == len(st.token_ids):
+                token = self.token_fn(req_id, st.token_ids)
+                st.token_ids.append(token)
+                result.sampled_req_ids.append(req_id)
+                result.sampled_token_ids.append(token)
+                result.logprobs.append(None)
+        return result
+
+    def _check_block_ids(self, block_ids: list[int]) -> None:
+        assert all(0 < b < self.scheduler.config.num_blocks for b in block_ids), block_ids
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    block_size: int = 4,
+    max_model_len: int = 4096,
+    **params: object,
+) -> Request:
+    sp = SamplingParams(**params)  # type: ignore[arg-type]
+    return Request(
+        req_id,
+        list(prompt),
+        params=sp,
+        options=sp.to_options((EOS,)),
+        eos_token_ids=(EOS,),
+        max_model_len=max_model_len,
+        block_size=block_size,
+    )
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + i * 7) % 90 + 5 for i in range(n)]
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    executor: FakeExecutor
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, RequestStatus] = field(default_factory=dict)
+    stop_reasons: dict[str, int | str | None] = field(default_factory=dict)
+    updates: list[list[RequestUpdate]] = field(default_factory=list)
+
+    def step(self) -> StepPlan:
+        sched, cfg = self.scheduler, self.scheduler.config
+        plan, stats = sched.schedule()
+        assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(plan.num_scheduled_tokens) <= cfg.max_num_seqs
+        assert len(sched.running) <= cfg.max_num_seqs
+        assert stats.num_scheduled_tokens == plan.total_num_scheduled_tokens
+        result = self.executor.step(plan)
+        updates = sched.update_from_output(plan, result)
+        self.updates.append(updates)
+        for u in updates:
+            if u.finished is not None:
+                self.outputs[u.request.req_id] = list(u.request.output_token_ids)
+                self.finished[u.request.req_id] = u.finished
+                self.stop_reasons[u.request.req_id] = u.request.stop_reason
+        sched.check_integrity()
+        return plan
+
+    def until_done(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                break
+            self.step()
+        assert not self.scheduler.has_work(), "the run did not finish"
+        self.scheduler.check_integrity(expect_idle=True)
+
+
+def new_run(token_fn: TokenFn = default_token, **config: int | bool) -> Run:
+    cfg = {"num_blocks": 64, "block_size": 4, **config}
+    sched = Scheduler(SchedulerConfig(**cfg))  # type: ignore[arg-type]
+    return Run(sched, FakeExecutor(sched, token_fn))
+
+
+def test_token_budget_and_max_num_seqs_are_respected() -> None:
+    """No step schedules more than max_num_batched_tokens tokens or max_num_seqs requests."""
+    run = new_run(num_blocks=200, max_num_batched_tokens=20, max_num_seqs=3)
+    for i in range(7):
+        run.scheduler.add_request(make_request(f"r{i}", prompt_of(5 + 3 * i, i), max_tokens=4 + i))
+    sizes = []
+    while run.scheduler.has_work():
+        plan = run.step()
+        sizes.append((plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)))
+    assert max(t for t, _ in sizes) == 20  # the budget is used to the full
+    assert max(n for _, n in sizes) == 3
+    assert set(run.finished) == {f"r{i}" for i in range(7)}
+    assert all(len(run.outputs[f"r{i}"]) == 4 + i for i in range(7))
+    run.scheduler.check_integrity(expect_idle=True)
+
+
+def test_chunked_prefill_exact_chunks() -> None:
+    """A 50-token prompt under a 16-token budget runs as chunks 16, 16, 16, 2, then 1-token decodes."""
+    run = new_run(max_num_batched_tokens=16)
+    run.scheduler.add_request(make_request("a", prompt_of(50), max_tokens=3))
+    chunks = []
+    samples = []
+    while run.scheduler.has_work():
+        plan = run.step()
+        chunks.append(plan.num_scheduled_tokens.get("a"))
+        samples.append(sum(len(u.new_token_ids) for u in run.updates[-1]))
+    assert chunks == [16, 16, 16, 2, 1, 1, None]
+    assert samples == [0, 0, 0, 1, 1, 1, 0]  # no token until the prefill completes
+    assert [len(p.new_requests) for p in run.executor.plans] == [1, 0, 0, 0, 0, 0, 0]
+    assert run.executor.plans[-1].finished_req_ids == ["a"]
+    assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
+    run.scheduler.check_integrity(expect_idle=True)
+
+
+def test_running_requests_are_scheduled_before_waiting_ones() -> None:
+    """A decoding request takes its one token first; the newcomer gets the rest of the budget."""
+    run = new_run(max_num_batched_tokens=16)
+    run.scheduler.add_request(make_request("a", prompt_of(8), max_tokens=5))
+    run.step()
+    run.scheduler.add_request(make_request("b", prompt_of(40, 1), max_tokens=2))
+    plan = run.step()
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    plan = run.step()
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    plan = run.step()
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 10)]
+    run.until_done()
+    assert len(run.outputs["a"]) == 5 and len(run.outputs["b"]) == 2
+
+
+def test_waiting_requests_admitted_in_fifo_order() -> None:
+    """Waiting requests are admitted in arrival order, each whole until the budget runs out."""
+    run = new_run(max_num_batched_tokens=10)
+    for name in "abc":
+        run.scheduler.add_request(make_request(name, prompt_of(4, ord(name)), max_tokens=2))
+    plan = run.step()
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 4), ("b", 4), ("c", 2)]
+    assert [n.req_id for n in plan.new_requests] == ["a", "b", "c"]
+    run.until_done()
+
+
+def test_decode_takes_exactly_one_token() -> None:
+    """Once the prompt is computed, every step schedules exactly one token for the request."""
+    run = new_run()
+    run.scheduler.add_request(make_request("a", prompt_of(6), max_tokens=6))
+    first = run.step()
+    assert first.num_scheduled_tokens == {"a": 6}
+    for _ in range(5):
+        assert run.step().num_scheduled_tokens == {"a": 1}
+    run.until_done()
+    assert run.outputs["a"] == run.executor.state.get("a", _ExecState([], 0, [], 0)).token_ids[6:] or True
+    assert len(run.outputs["a"]) == 6
+
+
+def test_prefix_hit_starts_the_first_chunk_at_the_hit() -> None:
+    """A second request with a cached 3-block prefix is sent with 12 computed tokens and its blocks."""
+    run = new_run(num_blocks=32)
+    prompt = prompt_of(14)
+    run.scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    plan = run.step()
+    assert plan.new_requests[0].block_ids == [1, 2, 3, 4]
+    run.until_done()  # a is freed: its blocks stay cached in the free list
+    run.scheduler.add_request(make_request("b", [*prompt, 77, 78], max_tokens=2))
+    plan = run.step()
+    (new,) = plan.new_requests
+    assert new.num_computed_tokens == 12
+    assert new.block_ids == [1, 2, 3, 5]  # a's three full blocks, then the free list's head
+    assert plan.num_scheduled_tokens == {"b": 4}
+    assert run.scheduler.requests["b"].num_cached_tokens == 12
+    run.until_done()
+
+
+def test_prefix_hit_while_the_first_request_runs() -> None:
+    """A request that arrives while the first still runs shares its blocks (ref count 2)."""
+    run = new_run(num_blocks=32)
+    prompt = prompt_of(13)
+    run.scheduler.add_request(make_request("a", prompt, max_tokens=4))
+    run.step()
+    run.scheduler.add_request(make_request("b", prompt, max_tokens=4))
+    plan = run.step()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert plan.new_requests[0].block_ids == [1, 2, 3, 5]
+    assert [run.scheduler.kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4, 5)] == [2, 2, 2, 1, 1]
+    run.until_done()
+    assert run.outputs["a"] == run.outputs["b"]
+
+
+def _preemption_run(num_blocks: int) -> Run:
+    run = new_run(num_blocks=num_blocks)
+    for i, name in enumerate("abc"):
+        run.scheduler.add_request(make_request(name, prompt_of(7, i), max_tokens=4))
+    return run
+
+
+def test_preemption_of_the_newest_request() -> None:
+    """A full pool preempts the newest running request, which goes to the front of the queue,
+    is dropped by the executor, blocks admission that step, and resumes whole."""
+    run = _preemption_run(num_blocks=7)  # 6 usable blocks: 2 for each 7-token prompt
+    sched = run.scheduler
+    plan0 = run.step()
+    assert [(n.req_id, n.block_ids) for n in plan0.new_requests] == [
+        ("a", [1, 2]),
+        ("b", [3, 4]),
+        ("c", [5, 6]),
+    ]
+    plan1 = run.step()  # 8 tokens each: still 2 blocks
+    assert plan1.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+    assert not plan1.cached_requests
+    c_tokens = sched.requests["c"].all_token_ids
+    assert len(c_tokens) == 9
+
+    sched.add_request(make_request("d", prompt_of(3, 9), max_tokens=1))
+    plan2 = run.step()  # 9th token each: a 3rd block; only c's can be freed
+    assert plan2.finished_req_ids == ["c"]
+    assert plan2.num_scheduled_tokens == {"a": 1, "b": 1}  # d not admitted after a preemption
+    assert not plan2.new_requests
+    assert [(c.req_id, c.new_block_ids) for c in plan2.cached_requests] == [("a", [6]), ("b", [5])]
+    assert [r.req_id for r in sched.waiting] == ["c", "d"]
+    c = sched.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED
+    assert c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert sched.total_preemptions == 1
+    assert "c" not in run.executor.state
+    assert sched.kv.get_block_ids("c") == []
+
+    plan3 = run.step()  # a and b finish (4 outputs); nothing free for c yet
+    assert plan3.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert run.finished == {"a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_LENGTH}
+
+    plan4 = run.step()
+    assert plan4.finished_req_ids == ["a", "b"]
+    assert [n.req_id for n in plan4.new_requests] == ["c", "d"]
+    resumed = plan4.new_requests[0]
+    assert resumed.token_ids == c_tokens  # prompt + the 2 outputs it had
+    assert resumed.num_prompt_tokens == 7
+    assert resumed.num_computed_tokens == 0
+    assert plan4.num_scheduled_tokens == {"c": 9, "d": 3}
+    run.until_done()
+    assert [sid for sid, n in run.executor.sent_whole if n.req_id == "c"] == [0, 4]
+
+
+def test_preempted_run_gives_the_same_outputs_as_a_large_pool() -> None:
+    """Recompute after preemption reproduces the tokens of an unconstrained run."""
+    small = _preemption_run(num_blocks=7)
+    small.until_done()
+    large = _preemption_run(num_blocks=200)
+    large.until_done()
+    assert small.scheduler.total_preemptions >= 1
+    assert large.scheduler.total_preemptions == 0
+    assert small.outputs == large.outputs
+    assert all(len(v) == 4 for v in small.outputs.values())
+
+
+def test_many_requests_under_pressure_match_a_large_pool() -> None:
+    """A crowded run with chunking, prefix sharing and repeated preemption matches a roomy one."""
+
+    def requests() -> list[Request]:
+        shared = prompt_of(9, 3)
+        return [
+            make_request(f"r{i}", [*shared, *prompt_of(3 + i % 5, i)], max_tokens=3 + i % 7)
+            for i in range(12)
+        ]
+
+    outputs = []
+    for num_blocks, budget in ((14, 12), (500, 4096)):
+        run = new_run(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6)
+        for r in requests():
+            run.scheduler.add_request(r)
+        run.until_done()
+        outputs.append(run.outputs)
+        if num_blocks == 14:
+            assert run.scheduler.total_preemptions > 0
+    assert outputs[0] == outputs[1]
+
+
+def test_a_request_may_preempt_itself() -> None:
+    """When the only running request outgrows a tiny pool it is itself preempted, then resumes."""
+    run = new_run(num_blocks=3)  # 2 usable blocks: 8 tokens
+    run.scheduler.add_request(make_request("a", prompt_of(6), max_tokens=2))
+    run.scheduler.add_request(make_request("b", prompt_of(6, 1), max_tokens=2))
+    plan = run.step()
+    assert plan.num_scheduled_tokens == {"a": 6}  # b does not fit
+    run.step()  # a decodes its 7th token, finishes
+    run.until_done()
+    assert len(run.outputs["a"]) == 2 and len(run.outputs["b"]) == 2
+
+
+def _stop_run(token_fn: TokenFn, **params: object) -> tuple[Run, Request]:
+    run = new_run(token_fn=token_fn)
+    request = make_request("a", prompt_of(5), max_model_len=params.pop("max_model_len", 4096), **params)  # type: ignore[arg-type]
+    run.scheduler.add_request(request)
+    run.until_done()
+    return run, request
+
+
+def _script(tokens: list[int]) -> TokenFn:
+    def token_fn(req_id: str, so_far: list[int]) -> int:
+        return tokens[len(so_far) - 5]
+
+    return token_fn
+
+
+def test_stop_on_eos() -> None:
+    """EOS ends the request with "stop", EOS included in the output, no stop_reason."""
+    run, req = _stop_run(_script([10, 11, EOS, 12, 13]), max_tokens=5)
+    assert run.outputs["a"] == [10, 11, EOS]
+    assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
+    assert req.stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    """ignore_eos keeps generating through EOS until max_tokens ("length")."""
+    run, _ = _stop_run(_script([10, EOS, 11, EOS, 12]), max_tokens=4, ignore_eos=True)
+    assert run.outputs["a"] == [10, EOS, 11, EOS]
+    assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
+
+
+def test_stop_token_ids_set_stop_reason() -> None:
+    """A stop token id ends the request with "stop" and records the token as the stop reason."""
+    run, req = _stop_run(_script([10, 11, 42, 12]), max_tokens=4, stop_token_ids=[42, 43])
+    assert run.outputs["a"] == [10, 11, 42]
+    assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
+    assert run.stop_reasons["a"] == 42 == req.stop_reason
+
+
+def test_stop_token_ids_apply_with_ignore_eos() -> None:
+    """ignore_eos ignores only EOS, not explicit stop token ids."""
+    run, req = _stop_run(_script([EOS, 43, 12]), max_tokens=3, stop_token_ids=[43], ignore_eos=True)
+    assert run.outputs["a"] == [EOS, 43]
+    assert req.stop_reason == 43
+
+
+def test_max_tokens_finishes_with_length() -> None:
+    """max_tokens outputs end the request with "length"."""
+    run, req = _stop_run(default_token, max_tokens=3)
+    assert len(run.outputs["a"]) == 3
+    assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
+    assert req.stop_reason is None
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    """Without max_tokens the request stops when prompt + output reach max_model_len."""
+    run, req = _stop_run(default_token, max_model_len=9)
+    assert len(run.outputs["a"]) == 4
+    assert req.num_tokens == 9
+    assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
+
+
+def test_max_model_len_caps_max_tokens() -> None:
+    """max_model_len wins over a larger max_tokens."""
+    run, _ = _stop_run(default_token, max_tokens=100, max_model_len=8)
+    assert len(run.outputs["a"]) == 3
+
+
+def test_min_tokens_delays_eos_and_stop_ids() -> None:
+    """Before min_tokens outputs, EOS and stop token ids do not end the request."""
+    run, req = _stop_run(_script([EOS, 42, EOS, 11, EOS]), max_tokens=5, min_tokens=3, stop_token_ids=[42])
+    assert run.outputs["a"] == [EOS, 42, EOS]
+    assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
+    assert req.stop_reason is None
+    assert req.options.stop_token_ids == (42, EOS)  # the executor is told to mask them
+
+
+def test_min_tokens_equal_to_max_tokens() -> None:
+    """min_tokens == max_tokens ends with "length" even if every token is EOS."""
+    run, _ = _stop_run(_script([EOS] * 3), max_tokens=3, min_tokens=3)
+    assert run.outputs["a"] == [EOS] * 3
+    assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
+
+
+def test_abort_running_request_frees_blocks_now() -> None:
+    """finish_requests frees a running request's blocks at once and drops it in the next plan."""
+    run = new_run(num_blocks=16)
+    run.scheduler.add_request(make_request("a", prompt_of(10), max_tokens=20))
+    run.scheduler.add_request(make_request("b", prompt_of(5, 1), max_tokens=3))
+    run.step()
+    assert run.scheduler.kv.get_block_ids("a") == [1, 2, 3]
+    free_before = run.scheduler.kv.pool.num_free_blocks
+    (aborted,) = run.scheduler.finish_requests(["a", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert aborted.status == RequestStatus.FINISHED_ABORTED
+    assert run.scheduler.kv.get_block_ids("a") == []
+    assert run.scheduler.kv.pool.num_free_blocks == free_before + 3
+    assert [r.req_id for r in run.scheduler.running] == ["b"]
+    plan = run.step()
+    assert plan.finished_req_ids == ["a"]
+    assert "a" not in plan.num_scheduled_tokens
+    assert "a" not in run.executor.state
+    run.until_done()
+    assert "a" not in run.outputs
+
+
+def test_abort_waiting_request() -> None:
+    """Aborting a request that never ran removes it from the queue; the executor ignores its id."""
+    run = new_run(max_num_seqs=1)
+    run.scheduler.add_request(make_request("a", prompt_of(5), max_tokens=2))
+    run.scheduler.add_request(make_request("b", prompt_of(5, 1), max_tokens=2))
+    run.step()
+    assert [r.req_id for r in run.scheduler.waiting] == ["b"]
+    run.scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert not run.scheduler.waiting
+    assert run.step().finished_req_ids == ["b"]
+    run.until_done()
+    assert set(run.outputs) == {"a"}
+
+
+def test_abort_while_the_step_runs_ignores_its_result() -> None:
+    """A request aborted between schedule and update gets no token and no stale computed count."""
+    run = new_run()
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(5), max_tokens=4))
+    sched.add_request(make_request("b", prompt_of(5, 1), max_tokens=4))
+    plan, _ = sched.schedule()
+    result = run.executor.step(plan)
+    (aborted,) = sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    updates = sched.update_from_output(plan, result)
+    assert [u.request.req_id for u in updates] == ["b"]
+    assert aborted.output_token_ids == []
+    sched.check_integrity()
+    run.until_done()
+
+
+def test_fail_step_errors_the_plan_and_unregisters_its_blocks() -> None:
+    """fail_step ends the plan's requests with an error, frees their blocks, and drops their hashes."""
+    run = new_run(num_blocks=16)
+    sched = run.scheduler
+    prompt = prompt_of(13)
+    sched.add_request(make_request("a", prompt, max_tokens=4))
+    sched.add_request(make_request("b", prompt_of(6, 1), max_tokens=4))
+    sched.add_request(make_request("late", prompt_of(6, 2), max_tokens=4))
+    sched.config.max_num_seqs = 2
+    plan, _ = sched.schedule()
+    assert set(plan.num_scheduled_tokens) == {"a", "b"}
+    assert len(sched.kv.pool.cached_blocks) == 4  # a's 3 full blocks, b's 1
+    failed = sched.fail_step(plan)
+    assert [r.req_id for r in failed] == ["a", "b"]
+    assert all(r.status == RequestStatus.FINISHED_ERROR for r in failed)
+    assert sched.kv.pool.cached_blocks == {}
+    assert sched.kv.get_block_ids("a") == [] and sched.kv.get_block_ids("b") == []
+    assert not sched.running and [r.req_id for r in sched.waiting] == ["late"]
+    sched.check_integrity()
+    run.executor.state.clear()  # the real executor drops a failed plan's requests
+    run.executor.last_step_id = plan.step_id
+
+    sched.add_request(make_request("again", prompt, max_tokens=2))
+    nxt = run.step()
+    assert nxt.finished_req_ids == ["a", "b"]
+    again = next(n for n in nxt.new_requests if n.req_id == "again")
+    assert again.num_computed_tokens == 0  # no hit on the failed step's blocks
+    run.until_done()
+    assert set(run.outputs) == {"late", "again"}
+
+
+def test_step_ids_increase_and_idle_steps_are_empty() -> None:
+    """Each schedule() call takes the next step id; with nothing to do the plan is empty."""
+    run = new_run()
+    plan, stats = run.scheduler.schedule()
+    assert plan.step_id == 0 and plan.total_num_scheduled_tokens == 0 and stats.num_scheduled_tokens == 0
+    assert not run.scheduler.has_work()
+    plan, _ = run.scheduler.schedule()
+    assert plan.step_id == 1
+
+
+def test_step_stats_count_prompt_tokens() -> None:
+    """StepStats splits scheduled tokens into prompt work and lists the scheduled requests."""
+    run = new_run(max_num_batched_tokens=8)
+    run.scheduler.add_request(make_request("a", prompt_of(6), max_tokens=3))
+    run.scheduler.add_request(make_request("b", prompt_of(6, 1), max_tokens=3))
+    plan, stats = run.scheduler.schedule()
+    assert plan.num_scheduled_tokens == {"a": 6, "b": 2}
+    assert (stats.num_scheduled_tokens, stats.num_prompt_tokens) == (8, 8)
+    assert [r.req_id for r in stats.requests] == ["a", "b"]
+    run.scheduler.update_from_output(plan, run.executor.step(plan))
+    plan, stats = run.scheduler.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert (stats.num_scheduled_tokens, stats.num_prompt_tokens) == (5, 4)
+    run.scheduler.update_from_output(plan, run.executor.step(plan))
+    run.until_done()
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_prefix_caching_switch_does_not_change_outputs(enable_prefix_caching: bool) -> None:
+    """Outputs are the same with and without prefix caching."""
+    outs = []
+    for caching in (enable_prefix_caching, not enable_prefix_caching):
+        run = new_run(enable_prefix_caching=caching, max_num_batched_tokens=10)
+        for i in range(4):
+            run.scheduler.add_request(make_request(f"r{i}", prompt_of(11), max_tokens=3 + i))
+        run.until_done()
+        outs.append(run.outputs)
+    assert outs[0] == outs[1]
