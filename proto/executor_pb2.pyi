@@ -108,19 +108,21 @@ class StepRequest(_message.Message):
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class TokenLogprobs(_message.Message):
-    __slots__ = ("index", "logprob", "rank", "top_token_ids", "top_logprobs")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
+class SampledLogprobs(_message.Message):
+    __slots__ = ("indices", "logprobs", "ranks", "num_top", "top_token_ids", "top_logprobs")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    logprob: float
-    rank: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    num_top: _containers.RepeatedScalarFieldContainer[int]
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, index: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("prepare_s", "forward_s", "sample_s", "total_s")
@@ -144,9 +146,9 @@ class StepResponse(_message.Message):
     step_id: int
     sampled_req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    logprobs: SampledLogprobs
     timings: StepTimings
-    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -261,3 +261,37 @@ class GetMetricsResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class CheckIntegrityRequest(_message.Message):
+    __slots__ = ("expect_idle",)
+    EXPECT_IDLE_FIELD_NUMBER: _ClassVar[int]
+    expect_idle: bool
+    def __init__(self, expect_idle: _Optional[bool] = ...) -> None: ...
+
+class ExecutorPoolState(_message.Message):
+    __slots__ = ("executor_id", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, executor_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+
+class CheckIntegrityResponse(_message.Message):
+    __slots__ = ("ok", "message", "executors")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorPoolState]
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorPoolState, _Mapping]]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class SchedulerStub:
                 request_serializer=npuserve_dot_proto_dot_scheduler__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
+        self.CheckIntegrity = channel.unary_unary(
+                '/npuserve.scheduler.v1.Scheduler/CheckIntegrity',
+                request_serializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -116,6 +121,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckIntegrity(self, request, context):
+        """Operators and tests: checks every executor's block pool (free + cached + in use == total,
+        consistent free list and hash map) on the scheduling threads, between steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +166,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GetMetricsRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_scheduler__pb2.GetMetricsResponse.SerializeToString,
+            ),
+            'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckIntegrity,
+                    request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +362,33 @@ class Scheduler:
             '/npuserve.scheduler.v1.Scheduler/GetMetrics',
             npuserve_dot_proto_dot_scheduler__pb2.GetMetricsRequest.SerializeToString,
             npuserve_dot_proto_dot_scheduler__pb2.GetMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/npuserve.scheduler.v1.Scheduler/CheckIntegrity',
+            npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.SerializeToString,
+            npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.FromString,
             options,
             channel_credentials,
             insecure,

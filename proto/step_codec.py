@@ -145,19 +145,19 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
             prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
         ),
     )
-    # NOTE: only the tokens whose request asked for logprobs travel, each with its index.
-    msg.logprobs.extend(
-        pb.TokenLogprobs(
-            index=i,
-            logprob=lp.logprob,
-            rank=lp.rank,
-            top_token_ids=lp.top_token_ids,
-            top_logprobs=lp.top_logprobs,
-        )
-        for i, lp in enumerate(result.logprobs)
-        if lp is not None
-    )
+    asked = [(i, lp) for i, lp in enumerate(result.logprobs) if lp is not None]
+    if asked:  # NOTE: only the tokens whose request asked for logprobs travel
+        _logprobs_to_proto(asked, msg.logprobs)
     return msg
+
+
+def _logprobs_to_proto(asked: list[tuple[int, TokenLogprobs]], out: pb.SampledLogprobs) -> None:
+    out.indices.extend([i for i, _ in asked])
+    out.logprobs.extend([lp.logprob for _, lp in asked])
+    out.ranks.extend([lp.rank for _, lp in asked])
+    out.num_top.extend([len(lp.top_token_ids) for _, lp in asked])
+    out.top_token_ids.extend([t for _, lp in asked for t in lp.top_token_ids])
+    out.top_logprobs.extend([t for _, lp in asked for t in lp.top_logprobs])
 
 
 def result_from_proto(msg: pb.StepResponse) -> StepResult:
@@ -181,15 +181,22 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
 
 def _logprobs_from_proto(msg: pb.StepResponse, num_sampled: int) -> list[TokenLogprobs | None]:
     logprobs: list[TokenLogprobs | None] = [None] * num_sampled
-    for entry in msg.logprobs:
-        if not 0 <= entry.index < num_sampled:
-            raise CodecError(f"step {msg.step_id}: logprobs index {entry.index} outside 0..{num_sampled - 1}")
-        logprobs[entry.index] = TokenLogprobs(
-            logprob=entry.logprob,
-            rank=entry.rank,
-            top_token_ids=entry.top_token_ids[:],
-            top_logprobs=entry.top_logprobs[:],
-        )
+    if not msg.HasField("logprobs"):
+        return logprobs
+    flat = msg.logprobs
+    indices, values, ranks, num_top = flat.indices[:], flat.logprobs[:], flat.ranks[:], flat.num_top[:]
+    top_ids, top_lps = flat.top_token_ids[:], flat.top_logprobs[:]
+    if not len(indices) == len(values) == len(ranks) == len(num_top):
+        raise CodecError(f"step {msg.step_id}: logprobs lists of different lengths")
+    if any(n < 0 for n in num_top) or not sum(num_top) == len(top_ids) == len(top_lps):
+        raise CodecError(f"step {msg.step_id}: top logprobs do not add up to num_top")
+    start = 0
+    for index, value, rank, n in zip(indices, values, ranks, num_top, strict=True):
+        if not 0 <= index < num_sampled:
+            raise CodecError(f"step {msg.step_id}: logprobs index {index} outside 0..{num_sampled - 1}")
+        end = start + n
+        logprobs[index] = TokenLogprobs(value, rank, top_ids[start:end], top_lps[start:end])
+        start = end
     return logprobs
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from npuserve.executor.step_plan import TokenLogprobs
 from npuserve.proto import scheduler_pb2 as pb
-from npuserve.scheduler.engine import PromptInput
+from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=output.request_id)
     for delta in output.completions:
-        msg.completions.append(_completion_to_proto(delta, tokenizer))
+        msg.completions.append(_completion_to_proto(delta, tokenizer, output.error))
     if return_prompt and output.prompt_token_ids is not None:
         msg.prompt.token_ids.extend(output.prompt_token_ids)
         msg.prompt.text = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
@@ -74,9 +74,11 @@ def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt:
     return msg
 
 
-def _completion_to_proto(delta: CompletionDelta, tokenizer: Tokenizer) -> pb.Completion:
+def _completion_to_proto(delta: CompletionDelta, tokenizer: Tokenizer, error: str | None) -> pb.Completion:
     msg = pb.Completion(index=delta.index, text=delta.text, token_ids=delta.token_ids)
     msg.finish_reason = delta.finish_reason or ""
+    if delta.finish_reason == "error" and error:
+        msg.error_message = error
     if isinstance(delta.stop_reason, str):
         msg.stop_string = delta.stop_reason
     elif isinstance(delta.stop_reason, int):
@@ -97,3 +99,15 @@ def _logprob_to_proto(token_id: int, lp: TokenLogprobs, tokenizer: Tokenizer) ->
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def pool_state_to_proto(state: PoolState) -> pb.ExecutorPoolState:
+    return pb.ExecutorPoolState(
+        executor_id=state.executor_id,
+        num_blocks=state.num_blocks,
+        num_free_blocks=state.num_free_blocks,
+        num_cached_blocks=state.num_cached_blocks,
+        num_requests=state.num_requests,
+        prefix_cache_queries=state.prefix_cache_queries,
+        prefix_cache_hits=state.prefix_cache_hits,
+    )

@@ -27,6 +27,31 @@ from npuserve.scheduler.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 
+@dataclass(slots=True)
+class PoolState:
+    executor_id: str
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def _checked_state(scheduler: Scheduler, expect_idle: bool) -> PoolState:
+    scheduler.check_integrity(expect_idle)
+    pool = scheduler.kv.pool
+    return PoolState(
+        executor_id="",
+        num_blocks=pool.num_blocks - 1,
+        num_free_blocks=pool.num_free_blocks,
+        num_cached_blocks=len(pool.cached_blocks),
+        num_requests=len(scheduler.requests),
+        prefix_cache_queries=scheduler.kv.stats.queries,
+        prefix_cache_hits=scheduler.kv.stats.hits,
+    )
+
+
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve (gRPC NOT_FOUND, HTTP 404)."""
 
@@ -78,9 +103,7 @@ class Engine:
         self.block_size = infos[0].block_size
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = infos[0].vocab_size
-        self.eos_token_ids = tuple(infos[0].eos_token_ids) or (
-            (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        )
+        self.eos_token_ids = tuple(infos[0].eos_token_ids) or tokenizer.eos_token_ids
         self.metrics = SchedulerMetrics(self.model_name)
         self.lanes = [
             ExecutorLane(executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event)
@@ -133,6 +156,8 @@ class Engine:
             # NOTE: chat templates write their own special tokens (BOS included).
             return self.tokenizer.encode(text, add_special_tokens=bool(prompt.add_special_tokens))
         if prompt.text is not None:
+            if not prompt.text:
+                raise InvalidRequestError("the prompt is empty", "prompt")
             add_special = prompt.add_special_tokens is not False
             return self.tokenizer.encode(prompt.text, add_special_tokens=add_special)
         token_ids = list(prompt.token_ids or [])
@@ -305,10 +330,15 @@ class Engine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
-    async def check_integrity(self, expect_idle: bool = False) -> None:
-        """Every lane's block pool passes its integrity check (run on the lane threads)."""
+    async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
+        """Every lane's block pool passes its integrity check (run on the lane threads, between
+        steps); raises AssertionError naming the first violation. Returns each pool's state."""
+        states = []
         for lane in self.lanes:
-            await asyncio.wrap_future(lane.call(lambda s: s.check_integrity(expect_idle)))
+            state = await asyncio.wrap_future(lane.call(lambda s: _checked_state(s, expect_idle)))
+            state.executor_id = lane.executor_id
+            states.append(state)
+        return states
 
     async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""

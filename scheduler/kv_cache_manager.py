@@ -57,9 +57,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup (not the retries while it waited)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()

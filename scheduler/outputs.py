@@ -100,11 +100,12 @@ class RequestStream:
         if state.finished:
             return False  # a step that ran while its stop was on the way
         update = state.detokenizer.update(token_ids)
+        kept = update.num_tokens_kept  # tokens after a stop string are not part of the output
         delta = CompletionDelta(
             self.index_of[req_id],
             update.text,
-            token_ids,
-            [lp for lp in logprobs if lp is not None],
+            token_ids[:kept],
+            [lp for lp in logprobs[:kept] if lp is not None],
         )
         stopped_by_string = update.stop_str is not None
         if stopped_by_string:

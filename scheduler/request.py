@@ -55,7 +55,7 @@ class SamplingParams:
         _check_range("min_p", self.min_p, 0, 1)
         _check_range("presence_penalty", self.presence_penalty, -2, 2)
         _check_range("frequency_penalty", self.frequency_penalty, -2, 2)
-        _check_range("repetition_penalty", self.repetition_penalty, 0, 2, low_open=True)
+        _check_range("repetition_penalty", self.repetition_penalty, 0, None, low_open=True)
         _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)

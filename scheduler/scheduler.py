@@ -132,6 +132,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if self.config.enable_prefix_caching:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             plan.new_requests.append(
                 NewRequest(
                     req_id=request.req_id,
@@ -210,6 +212,8 @@ class Scheduler:
         """The executor failed this step: its requests end with an error and give back every block
         (un-registered from the prefix cache: their contents were never confirmed)."""
         failed = []
+        # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
+        self._to_drop.extend(plan.finished_req_ids)
         for req_id in list(plan.num_scheduled_tokens):
             request = self.requests.get(req_id)
             if request is None:

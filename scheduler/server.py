@@ -117,6 +117,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             serving=ready > 0, ready_executors=ready, total_executors=total, message=message
         )
 
+    async def CheckIntegrity(
+        self, request: pb.CheckIntegrityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckIntegrityResponse:
+        try:
+            states = await self.engine.check_integrity(request.expect_idle)
+        except AssertionError as exc:
+            return pb.CheckIntegrityResponse(ok=False, message=str(exc))
+        return pb.CheckIntegrityResponse(
+            ok=True, executors=[api_codec.pool_state_to_proto(s) for s in states]
+        )
+
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:

@@ -164,8 +164,8 @@ def test_health(executor: ExecutorProcess) -> None:
         assert failure.value.code == "UNAVAILABLE"
 
 
-class _BrokenRunner:
-    """Raises a non-plan error on every step, as a device fault would."""
+class _FaultyRunner:
+    """Step 0 fails as a device fault would, step 1 hangs for a while, the others succeed."""
 
     def __init__(self, info: ExecutorInfo) -> None:
         self._info = info
@@ -176,20 +176,35 @@ class _BrokenRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.step_id == 0:
             raise RuntimeError("device lost")
+        if plan.step_id == 1:
+            time.sleep(0.5)
         return StepResult(step_id=plan.step_id)
 
 
+@pytest.fixture
+def faulty_executor(local_runner: ModelRunner) -> Iterator[str]:
+    running = start_executor_server(_FaultyRunner(local_runner.info()), "127.0.0.1", 0, "faulty")
+    yield running.address
+    running.stop(grace_s=0)
+
+
 @pytest.mark.parametrize("mode", CLIENTS)
-def test_other_failures_are_internal(local_runner: ModelRunner, mode: str) -> None:
-    running = start_executor_server(_BrokenRunner(local_runner.info()), "127.0.0.1", 0, "broken")
-    try:
-        with CLIENTS[mode](running.address, timeout_s=10) as client:
-            with pytest.raises(ExecutorError) as failure:
-                client.step(StepPlan(step_id=0))
-            assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
-            assert client.step(StepPlan(step_id=1)) == StepResult(step_id=1)
-    finally:
-        running.stop(grace_s=0)
+def test_other_failures_are_internal(faulty_executor: str, mode: str) -> None:
+    with CLIENTS[mode](faulty_executor, timeout_s=10) as client:
+        with pytest.raises(ExecutorError) as failure:
+            client.step(StepPlan(step_id=0))
+        assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
+        assert client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
+
+
+@pytest.mark.parametrize("mode", CLIENTS)
+def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode: str) -> None:
+    with CLIENTS[mode](faulty_executor, timeout_s=0.1) as client:
+        with pytest.raises(ExecutorError) as failure:
+            client.step(StepPlan(step_id=1))
+        assert failure.value.code == "DEADLINE_EXCEEDED"
+        client.timeout_s = 5
+        assert client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
 
 
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:

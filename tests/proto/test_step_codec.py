@@ -92,14 +92,14 @@ def test_result_round_trip_keeps_logprobs_per_token() -> None:
         timings=StepTimings(prepare_s=0.001, forward_s=0.02, sample_s=0.003, total_s=0.025),
     )
     assert _wire_result(result) == result
-    assert [entry.index for entry in result_to_proto(result).logprobs] == [0, 2]  # only those asked
+    assert result_to_proto(result).logprobs.indices == [0, 2]  # only the tokens that asked
 
 
 def test_result_without_logprobs_sends_none() -> None:
     result = StepResult(
         step_id=3, sampled_req_ids=["a", "b"], sampled_token_ids=[1, 2], logprobs=[None, None]
     )
-    assert len(result_to_proto(result).logprobs) == 0
+    assert not result_to_proto(result).HasField("logprobs")
     assert _wire_result(result) == result
 
 
@@ -145,6 +145,14 @@ def test_new_request_with_invalid_sampling_is_refused() -> None:
 
 
 def test_logprobs_index_outside_the_sampled_tokens_is_refused() -> None:
-    msg = pb.StepResponse(sampled_req_ids=["a"], sampled_token_ids=[1], logprobs=[pb.TokenLogprobs(index=1)])
+    flat = pb.SampledLogprobs(indices=[1], logprobs=[-1.0], ranks=[1], num_top=[0])
+    msg = pb.StepResponse(sampled_req_ids=["a"], sampled_token_ids=[1], logprobs=flat)
     with pytest.raises(CodecError, match="index 1"):
+        result_from_proto(msg)
+
+
+def test_logprobs_lists_that_do_not_add_up_are_refused() -> None:
+    flat = pb.SampledLogprobs(indices=[0], logprobs=[-1.0], ranks=[1], num_top=[2], top_token_ids=[3])
+    msg = pb.StepResponse(sampled_req_ids=["a"], sampled_token_ids=[1], logprobs=flat)
+    with pytest.raises(CodecError, match="do not add up"):
         result_from_proto(msg)

@@ -219,16 +219,20 @@ def test_decode_growth_registers_output_blocks() -> None:
     kv.check_integrity(expect_idle=True)
 
 
-def test_stats_count_queries_and_hits() -> None:
-    """Each lookup adds its tokens to queries and its hit tokens to hits."""
+def test_stats_count_recorded_lookups_only() -> None:
+    """Lookups count only when recorded (once per admitted request), not on every retry."""
     kv = KVCacheManager(10, BS)
     admit(kv, make_request("a", PROMPT))
-    assert (kv.stats.queries, kv.stats.hits) == (13, 0)
-    kv.get_computed_blocks(make_request("b", PROMPT))
-    assert (kv.stats.queries, kv.stats.hits) == (26, 12)
-    kv.get_computed_blocks(make_request("c", PROMPT[:9]))
-    assert (kv.stats.queries, kv.stats.hits) == (35, 20)
-    assert kv.stats.hit_rate == pytest.approx(20 / 35)
+    assert (kv.stats.queries, kv.stats.hits) == (0, 0)
+    for _ in range(3):  # a request retried at the head of the queue
+        _, n = kv.get_computed_blocks(make_request("b", PROMPT))
+    assert (kv.stats.queries, kv.stats.hits) == (0, 0)
+    kv.record_prefix_lookup(len(PROMPT), n)
+    assert (kv.stats.queries, kv.stats.hits) == (13, 12)
+    _, n = kv.get_computed_blocks(make_request("c", PROMPT[:9]))
+    kv.record_prefix_lookup(9, n)
+    assert (kv.stats.queries, kv.stats.hits) == (22, 20)
+    assert kv.stats.hit_rate == pytest.approx(20 / 22)
 
 
 def test_caching_disabled() -> None:

@@ -1,0 +1,233 @@
+"""`npuserve serve` end to end: real processes, real gRPC, outputs checked against transformers.
+
+Every scenario ends with the scheduler's block-pool integrity check passing with no block in use.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from harness.serve import collect, generate_concurrently, greedy_request, serve
+
+from npuserve.proto import scheduler_pb2 as pb
+
+transformers = pytest.importorskip("transformers")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+NUM_STREAMS = 32
+NUM_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    """A random-weight Llama with the TinyStories tokenizer (vocab 512)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # spread logits: no argmax ties for float rounding to flip
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("random-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(stories_dir / name, path / name)
+    return path
+
+
+def prompts(
+    count: int, seed: int, min_len: int = 3, max_len: int = 60, prefix: list[int] | None = None
+) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator).tolist()
+    return [(prefix or []) + torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
+
+
+def reference(model_dir: Path, prompt_ids: list[list[int]], num_new: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for ids in prompt_ids:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def assert_idle_and_intact(served) -> None:
+    check = served.integrity(expect_idle=True)
+    assert check.ok, check.message
+    assert all(e.num_requests == 0 and e.num_free_blocks == e.num_blocks for e in check.executors)
+
+
+@pytest.mark.parametrize("which", ["stories260K", "random-llama"])
+def test_concurrent_greedy_streams_match_transformers(
+    which: str, stories_dir: Path, random_llama: Path
+) -> None:
+    model_dir = stories_dir if which == "stories260K" else random_llama
+    prompt_ids = prompts(NUM_STREAMS, seed=1)
+    expected = reference(model_dir, prompt_ids, NUM_NEW)
+    with serve(model_dir, "--kv-cache-memory", "0.02") as served:
+        results = generate_concurrently(served.stub(), [greedy_request(p, NUM_NEW) for p in prompt_ids])
+        assert [tokens for tokens, _, _ in results] == expected
+        for (_, _, last), ids in zip(results, prompt_ids, strict=True):
+            assert last.completions[-1].finish_reason == "length"
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), NUM_NEW)
+        assert_idle_and_intact(served)
+
+
+def test_prefix_caching_hits_with_identical_outputs(random_llama: Path) -> None:
+    shared = prompts(1, seed=2, min_len=80, max_len=80)[0]  # five full blocks of 16
+    first_wave = prompts(8, seed=3, min_len=4, max_len=20, prefix=shared)
+    second_wave = prompts(8, seed=4, min_len=4, max_len=20, prefix=shared)
+    expected = reference(random_llama, first_wave + second_wave, NUM_NEW)
+    outputs = {}
+    for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        with serve(random_llama, "--kv-cache-memory", "0.02", caching) as served:
+            stub = served.stub()
+            first = generate_concurrently(stub, [greedy_request(p, NUM_NEW) for p in first_wave])
+            second = generate_concurrently(stub, [greedy_request(p, NUM_NEW) for p in second_wave])
+            outputs[caching] = [tokens for tokens, _, _ in first + second]
+            cached = [last.usage.cached_prompt_tokens for _, _, last in second]
+            hits = served.metric("vllm:prefix_cache_hits_total")
+            if caching == "--enable-prefix-caching":
+                assert min(cached) >= 80 - 16 and hits >= 8 * 64
+                assert served.metric("vllm:prefix_cache_queries_total") >= hits
+            else:
+                assert max(cached) == 0 and hits == 0
+            assert_idle_and_intact(served)
+    assert outputs["--enable-prefix-caching"] == outputs["--no-enable-prefix-caching"] == expected
+
+
+def test_preemption_keeps_greedy_outputs(random_llama: Path) -> None:
+    # 2 layers x 2 KV heads x 16 dims x (K, V) x 16 tokens x 4 bytes = 8 KiB a block: 48 blocks
+    # hold 768 tokens, while 24 requests of ~40 + 40 tokens want about 1,900.
+    prompt_ids = prompts(24, seed=5, min_len=20, max_len=60)
+    expected = reference(random_llama, prompt_ids, 40)
+    flags = ("--kv-cache-memory", str(48 * 8192 / 2**30), "--max-model-len", "128")
+    with serve(random_llama, *flags) as served:
+        results = generate_concurrently(served.stub(), [greedy_request(p, 40) for p in prompt_ids])
+        assert [tokens for tokens, _, _ in results] == expected
+        assert served.metric("vllm:num_preemptions_total") > 0
+        assert_idle_and_intact(served)
+
+
+def test_abort_frees_blocks(stories_dir: Path) -> None:
+    with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
+        stub = served.stub()
+        # A client that goes away mid-stream.
+        call = stub.Generate(greedy_request([1, 403, 407, 261, 378], 400))
+        for _ in range(3):
+            next(call)
+        call.cancel()
+        assert_idle_and_intact(served)
+        # An explicit Abort from another client.
+        request = greedy_request([1, 403, 407], 400)
+        request.request_id = "to-abort"
+        results: list[str] = []
+
+        def consume() -> None:
+            for response in stub.Generate(request):
+                results.extend(c.finish_reason for c in response.completions if c.finish_reason)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        deadline = time.monotonic() + 10
+        while not stub.Abort(pb.AbortRequest(request_id="to-abort")).found:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        consumer.join(10)
+        assert results == ["abort"]
+        assert not stub.Abort(pb.AbortRequest(request_id="to-abort")).found
+        assert_idle_and_intact(served)
+
+
+BAD_REQUESTS = [
+    (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "maximum context length is 512",
+    ),
+    (pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_p",
+    ),
+    (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "n must",
+    ),
+    (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=600)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens",
+    ),
+    (pb.GenerateRequest(text="hi", model="gpt-4"), grpc.StatusCode.NOT_FOUND, "gpt-4"),
+    (
+        pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chat template",
+    ),
+]
+
+
+def test_bad_requests_are_refused_and_serving_goes_on(stories_dir: Path) -> None:
+    with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
+        stub = served.stub()
+        for request, code, words in BAD_REQUESTS:
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, timeout=10))
+            assert caught.value.code() == code, (request, caught.value.details())
+            assert words in caught.value.details(), caught.value.details()
+        tokens, text, _ = collect(stub, greedy_request([1, 403, 407, 261, 378], 8))
+        assert len(tokens) == 8 and text.startswith(", there was")
+        assert_idle_and_intact(served)
+
+
+def test_text_prompt_stop_strings_and_siblings(stories_dir: Path) -> None:
+    with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
+        stub = served.stub()
+        sampling = pb.SamplingParams(temperature=0, max_tokens=60, stop=["Lily"])
+        _, text, last = collect(stub, pb.GenerateRequest(text="Once upon a time", sampling=sampling))
+        assert text == ", there was a little girl named "
+        assert last.completions[-1].finish_reason == "stop" and last.completions[-1].stop_string == "Lily"
+        sampling.include_stop_str_in_output = True
+        _, text, _ = collect(stub, pb.GenerateRequest(text="Once upon a time", sampling=sampling))
+        assert text.endswith("named Lily")
+        # n = 3 seeded siblings: three different stories, reproducible.
+        sampling = pb.SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=2)
+        runs = []
+        for _ in range(2):
+            texts = ["", "", ""]
+            for response in stub.Generate(pb.GenerateRequest(text="Once upon a time", sampling=sampling)):
+                for completion in response.completions:
+                    texts[completion.index] += completion.text
+                    assert all(len(lp.top) == 2 and lp.rank >= 1 for lp in completion.logprobs)
+            runs.append(texts)
+        assert runs[0] == runs[1] and len(set(runs[0])) == 3
+        assert_idle_and_intact(served)

@@ -1,0 +1,159 @@
+"""Runs `npuserve serve` (or its parts) as real processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+
+READY = re.compile(r"npuserve ready: scheduler gRPC at (\S+),")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Served:
+    address: str
+    process: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+
+    def stub(self) -> pb_grpc.SchedulerStub:
+        return pb_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+
+    def integrity(self, expect_idle: bool = True, timeout_s: float = 5.0) -> pb.CheckIntegrityResponse:
+        """The pools' integrity check, retried until it passes or ``timeout_s`` runs out
+        (a finished request's blocks come back on the scheduling thread, a moment later)."""
+        stub = self.stub()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=expect_idle), timeout=10)
+            if response.ok or time.monotonic() > deadline:
+                return response
+            time.sleep(0.05)
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples in the scheduler's Prometheus text."""
+        text = self.stub().GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextmanager
+def serve(model: Path | str, *flags: str, timeout_s: float = 120.0) -> Iterator[Served]:
+    """`npuserve serve --model MODEL FLAGS` on a free port; on exit, SIGTERM and no orphan left."""
+    command = [
+        sys.executable,
+        "-m",
+        "npuserve.deploy.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        *flags,
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    served = Served("", process)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            served.log.append(line)
+            match = READY.search(line)
+            if match:
+                served.address = match.group(1)
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(timeout_s):
+            raise RuntimeError("npuserve serve did not become ready:\n" + "".join(served.log[-40:]))
+        yield served
+    finally:
+        children = child_pids(process.pid)
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        assert code == 0, f"npuserve serve exited with {code}:\n" + "".join(served.log[-40:])
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        orphans = [pid for pid in children if alive(pid)]
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+        assert not orphans, f"processes left behind: {orphans}"
+
+
+def greedy_request(prompt_ids: Sequence[int], max_tokens: int, **sampling: object) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt_ids)), sampling=params)
+
+
+def collect(
+    stub: pb_grpc.SchedulerStub, request: pb.GenerateRequest
+) -> tuple[list[int], str, pb.GenerateResponse]:
+    """Streams one request to the end: (token ids, text, last response)."""
+    token_ids: list[int] = []
+    text = ""
+    last = None
+    for response in stub.Generate(request, timeout=120):
+        for completion in response.completions:
+            token_ids += completion.token_ids
+            text += completion.text
+        last = response
+    assert last is not None
+    return token_ids, text, last
+
+
+def generate_concurrently(
+    stub: pb_grpc.SchedulerStub, requests: Sequence[pb.GenerateRequest]
+) -> list[tuple[list[int], str, pb.GenerateResponse]]:
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        return list(pool.map(lambda r: collect(stub, r), requests))
