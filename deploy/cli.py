@@ -62,15 +62,19 @@ def _scheduler_config(args: argparse.Namespace, executors: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuserve.deploy.flags import add_executor_flags
+    from npuserve.deploy.flags import add_executor_flags, add_gateway_flags
 
     parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="scheduler and executors on this machine")
+    serve = commands.add_parser("serve", help="executors, scheduler and the OpenAI-compatible gateway")
     add_executor_flags(serve)
-    serve.set_defaults(port=50051)
+    serve.set_defaults(port=8000, host="127.0.0.1")
     _add_scheduler_flags(serve)
+    serve.add_argument(
+        "--scheduler-port", type=int, default=0, help="the scheduler's gRPC port (0: a free one)"
+    )
+    add_gateway_flags(serve, standalone=False)
     serve.add_argument("--num-executors", type=int, default=1, help="executor processes (one per device)")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     _add_logging_flags(serve)
@@ -87,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--ready-file", type=Path)
     _add_scheduler_flags(scheduler)
     _add_logging_flags(scheduler)
+
+    gateway = commands.add_parser("gateway", help="the OpenAI-compatible REST gateway of a running scheduler")
+    gateway.add_argument("--scheduler", required=True, help="the scheduler's gRPC address, HOST:PORT")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--ready-file", type=Path)
+    add_gateway_flags(gateway, standalone=True)
+    _add_logging_flags(gateway)
 
     bench = commands.add_parser(
         "bench-runner",
@@ -194,6 +206,12 @@ def _forwarded_scheduler_flags(args: argparse.Namespace) -> list[str]:
     return [*flags, "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
 
 
+def run_gateway(args: argparse.Namespace) -> int:
+    from npuserve.gateway.server import run_gateway
+
+    return run_gateway(args)
+
+
 def run_executor(args: argparse.Namespace) -> int:
     from npuserve.executor.server import run_from_args
 
@@ -242,6 +260,7 @@ COMMANDS = {
     "serve": run_serve,
     "executor": run_executor,
     "scheduler": run_scheduler,
+    "gateway": run_gateway,
     "bench-runner": run_bench_runner,
 }
 

@@ -23,3 +23,13 @@ def add_executor_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
+    """The gateway's own flags; ``--host``/``--port`` are added by the command that owns them."""
+    parser.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: $NPUSERVE_API_KEY)"
+    )
+    parser.add_argument("--max-request-bytes", type=int, default=None, help="largest request body accepted")
+    if standalone:
+        parser.add_argument("--served-model-name", help="default: the scheduler's model name")

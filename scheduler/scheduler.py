@@ -10,6 +10,7 @@ preempted (its blocks freed, recomputed later) and no waiting request is admitte
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Requests the executor must drop before the next step (finished, aborted, preempted).
         self._to_drop: list[str] = []
-        self._step_ids = itertools.count()
+        # NOTE: a random base, so a restarted scheduler never repeats the step id an executor
+        # answered last (it would return that cached result as a retry).
+        self._step_ids = itertools.count(random.getrandbits(48))
         self.total_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------

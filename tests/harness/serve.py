@@ -20,7 +20,7 @@ import grpc
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
-READY = re.compile(r"npuserve ready: scheduler gRPC at (\S+),")
+READY = re.compile(r"npuserve ready: scheduler gRPC at (\S+), OpenAI API at (\S+),")
 
 
 def child_pids(pid: int) -> list[int]:
@@ -53,8 +53,9 @@ def alive(pid: int) -> bool:
 
 @dataclass
 class Served:
-    address: str
+    address: str  # the scheduler's gRPC address
     process: subprocess.Popen[str]
+    url: str = ""  # the OpenAI-compatible gateway, e.g. http://127.0.0.1:PORT
     log: list[str] = field(default_factory=list)
 
     def stub(self) -> pb_grpc.SchedulerStub:
@@ -83,7 +84,7 @@ class Served:
 
 @contextmanager
 def serve(model: Path | str, *flags: str, timeout_s: float = 120.0) -> Iterator[Served]:
-    """`npuserve serve --model MODEL FLAGS` on a free port; on exit, SIGTERM and no orphan left."""
+    """`npuserve serve --model MODEL FLAGS` on free ports; on exit, SIGTERM and no orphan left."""
     command = [
         sys.executable,
         "-m",
@@ -105,7 +106,7 @@ def serve(model: Path | str, *flags: str, timeout_s: float = 120.0) -> Iterator[
             served.log.append(line)
             match = READY.search(line)
             if match:
-                served.address = match.group(1)
+                served.address, served.url = match.group(1), match.group(2)
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -239,3 +239,16 @@ def test_run_bench_reports_a_workload_too_long_for_the_model(
     )
     assert benchmark.run_bench(args) == 1
     assert "max_model_len 512" in capsys.readouterr().err
+
+
+def test_grpc_mode_launches_serve_and_counts_every_token(stories_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = _args(
+        *("--model", str(stories_dir), "--mode", "grpc", "--step-transport", "stream"),
+        *("--kv-cache-memory", "0.05", "--num-requests", "4", "--prompt-len-min", "16"),
+        *("--prompt-len-max", "32", "--output-len", "4", "--disable-tqdm", "--output-json", str(out)),
+    )
+    assert benchmark.run_bench(args) == 0
+    (row,) = json.loads(out.read_text())["variants"]
+    assert (row["variant"], row["num_failed"], row["output_tokens"]) == ("grpc", 0, 16)
+    assert row["ttft_mean_ms"] > 0
