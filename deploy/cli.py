@@ -140,12 +140,22 @@ def run_serve(args: argparse.Namespace) -> int:
             "--executors",
             addresses,
             "--port",
-            str(args.port),
+            str(args.scheduler_port),
         ]
         scheduler_args += _forwarded_scheduler_flags(args)
         scheduler = launcher.start("scheduler", scheduler_args)
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
-        print(f"npuserve ready: scheduler gRPC at {info['address']}, model {info['model']}", flush=True)
+        gateway_args = ["gateway", "--scheduler", str(info["address"]), "--host", args.host]
+        gateway_args += ["--port", str(args.port), *_flags(args, _GATEWAY_FLAGS)]
+        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
+        gateway_env = {"NPUSERVE_API_KEY": args.api_key} if args.api_key else None
+        gateway = launcher.start("gateway", gateway_args, gateway_env)
+        (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
+        print(
+            f"npuserve ready: scheduler gRPC at {info['address']}, OpenAI API at {url_info['url']}, "
+            f"model {info['model']}",
+            flush=True,
+        )
         return launcher.supervise()
     except LaunchError as exc:
         print(f"npuserve serve: error: {exc}", file=sys.stderr)
@@ -186,6 +196,8 @@ _SCHEDULER_FLAGS = [
     "log_level",
     "log_format",
 ]
+
+_GATEWAY_FLAGS = ["max_request_bytes", "log_level", "log_format"]
 
 
 def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:

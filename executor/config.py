@@ -187,7 +187,9 @@ class _FieldReader:
         self.model_dir = model_dir
 
     def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw.get(name, default)
+        value = self.raw.get(name)
+        if value is None:  # absent, or an explicit null
+            value = default
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(
                 f"{self.model_dir}/config.json: field {name!r} must be a positive integer, got {value!r}"

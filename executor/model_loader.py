@@ -81,7 +81,15 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        loaded = model.load_weights(iterate_safetensors(safetensors_files(config.model_dir)))
+        try:
+            loaded = model.load_weights(iterate_safetensors(safetensors_files(config.model_dir)))
+        except ValueError as exc:  # a tensor without a place, or of the wrong shape
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(
+                f"{config.model_dir}: {exc}; the checkpoint does not match its config.json "
+                f"({config.architecture}): re-download it or fix config.json"
+            ) from exc
         missing = sorted(_checkpoint_name(name) for name in model.expected_weights() - loaded)
         if missing:
             raise ConfigError(

@@ -6,7 +6,8 @@ as a Poisson process) runs against one or more targets behind one interface:
 * `OfflineTarget`: an `Engine` in this process over `LocalExecutor`s, the same scheduler and
   ModelRunner without any RPC: the baseline that says what the gRPC split costs.
 * `GrpcTarget`: a client of a running scheduler's `Generate` stream; without `--address` the bench
-  starts `npuserve serve` with the offline engine's flags (`launched_server`) and stops it after.
+  launches executors and a scheduler with the offline engine's flags (`launched_server`), as
+  `npuserve serve` does, and stops them after.
 
 Every request asks for exactly ``output_len`` tokens (``ignore_eos``), so variants do equal work.
 The report (throughput, TTFT, ITL, TPOT, e2e, prefix-cache hits) lives in `bench_report`. This
@@ -22,8 +23,6 @@ import gc
 import json
 import math
 import random
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -336,37 +335,51 @@ def warmup_requests(config: WorkloadConfig, vocab_size: int) -> list[BenchReques
     return build_workload(WorkloadConfig(2, length, length, 4, seed=config.seed + 1), vocab_size)
 
 
+@dataclass(slots=True, frozen=True)
+class ServerSpec:
+    """What `launched_server` starts: `npuserve executor` and `npuserve scheduler` flags."""
+
+    executor_args: list[str]
+    scheduler_args: list[str]
+    num_executors: int = 1
+    device: str = "auto"
+
+
 @contextlib.contextmanager
-def launched_server(serve_args: Sequence[str], timeout_s: float = 600.0) -> Iterator[str]:
-    """Runs `npuserve serve ARGS --port 0` and yields the scheduler's address; stops it after.
+def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]:
+    """Starts executors and a scheduler on loopback, as `npuserve serve` does, and yields the
+    scheduler's gRPC address; stops every process after.
 
-    The children's logs go to a file, shown when the server fails to start.
+    NOTE: the processes are launched here rather than through `npuserve serve`, which also
+    starts the REST gateway: the benchmark measures the gRPC split alone.
     """
-    from npuserve.deploy.launcher import _die_with_parent
+    from npuserve.deploy.launcher import Launcher, LaunchError
 
-    workdir = Path(tempfile.mkdtemp(prefix="npuserve-bench-"))
-    out_path, log_path = workdir / "serve.out", workdir / "serve.log"
-    command = [sys.executable, "-m", "npuserve.deploy.cli", "serve", *serve_args, "--port", "0"]
-    with out_path.open("wb") as out, log_path.open("wb") as err:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=err, preexec_fn=_die_with_parent if sys.platform == "linux" else None
-        )
-    log.info("launched npuserve serve", pid=process.pid, log=str(log_path))
+    launcher = Launcher()
     try:
-        deadline = time.monotonic() + timeout_s
-        while (match := re.search(r"scheduler gRPC at (\S+?),", out_path.read_text())) is None:
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-                raise BenchError(f"npuserve serve did not become ready (exit code {process.poll()}):\n{tail}")
-            time.sleep(0.2)
-        yield match.group(1)
+        executors = [
+            launcher.start(
+                f"executor-{i}",
+                ["executor", *spec.executor_args, "--port", "0"],
+                _device_env(spec.device, i, spec.num_executors),
+            )
+            for i in range(spec.num_executors)
+        ]
+        addresses = ",".join(str(r["address"]) for r in launcher.wait_ready(executors, timeout_s))
+        scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
+        (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args)], timeout_s)
+        yield str(info["address"])
+    except LaunchError as exc:
+        raise BenchError(f"the gRPC server did not start: {exc}") from None
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        launcher.stop()
+
+
+def _device_env(device: str, index: int, count: int) -> dict[str, str]:
+    """Pins executor ``index`` to one device when several share the machine (as `npuserve serve`)."""
+    if count == 1 or device not in ("npu", "cuda"):
+        return {}
+    return {"ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES": str(index)}
 
 
 # -- variants and the command line ------------------------------------------------------------------
@@ -449,7 +462,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     workload.add_argument("--temperature", type=float, default=0.0)
     workload.add_argument("--seed", type=int, default=0)
-    engine = parser.add_argument_group("engine (offline, and `npuserve serve` when launched)")
+    engine = parser.add_argument_group("engine (offline, and the gRPC server when launched)")
     engine.add_argument("--num-executors", type=int, default=1)
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     engine.add_argument("--dtype", default="auto")
@@ -487,9 +500,9 @@ def _executor_config(args: argparse.Namespace, model: str, load_format: str) -> 
     )
 
 
-def _serve_args(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> list[str]:
-    """`npuserve serve` flags equal to the offline engine's."""
-    flags = {
+def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> ServerSpec:
+    """Executor and scheduler flags equal to the offline engine's configuration."""
+    executor = {
         "--model": model,
         "--device": args.device,
         "--dtype": args.dtype,
@@ -500,17 +513,20 @@ def _serve_args(args: argparse.Namespace, model: str, load_format: str, variant:
         "--max-num-batched-tokens": args.max_num_batched_tokens,
         "--block-size": args.block_size,
         "--seed": args.seed,
-        "--num-executors": args.num_executors,
-        "--step-transport": variant.step_transport,
-        "--startup-timeout": args.startup_timeout,
-        "--log-level": args.log_level,
-        "--log-format": args.log_format,
     }
-    out = [item for key, value in flags.items() if value is not None for item in (key, str(value))]
-    return [
-        *out,
-        "--enable-prefix-caching" if variant.enable_prefix_caching else "--no-enable-prefix-caching",
-    ]
+    logging = {"--log-level": args.log_level, "--log-format": args.log_format}
+    scheduler = {"--model": model, "--step-transport": variant.step_transport}
+    caching = "--enable-prefix-caching" if variant.enable_prefix_caching else "--no-enable-prefix-caching"
+    return ServerSpec(
+        _flag_list(executor | logging),
+        [*_flag_list(scheduler | logging), caching],
+        args.num_executors,
+        args.device,
+    )
+
+
+def _flag_list(flags: dict[str, object]) -> list[str]:
+    return [item for key, value in flags.items() if value is not None for item in (key, str(value))]
 
 
 def materialise_preset(name: str, directory: Path, seed: int) -> Path:
@@ -564,7 +580,7 @@ def _run_variant(
         return measure(target, workload, requests, warmup, progress)
     if args.address:
         return measure(GrpcTarget(args.address, variant.name), workload, requests, warmup, progress)
-    with launched_server(_serve_args(args, model, load_format, variant), args.startup_timeout) as address:
+    with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
         return measure(GrpcTarget(address, variant.name), workload, requests, warmup, progress)
 
 

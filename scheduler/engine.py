@@ -243,9 +243,11 @@ class Engine:
     ) -> AsyncIterator[GenerateOutput]:
         """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
         stream = self.add_request(prompt, params, request_id, model)
+        usage = None
         try:
             while True:
                 output = await stream.queue.get()
+                usage = output.usage or usage
                 yield output
                 if output.finished:
                     return
@@ -253,6 +255,15 @@ class Engine:
             if not stream.finished:
                 self.abort(stream.request_id)
             self._forget(stream)
+            log.info(
+                "request done",
+                request_id=stream.request_id,
+                finish_reasons=[s.request.status.value for s in stream.sequences.values()],
+                prompt_tokens=len(stream.prompt_token_ids),
+                completion_tokens=usage.completion_tokens if usage else None,
+                cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
+                seconds=round(time.monotonic() - stream.arrival_time, 4),
+            )
 
     def abort(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)

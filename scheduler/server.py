@@ -53,6 +53,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
         try:
             outputs = self.engine.generate(
                 api_codec.prompt_from_proto(request),

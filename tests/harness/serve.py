@@ -111,8 +111,10 @@ def serve(model: Path | str, *flags: str, timeout_s: float = 120.0) -> Iterator[
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        if not ready.wait(timeout_s):
-            raise RuntimeError("npuserve serve did not become ready:\n" + "".join(served.log[-40:]))
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.1):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("npuserve serve did not become ready:\n" + "".join(served.log[-40:]))
         yield served
     finally:
         children = child_pids(process.pid)
@@ -158,3 +160,37 @@ def generate_concurrently(
 ) -> list[tuple[list[int], str, pb.GenerateResponse]]:
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         return list(pool.map(lambda r: collect(stub, r), requests))
+
+
+@contextmanager
+def npuserve_process(
+    command: str, *args: str, timeout_s: float = 120.0
+) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+    """One `npuserve COMMAND ARGS --ready-file ...` process; yields it with its ready-file JSON."""
+    import json
+    import tempfile
+
+    ready_file = Path(tempfile.mkdtemp(prefix="npuserve-test-")) / f"{command}.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "npuserve.deploy.cli", command, *args, "--ready-file", str(ready_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"npuserve {command} did not start:\n{process.stderr.read() if process.stderr else ''}"
+                )
+            time.sleep(0.05)
+        yield process, json.loads(ready_file.read_text())
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -164,15 +164,18 @@ def test_variants_from_mode_and_compare() -> None:
             benchmark.parse_variants(_args("--model", "m", "--compare", bad))
 
 
-def test_serve_args_match_the_offline_engine() -> None:
-    args = _args("--model", "m", "--kv-cache-memory", "0.5", "--no-enable-prefix-caching")
+def test_launched_server_gets_the_offline_engine_flags() -> None:
+    args = _args("--model", "m", "--kv-cache-memory", "0.5", "--num-executors", "2")
     variant = benchmark.Variant("grpc-stream", "grpc", False, "stream")
-    flags = benchmark._serve_args(args, "m", "dummy", variant)
-    pairs = dict(zip(flags[:-1:2], flags[1:-1:2], strict=True))
-    assert pairs["--model"] == "m" and pairs["--kv-cache-memory"] == "0.5"
-    assert pairs["--load-format"] == "dummy" and pairs["--step-transport"] == "stream"
-    assert "--block-size" not in pairs  # unset flags keep serve's defaults
-    assert flags[-1] == "--no-enable-prefix-caching"
+    spec = benchmark._server_spec(args, "m", "dummy", variant)
+    executor = dict(zip(spec.executor_args[::2], spec.executor_args[1::2], strict=True))
+    assert executor["--model"] == "m" and executor["--kv-cache-memory"] == "0.5"
+    assert executor["--load-format"] == "dummy" and executor["--max-num-seqs"] == "256"
+    assert "--block-size" not in executor  # unset flags keep the executor's defaults
+    scheduler = dict(zip(spec.scheduler_args[:-1:2], spec.scheduler_args[1:-1:2], strict=True))
+    assert scheduler["--model"] == "m" and scheduler["--step-transport"] == "stream"
+    assert spec.scheduler_args[-1] == "--no-enable-prefix-caching"
+    assert spec.num_executors == 2
 
 
 # -- offline runs on the shared tiny model -------------------------------------------------------------

@@ -1,0 +1,309 @@
+"""The gateway's routes: OpenAI's and vLLM's REST surface over the scheduler's gRPC API.
+
+Handlers read and check the body, translate it (`convert`), and answer in OpenAI's shape
+(`generate`, `protocol`). The app holds no model state beyond the served model's name, which it
+asks the scheduler for once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, TypeVar
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from npuserve.gateway import convert
+from npuserve.gateway.auth import APIKeyMiddleware
+from npuserve.gateway.errors import APIError, bad_request, error_body, unavailable
+from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
+from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
+from npuserve.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    model_card,
+    parse_json_object,
+    parse_request,
+    validate,
+)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+HEALTH_TIMEOUT_S = 5.0
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+@dataclass
+class Gateway:
+    """What the routes share: the scheduler client and the served model's name."""
+
+    client: convert.SchedulerClient
+    served_model_name: str | None
+    max_request_bytes: int
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    _models: list[convert.ModelInfo] = field(default_factory=list)
+
+    async def models(self) -> list[convert.ModelInfo]:
+        if not self._models:
+            self._models = await self.client.list_models()
+        return self._models
+
+    async def model_name(self) -> str:
+        """The name clients see: --served-model-name, else the scheduler's."""
+        if self.served_model_name:
+            return self.served_model_name
+        models = await self.models()
+        return models[0].id if models else ""
+
+    async def scheduler_model(self, requested: str | None) -> tuple[str, str]:
+        """(the name to send the scheduler, the name to answer with) for a request's `model`."""
+        name = await self.model_name()
+        if not requested or requested == name:
+            return "", name  # "" is the scheduler's served model
+        return requested, requested  # the scheduler answers NOT_FOUND for a model it lacks
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(payload, ensure_ascii=False).encode()
+    return Response(body, status, headers, media_type="application/json")
+
+
+def _error_response(error: APIError) -> Response:
+    return _json(error.body(), error.status, error.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 past `limit` bytes (by Content-Length, then as it streams)."""
+    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request("Content-Length is not a number")
+        if int(length) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it and raising ClientGone if the client closes the connection."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE; the event generator is closed however the response ends, so its calls are cancelled."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _log_ignored(body: Any) -> None:
+    if body.model_extra:
+        log.warning("ignored request fields", fields=sorted(body.model_extra))
+
+
+async def _generate(
+    request: Request,
+    gateway: Gateway,
+    body: CompletionRequest | ChatCompletionRequest,
+    requests: list[Any],
+    kind: CompletionFormat | ChatFormat,
+    response_id: str,
+    model: str,
+) -> Response:
+    calls, firsts = await _until_disconnected(request, start_calls(gateway.client, requests))
+    generation = Generation(kind, calls, firsts, body.n, response_id, model, body.include_usage)
+    if body.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return EventStreamResponse(generation.stream(), headers=headers)
+    try:
+        return _json(await _until_disconnected(request, generation.collect()))
+    finally:
+        generation.cancel()
+
+
+def _routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gateway = _gateway(request)
+        body = parse_request(await read_body(request, gateway.max_request_bytes), CompletionRequest)
+        _log_ignored(body)
+        target, model = await gateway.scheduler_model(body.model)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = convert.completion_requests(body, response_id, target)
+        kind = CompletionFormat(body.prompt, body.echo, body.logprobs is not None)
+        return await _generate(request, gateway, body, requests, kind, response_id, model)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gateway = _gateway(request)
+        body = parse_request(await read_body(request, gateway.max_request_bytes), ChatCompletionRequest)
+        _log_ignored(body)
+        target, model = await gateway.scheduler_model(body.model)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = [convert.chat_request(body, response_id, target)]
+        return await _generate(request, gateway, body, requests, ChatFormat(body.logprobs), response_id, model)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway = _gateway(request)
+        name = await gateway.model_name()
+        cards = [model_card(name, m.created, m.root, m.max_model_len) for m in await gateway.models()]
+        return _json({"object": "list", "data": cards})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        gateway = _gateway(request)
+        raw = parse_json_object(await read_body(request, gateway.max_request_bytes))
+        body = validate(raw, TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest)
+        target, _ = await gateway.scheduler_model(body.model)
+        result = await gateway.client.tokenize(body, target)
+        return _json(
+            {
+                "count": len(result.tokens),
+                "max_model_len": result.max_model_len,
+                "tokens": result.tokens,
+                "token_strs": result.token_strs,
+            }
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        gateway = _gateway(request)
+        body = parse_request(await read_body(request, gateway.max_request_bytes), DetokenizeRequest)
+        target, _ = await gateway.scheduler_model(body.model)
+        return _json({"prompt": await gateway.client.detokenize(body.tokens, target)})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        info = await _gateway(request).client.health(timeout_s=HEALTH_TIMEOUT_S)
+        if not info.serving:
+            raise unavailable(info.message or "no executor is ready")
+        return _json({"status": "ok", "ready_executors": info.ready_executors})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": _version()})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gateway = _gateway(request)
+        text = gateway.metrics.render()
+        try:
+            text += await gateway.client.metrics_text()
+        except APIError as exc:
+            log.warning("scheduler metrics unavailable", error=exc.message)
+            text += f"# scheduler metrics unavailable: {exc.message}\n"
+        return Response(text, media_type=CONTENT_TYPE)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("npuserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.status >= 500:
+            log.warning("request failed", status=exc.status, error=exc.message)
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _json(error_body(str(exc.detail), kind), exc.status_code, exc.headers)
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        log.info("client disconnected before the response")
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", error=str(exc))
+        return _json(error_body("internal server error", "server_error"), 500)
+
+
+def create_app(
+    scheduler_address: str,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The gateway app; its gRPC channel opens when the app starts (inside the server's loop)."""
+    if max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    client = convert.SchedulerClient(scheduler_address)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.open()
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="npuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    gateway = Gateway(client, served_model_name, max_request_bytes)
+    app.state.gateway = gateway
+    _routes(app)
+    _error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # NOTE: added last, so it is outermost: refused keys are counted, logged and carry an id too.
+    app.add_middleware(ObservabilityMiddleware, metrics=gateway.metrics)
+    return app
+

@@ -1,0 +1,48 @@
+"""`--api-key`: `Authorization: Bearer KEY` on the API routes; health, metrics and version stay open."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from npuserve.gateway.errors import APIError, send_error
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def requires_key(path: str) -> bool:
+    return path == "/v1" or path.startswith(PROTECTED_PREFIXES)
+
+
+def is_authorized(authorization: bytes | None, api_key: bytes) -> bool:
+    """Whether an `Authorization` header value carries the key (compared in constant time)."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(token.strip(), api_key)
+
+
+class APIKeyMiddleware:
+    """Refuses requests to the API routes that lack the key, with an OpenAI 401 body."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and requires_key(scope["path"]):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not is_authorized(header, self.api_key):
+                error = APIError(
+                    401,
+                    "missing or invalid API key: send `Authorization: Bearer KEY`",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await send_error(send, error)
+                return
+        await self.app(scope, receive, send)
+

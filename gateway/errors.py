@@ -1,0 +1,125 @@
+"""OpenAI error bodies, and what each scheduler gRPC status becomes over HTTP.
+
+Every error the gateway returns has OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`, so the official clients raise their usual exception classes (BadRequestError,
+AuthenticationError, NotFoundError, RateLimitError, ...). A client's mistake is always a 4xx;
+a 5xx means the gateway or the scheduler behind it failed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import grpc
+from starlette.types import Send
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error reply: HTTP status, OpenAI error fields, and extra headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body(), ensure_ascii=False).encode()
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def unavailable(message: str) -> APIError:
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    return APIError(503, message, "server_error", code="service_unavailable", headers=retry)
+
+
+# The scheduler's status codes for client errors and overload, as (HTTP status, type, code).
+_HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+}
+# NOTE: the gateway calls Generate without a deadline and the small services with a short one,
+# so DEADLINE_EXCEEDED means a scheduler that does not answer, like UNAVAILABLE.
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# "n must be in [1, 128], got 1000" / "messages[0].role must be one of ..." name their field first.
+_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:must|is|are|has) ")
+
+
+def from_status(code: grpc.StatusCode, details: str | None) -> APIError:
+    """The HTTP error for a failed scheduler call."""
+    message = details or code.name.lower()
+    if code in _UNAVAILABLE:
+        return unavailable(f"the scheduler is unavailable: {message}")
+    if code not in _HTTP_OF_STATUS:
+        return APIError(500, f"the scheduler failed: {message}", "server_error", code=code.name.lower())
+    status, kind, error_code = _HTTP_OF_STATUS[code]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    param = "model" if status == 404 else _param_of(message)
+    return APIError(status, message, kind, param, error_code, headers)
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a scheduler message is about, when it names one."""
+    match = _LEADING_FIELD.match(message)
+    if match:
+        return match.group(1)
+    if "context length" in message:  # the scheduler's "maximum context length is N" messages
+        return "max_tokens" if "in the completion" in message else "prompt"
+    return None
+
+
+def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """A 400 naming the first field pydantic refused, as `messages[0].role` style paths."""
+    first = errors[0]
+    param = field_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return bad_request(f"{param}: {message}" if param else message, param or None)
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+async def send_error(send: Send, error: APIError) -> None:
+    """Writes a whole error response straight to ASGI (for middleware, before any route runs)."""
+    body = error.json_bytes()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

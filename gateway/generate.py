@@ -1,0 +1,302 @@
+"""One completion or chat request as scheduler calls: fan out, merge, and answer in OpenAI's shape.
+
+A completions request with several prompts becomes one scheduler call per prompt; their choices
+are numbered as OpenAI does (`prompt_index * n + choice`). The first update of every call is
+awaited before anything is sent, so a refused request is a plain HTTP error rather than a
+broken stream. Leaving a stream early (a client that went away) cancels every call, and the
+scheduler then aborts those requests and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from npuserve.gateway.convert import ChoiceDelta, GenerateCall, SchedulerClient, TokenLogprob, Update, Usage
+from npuserve.gateway.errors import APIError
+from npuserve.gateway.protocol import SSE_DONE, sse_event, usage_dict
+
+log = structlog.get_logger(__name__)
+
+
+async def start_calls(client: SchedulerClient, requests: Sequence[Any]) -> tuple[list[GenerateCall], list[Update]]:
+    """Starts every call and waits for each one's first update; cancels them all on any error."""
+    calls = [client.generate(request) for request in requests]
+    try:
+        firsts = await asyncio.gather(*(call.next() for call in calls))
+        updates = [Update([]) if u is None else u for u in firsts]
+        for update in updates:
+            _raise_on_error(update)
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        raise
+    return calls, updates
+
+
+def _raise_on_error(update: Update) -> None:
+    for delta in update.choices:
+        if delta.finish_reason == "error":
+            message = delta.error or "the request failed in the scheduler"
+            raise APIError(500, message, "server_error", code="generation_failed")
+
+
+async def _merged(calls: list[GenerateCall], firsts: list[Update]) -> AsyncIterator[tuple[int, Update]]:
+    """Every call's updates as (call index, update), in arrival order."""
+    for i, update in enumerate(firsts):
+        yield i, update
+    if len(calls) == 1:  # the common case: no tasks, no queue
+        while (update := await calls[0].next()) is not None:
+            yield 0, update
+        return
+    queue: asyncio.Queue[tuple[int, Update | APIError | None]] = asyncio.Queue()
+
+    async def pump(i: int, call: GenerateCall) -> None:
+        try:
+            while (update := await call.next()) is not None:
+                queue.put_nowait((i, update))
+            queue.put_nowait((i, None))
+        except APIError as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+    try:
+        remaining = len(calls)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one output choice has produced so far."""
+
+    index: int
+    prompt_index: int
+    started: bool = False  # the echoed prompt (completions) or the role (chat) was sent
+    text_len: int = 0  # characters of text already produced (completions' text_offset)
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Generation:
+    """One client request over its scheduler calls; `stream()` or `collect()` consumes it once."""
+
+    def __init__(
+        self,
+        kind: CompletionFormat | ChatFormat,
+        calls: list[GenerateCall],
+        firsts: list[Update],
+        n: int,
+        response_id: str,
+        model: str,
+        include_usage: bool,
+    ) -> None:
+        self.kind = kind
+        self.calls = calls
+        self.firsts = firsts
+        self.n = n
+        self.include_usage = include_usage
+        self.head = {"id": response_id, "object": "", "created": int(time.time()), "model": model}
+        self.choices = [Choice(p * n + j, p) for p in range(len(calls)) for j in range(n)]
+        self.usage = Usage(0, 0, 0)
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+    def _add_usage(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.usage.prompt_tokens += usage.prompt_tokens
+            self.usage.completion_tokens += usage.completion_tokens
+            self.usage.cached_tokens += usage.cached_tokens
+
+    def _usage(self) -> dict[str, Any]:
+        u = self.usage
+        return usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Server-sent events: chunks, the usage chunk when asked, then `[DONE]`; an error that
+        happens mid-stream is sent as an OpenAI error event before `[DONE]`."""
+        head = {**self.head, "object": self.kind.chunk_object}
+        try:
+            for choice in self.choices:
+                opening = self.kind.opening_chunk(choice)
+                if opening is not None:
+                    yield sse_event({**head, "choices": [opening]})
+            async for p, update in _merged(self.calls, self.firsts):
+                _raise_on_error(update)
+                for delta in update.choices:
+                    choice = self.choices[p * self.n + delta.index]
+                    chunk = self.kind.delta_chunk(choice, delta, self.firsts[p].prompt_text)
+                    if chunk is not None:
+                        yield sse_event({**head, "choices": [chunk]})
+                self._add_usage(update.usage)
+            if self.include_usage:
+                yield sse_event({**head, "choices": [], "usage": self._usage()})
+        except APIError as exc:
+            log.warning("stream failed", status=exc.status, error=exc.message)
+            yield sse_event(exc.body())
+        finally:
+            self.cancel()
+        yield SSE_DONE
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response, once every choice has finished."""
+        try:
+            async for p, update in _merged(self.calls, self.firsts):
+                _raise_on_error(update)
+                for delta in update.choices:
+                    choice = self.choices[p * self.n + delta.index]
+                    self.kind.accumulate(choice, delta, self.firsts[p].prompt_text)
+                self._add_usage(update.usage)
+        finally:
+            self.cancel()
+        choices = [self.kind.full_choice(choice) for choice in self.choices]
+        return {**self.head, "object": self.kind.full_object, "choices": choices, "usage": self._usage()}
+
+
+def _finish_fields(delta: ChoiceDelta) -> tuple[str | None, str | int | None]:
+    return delta.finish_reason, delta.stop_reason
+
+
+class CompletionFormat:
+    """`/v1/completions`: text choices, `echo`, and logprobs with text offsets."""
+
+    chunk_object = full_object = "text_completion"
+
+    def __init__(self, prompts: Sequence[str | list[int]], echo: bool, logprobs: bool) -> None:
+        self.prompts = prompts
+        self.echo = echo
+        self.logprobs = logprobs
+
+    def _echo_text(self, choice: Choice, prompt_text: str | None) -> str:
+        if not self.echo or choice.started:
+            return ""
+        choice.started = True
+        prompt = self.prompts[choice.prompt_index]
+        return prompt if isinstance(prompt, str) else (prompt_text or "")
+
+    def _logprobs(self, choice: Choice, entries: list[TokenLogprob]) -> dict[str, Any]:
+        offsets, offset = [], choice.text_len
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry.token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [e.logprob for e in entries],
+            "tokens": [e.token for e in entries],
+            "top_logprobs": [_top_dict(e) for e in entries],
+        }
+
+    def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
+        return None
+
+    def delta_chunk(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> dict[str, Any] | None:
+        echoed = self._echo_text(choice, prompt_text)
+        choice.text_len += len(echoed)
+        logprobs = self._logprobs(choice, delta.logprobs) if self.logprobs else None
+        choice.text_len += len(delta.text)
+        text = echoed + delta.text
+        if not text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        finish, stop = _finish_fields(delta)
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+
+    def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
+        echoed = self._echo_text(choice, prompt_text)
+        if echoed:
+            choice.parts.append(echoed)
+            choice.text_len = len(echoed)  # where the first generated token's offset starts
+        choice.parts.append(delta.text)
+        choice.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = _finish_fields(delta)
+
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        logprobs = self._logprobs(choice, choice.logprobs) if self.logprobs else None
+        return {
+            "index": choice.index,
+            "text": "".join(choice.parts),
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+
+def _top_dict(entry: TokenLogprob) -> dict[str, float]:
+    top = {t.token: t.logprob for t in entry.top}
+    top.setdefault(entry.token, entry.logprob)  # the sampled token is always listed, as vLLM does
+    return top
+
+
+class ChatFormat:
+    """`/v1/chat/completions`: an assistant message per choice, logprobs as `content[]`."""
+
+    chunk_object = "chat.completion.chunk"
+    full_object = "chat.completion"
+
+    def __init__(self, logprobs: bool) -> None:
+        self.logprobs = logprobs
+
+    def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
+        choice.started = True
+        return {
+            "index": choice.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def delta_chunk(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> dict[str, Any] | None:
+        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        finish, stop = _finish_fields(delta)
+        return {
+            "index": choice.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": {"content": [_chat_logprob(e) for e in delta.logprobs]} if self.logprobs else None,
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
+
+    def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
+        choice.parts.append(delta.text)
+        choice.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = _finish_fields(delta)
+
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": "".join(choice.parts)},
+            "logprobs": {"content": [_chat_logprob(e) for e in choice.logprobs]} if self.logprobs else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+
+def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in entry.top
+        ],
+    }

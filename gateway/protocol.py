@@ -1,0 +1,307 @@
+"""The OpenAI wire format: request models (with vLLM's extras) and response builders.
+
+Requests are pydantic models parsed from the raw body, so every refusal names its field the way
+vLLM does (`messages[0].content`, `max_tokens`). Range checks that the scheduler makes (n,
+temperature, top_p, penalties, logprobs, lengths against the context) stay with the scheduler,
+the one place that knows the limits; here only types, the protobuf integer widths, and what the
+gateway itself cannot translate are checked. Responses are plain dicts built by small functions:
+they are written once per token on the streaming path, where pydantic would cost more than it
+checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from npuserve.gateway.errors import bad_request, from_validation_error
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_JINJA = re.compile(r"\{\{|\{%")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Request(BaseModel):
+    # NOTE: unknown fields are kept (and logged by the app), as vLLM does: clients send fields
+    # of newer API versions, and refusing them would break working clients.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM; accepted, usage comes once at the end
+
+
+class _SamplingRequest(_Request):
+    """The parameters completions and chat completions share."""
+
+    model: str | None = None
+    n: Int32 = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Int32 | None = None
+    stop_token_ids: list[Int32] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _none_as_empty(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`. ``prompt`` is normalised to a list of texts and token-id lists."""
+
+    prompt: list[str | list[int]]
+    max_tokens: Int32 | None = 16  # OpenAI's and vLLM's default for completions
+    logprobs: Int32 | None = None
+    echo: bool = False
+    best_of: Int32 | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_as_list(cls, value: Any) -> list[str | list[int]]:
+        return normalize_prompt(value)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must be unset or equal to n)")
+        return self
+
+
+def normalize_prompt(value: Any) -> list[str | list[int]]:
+    """A prompt given as a string, token ids, or a batch of either, as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+    if all(_is_token_id(t) for t in value):
+        return [value]
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
+            prompts.append(item)
+        else:
+            raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids")
+    return prompts
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and INT32_MIN <= value <= INT32_MAX
+
+
+class ChatMessage(_Request):
+    """One message; a content given as text parts is joined into one string."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_as_text(cls, value: Any) -> Any:
+        if value is None:
+            return ""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content[{i}] has type {kind!r}; only 'text' parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{i}].text must be a string")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+def _check_chat_template(value: str | None) -> str | None:
+    # NOTE: the scheduler reads a template override that looks like a path from its own disk;
+    # a client must not name server files, so the gateway forwards only template source.
+    if value is not None and not _JINJA.search(value):
+        raise ValueError("chat_template must be the Jinja source of a template")
+    return value
+
+
+ChatTemplate = Annotated[str | None, AfterValidator(_check_chat_template)]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int32 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+    chat_template: ChatTemplate = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools are not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(_Request):
+    """`POST /tokenize` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """`POST /tokenize` with chat messages (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template: ChatTemplate = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[Int32]
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 for bytes that are not UTF-8 JSON of an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    return value
+
+
+def parse_request(raw: bytes, model: type[M]) -> M:
+    """A request model from the raw body; 400 naming the first invalid field."""
+    return validate(parse_json_object(raw), model)
+
+
+def validate(value: dict[str, Any], model: type[M]) -> M:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise from_validation_error(exc.errors(include_url=False, include_context=False)) from None
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def model_card(model_id: str, created: int, root: str, max_model_len: int) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "npuserve",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [],
+    }
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event, `data: {...}` and a blank line."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
