@@ -174,6 +174,9 @@ class ModelRunner:
 
     def _update_states(self, plan: StepPlan) -> None:
         batch = self.batch
+        if plan.reset:
+            for req_id in list(batch.row_of):
+                batch.remove(req_id)
         for req_id in plan.finished_req_ids:
             batch.remove(req_id)
         for req in plan.new_requests:

@@ -83,6 +83,8 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Finished, aborted or preempted requests: the executor drops their state before the step.
     finished_req_ids: list[str] = field(default_factory=list)
+    # Set on the first step of a scheduler that (re)connects: drop every request held before.
+    reset: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -85,6 +85,11 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def _request_id(request: Request) -> str:
+    """The id the observability middleware gave this request (it also names the scheduler's)."""
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
+
+
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     body = json.dumps(payload, ensure_ascii=False).encode()
     return Response(body, status, headers, media_type="application/json")
@@ -178,7 +183,7 @@ def _routes(app: FastAPI) -> None:
         body = parse_request(await read_body(request, gateway.max_request_bytes), CompletionRequest)
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id = f"cmpl-{_request_id(request)}"
         requests = convert.completion_requests(body, response_id, target)
         kind = CompletionFormat(body.prompt, body.echo, body.logprobs is not None)
         return await _generate(request, gateway, body, requests, kind, response_id, model)
@@ -189,9 +194,11 @@ def _routes(app: FastAPI) -> None:
         body = parse_request(await read_body(request, gateway.max_request_bytes), ChatCompletionRequest)
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = f"chatcmpl-{_request_id(request)}"
         requests = [convert.chat_request(body, response_id, target)]
-        return await _generate(request, gateway, body, requests, ChatFormat(body.logprobs), response_id, model)
+        return await _generate(
+            request, gateway, body, requests, ChatFormat(body.logprobs), response_id, model
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -306,4 +313,3 @@ def create_app(
     # NOTE: added last, so it is outermost: refused keys are counted, logged and carry an id too.
     app.add_middleware(ObservabilityMiddleware, metrics=gateway.metrics)
     return app
-

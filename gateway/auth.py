@@ -45,4 +45,3 @@ class APIKeyMiddleware:
                 await send_error(send, error)
                 return
         await self.app(scope, receive, send)
-

@@ -163,7 +163,9 @@ def chat_request(req: ChatCompletionRequest, request_id: str, model: str) -> pb.
     return msg
 
 
-def _chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool, template: str | None) -> pb.ChatPrompt:
+def _chat_prompt(
+    messages: list[ChatMessage], add_generation_prompt: bool, template: str | None
+) -> pb.ChatPrompt:
     chat = pb.ChatPrompt(
         messages=[pb.ChatMessage(role=m.role, content=m.content) for m in messages],
         add_generation_prompt=add_generation_prompt,
@@ -275,7 +277,9 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise from_status(exc.code(), exc.details()) from None
 
-    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest, model: str) -> TokenizeResult:
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest, model: str
+    ) -> TokenizeResult:
         try:
             request = _tokenize_request(req, model)
         except ValueError as exc:
@@ -302,4 +306,3 @@ class SchedulerClient:
     async def metrics_text(self) -> str:
         reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())
         return reply.text
-

@@ -24,7 +24,9 @@ from npuserve.gateway.protocol import SSE_DONE, sse_event, usage_dict
 log = structlog.get_logger(__name__)
 
 
-async def start_calls(client: SchedulerClient, requests: Sequence[Any]) -> tuple[list[GenerateCall], list[Update]]:
+async def start_calls(
+    client: SchedulerClient, requests: Sequence[Any]
+) -> tuple[list[GenerateCall], list[Update]]:
     """Starts every call and waits for each one's first update; cancels them all on any error."""
     calls = [client.generate(request) for request in requests]
     try:
@@ -207,7 +209,9 @@ class CompletionFormat:
     def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
         return None
 
-    def delta_chunk(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> dict[str, Any] | None:
+    def delta_chunk(
+        self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None
+    ) -> dict[str, Any] | None:
         echoed = self._echo_text(choice, prompt_text)
         choice.text_len += len(echoed)
         logprobs = self._logprobs(choice, delta.logprobs) if self.logprobs else None
@@ -216,7 +220,13 @@ class CompletionFormat:
         if not text and not delta.logprobs and delta.finish_reason is None:
             return None
         finish, stop = _finish_fields(delta)
-        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
 
     def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
         echoed = self._echo_text(choice, prompt_text)
@@ -263,7 +273,9 @@ class ChatFormat:
             "finish_reason": None,
         }
 
-    def delta_chunk(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> dict[str, Any] | None:
+    def delta_chunk(
+        self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None
+    ) -> dict[str, Any] | None:
         if not delta.text and not delta.logprobs and delta.finish_reason is None:
             return None
         finish, stop = _finish_fields(delta)
@@ -297,6 +309,7 @@ def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
         "logprob": entry.logprob,
         "bytes": list(entry.token.encode("utf-8")),
         "top_logprobs": [
-            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in entry.top
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+            for t in entry.top
         ],
     }

@@ -81,8 +81,11 @@ class ObservabilityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # NOTE: the id is always ours (unique, so it can name the scheduler's requests too); a
+        # client's X-Request-Id is logged next to it and echoed back.
+        request_id = uuid.uuid4().hex
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
-        request_id = _SAFE_ID.sub("", given.decode("latin-1"))[:128] or uuid.uuid4().hex
+        client_id = _SAFE_ID.sub("", given.decode("latin-1"))[:128] or None
         scope.setdefault("state", {})["request_id"] = request_id
         route = route_label(scope["path"])
         status = 500  # what a response that never started counts as
@@ -92,12 +95,14 @@ class ObservabilityMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                echoed = (client_id or request_id).encode()
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", echoed)]
             await send(message)
 
         in_progress = self.metrics.in_progress.labels(route)
         in_progress.inc()
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        context = {"request_id": request_id} | ({"client_request_id": client_id} if client_id else {})
+        with structlog.contextvars.bound_contextvars(**context):
             try:
                 await self.app(scope, receive, send_with_id)
             finally:

@@ -15,7 +15,15 @@ import json
 import re
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from npuserve.gateway.errors import bad_request, from_validation_error
 
@@ -125,15 +133,11 @@ def normalize_prompt(value: Any) -> list[str | list[int]]:
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
     if all(_is_token_id(t) for t in value):
         return [value]
-    prompts: list[str | list[int]] = []
     for i, item in enumerate(value):
-        if isinstance(item, str):
-            prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_token_id(t) for t in item):
-            prompts.append(item)
-        else:
+        is_ids = isinstance(item, list) and item and all(_is_token_id(t) for t in item)
+        if not (isinstance(item, str) or is_ids):
             raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids")
-    return prompts
+    return value
 
 
 def _is_token_id(value: Any) -> bool:
@@ -274,6 +278,7 @@ def validate(value: dict[str, Any], model: type[M]) -> M:
 
 
 # -- responses -------------------------------------------------------------------------------------
+
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     usage: dict[str, Any] = {

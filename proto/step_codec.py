@@ -40,7 +40,7 @@ class CodecError(ValueError):
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
-    msg = pb.StepRequest(step_id=plan.step_id, finished_req_ids=plan.finished_req_ids)
+    msg = pb.StepRequest(step_id=plan.step_id, finished_req_ids=plan.finished_req_ids, reset=plan.reset)
     msg.new_requests.extend(_new_request_to_proto(req) for req in plan.new_requests)
     msg.cached_requests.extend(
         pb.CachedRequest(req_id=req.req_id, new_block_ids=req.new_block_ids) for req in plan.cached_requests
@@ -67,6 +67,7 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         cached_requests=[CachedRequest(req.req_id, req.new_block_ids[:]) for req in msg.cached_requests],
         num_scheduled_tokens=num_scheduled_tokens,
         finished_req_ids=msg.finished_req_ids[:],
+        reset=msg.reset,
     )
 
 

@@ -84,6 +84,13 @@ class PromptInput:
     add_special_tokens: bool | None = None  # None: True for text, False for chat
 
 
+class NoExecutorError(RuntimeError):
+    """No executor is available to serve (gRPC UNAVAILABLE, HTTP 503)."""
+
+
+MAX_FAILOVERS = 3  # executors a request may lose before it fails
+
+
 class Engine:
     def __init__(
         self,
@@ -93,27 +100,22 @@ class Engine:
     ) -> None:
         if not executors:
             raise ValueError("an engine needs at least one executor")
-        infos = [info for _, _, info in executors]
-        block_sizes = {info.block_size for info in infos}
-        if len(block_sizes) != 1:
-            raise ValueError(f"executors disagree on block size: {sorted(block_sizes)}")
+        first = executors[0][2]
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name
-        self.block_size = infos[0].block_size
-        self.max_model_len = min(info.max_model_len for info in infos)
-        self.vocab_size = infos[0].vocab_size
-        self.eos_token_ids = tuple(infos[0].eos_token_ids) or tokenizer.eos_token_ids
+        self.block_size = first.block_size
+        self.max_model_len = min(info.max_model_len for _, _, info in executors)
+        self.vocab_size = first.vocab_size
+        self.eos_token_ids = tuple(first.eos_token_ids) or tokenizer.eos_token_ids
         self.metrics = SchedulerMetrics(self.model_name)
-        self.lanes = [
-            ExecutorLane(executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event)
-            for executor_id, executor, info in executors
-        ]
+        self.lanes: dict[str, ExecutorLane] = {}
         self._streams: dict[str, RequestStream] = {}
         self._parent_of: dict[str, str] = {}
         self._lane_of: dict[str, ExecutorLane] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefix_counted: dict[str, tuple[int, int]] = {}
+        self._pending = list(executors)
 
     def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
         return SchedulerConfig(
@@ -127,13 +129,60 @@ class Engine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        for lane in self.lanes:
-            lane.start()
+        for executor_id, executor, info in self._pending:
+            self.add_executor(executor_id, executor, info)
+        self._pending = []
 
     def stop(self) -> None:
-        for lane in self.lanes:
+        for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
+
+    # -- executors joining and leaving (event loop thread) ---------------------------------------
+
+    @property
+    def live_lanes(self) -> list[ExecutorLane]:
+        return [lane for lane in self.lanes.values() if lane.alive]
+
+    def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
+        """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""
+        if info.block_size != self.block_size or info.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"executor {executor_id} serves block size {info.block_size} / vocab {info.vocab_size}, "
+                f"the others {self.block_size} / {self.vocab_size}"
+            )
+        if info.max_model_len < self.max_model_len:
+            raise ValueError(
+                f"executor {executor_id} holds {info.max_model_len} tokens, fewer than {self.max_model_len}"
+            )
+        old = self.lanes.get(executor_id)
+        if old is not None:
+            self.remove_executor(executor_id, "replaced by a new instance")
+        lane = ExecutorLane(
+            executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event
+        )
+        self.lanes[executor_id] = lane
+        lane.start()
+        log.info(
+            "executor joined",
+            executor=executor_id,
+            num_blocks=info.num_blocks,
+            executors=len(self.live_lanes),
+        )
+
+    def remove_executor(self, executor_id: str, reason: str) -> None:
+        """Stops using an executor; its requests move to the others (the lane reports them)."""
+        lane = self.lanes.pop(executor_id, None)
+        if lane is None:
+            return
+        lane.take_down(reason)
+        assert self._loop is not None
+        # The lane thread reports its requests first; stop it once that report is handled.
+        self._loop.call_later(1.0, self._retire, lane)
+
+    def _retire(self, lane: ExecutorLane) -> None:
+        lane.stop()
+        lane.executor.close()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -196,11 +245,13 @@ class Engine:
         params.validate(self.vocab_size)
         prompt_ids = self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
+        if not self.live_lanes:
+            raise NoExecutorError("no executor is available; retry once one has joined")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
-        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.lanes) >= limit:
+        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.live_lanes) >= limit:
             raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
         children = [
             Request(
@@ -217,14 +268,10 @@ class Engine:
             )
         ]
         stream = RequestStream(request_id, children, self.tokenizer, params, prompt_ids)
-        lane = choose_lane(
-            self.lanes, children[0].block_hashes, len(children[0].block_hashes) + 1, self.config.routing
-        )
         self._streams[request_id] = stream
         for child in children:
             self._parent_of[child.req_id] = request_id
-            self._lane_of[child.req_id] = lane
-        lane.submit(children)
+        lane = self._place(children)
         log.debug(
             "request queued",
             request_id=request_id,
@@ -275,6 +322,17 @@ class Engine:
         log.info("request aborted", request_id=request_id)
         return True
 
+    def _place(self, siblings: list[Request]) -> ExecutorLane:
+        """Routes requests of one client request (siblings stay together) to a live executor."""
+        first = siblings[0]
+        lane = choose_lane(
+            self.live_lanes, first.block_hashes, len(first.block_hashes) + 1, self.config.routing
+        )
+        for request in siblings:
+            self._lane_of[request.req_id] = lane
+        lane.submit(siblings)
+        return lane
+
     def _forget(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
         for req_id in stream.sequences:
@@ -302,6 +360,12 @@ class Engine:
                 self._record_finish(request, "stop", now)
             elif update.finished is not None:
                 self._record_finish(request, update.finished.value, now)
+        if event.lane_down:
+            self.lanes.pop(lane.executor_id, None)
+            assert self._loop is not None
+            self._loop.call_later(1.0, self._retire, lane)
+        if event.evacuated:
+            self._fail_over(event.evacuated, event.error or "executor lost")
         for request in event.ended:
             stream = self._streams.get(self._parent_of.get(request.req_id, ""))
             if stream is not None:
@@ -309,6 +373,27 @@ class Engine:
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
+
+    def _fail_over(self, requests: list[Request], reason: str) -> None:
+        """Moves requests of a lost executor to others; each resumes from the tokens it has."""
+        by_parent: dict[str, list[Request]] = {}
+        for request in requests:
+            parent = self._parent_of.get(request.req_id)
+            if parent is not None and parent in self._streams:  # else: aborted meanwhile
+                by_parent.setdefault(parent, []).append(request)
+        for parent, siblings in by_parent.items():
+            stream = self._streams[parent]
+            for request in siblings:
+                request.num_failovers += 1
+            if not self.live_lanes or siblings[0].num_failovers > MAX_FAILOVERS:
+                why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
+                for request in siblings:
+                    request.status = RequestStatus.FINISHED_ERROR
+                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
+                    self._record_finish(request, "error", time.monotonic())
+                continue
+            lane = self._place(siblings)
+            log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)
 
     def _record_finish(self, request: Request, reason: str, now: float) -> None:
         self.metrics.request_finished(reason)
@@ -331,9 +416,10 @@ class Engine:
         m.prefix_cache_queries.inc(stats.queries - queries)
         m.prefix_cache_hits.inc(stats.hits - hits)
         self._prefix_counted[lane.executor_id] = (stats.queries, stats.hits)
-        m.num_requests_running.set(sum(len(lane.scheduler.running) for lane in self.lanes))
-        m.num_requests_waiting.set(sum(len(lane.scheduler.waiting) for lane in self.lanes))
-        m.kv_cache_usage.set(sum(lane.scheduler.kv.usage for lane in self.lanes) / len(self.lanes))
+        lanes = self.live_lanes
+        m.num_requests_running.set(sum(len(lane.scheduler.running) for lane in lanes))
+        m.num_requests_waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
+        m.kv_cache_usage.set(sum(lane.scheduler.kv.usage for lane in lanes) / len(lanes) if lanes else 0.0)
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -345,7 +431,7 @@ class Engine:
         """Every lane's block pool passes its integrity check (run on the lane threads, between
         steps); raises AssertionError naming the first violation. Returns each pool's state."""
         states = []
-        for lane in self.lanes:
+        for lane in list(self.lanes.values()):
             state = await asyncio.wrap_future(lane.call(lambda s: _checked_state(s, expect_idle)))
             state.executor_id = lane.executor_id
             states.append(state)
@@ -354,7 +440,7 @@ class Engine:
     async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""
         result = {}
-        for lane in self.lanes:
+        for lane in list(self.lanes.values()):
             stats = await asyncio.wrap_future(lane.call(lambda s: (s.kv.stats.queries, s.kv.stats.hits)))
             result[lane.executor_id] = stats
         return result

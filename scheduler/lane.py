@@ -34,13 +34,27 @@ class StepExecutor(Protocol):
     def close(self) -> None: ...
 
 
+# Step failures that mean the executor itself is gone (dead, partitioned, or too slow), as
+# opposed to a failure of this step's requests (INVALID_ARGUMENT, INTERNAL).
+EXECUTOR_DOWN_CODES = frozenset(
+    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "UNAUTHENTICATED"}
+)
+
+
+def executor_is_down(exc: Exception) -> bool:
+    return getattr(exc, "code", None) in EXECUTOR_DOWN_CODES
+
+
 @dataclass(slots=True)
 class LaneEvent:
-    """Reported after every step, and when requests end outside a step."""
+    """Reported after every step, and when requests end or leave outside a step."""
 
     updates: list[RequestUpdate] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)  # aborted, stopped from outside, or failed
-    error: str | None = None  # why `ended` requests failed, if they did
+    error: str | None = None  # why `ended` requests failed (or why the executor went down)
+    # Requests to place on another executor: this one went down (or was down when they came).
+    evacuated: list[Request] = field(default_factory=list)
+    lane_down: bool = False
     stats: StepStats | None = None
     step_seconds: float = 0.0
 
@@ -60,6 +74,8 @@ class ExecutorLane:
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
+        self.alive = True
+        self.down_reason: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"lane-{executor_id}", daemon=True)
         self.num_steps = 0
 
@@ -69,9 +85,14 @@ class ExecutorLane:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Ends the thread; requests still queued to it are handed back as evacuated."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+
+    def take_down(self, reason: str) -> None:
+        """The executor left (its registration expired, say): hand every request back."""
+        self._command("down", reason)
 
     def submit(self, requests: list[Request]) -> None:
         self._command("add", requests)
@@ -99,7 +120,7 @@ class ExecutorLane:
     def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            if not self.scheduler.has_work():
+            if not self.alive or not self.scheduler.has_work():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -111,6 +132,16 @@ class ExecutorLane:
                     list(self.scheduler.requests), RequestStatus.FINISHED_ERROR
                 )
                 self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
+        self._apply_commands()
+
+    def _go_down(self, reason: str) -> None:
+        """Marks the executor lost and hands every request back for another executor."""
+        if not self.alive:
+            return
+        self.alive, self.down_reason = False, reason
+        evacuated = self.scheduler.evacuate()
+        log.warning("executor down", executor=self.executor_id, reason=reason, requests_moved=len(evacuated))
+        self.on_event(self, LaneEvent(evacuated=evacuated, error=reason, lane_down=True))
 
     def _apply_commands(self) -> None:
         while True:
@@ -119,8 +150,13 @@ class ExecutorLane:
             except queue.Empty:
                 return
             if kind == "add":
+                if not self.alive:  # raced with the executor going down: send them elsewhere
+                    self.on_event(self, LaneEvent(evacuated=list(payload), error=self.down_reason))  # type: ignore[call-overload]
+                    continue
                 for request in payload:  # type: ignore[attr-defined]
                     self.scheduler.add_request(request)
+            elif kind == "down":
+                self._go_down(str(payload))
             elif kind == "call":
                 fn, future = payload  # type: ignore[misc]
                 try:
@@ -143,6 +179,9 @@ class ExecutorLane:
         try:
             result = self.executor.step(plan)
         except Exception as exc:
+            if executor_is_down(exc):
+                self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
+                return
             failed = self.scheduler.fail_step(plan)
             log.error("step failed", executor=self.executor_id, step_id=plan.step_id, error=str(exc))
             self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))

@@ -118,6 +118,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
     num_preemptions: int = 0
+    num_failovers: int = 0  # times its executor was lost and it moved to another
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -152,6 +153,11 @@ class Request:
         self.output_logprobs.append(logprobs)
         if (self.num_tokens % self.block_size) == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
+
+    def reset_for_recompute(self) -> None:
+        """Back to waiting with nothing computed; the tokens generated so far are kept."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
 
     def check_stop(self) -> RequestStatus | None:
         """Stop rules that need no text: EOS, stop token ids, max_tokens, the context length."""

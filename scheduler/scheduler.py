@@ -61,6 +61,9 @@ class Scheduler:
         # answered last (it would return that cached result as a retry).
         self._step_ids = itertools.count(random.getrandbits(48))
         self.total_preemptions = 0
+        # The executor may hold requests of an earlier scheduler (or of this one, before a
+        # timeout dropped it): the first plan tells it to start clean.
+        self._first_step = True
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -100,8 +103,9 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> tuple[StepPlan, StepStats]:
-        plan = StepPlan(step_id=next(self._step_ids), finished_req_ids=self._to_drop)
+        plan = StepPlan(step_id=next(self._step_ids), finished_req_ids=self._to_drop, reset=self._first_step)
         self._to_drop = []
+        self._first_step = False
         stats = StepStats()
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -226,6 +230,19 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ERROR, valid=False)
             failed.append(request)
         return failed
+
+    def evacuate(self) -> list[Request]:
+        """Takes every unfinished request out (its executor is gone), reset to be recomputed
+        elsewhere from its prompt and the tokens it has generated so far."""
+        evacuated = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        for request in evacuated:
+            self.kv.free(request, valid=False)
+            del self.requests[request.req_id]
+            request.reset_for_recompute()
+        self._to_drop = []
+        return evacuated
 
     def check_integrity(self, expect_idle: bool = False) -> None:
         self.kv.check_integrity(expect_idle)

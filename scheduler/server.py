@@ -15,11 +15,18 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from npuserve.executor.client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.executor.client import ExecutorClient, StreamingExecutorClient
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.scheduler import api_codec
-from npuserve.scheduler.engine import Engine, EngineConfig, ModelNotFoundError, QueueFullError
+from npuserve.scheduler.engine import (
+    Engine,
+    EngineConfig,
+    ModelNotFoundError,
+    NoExecutorError,
+    QueueFullError,
+)
+from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.request import InvalidRequestError
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
@@ -34,6 +41,7 @@ STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (TokenizerError, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
@@ -111,8 +119,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.ListModelsResponse(models=[model])
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        lanes = self.engine.live_lanes
         total = len(self.engine.lanes)
-        ready = await asyncio.to_thread(lambda: sum(lane.executor.health() for lane in self.engine.lanes))
+        ready = await asyncio.to_thread(lambda: sum(lane.executor.health() for lane in lanes))
         message = "" if ready else "no executor is reachable"
         return pb.HealthResponse(
             serving=ready > 0, ready_executors=ready, total_executors=total, message=message
@@ -165,33 +174,17 @@ class SchedulerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def connect_executors(config: SchedulerConfig) -> list[tuple[str, ExecutorClient, Any]]:
-    """Clients for every executor, after its capacity handshake (waits while they start)."""
-    client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
-    executors = []
-    for address in config.executors:
-        client = client_class(address, timeout_s=config.step_timeout_s)
-        deadline = time.monotonic() + config.connect_timeout_s
-        while True:
-            try:
-                info = client.info()
-                break
-            except ExecutorError as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"executor {address} did not answer within {config.connect_timeout_s} s: {exc}"
-                    ) from exc
-                time.sleep(0.5)
-        executors.append((client.executor_id or address, client, info))
-        log.info(
-            "executor connected", address=address, num_blocks=info.num_blocks, block_size=info.block_size
-        )
-    return executors
-
-
 async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_file: Path | None) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
-    executors = await asyncio.to_thread(connect_executors, config)
+    client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
+
+    def make_client(address: str) -> ExecutorClient:
+        return client_class(address, timeout_s=config.step_timeout_s)
+
+    executors = await wait_for_executors(make_client, config.executors, config.connect_timeout_s)
+    membership = StaticMembership(make_client, config.executors)
+    for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
+        membership.joined(address, executor_id)
     engine = Engine(
         EngineConfig(
             served_model_name=config.served_model_name or config.model,
@@ -203,6 +196,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
         executors,
     )
     engine.start()
+    watcher = asyncio.create_task(membership.run(engine))
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -222,6 +216,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("scheduler stopping")
+    watcher.cancel()
     await server.stop(grace=5)
     engine.stop()
 

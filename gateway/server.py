@@ -1,0 +1,165 @@
+"""`npuserve gateway`: the REST gateway as a process (uvicorn), in front of a running scheduler.
+
+Start-up: bind the port (0 picks a free one), serve HTTP, wait until the scheduler answers
+Health with a ready executor (until then /health is 503 and generation requests get 503), then
+write the ready file `{"url", "pid", "scheduler"}` atomically. SIGTERM or SIGINT stops
+accepting connections, lets running responses finish for a few seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from npuserve.gateway.convert import SchedulerClient
+from npuserve.gateway.errors import APIError
+
+log = structlog.get_logger(__name__)
+
+API_KEY_ENV = "NPUSERVE_API_KEY"
+SCHEDULER_WAIT_S = 60.0
+GRACEFUL_SHUTDOWN_S = 3
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    scheduler: str  # the scheduler's gRPC address
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ready_file: Path | None = None
+    scheduler_wait_s: float = SCHEDULER_WAIT_S
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The gateway's settings from `npuserve gateway` flags; the key may come from the environment."""
+    return GatewayConfig(
+        scheduler=args.scheduler,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_name=getattr(args, "served_model_name", None),
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        ready_file=args.ready_file,
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """Entry point of `npuserve gateway`; returns the exit code."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"npuserve gateway: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
+        return asyncio.run(serve_gateway(config))
+    return uvloop.run(serve_gateway(config))
+
+
+class _Server(uvicorn.Server):
+    # NOTE: uvicorn re-raises a captured SIGTERM after shutting down, which would end the process
+    # with -15; the gateway installs its own handlers and exits 0 after a graceful stop.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.set_inheritable(True)
+    return sock
+
+
+def public_url(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve_gateway(config: GatewayConfig) -> int:
+    app = create_app(config.scheduler, config.api_key, config.served_model_name, config.max_request_bytes)
+    sock = bind_socket(config.host, config.port)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            http="httptools",
+            ws="none",
+            lifespan="on",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stop, server)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            log.error("the gateway did not start")
+            return 1
+        await asyncio.sleep(0.01)
+    url = public_url(config.host, sock.getsockname()[1])
+    log.info("gateway serving", url=url, scheduler=config.scheduler, api_key=bool(config.api_key))
+    await _wait_for_scheduler(app.state.gateway.client, server, config.scheduler_wait_s)
+    if config.ready_file is not None and not server.should_exit:
+        _write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
+    await serving
+    log.info("gateway stopped")
+    return 0
+
+
+def _stop(server: uvicorn.Server) -> None:
+    log.info("gateway stopping")
+    server.should_exit = True
+
+
+async def _wait_for_scheduler(client: SchedulerClient, server: uvicorn.Server, timeout_s: float) -> None:
+    """Polls Health until an executor is ready; after `timeout_s`, serves on (503s) with a warning."""
+    deadline = time.monotonic() + timeout_s
+    reason = ""
+    while not server.should_exit:
+        try:
+            health = await client.health(timeout_s=2.0)
+            if health.serving:
+                return
+            reason = health.message
+        except APIError as exc:
+            reason = exc.message
+        if time.monotonic() > deadline:
+            log.warning("the scheduler is not ready; serving 503 until it is", reason=reason)
+            return
+        await asyncio.sleep(0.25)
+
+
+def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    tmp.replace(path)
