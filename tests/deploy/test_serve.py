@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from harness.reference import transformers_greedy
 from harness.serve import collect, generate_concurrently, greedy_request, serve
 
 from npuserve.proto import scheduler_pb2 as pb
@@ -55,21 +56,6 @@ def prompts(
     return [(prefix or []) + torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
 
 
-def reference(model_dir: Path, prompt_ids: list[list[int]], num_new: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for ids in prompt_ids:
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
-
-
 def assert_idle_and_intact(served) -> None:
     check = served.integrity(expect_idle=True)
     assert check.ok, check.message
@@ -82,7 +68,7 @@ def test_concurrent_greedy_streams_match_transformers(
 ) -> None:
     model_dir = stories_dir if which == "stories260K" else random_llama
     prompt_ids = prompts(NUM_STREAMS, seed=1)
-    expected = reference(model_dir, prompt_ids, NUM_NEW)
+    expected = transformers_greedy(model_dir, prompt_ids, NUM_NEW)
     with serve(model_dir, "--kv-cache-memory", "0.02") as served:
         results = generate_concurrently(served.stub(), [greedy_request(p, NUM_NEW) for p in prompt_ids])
         assert [tokens for tokens, _, _ in results] == expected
@@ -96,7 +82,7 @@ def test_prefix_caching_hits_with_identical_outputs(random_llama: Path) -> None:
     shared = prompts(1, seed=2, min_len=80, max_len=80)[0]  # five full blocks of 16
     first_wave = prompts(8, seed=3, min_len=4, max_len=20, prefix=shared)
     second_wave = prompts(8, seed=4, min_len=4, max_len=20, prefix=shared)
-    expected = reference(random_llama, first_wave + second_wave, NUM_NEW)
+    expected = transformers_greedy(random_llama, first_wave + second_wave, NUM_NEW)
     outputs = {}
     for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         with serve(random_llama, "--kv-cache-memory", "0.02", caching) as served:
@@ -119,7 +105,7 @@ def test_preemption_keeps_greedy_outputs(random_llama: Path) -> None:
     # 2 layers x 2 KV heads x 16 dims x (K, V) x 16 tokens x 4 bytes = 8 KiB a block: 48 blocks
     # hold 768 tokens, while 24 requests of ~40 + 40 tokens want about 1,900.
     prompt_ids = prompts(24, seed=5, min_len=20, max_len=60)
-    expected = reference(random_llama, prompt_ids, 40)
+    expected = transformers_greedy(random_llama, prompt_ids, 40)
     flags = ("--kv-cache-memory", str(48 * 8192 / 2**30), "--max-model-len", "128")
     with serve(random_llama, *flags) as served:
         results = generate_concurrently(served.stub(), [greedy_request(p, 40) for p in prompt_ids])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.reference import transformers_greedy
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
@@ -72,20 +73,6 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return path
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        generated = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
-
-
 def make_runner(model_dir: Path) -> ModelRunner:
     return ModelRunner(
         ExecutorConfig(model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory_gib=0.02)
@@ -105,7 +92,7 @@ def greedy(req_id: str, prompt: list[int], **kwargs: object) -> DrivenRequest:
 @pytest.mark.parametrize("token_budget", [10_000, 13], ids=["whole-prefill", "chunked-prefill"])
 def test_batched_greedy_matches_transformers(model_dir: Path, token_budget: int) -> None:
     prompts = prompts_of_many_lengths()
-    expected = reference_greedy(model_dir, prompts)
+    expected = transformers_greedy(model_dir, prompts, NUM_NEW_TOKENS)
     runner = make_runner(model_dir)
     requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts)]
     StepDriver(runner, token_budget=token_budget).run(requests)
@@ -117,7 +104,7 @@ def test_prefix_cache_hit_matches_transformers(model_dir: Path) -> None:
     generator = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 256, (2 * BLOCK_SIZE + 5,), generator=generator).tolist()
     prompts = [prefix + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (4, 20)]
-    expected = reference_greedy(model_dir, [prefix, *prompts])
+    expected = transformers_greedy(model_dir, [prefix, *prompts], NUM_NEW_TOKENS)
     runner = make_runner(model_dir)
     driver = StepDriver(runner, token_budget=10_000)
     (first,) = driver.run([greedy("first", prefix)])

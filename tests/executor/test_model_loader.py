@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.reference import transformers_greedy
 from harness.step_driver import DrivenRequest, StepDriver
 from safetensors.torch import load_file, save_file
 
@@ -62,20 +63,6 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def reference_greedy(model_dir: Path) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in PROMPTS:
-        generated = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
-
-
 def make_runner(model_dir: Path, **kwargs: object) -> ModelRunner:
     return ModelRunner(ExecutorConfig(model=str(model_dir), kv_cache_memory_gib=0.005, **kwargs))
 
@@ -98,7 +85,7 @@ def test_layout_gives_transformers_greedy_tokens(model_dirs: dict[str, Path], va
     """Each checkpoint layout loads completely and reproduces transformers' greedy tokens."""
     model_dir = model_dirs[variant]
     runner = make_runner(model_dir, dtype="float32")
-    assert [r.output for r in run_greedy(runner)] == reference_greedy(model_dir)
+    assert [r.output for r in run_greedy(runner)] == transformers_greedy(model_dir, PROMPTS, NUM_NEW_TOKENS)
 
 
 def test_sharded_checkpoint_reads_files_from_index(model_dirs: dict[str, Path]) -> None:
