@@ -3,6 +3,8 @@
 `ExecutorClient` sends each step as a unary `Step` call; `StreamingExecutorClient` sends them over
 one long-lived `StepStream`, reopened after any failure. Both expose the same `.step(plan)` and
 turn every gRPC failure into `ExecutorError`, carrying the status code's name and message.
+With a ``token`` every call presents the cluster token (``authorization: Bearer TOKEN``); with
+``tls_ca`` (PEM root certificates) the channel is TLS, verified against those roots.
 """
 
 from __future__ import annotations
@@ -45,11 +47,22 @@ class ExecutorError(RuntimeError):
 class ExecutorClient:
     """Unary calls to one executor. `timeout_s` bounds each call (None: no deadline)."""
 
-    def __init__(self, address: str, timeout_s: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = 60.0,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.ExecutorStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         # Filled by info(): the executor's identity, next to the capacity handshake.
         self.executor_id: str | None = None
         self.version: str | None = None
@@ -66,7 +79,9 @@ class ExecutorClient:
     def health(self) -> bool:
         """True when the executor answers and serves; False when it is unreachable or stopping."""
         try:
-            return self._stub.Health(pb.HealthRequest(), timeout=self.timeout_s).serving
+            return self._stub.Health(
+                pb.HealthRequest(), timeout=self.timeout_s, metadata=self._metadata
+            ).serving
         except grpc.RpcError:
             return False
 
@@ -83,7 +98,9 @@ class ExecutorClient:
 
     def _call(self, method: Callable[..., Any], request: Any, wait_for_ready: bool = False) -> Any:
         try:
-            return method(request, timeout=self.timeout_s, wait_for_ready=wait_for_ready)
+            return method(
+                request, timeout=self.timeout_s, wait_for_ready=wait_for_ready, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise ExecutorError.from_rpc_error(exc) from None
 
@@ -98,10 +115,10 @@ class _StepStream:
     gRPC's response iterator has no timed `next()`.
     """
 
-    def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorStub, metadata: tuple[tuple[str, str], ...] | None) -> None:
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._call = stub.StepStream(iter(self._requests.get, _END))
+        self._call = stub.StepStream(iter(self._requests.get, _END), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="executor-step-stream", daemon=True)
         self._reader.start()
 
@@ -139,8 +156,14 @@ class StreamingExecutorClient(ExecutorClient):
     step opens a new one. `timeout_s` bounds each step's wait for its response.
     """
 
-    def __init__(self, address: str, timeout_s: float | None = 60.0) -> None:
-        super().__init__(address, timeout_s)
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = 60.0,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
+        super().__init__(address, timeout_s, token, tls_ca)
         self._stream: _StepStream | None = None
         self._lock = threading.Lock()  # one step in flight: responses come back in order
 
@@ -148,7 +171,7 @@ class StreamingExecutorClient(ExecutorClient):
         request = step_codec.plan_to_proto(plan)
         with self._lock:
             if self._stream is None:
-                self._stream = _StepStream(self._stub)
+                self._stream = _StepStream(self._stub, self._metadata)
             try:
                 response = self._stream.exchange(request, self.timeout_s)
             except ExecutorError:

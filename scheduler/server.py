@@ -27,6 +27,7 @@ from npuserve.scheduler.engine import (
     QueueFullError,
 )
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
+from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.request import InvalidRequestError
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
@@ -162,7 +163,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 @dataclass(slots=True)
 class SchedulerConfig:
     model: str  # model directory (tokenizer, chat template)
-    executors: list[str]  # executor addresses
+    executors: list[str]  # executor addresses (empty: discover them in the registry)
     served_model_name: str | None = None
     chat_template: str | None = None
     enable_prefix_caching: bool = True
@@ -171,6 +172,10 @@ class SchedulerConfig:
     step_transport: str = "unary"  # "unary" or "stream"
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
+    registry: str | None = None  # redis://HOST:PORT/DB where executors register
+    registry_prefix: str = "npuserve"
+    cluster_token: str | None = None  # presented to executors on every call
+    tls_ca: bytes | None = None  # PEM roots: talk TLS to executors and verify them against these
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -179,12 +184,19 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
 
     def make_client(address: str) -> ExecutorClient:
-        return client_class(address, timeout_s=config.step_timeout_s)
+        return client_class(
+            address, timeout_s=config.step_timeout_s, token=config.cluster_token, tls_ca=config.tls_ca
+        )
 
-    executors = await wait_for_executors(make_client, config.executors, config.connect_timeout_s)
-    membership = StaticMembership(make_client, config.executors)
-    for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
-        membership.joined(address, executor_id)
+    membership: StaticMembership | RedisMembership
+    if config.registry:
+        membership = RedisMembership(make_client, config.registry, config.registry_prefix)
+        executors = await membership.wait_for_executors(config.connect_timeout_s)
+    else:
+        executors = await wait_for_executors(make_client, config.executors, config.connect_timeout_s)
+        membership = StaticMembership(make_client, config.executors)
+        for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
+            membership.joined(address, executor_id)
     engine = Engine(
         EngineConfig(
             served_model_name=config.served_model_name or config.model,

@@ -1,0 +1,206 @@
+"""An executor's registration in the Redis registry, kept alive by a heartbeat thread.
+
+Once the executor serves, it writes ``{prefix}:executor:{executor_id}`` as JSON (where to reach
+it, which process it is, what it serves) with a TTL, and rewrites it every TTL/3. The scheduler
+(`scheduler/registry.py`) reads these keys: a key that expired means the executor is gone, a new
+``instance_id`` under the same key means it restarted with an empty KV cache. A graceful stop
+deletes the key at once.
+
+Redis going away never stops the executor: the heartbeat logs once per outage, retries with a
+capped backoff, and registers again as soon as Redis answers (a restarted Redis has lost the key).
+
+This module imports no torch: the scheduler reads the record format from here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from npuserve.executor.step_plan import ExecutorInfo
+
+log = structlog.get_logger(__name__)
+
+MIN_BACKOFF_S = 0.25
+MAX_SOCKET_TIMEOUT_S = 1.0
+# Deletes the key only while it still holds this process's record: an executor that stops late
+# must not remove the registration of the instance that replaced it.
+_DELETE_IF_OURS = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+
+def registry_key(prefix: str, executor_id: str) -> str:
+    return f"{prefix}:executor:{executor_id}"
+
+
+def registry_pattern(prefix: str) -> str:
+    """The SCAN pattern of every executor key under ``prefix`` (glob characters escaped)."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:executor:*"
+
+
+def redis_client(url: str, timeout_s: float = MAX_SOCKET_TIMEOUT_S) -> redis.Redis:
+    """A client that fails fast: bounded socket waits, one immediate reconnect, no hidden backoff
+    (callers own their retry policy)."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+@dataclass(slots=True)
+class RegistryConfig:
+    url: str  # redis://HOST:PORT/DB
+    prefix: str = "npuserve"
+    ttl_s: float = 10.0
+    advertise_address: str | None = None  # None: the address the server bound
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--registry must be a redis://HOST:PORT/DB URL, not {self.url!r}")
+        if self.ttl_s < 0.3:
+            raise ValueError(f"--registry-ttl must be at least 0.3 s, not {self.ttl_s}")
+        if not self.prefix:
+            raise ValueError("--registry-prefix must not be empty")
+        if self.advertise_address is not None and ":" not in self.advertise_address:
+            raise ValueError(f"--advertise-address must be HOST:PORT, not {self.advertise_address!r}")
+
+
+def registration_record(
+    address: str, executor_id: str, info: ExecutorInfo, version: str, ttl_s: float
+) -> dict[str, Any]:
+    """What the registry holds for one executor process (``instance_id`` is new at every start)."""
+    return {
+        "address": address,
+        "executor_id": executor_id,
+        "instance_id": uuid.uuid4().hex,
+        "model": info.model,
+        "architecture": info.architecture,
+        "device": info.device,
+        "dtype": info.dtype,
+        "block_size": info.block_size,
+        "num_blocks": info.num_blocks,
+        "max_model_len": info.max_model_len,
+        "tensor_parallel_size": info.tensor_parallel_size,
+        "version": version,
+        "started_at": datetime.now(timezone.utc).isoformat(),
+        "ttl_s": ttl_s,
+    }
+
+
+def parse_record(text: str) -> dict[str, Any] | None:
+    """A registration as written by `registration_record`; None when it is not one."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    if not all(
+        isinstance(record.get(k), str) and record[k] for k in ("address", "executor_id", "instance_id")
+    ):
+        return None
+    return record
+
+
+class ExecutorRegistration:
+    """Registers one executor and keeps its key alive.
+
+    Ownership: `start` and `stop` run on the serving thread; the Redis client is used only by the
+    heartbeat thread until `stop` has joined it.
+    """
+
+    def __init__(
+        self, config: RegistryConfig, record: dict[str, Any], client: redis.Redis | None = None
+    ) -> None:
+        self.config = config
+        self.record = record
+        self.key = registry_key(config.prefix, record["executor_id"])
+        self._payload = json.dumps(record, sort_keys=True)
+        self._ttl_ms = max(1, round(config.ttl_s * 1000))
+        self.interval_s = config.ttl_s / 3
+        self._redis = client or redis_client(config.url, min(MAX_SOCKET_TIMEOUT_S, self.interval_s))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
+        self._backoff_s = 0.0
+        self._down_since: float | None = None  # monotonic start of the current outage
+        self.num_registrations = 0  # successful writes (first registration and every refresh)
+        self.num_failed_beats = 0
+        self.num_outages = 0
+
+    def start(self) -> None:
+        """Registers now (on the heartbeat thread, so a slow Redis never delays serving)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the heartbeat and deletes the key (best effort: a dead Redis lets it expire)."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        try:
+            deleted = self._redis.eval(_DELETE_IF_OURS, 1, self.key, self._payload)
+        except redis.RedisError as exc:
+            log.warning("could not deregister; the key expires by itself", key=self.key, error=str(exc))
+        else:
+            log.info("deregistered", key=self.key, deleted=bool(deleted))
+        self._redis.close()
+
+    def _run(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            delay = self._beat()
+
+    def _beat(self) -> float:
+        """One write of the key; returns the seconds until the next."""
+        try:
+            # NOTE: SET (not EXPIRE) on every beat, so a Redis that lost the key gets it back.
+            self._redis.set(self.key, self._payload, px=self._ttl_ms)
+        except redis.RedisError as exc:
+            self.num_failed_beats += 1
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                self.num_outages += 1
+                log.warning(
+                    "registry unreachable; serving on and retrying",
+                    key=self.key,
+                    url=_safe_url(self.config.url),
+                    error=str(exc),
+                )
+            self._backoff_s = min(max(MIN_BACKOFF_S, 2 * self._backoff_s), self.interval_s)
+            return self._backoff_s
+        if self._down_since is not None and self.num_registrations:
+            log.info("registered again", key=self.key, outage_s=round(time.monotonic() - self._down_since, 2))
+        elif self.num_registrations == 0:
+            log.info(
+                "registered",
+                key=self.key,
+                address=self.record["address"],
+                instance_id=self.record["instance_id"],
+                ttl_s=self.config.ttl_s,
+            )
+        self._down_since = None
+        self._backoff_s = 0.0
+        self.num_registrations += 1
+        return self.interval_s
+
+
+def _safe_url(url: str) -> str:
+    """The URL without a password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.split('@', 1)[1]}"
