@@ -232,7 +232,10 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        info = await _gateway(request).client.health(timeout_s=HEALTH_TIMEOUT_S)
+        try:
+            info = await _gateway(request).client.health(timeout_s=HEALTH_TIMEOUT_S)
+        except APIError as exc:  # whatever the scheduler's failure, this gateway cannot serve
+            raise unavailable(exc.message) from None
         if not info.serving:
             raise unavailable(info.message or "no executor is ready")
         return _json({"status": "ok", "ready_executors": info.ready_executors})

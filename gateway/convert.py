@@ -192,21 +192,17 @@ def _tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, mode
 def _update_of(msg: pb.GenerateResponse) -> Update:
     choices = []
     for c in msg.completions:
-        which = c.WhichOneof("stop_reason")
-        choices.append(
-            ChoiceDelta(
-                index=c.index,
-                text=c.text,
-                num_tokens=len(c.token_ids),
-                logprobs=[
-                    TokenLogprob(lp.token, lp.logprob, [TopLogprob(t.token, t.logprob) for t in lp.top])
-                    for lp in c.logprobs
-                ],
-                finish_reason=c.finish_reason or None,
-                stop_reason=None if which is None else getattr(c, which),
-                error=c.error_message,
-            )
-        )
+        delta = ChoiceDelta(c.index, c.text, len(c.token_ids), [])
+        if c.logprobs:
+            delta.logprobs = [
+                TokenLogprob(lp.token, lp.logprob, [TopLogprob(t.token, t.logprob) for t in lp.top])
+                for lp in c.logprobs
+            ]
+        if c.finish_reason:
+            which = c.WhichOneof("stop_reason")
+            delta.finish_reason, delta.error = c.finish_reason, c.error_message
+            delta.stop_reason = None if which is None else getattr(c, which)
+        choices.append(delta)
     update = Update(choices)
     if msg.HasField("prompt"):
         update.prompt_text = msg.prompt.text

@@ -69,8 +69,33 @@ _HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 # so DEADLINE_EXCEEDED means a scheduler that does not answer, like UNAVAILABLE.
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-# "n must be in [1, 128], got 1000" / "messages[0].role must be one of ..." name their field first.
+# NOTE: the scheduler's INVALID_ARGUMENT carries only a message, so the field is read from it:
+# "n must be in [1, 128], got 1000" and "messages[0].role must be one of ..." start with it,
+# "stop entries must ..." and "the prompt is empty" name one of the request's fields.
 _LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:must|is|are|has) ")
+_WORD = re.compile(r"[A-Za-z_]+")
+_FIELDS = frozenset(
+    [
+        "prompt",
+        "messages",
+        "tokens",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "min_tokens",
+        "logprobs",
+        "chat_template",
+    ]
+)
 
 
 def from_status(code: grpc.StatusCode, details: str | None) -> APIError:
@@ -93,7 +118,8 @@ def _param_of(message: str) -> str | None:
         return match.group(1)
     if "context length" in message:  # the scheduler's "maximum context length is N" messages
         return "max_tokens" if "in the completion" in message else "prompt"
-    return None
+    first_clause = re.split(r"[.;:]", message, maxsplit=1)[0]
+    return next((w for w in _WORD.findall(first_clause) if w in _FIELDS), None)
 
 
 def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -103,7 +129,9 @@ def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    return bad_request(f"{param}: {message}" if param else message, param or None)
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return bad_request(message, param or None)
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:

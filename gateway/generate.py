@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from npuserve.gateway.convert import ChoiceDelta, GenerateCall, SchedulerClient, TokenLogprob, Update, Usage
-from npuserve.gateway.errors import APIError
-from npuserve.gateway.protocol import SSE_DONE, sse_event, usage_dict
+from npuserve.gateway.errors import APIError, error_body
+from npuserve.gateway.protocol import SSE_DONE, ChunkEvents, sse_event, usage_dict
 
 log = structlog.get_logger(__name__)
 
@@ -135,25 +136,29 @@ class Generation:
     async def stream(self) -> AsyncIterator[bytes]:
         """Server-sent events: chunks, the usage chunk when asked, then `[DONE]`; an error that
         happens mid-stream is sent as an OpenAI error event before `[DONE]`."""
-        head = {**self.head, "object": self.kind.chunk_object}
+        events = ChunkEvents({**self.head, "object": self.kind.chunk_object})
         try:
             for choice in self.choices:
                 opening = self.kind.opening_chunk(choice)
                 if opening is not None:
-                    yield sse_event({**head, "choices": [opening]})
-            async for p, update in _merged(self.calls, self.firsts):
-                _raise_on_error(update)
-                for delta in update.choices:
-                    choice = self.choices[p * self.n + delta.index]
-                    chunk = self.kind.delta_chunk(choice, delta, self.firsts[p].prompt_text)
-                    if chunk is not None:
-                        yield sse_event({**head, "choices": [chunk]})
-                self._add_usage(update.usage)
+                    yield events.choice(opening)
+            async with aclosing(_merged(self.calls, self.firsts)) as updates:
+                async for p, update in updates:
+                    _raise_on_error(update)
+                    for delta in update.choices:
+                        choice = self.choices[p * self.n + delta.index]
+                        chunk = self.kind.delta_chunk(choice, delta, self.firsts[p].prompt_text)
+                        if chunk is not None:
+                            yield events.choice(chunk)
+                    self._add_usage(update.usage)
             if self.include_usage:
-                yield sse_event({**head, "choices": [], "usage": self._usage()})
+                yield events.usage(self._usage())
         except APIError as exc:
             log.warning("stream failed", status=exc.status, error=exc.message)
             yield sse_event(exc.body())
+        except Exception as exc:  # a bug here must still end the stream the way clients expect
+            log.exception("stream failed", error=str(exc))
+            yield sse_event(error_body("internal server error", "server_error"))
         finally:
             self.cancel()
         yield SSE_DONE
@@ -161,20 +166,17 @@ class Generation:
     async def collect(self) -> dict[str, Any]:
         """The whole response, once every choice has finished."""
         try:
-            async for p, update in _merged(self.calls, self.firsts):
-                _raise_on_error(update)
-                for delta in update.choices:
-                    choice = self.choices[p * self.n + delta.index]
-                    self.kind.accumulate(choice, delta, self.firsts[p].prompt_text)
-                self._add_usage(update.usage)
+            async with aclosing(_merged(self.calls, self.firsts)) as updates:
+                async for p, update in updates:
+                    _raise_on_error(update)
+                    for delta in update.choices:
+                        choice = self.choices[p * self.n + delta.index]
+                        self.kind.accumulate(choice, delta, self.firsts[p].prompt_text)
+                    self._add_usage(update.usage)
         finally:
             self.cancel()
         choices = [self.kind.full_choice(choice) for choice in self.choices]
         return {**self.head, "object": self.kind.full_object, "choices": choices, "usage": self._usage()}
-
-
-def _finish_fields(delta: ChoiceDelta) -> tuple[str | None, str | int | None]:
-    return delta.finish_reason, delta.stop_reason
 
 
 class CompletionFormat:
@@ -219,13 +221,12 @@ class CompletionFormat:
         text = echoed + delta.text
         if not text and not delta.logprobs and delta.finish_reason is None:
             return None
-        finish, stop = _finish_fields(delta)
         return {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": finish,
-            "stop_reason": stop,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
         }
 
     def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
@@ -236,7 +237,7 @@ class CompletionFormat:
         choice.parts.append(delta.text)
         choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = _finish_fields(delta)
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         logprobs = self._logprobs(choice, choice.logprobs) if self.logprobs else None
@@ -278,20 +279,19 @@ class ChatFormat:
     ) -> dict[str, Any] | None:
         if not delta.text and not delta.logprobs and delta.finish_reason is None:
             return None
-        finish, stop = _finish_fields(delta)
         return {
             "index": choice.index,
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": {"content": [_chat_logprob(e) for e in delta.logprobs]} if self.logprobs else None,
-            "finish_reason": finish,
-            "stop_reason": stop,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
         }
 
     def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
         choice.parts.append(delta.text)
         choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = _finish_fields(delta)
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         return {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -39,6 +39,14 @@ class _Request(BaseModel):
     # NOTE: unknown fields are kept (and logged by the app), as vLLM does: clients send fields
     # of newer API versions, and refusing them would break working clients.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`"n": null` and the like mean the default, as in OpenAI's API."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Request):
@@ -147,7 +155,7 @@ def _is_token_id(value: Any) -> bool:
 class ChatMessage(_Request):
     """One message; a content given as text parts is joined into one string."""
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # as the scheduler accepts
     content: str = ""
     name: str | None = None
 
@@ -304,9 +312,27 @@ def model_card(model_id: str, created: int, root: str, max_model_len: int) -> di
     }
 
 
+# NOTE: one encoder for every event; json.dumps with options builds a new encoder per call.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One server-sent event, `data: {...}` and a blank line."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
+
+
+class ChunkEvents:
+    """The SSE events of one streamed response. Every chunk repeats the same id, object, created
+    and model, so that head is encoded once and each event encodes only its choice."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = b"data: " + _JSON.encode(head)[:-1].encode() + b',"choices":['
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + _JSON.encode(choice).encode() + b"]}\n\n"
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return self._prefix + b'],"usage":' + _JSON.encode(usage).encode() + b"}\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

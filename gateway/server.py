@@ -105,7 +105,11 @@ def public_url(host: str, port: int) -> str:
 
 async def serve_gateway(config: GatewayConfig) -> int:
     app = create_app(config.scheduler, config.api_key, config.served_model_name, config.max_request_bytes)
-    sock = bind_socket(config.host, config.port)
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot listen", host=config.host, port=config.port, error=str(exc))
+        return 1
     server = _Server(
         uvicorn.Config(
             app,

@@ -18,7 +18,7 @@ import structlog
 from npuserve.executor.step_plan import ExecutorInfo
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import SchedulerMetrics
-from npuserve.scheduler.outputs import GenerateOutput, RequestStream
+from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -116,6 +116,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefix_counted: dict[str, tuple[int, int]] = {}
         self._pending = list(executors)
+        self._unstarted: dict[str, tuple[ExecutorLane, int]] = {}  # req_id -> (lane, prompt blocks)
+        self._gauge_task: asyncio.Task[None] | None = None
 
     def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
         return SchedulerConfig(
@@ -132,8 +134,11 @@ class Engine:
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []
+        self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
 
     def stop(self) -> None:
+        if self._gauge_task is not None:
+            self._gauge_task.cancel()
         for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
@@ -293,7 +298,7 @@ class Engine:
         usage = None
         try:
             while True:
-                output = await stream.queue.get()
+                output = coalesce(await stream.queue.get(), stream.queue)
                 usage = output.usage or usage
                 yield output
                 if output.finished:
@@ -325,13 +330,23 @@ class Engine:
     def _place(self, siblings: list[Request]) -> ExecutorLane:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
-        lane = choose_lane(
-            self.live_lanes, first.block_hashes, len(first.block_hashes) + 1, self.config.routing
-        )
+        num_blocks = len(first.block_hashes) + 1
+        lane = choose_lane(self.live_lanes, first.block_hashes, num_blocks, self.config.routing)
         for request in siblings:
             self._lane_of[request.req_id] = lane
+            self._unstarted[request.req_id] = (lane, num_blocks)
+        lane.queued_requests += len(siblings)
+        lane.queued_blocks += num_blocks * len(siblings)
         lane.submit(siblings)
         return lane
+
+    def _started(self, req_id: str) -> None:
+        """A request produced its first token or left its lane: it no longer counts as queued."""
+        entry = self._unstarted.pop(req_id, None)
+        if entry is not None:
+            lane, num_blocks = entry
+            lane.queued_requests -= 1
+            lane.queued_blocks -= num_blocks
 
     def _forget(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
@@ -352,6 +367,7 @@ class Engine:
             stream = self._streams.get(self._parent_of.get(request.req_id, ""))
             if stream is None:
                 continue
+            self._started(request.req_id)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - request.arrival_time)
@@ -365,8 +381,11 @@ class Engine:
             assert self._loop is not None
             self._loop.call_later(1.0, self._retire, lane)
         if event.evacuated:
+            for request in event.evacuated:
+                self._started(request.req_id)
             self._fail_over(event.evacuated, event.error or "executor lost")
         for request in event.ended:
+            self._started(request.req_id)
             stream = self._streams.get(self._parent_of.get(request.req_id, ""))
             if stream is not None:
                 stream.end(request.req_id, request.status, event.error)
@@ -416,10 +435,19 @@ class Engine:
         m.prefix_cache_queries.inc(stats.queries - queries)
         m.prefix_cache_hits.inc(stats.hits - hits)
         self._prefix_counted[lane.executor_id] = (stats.queries, stats.hits)
+
+    def refresh_gauges(self) -> None:
+        """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
+        m = self.metrics
         lanes = self.live_lanes
         m.num_requests_running.set(sum(len(lane.scheduler.running) for lane in lanes))
         m.num_requests_waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
         m.kv_cache_usage.set(sum(lane.scheduler.kv.usage for lane in lanes) / len(lanes) if lanes else 0.0)
+
+    async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
+        while True:
+            self.refresh_gauges()
+            await asyncio.sleep(interval_s)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -76,6 +76,9 @@ class ExecutorLane:
         self._stopping = False
         self.alive = True
         self.down_reason: str | None = None
+        # Placed here but without a token yet; kept by the engine on the event loop thread.
+        self.queued_requests = 0
+        self.queued_blocks = 0
         self._thread = threading.Thread(target=self._run, name=f"lane-{executor_id}", daemon=True)
         self.num_steps = 0
 

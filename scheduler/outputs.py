@@ -141,3 +141,22 @@ class RequestStream:
                 ),
             )
         self.queue.put_nowait(output)
+
+
+def coalesce(output: GenerateOutput, queue: asyncio.Queue[GenerateOutput]) -> GenerateOutput:
+    """Merges the outputs already waiting behind ``output`` into it: a client that reads slower
+    than tokens arrive gets one message per read rather than one per token."""
+    while not output.finished and not queue.empty():
+        following = queue.get_nowait()
+        for delta in following.completions:
+            previous = next((d for d in output.completions if d.index == delta.index), None)
+            if previous is None or previous.finish_reason is not None:
+                output.completions.append(delta)
+                continue
+            previous.text += delta.text
+            previous.token_ids = previous.token_ids + delta.token_ids
+            previous.logprobs = previous.logprobs + delta.logprobs
+            previous.finish_reason, previous.stop_reason = delta.finish_reason, delta.stop_reason
+        output.usage = following.usage or output.usage
+        output.finished, output.error = following.finished, following.error or output.error
+    return output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -175,6 +176,6 @@ class Request:
 
 def _check_range(name: str, value: float, low: float, high: float | None, low_open: bool = False) -> None:
     too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high):
+    if not math.isfinite(value) or too_low or (high is not None and value > high):
         bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
         raise InvalidRequestError(f"{name} must be in {bounds}, got {value}", field=name)

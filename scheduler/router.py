@@ -9,6 +9,7 @@ the prefill work left after its cached overlap with the prompt plus its load, bo
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,10 +33,10 @@ def cached_prefix_blocks(lane: ExecutorLane, block_hashes: Sequence[BlockHash]) 
 
 
 def lane_load_blocks(lane: ExecutorLane) -> int:
+    """Blocks held by the lane's requests plus the prompt blocks of those placed there that
+    have not produced a token yet (so a burst of placements spreads out at once)."""
     pool = lane.scheduler.kv.pool
-    in_use = pool.num_blocks - 1 - pool.num_free_blocks
-    queued = sum(len(r.block_hashes) + 1 for r in list(lane.scheduler.waiting))
-    return in_use + queued
+    return pool.num_blocks - 1 - pool.num_free_blocks + lane.queued_blocks
 
 
 def choose_lane(
@@ -43,10 +44,16 @@ def choose_lane(
 ) -> ExecutorLane:
     if len(lanes) == 1:
         return lanes[0]
+    # NOTE: ties go to the lane with fewer queued requests, then to a random one, so equal
+    # lanes share a burst instead of the first one taking all of it.
     if policy == "least-load":
-        return min(lanes, key=lambda lane: (lane.load, lane_load_blocks(lane)))
+        return min(
+            lanes,
+            key=lambda lane: (lane.load + lane.queued_requests, lane_load_blocks(lane), random.random()),
+        )
 
-    def cost(lane: ExecutorLane) -> int:
-        return num_prompt_blocks - cached_prefix_blocks(lane, block_hashes) + lane_load_blocks(lane)
+    def cost(lane: ExecutorLane) -> tuple[int, int, float]:
+        uncached = num_prompt_blocks - cached_prefix_blocks(lane, block_hashes)
+        return uncached + lane_load_blocks(lane), lane.queued_requests, random.random()
 
     return min(lanes, key=cost)

@@ -142,6 +142,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:
+        self.engine.refresh_gauges()
         return pb.GetMetricsResponse(text=self.engine.metrics.render())
 
 

@@ -184,8 +184,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> str:
-        """Renders `messages` into a prompt string with the model's (or the given) chat template."""
-        template = self.chat_template if chat_template is None else _resolve_template_override(chat_template)
+        """Renders `messages` into a prompt string with the model's (or the given) chat template.
+
+        NOTE: a template given here comes from a client, so it is template text only and never
+        read as a file path (that would let any client read the scheduler's files).
+        """
+        template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise TokenizerError(f"model {self.name} has no chat template; pass --chat-template")
         compiled = _compile_template(template)

@@ -28,7 +28,6 @@ def served(stories_dir: Path, chat_template_file: Path, api_key: str) -> Iterato
     flags = ("--kv-cache-memory", "0.02", "--chat-template", str(chat_template_file), "--api-key", api_key)
     with serve(stories_dir, *flags) as served:
         yield served
-        Path('/tmp/served.log').write_text(''.join(served.log))
         check = served.integrity(expect_idle=True)
         assert check.ok, check.message
 

@@ -72,6 +72,18 @@ def test_poisson_arrivals_have_the_requested_mean_rate() -> None:
     assert std == pytest.approx(mean, rel=0.1)
 
 
+def test_warmup_has_the_workload_shapes_but_its_own_tokens() -> None:
+    config = WorkloadConfig(num_requests=64, prompt_len_min=100, prompt_len_max=200, shared_prefix_len=50)
+    workload = build_workload(config, VOCAB)
+    warmup = benchmark.warmup_requests(config, VOCAB, token_budget=1000)
+    assert 2 <= len(warmup) < 10
+    assert sum(len(r.prompt_token_ids) for r in warmup) <= 1000
+    assert all(100 <= len(r.prompt_token_ids) <= 200 for r in warmup)
+    prefixes = {tuple(r.prompt_token_ids[:16]) for r in workload}
+    assert not any(tuple(r.prompt_token_ids[:16]) in prefixes for r in warmup)
+    assert len(benchmark.warmup_requests(config, VOCAB, token_budget=1)) == 2  # at least two
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -290,8 +290,19 @@ def test_override_template_string_and_file(stories_dir: Path, tmp_path: Path) ->
         == llama2
     )
     tok = Tokenizer.from_pretrained(model_dir)
-    assert tok.apply_chat_template(messages, chat_template=str(template_file)) == llama2
+    assert tok.apply_chat_template(messages, chat_template=LLAMA2_TEMPLATE) == llama2
     assert tok.apply_chat_template(messages).startswith("<|im_start|>user")
+
+
+def test_request_template_is_never_read_as_a_file(stories_dir: Path, tmp_path: Path) -> None:
+    """A per-request template is client input: a path in it renders as text, no file is read."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret")
+    tok = Tokenizer.from_pretrained(
+        make_model_dir(stories_dir, tmp_path / "m", chat_template=CHATML_TEMPLATE)
+    )
+    rendered = tok.apply_chat_template(MESSAGES[1:2], chat_template=str(secret))
+    assert "top secret" not in rendered and rendered == str(secret)
 
 
 def test_override_gives_a_template_to_a_model_without_one(stories_dir: Path) -> None:

@@ -1,0 +1,152 @@
+"""The gateway app against a fake scheduler: how scheduler failures reach HTTP clients, before and
+during a stream. In process (app factory + an in-loop gRPC server), no model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import pytest
+
+from npuserve.gateway.app import create_app
+from npuserve.gateway.errors import from_status
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+
+
+def token(index: int, text: str, finish: str = "", error: str = "") -> pb.GenerateResponse:
+    completion = pb.Completion(
+        index=index, text=text, token_ids=[5], finish_reason=finish, error_message=error
+    )
+    return pb.GenerateResponse(completions=[completion])
+
+
+class FakeScheduler(pb_grpc.SchedulerServicer):
+    """Generate behaves as the prompt text says."""
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        what = request.text
+        if what == "queue-full":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full; retry later")
+        if what == "internal":
+            await context.abort(grpc.StatusCode.INTERNAL, "boom")
+        if what == "fails-at-once":
+            yield token(0, "", finish="error", error="executor vm:1 failed")
+            return
+        yield token(0, "Hello")
+        yield token(0, " world")
+        if what == "dies-midstream":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
+        if what == "fails-midstream":
+            yield token(0, "", finish="error", error="executor vm:1 failed")
+            return
+        final = token(0, "!", finish="length")
+        final.usage.prompt_tokens, final.usage.completion_tokens = 3, 3
+        yield final
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.Model(id="fake", max_model_len=512, root="/fake")])
+
+
+async def exchange(
+    requests: list[tuple[str, dict]], max_request_bytes: int = 1 << 20
+) -> list[httpx.Response]:
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(FakeScheduler(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    app = create_app(f"127.0.0.1:{port}", max_request_bytes=max_request_bytes)
+    client = app.state.gateway.client
+    await client.open()  # NOTE: ASGITransport runs no lifespan
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            return [await http.post(path, json=body) for path, body in requests]
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def run(*requests: tuple[str, dict], max_request_bytes: int = 1 << 20) -> list[httpx.Response]:
+    return asyncio.run(exchange(list(requests), max_request_bytes))
+
+
+def events(response: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+
+
+def completion(prompt: str, stream: bool = True) -> tuple[str, dict]:
+    return "/v1/completions", {"prompt": prompt, "stream": stream}
+
+
+def test_a_clean_stream_and_a_whole_response() -> None:
+    streamed, whole = run(completion("ok"), completion("ok", stream=False))
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = events(streamed)
+    assert chunks[-1] == "[DONE]"
+    texts = [json.loads(c)["choices"][0]["text"] for c in chunks[:-1]]
+    assert texts == ["Hello", " world", "!"]
+    body = whole.json()
+    assert body["choices"][0]["text"] == "Hello world!" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["model"] == "fake" and body["id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("prompt", ["dies-midstream", "fails-midstream"])
+def test_an_error_after_the_stream_started_is_an_error_event_then_done(prompt: str) -> None:
+    (response,) = run(completion(prompt))
+    assert response.status_code == 200
+    chunks = events(response)
+    assert [json.loads(c)["choices"][0]["text"] for c in chunks[:2]] == ["Hello", " world"]
+    error = json.loads(chunks[2])["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"
+    assert chunks[3:] == ["[DONE]"]
+    (whole,) = run(completion(prompt, stream=False))
+    assert whole.status_code in (500, 503) and whole.json()["error"]["message"]
+
+
+def test_errors_before_the_stream_are_plain_http_errors() -> None:
+    full, full_stream, internal, failed = run(
+        completion("queue-full", stream=False),
+        completion("queue-full"),
+        completion("internal"),
+        completion("fails-at-once"),
+    )
+    for response in (full, full_stream):
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+    assert internal.status_code == 500 and internal.json()["error"]["type"] == "server_error"
+    assert failed.status_code == 500 and "executor vm:1 failed" in failed.json()["error"]["message"]
+
+
+def test_the_body_limit_holds_in_the_app() -> None:
+    (response,) = run(("/v1/completions", {"prompt": "x" * 2000}), max_request_bytes=1000)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ("n must be in [1, 128], got 1000", "n"),
+        ("messages[0].role must be one of ['user'], got 'x'", "messages[0].role"),
+        ("stop entries must be non-empty strings", "stop"),
+        ("the prompt is empty", "prompt"),
+        ("This model's maximum context length is 512 tokens. However, your prompt has 600 tokens", "prompt"),
+        (
+            "This model's maximum context length is 512 tokens. However, you requested 610 tokens "
+            "(10 in the prompt, 600 in the completion).",
+            "max_tokens",
+        ),
+        ("request id 'x' is already in use", None),
+    ],
+)
+def test_scheduler_messages_name_their_field(message: str, param: str | None) -> None:
+    error = from_status(grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert (error.status, error.param, error.message) == (400, param, message)
