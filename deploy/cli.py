@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _scheduler_config(args: argparse.Namespace, executors: list[str]):
+    from npuserve.deploy.flags import cluster_token
     from npuserve.scheduler.server import SchedulerConfig
 
     return SchedulerConfig(
@@ -58,11 +60,21 @@ def _scheduler_config(args: argparse.Namespace, executors: list[str]):
         max_queued_requests=args.max_queued_requests,
         step_transport=args.step_transport,
         step_timeout_s=args.step_timeout,
+        connect_timeout_s=args.connect_timeout,
+        registry=args.registry,
+        registry_prefix=args.registry_prefix,
+        cluster_token=cluster_token(args),
+        tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuserve.deploy.flags import add_executor_flags, add_gateway_flags
+    from npuserve.deploy.flags import (
+        add_cluster_token_flag,
+        add_executor_cluster_flags,
+        add_executor_flags,
+        add_gateway_flags,
+    )
 
     parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -81,11 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     executor = commands.add_parser("executor", help="one executor: a model on one device, over gRPC")
     add_executor_flags(executor)
+    add_executor_cluster_flags(executor)
     _add_logging_flags(executor)
 
     scheduler = commands.add_parser("scheduler", help="the scheduler, driving running executors")
     scheduler.add_argument("--model", required=True, help="model directory (tokenizer and chat template)")
-    scheduler.add_argument("--executors", required=True, type=_csv(str), help="comma list of HOST:PORT")
+    scheduler.add_argument("--executors", type=_csv(str), help="comma list of HOST:PORT (or --registry)")
+    scheduler.add_argument("--registry", help="redis://HOST:PORT/DB: discover the executors registered there")
+    scheduler.add_argument("--registry-prefix", default="npuserve", help="prefix of the registry keys")
+    scheduler.add_argument(
+        "--connect-timeout", type=float, default=600.0, help="seconds to wait for the first executor(s)"
+    )
+    scheduler.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach executors over TLS")
+    add_cluster_token_flag(scheduler)
     scheduler.add_argument("--host", default="127.0.0.1")
     scheduler.add_argument("--port", type=int, default=50051)
     scheduler.add_argument("--ready-file", type=Path)
@@ -120,14 +140,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token
     from npuserve.deploy.launcher import Launcher, LaunchError
 
     executor_args = _forwarded(args, exclude={"port", "host", "ready_file", "executor_id"})
+    # NOTE: a token even on loopback (other local users can reach the ports), made up when none
+    # is given; it travels in the environment, not in argv where `ps` shows it.
+    token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
     launcher = Launcher()
     try:
         executors = []
         for index in range(args.num_executors):
-            env = _device_env(args.device, index, args.num_executors)
+            env = {
+                **_device_env(args.device, index, args.num_executors, args.tensor_parallel_size),
+                **token_env,
+            }
             executors.append(
                 launcher.start(f"executor-{index}", ["executor", *executor_args, "--port", "0"], env)
             )
@@ -143,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
             str(args.scheduler_port),
         ]
         scheduler_args += _forwarded_scheduler_flags(args)
-        scheduler = launcher.start("scheduler", scheduler_args)
+        scheduler = launcher.start("scheduler", scheduler_args, token_env)
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
         gateway_args = ["gateway", "--scheduler", str(info["address"]), "--host", args.host]
         gateway_args += ["--port", str(args.port), *_flags(args, _GATEWAY_FLAGS)]
@@ -164,11 +191,12 @@ def run_serve(args: argparse.Namespace) -> int:
         launcher.stop()
 
 
-def _device_env(device: str, index: int, count: int) -> dict[str, str]:
-    """Pins executor ``index`` to one device when several share the machine."""
+def _device_env(device: str, index: int, count: int, tp_size: int = 1) -> dict[str, str]:
+    """Pins executor ``index`` to its ``tp_size`` devices when several share the machine."""
     if count == 1 or device not in ("npu", "cuda"):
         return {}
-    return {"ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES": str(index)}
+    devices = ",".join(str(index * tp_size + rank) for rank in range(tp_size))
+    return {"ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES": devices}
 
 
 _EXECUTOR_FLAGS = [
@@ -183,6 +211,8 @@ _EXECUTOR_FLAGS = [
     "gpu_memory_utilization",
     "load_format",
     "seed",
+    "tensor_parallel_size",
+    "tp_connect_timeout",
     "log_level",
     "log_format",
 ]
@@ -233,9 +263,15 @@ def run_executor(args: argparse.Namespace) -> int:
 def run_scheduler(args: argparse.Namespace) -> int:
     from npuserve.scheduler.server import serve_scheduler
 
-    asyncio.run(
-        serve_scheduler(_scheduler_config(args, list(args.executors)), args.host, args.port, args.ready_file)
-    )
+    if bool(args.executors) == bool(args.registry):
+        print("npuserve scheduler: error: give --executors or --registry (one of them)", file=sys.stderr)
+        return 2
+    try:
+        config = _scheduler_config(args, list(args.executors or ()))
+    except OSError as exc:
+        print(f"npuserve scheduler: error: cannot read --tls-ca: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve_scheduler(config, args.host, args.port, args.ready_file))
     return 0
 
 

@@ -1,4 +1,9 @@
-"""Builds a model on its device and fills it from a local checkpoint (or random weights)."""
+"""Builds a model on its device and fills it from a local checkpoint (or random weights).
+
+Checkpoint tensors reach the weight loaders as lazy `SafetensorsSlice`s: each rank of a
+tensor-parallel group reads only its own slice of each tensor from disk (``get_slice``), so no
+rank ever holds a full tensor it does not keep.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -13,7 +19,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from npuserve.executor.config import ConfigError, ModelConfig
-from npuserve.executor.layers import TensorParallel
+from npuserve.executor.kv_cache import GIB
+from npuserve.executor.layers import LoadedWeight, TensorParallel
 from npuserve.executor.models.llama import FUSED_PARAMETERS, CausalLM
 from npuserve.kernels import KernelBackend
 
@@ -45,8 +52,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields every (name, tensor) of the files, with a progress bar over tensors."""
+class SafetensorsSlice:
+    """One tensor of an open safetensors file, read only when (and as far as) it is needed."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle, self._name = handle, name
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+
+def iterate_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, LoadedWeight]]:
+    """Yields every (name, tensor) of the files, with a progress bar over tensors; with ``lazy``
+    the tensors are `SafetensorsSlice`s, read by the weight loaders."""
     handles = []
     total = 0
     for path in files:
@@ -61,7 +86,7 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
         for handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+                yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
                 progress.update(1)
 
 
@@ -82,7 +107,8 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         try:
-            loaded = model.load_weights(iterate_safetensors(safetensors_files(config.model_dir)))
+            files = safetensors_files(config.model_dir)
+            loaded = model.load_weights(iterate_safetensors(files, lazy=True))
         except ValueError as exc:  # a tensor without a place, or of the wrong shape
             if isinstance(exc, ConfigError):
                 raise
@@ -105,10 +131,18 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         load_format=load_format,
+        tp_rank=model.tp.rank,
+        tp_size=model.tp.size,
         parameters=sum(p.numel() for p in model.parameters()),
+        weight_gib=round(weight_bytes(model) / GIB, 4),
         seconds=round(time.perf_counter() - start, 2),
     )
     return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _checkpoint_name(name: str) -> str:

@@ -4,10 +4,13 @@ Each RPC decodes its message, calls the runner and encodes the answer (`Executor
 single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
 them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
 refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
+With a cluster token, `ClusterTokenInterceptor` runs first and ends every call but `Health` that
+does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the port is TLS.
 
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
-serves until SIGTERM or SIGINT. `python -m npuserve.executor.server --help` runs it directly.
+serves until SIGTERM or SIGINT; with ``--registry`` it registers in Redis meanwhile
+(`registration`). `python -m npuserve.executor.server --help` runs it directly.
 """
 
 from __future__ import annotations
@@ -25,21 +28,26 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
 import structlog
 
-from npuserve.deploy.flags import add_executor_flags
+from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token
+from npuserve.executor.cluster_token import ClusterTokenInterceptor
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import PlatformError
+from npuserve.executor.registration import ExecutorRegistration, RegistryConfig, registration_record
 from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
 from npuserve.proto.step_codec import CodecError
+
+if TYPE_CHECKING:
+    from npuserve.executor.parallel import ParallelConfig
 
 log = structlog.get_logger(__name__)
 
@@ -243,15 +251,29 @@ def npuserve_version() -> str:
 
 
 def start_executor_server(
-    runner: StepRunner, host: str, port: int, executor_id: str | None = None
+    runner: StepRunner,
+    host: str,
+    port: int,
+    executor_id: str | None = None,
+    *,
+    cluster_token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
 ) -> RunningExecutor:
-    """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads."""
+    """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads.
+
+    ``cluster_token``: refuse calls that do not present it; ``tls``: (private key, certificate
+    chain) in PEM, to serve over TLS.
+    """
+    interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
+    if cluster_token:
+        interceptors.insert(0, ClusterTokenInterceptor(cluster_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=NUM_WORKER_THREADS, thread_name_prefix="executor-rpc"),
-        interceptors=[StatusInterceptor()],
+        interceptors=interceptors,
         options=SERVER_OPTIONS,
     )
-    bound = _bind(server, host, port)
+    credentials = grpc.ssl_server_credentials([tls]) if tls is not None else None
+    bound = _bind(server, host, port, credentials)
     executor_id = executor_id or f"{socket.gethostname()}:{bound}"
     version = npuserve_version()
     servicer = ExecutorServicer(runner, executor_id, version)
@@ -262,10 +284,15 @@ def start_executor_server(
     )
 
 
-def _bind(server: grpc.Server, host: str, port: int) -> int:
+def _bind(
+    server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(target)
+        if credentials is not None:
+            bound = server.add_secure_port(target, credentials)
+        else:
+            bound = server.add_insecure_port(target)
     except RuntimeError as exc:
         bound, cause = 0, exc
     else:
@@ -298,17 +325,60 @@ def write_ready_file(path: Path, running: RunningExecutor) -> None:
     os.replace(tmp, path)
 
 
+def _advertised(host: str, running: RunningExecutor, registry: RegistryConfig) -> str:
+    """Where the scheduler connects: ``--advertise-address``, else the bound address (the host
+    name when bound to every interface, since 127.0.0.1 means nothing to another machine)."""
+    if registry.advertise_address:
+        return registry.advertise_address
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return f"{socket.gethostname()}:{running.port}"
+    return running.address
+
+
 def serve_executor(
-    config: ExecutorConfig, host: str, port: int, ready_file: Path | None, executor_id: str | None
+    config: ExecutorConfig,
+    host: str,
+    port: int,
+    ready_file: Path | None,
+    executor_id: str | None,
+    *,
+    cluster_token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    registry: RegistryConfig | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> None:
-    """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only."""
-    runner = ModelRunner(config)
-    running = start_executor_server(runner, host, port, executor_id)
+    """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only.
+
+    With ``registry`` the executor registers once it serves and deregisters before it stops.
+    With ``parallel.size > 1`` the runner is a tensor-parallel group (`npuserve.executor.parallel`).
+    """
+    leader = None
+    if parallel is not None and parallel.size > 1:
+        from npuserve.executor.parallel import start_tensor_parallel  # NOTE: it imports this module
+
+        leader = start_tensor_parallel(config, parallel)
+        if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
+            return
+    runner = leader or ModelRunner(config)
+    running = start_executor_server(runner, host, port, executor_id, cluster_token=cluster_token, tls=tls)
+    registration = None
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if ready_file is not None:
             write_ready_file(ready_file, running)
+        if registry is not None:
+            record = registration_record(
+                _advertised(host, running, registry),
+                running.executor_id,
+                running.info,
+                running.version,
+                registry.ttl_s,
+            )
+            registration = ExecutorRegistration(registry, record)
+            registration.start()
+        if not cluster_token:
+            log.warning("no --cluster-token: any client that reaches this port can drive the executor")
         log.info(
             "executor serving",
             address=running.address,
@@ -318,13 +388,18 @@ def serve_executor(
             dtype=running.info.dtype,
             num_blocks=running.info.num_blocks,
             block_size=running.info.block_size,
+            tls=tls is not None,
         )
         stop.wait()
         log.info("executor stopping", grace_s=STOP_GRACE_S)
     finally:
+        if registration is not None:
+            registration.stop()  # first: the scheduler stops sending work here
         running.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if leader is not None:
+            leader.close()  # stops the other ranks; SystemExit(1) if the group was lost
     log.info("executor stopped")
 
 
@@ -349,10 +424,47 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
     )
 
 
+def _cluster_from_args(
+    args: argparse.Namespace,
+) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
+    """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    tls = None
+    if (cert is None) != (key is None):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    if cert is not None and key is not None:
+        try:
+            tls = (Path(key).read_bytes(), Path(cert).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS key or certificate: {exc}") from exc
+    registry = None
+    if getattr(args, "registry", None):
+        try:
+            registry = RegistryConfig(
+                args.registry, args.registry_prefix, args.registry_ttl, args.advertise_address
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    return tls, registry
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Serves with the flags of `add_executor_flags`; 2 (and the message) on a user error."""
+    from npuserve.executor.parallel import ParallelConfig
+
     try:
-        serve_executor(config_from_args(args), args.host, args.port, args.ready_file, args.executor_id)
+        tls, registry = _cluster_from_args(args)
+        serve_executor(
+            config_from_args(args),
+            args.host,
+            args.port,
+            args.ready_file,
+            args.executor_id,
+            cluster_token=cluster_token(args),
+            tls=tls,
+            registry=registry,
+            parallel=ParallelConfig.from_args(args),
+        )
     except (ConfigError, PlatformError) as exc:
         print(f"npuserve executor: error: {exc}", file=sys.stderr)
         return 2
@@ -364,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m npuserve.executor.server", description=__doc__)
     add_executor_flags(parser)
+    add_executor_cluster_flags(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="console", choices=["console", "json"])
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from torch import nn
 from npuserve.executor.config import ModelConfig
 from npuserve.executor.layers import (
     ColumnParallelLinear,
+    LoadedWeight,
     QKVParallelLinear,
     RMSNormWeight,
     RowParallelLinear,
@@ -44,7 +45,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.head_dim = config.head_dim
         self.num_heads = tp.shard(config.num_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(config.num_kv_heads, "num_key_value_heads")
+        _, self.num_kv_heads = tp.kv_heads(config.num_kv_heads)  # split, or one replicated
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.qkv_proj = QKVParallelLinear(
@@ -148,7 +149,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.backend = backend
         self.eps = config.rms_norm_eps
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, dtype, tp) for _ in range(config.num_layers)
         )
@@ -171,7 +172,11 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder plus LM head; `compute_logits` runs only on the rows that are sampled."""
+    """Decoder plus LM head; `compute_logits` runs only on the rows that are sampled.
+
+    With ``tp.size > 1`` every layer holds its rank's shard, and `compute_logits` all-gathers
+    the vocabulary so every rank sees the full logits.
+    """
 
     def __init__(
         self,
@@ -181,15 +186,13 @@ class CausalLM(nn.Module):
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
-        if tp.size > 1:
-            raise NotImplementedError("vocabulary-parallel embedding is not implemented yet")
+        self.tp = tp = tp or TensorParallel()
         self.config = config
         self.model = DecoderModel(config, backend, dtype, tp)
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
-            else VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+            else VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         )
         self.max_positions = config.max_position_embeddings
         self.register_buffer("cos_sin_cache", torch.empty(0, dtype=dtype), persistent=False)
@@ -211,10 +214,11 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata, self.cos_sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V]
-        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+        return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors into their (possibly fused) parameters; returns names set."""
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Copies checkpoint tensors (or this rank's slices of them) into their (possibly fused)
+        parameters; returns the names set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -1,0 +1,599 @@
+"""Tensor parallelism: one executor group across N devices, one executor to the scheduler.
+
+Launch. On one node, ``npuserve executor --tensor-parallel-size N`` is rank 0 and starts ranks
+1..N-1 itself (`LocalRanks`: the same Python with ``--tp-rank r``, each pinned to one device
+through ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), rendezvousing on a free port of
+127.0.0.1. Across nodes every rank is started on its own with ``--tensor-parallel-size N
+--tp-rank R --master-addr A --master-port P`` (or NPUSERVE_TP_RANK, MASTER_ADDR, MASTER_PORT);
+rank 0 listens on A:P. Only rank 0 serves gRPC.
+
+Environment, passed through untouched (started ranks inherit it): HCCL_IF_IP and
+HCCL_SOCKET_IFNAME (the address / interface HCCL uses between nodes), GLOO_SOCKET_IFNAME (the
+interface of the gloo group), HCCL_CONNECT_TIMEOUT (seconds HCCL waits for its peers),
+HCCL_BUFFSIZE (MB of HCCL's buffer per communicator), ASCEND_RT_VISIBLE_DEVICES (the NPUs a
+process sees: give each rank of a multi-node group its own).
+
+Rendezvous (`RankGroup`). Rank 0 hosts a TCPStore at the master address; every rank announces
+itself there and waits for the others for ``--tp-connect-timeout`` seconds (default 120): a rank
+that does not come fails the group with an error naming it. Then `torch.distributed` starts
+with the device's backend (hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries host
+metadata. The same timeout bounds each collective. Start-up results (the KV block count: the
+minimum over ranks) and start-up failures travel through the store.
+
+Steps (`GroupLeader`). Rank 0 broadcasts each plan over the gloo group (pickled) and every rank
+runs the same step. NOTE: the LM head all-gathers the logits, so every rank samples the same
+tokens (as vLLM V1's workers do) and keeps its request state in step without a second message;
+only rank 0 answers. While idle, rank 0 broadcasts a heartbeat so the others' receive never
+times out and a lost rank is noticed.
+
+Failures. A rank that dies breaks the current or next collective (gloo reports the closed
+connection at once; rank 0 also watches the ranks it started): rank 0 answers the step with
+UNAVAILABLE (`GroupLost`), so the scheduler treats the executor as down, stops serving and
+exits 1. A rank >= 1 that loses rank 0 exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
+from npuserve.executor.input_batch import PlanError
+from npuserve.executor.layers import TensorParallel
+from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.platform import resolve_device
+from npuserve.executor.server import ExecutorStopping
+from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+
+log = structlog.get_logger(__name__)
+
+TP_RANK_ENV = "NPUSERVE_TP_RANK"
+DEFAULT_CONNECT_TIMEOUT_S = 120.0
+# How long ranks wait for each other to load weights and size the KV cache.
+STARTUP_TIMEOUT_S = 3600.0
+HEARTBEAT_MAX_S = 10.0
+# After a lost group, how long a graceful stop may take before the process exits anyway (a
+# step stuck in a device collective cannot be interrupted).
+HARD_EXIT_AFTER_S = 30.0
+STOP_RANKS_GRACE_S = 10.0
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
+_FAILED_KEY = "npuserve/failed"
+
+
+class TensorParallelError(ConfigError):
+    """The group could not form, or a rank failed while it started."""
+
+
+class GroupLost(ExecutorStopping):
+    """A rank is gone: this executor cannot run steps any more (UNAVAILABLE to the scheduler)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and checks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """This process's part of a tensor-parallel group, from the command line and environment."""
+
+    size: int = 1
+    rank: int | None = None  # None: rank 0, which starts ranks 1..size-1 on this node
+    master_addr: str | None = None
+    master_port: int | None = None
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    worker_flags: tuple[str, ...] = ()  # extra flags for the ranks this process starts
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.size}")
+        if self.rank is not None and not 0 <= self.rank < self.size:
+            raise ConfigError(
+                f"--tp-rank {self.rank} is outside 0..{self.size - 1} for --tensor-parallel-size {self.size}"
+            )
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"--tp-connect-timeout must be > 0 s, got {self.connect_timeout_s}")
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise ConfigError(f"--master-port must be in 0..65535, got {self.master_port}")
+        if self.rank is not None and self.size > 1 and (self.master_addr is None or not self.master_port):
+            raise ConfigError(
+                f"--tp-rank {self.rank} joins a group started elsewhere and needs rank 0's address: "
+                "pass --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT), the same "
+                "on every rank; omit --tp-rank to start all ranks on this node"
+            )
+
+    @property
+    def this_rank(self) -> int:
+        return self.rank or 0
+
+    @property
+    def starts_ranks(self) -> bool:
+        """Rank 0 of a single-node group: it starts the other ranks itself."""
+        return self.rank is None and self.size > 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ParallelConfig:
+        """From `add_executor_flags`' flags; the rank and master fall back to the environment."""
+        rank = getattr(args, "tp_rank", None)
+        if rank is None and os.environ.get(TP_RANK_ENV):
+            rank = _env_int(TP_RANK_ENV)
+        addr, port = getattr(args, "master_addr", None), getattr(args, "master_port", None)
+        if rank is not None:  # NOTE: a single-node group ignores MASTER_* (it picks a free port)
+            addr = addr or os.environ.get("MASTER_ADDR") or None
+            port = port if port is not None else _env_int("MASTER_PORT")
+        logging = {name: getattr(args, name, None) for name in ("log_level", "log_format")}
+        flags = [f"--{name.replace('_', '-')}={value}" for name, value in logging.items() if value]
+        return cls(
+            size=getattr(args, "tensor_parallel_size", 1) or 1,
+            rank=rank,
+            master_addr=addr,
+            master_port=port,
+            connect_timeout_s=getattr(args, "tp_connect_timeout", None) or DEFAULT_CONNECT_TIMEOUT_S,
+            worker_flags=tuple(flags),
+        )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def check_model_split(model: ModelConfig, size: int) -> None:
+    """ConfigError unless ``size`` ranks can split the model's heads and MLP evenly."""
+    if size == 1:
+        return
+    name = model.model_dir.name
+    divisors = [n for n in range(1, model.num_heads + 1) if model.num_heads % n == 0]
+    fix = f"choose a --tensor-parallel-size in {divisors}"
+    if model.num_heads % size:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} does not divide num_attention_heads ({model.num_heads}) "
+            f"of {name}: {fix}"
+        )
+    kv = model.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ConfigError(
+            f"--tensor-parallel-size {size} and num_key_value_heads ({kv}) of {name}: the size must "
+            f"divide the KV heads or be a multiple of them (KV heads are then replicated); {fix}"
+        )
+    if model.intermediate_size % size:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} does not divide intermediate_size "
+            f"({model.intermediate_size}) of {name}: {fix}"
+        )
+
+
+def device_count(device: torch.device) -> int:
+    """Devices of ``device``'s type this process sees (1 for the CPU: ranks share it)."""
+    module = getattr(torch, device.type, None) if device.type in VISIBLE_DEVICES_ENV else None
+    return int(module.device_count()) if module is not None else 1
+
+
+def check_devices(device: torch.device, size: int) -> None:
+    """ConfigError when a single-node group needs more devices than this node shows."""
+    count = device_count(device)
+    if device.type in VISIBLE_DEVICES_ENV and size > count:
+        variable = VISIBLE_DEVICES_ENV[device.type]
+        raise ConfigError(
+            f"--tensor-parallel-size {size} needs {size} {device.type} devices on this node but "
+            f"{count} are visible ({variable}={os.environ.get(variable)!r}); lower "
+            f"--tensor-parallel-size, make more devices visible, or spread the ranks over nodes "
+            "with --tp-rank/--master-addr/--master-port"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The process group
+# --------------------------------------------------------------------------------------------
+
+
+class RankGroup:
+    """Rendezvous, the device and gloo process groups, and rank 0's messages to the others."""
+
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        device: torch.device,
+        store: dist.TCPStore,
+        probe: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """Joins the group through ``store``; ``probe`` reports a failure seen elsewhere (a
+        started rank that exited) while this rank waits."""
+        self.parallel = parallel
+        self.rank, self.size = parallel.this_rank, parallel.size
+        self.tp = TensorParallel(self.rank, self.size)
+        self.store = store
+        self.probe = probe
+        self.timeout = timedelta(seconds=parallel.connect_timeout_s)
+        store.set(f"npuserve/joined/{self.rank}", socket.gethostname())
+        self.wait_for("npuserve/joined", parallel.connect_timeout_s, "join the group")
+        backend = BACKENDS[device.type]
+        if device.type in VISIBLE_DEVICES_ENV:
+            getattr(torch, device.type).set_device(0)
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("npuserve/pg", store),
+                rank=self.rank,
+                world_size=self.size,
+                timeout=self.timeout,
+            )
+            # NOTE: on CPU the world group is gloo already; on devices host metadata gets its own.
+            self.meta_group = (
+                None if backend == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
+            )
+            self.tp.all_reduce(torch.ones(1, device=device))  # forms the device communicator now
+        except Exception as exc:
+            raise TensorParallelError(
+                f"rank {self.rank}: the {backend} process group did not form ({exc}); between nodes "
+                "check GLOO_SOCKET_IFNAME, HCCL_IF_IP / HCCL_SOCKET_IFNAME and the firewall"
+            ) from exc
+        log.info("tensor-parallel group formed", rank=self.rank, size=self.size, backend=backend)
+
+    @classmethod
+    def connect_store(cls, parallel: ParallelConfig, host: str, port: int) -> dist.TCPStore:
+        """Rank 0 listens (port 0: a free one), the others connect, within the connect timeout."""
+        rank, timeout = parallel.this_rank, parallel.connect_timeout_s
+        try:
+            return dist.TCPStore(
+                host,
+                port,
+                parallel.size,
+                is_master=rank == 0,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except Exception as exc:
+            what = f"listen on {host}:{port}" if rank == 0 else f"reach rank 0 at {host}:{port}"
+            raise TensorParallelError(
+                f"tensor-parallel rank {rank} could not {what} within {timeout:g} s "
+                f"(--tp-connect-timeout): {str(exc).rstrip('.')}; check that rank 0 runs and that "
+                "--master-addr and --master-port are the same on every rank and reachable from this node"
+            ) from exc
+
+    def wait_for(self, prefix: str, timeout_s: float, what: str) -> list[str]:
+        """Waits until every rank has set ``prefix/RANK``; returns their values in rank order."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.store.check(keys):
+                failure = self.probe() or self._posted_failure()
+                if failure:
+                    raise TensorParallelError(f"tensor-parallel group failed to start: {failure}")
+                if time.monotonic() > deadline:
+                    missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                    raise TensorParallelError(
+                        f"tensor-parallel ranks {missing} of {self.size} did not {what} within "
+                        f"{timeout_s:g} s (--tp-connect-timeout); start each with --tensor-parallel-size "
+                        f"{self.size} --tp-rank R and rank 0's --master-addr/--master-port, or raise "
+                        "the timeout"
+                    )
+                time.sleep(0.05)
+            return [self.store.get(key).decode() for key in keys]
+        except TensorParallelError:
+            raise
+        except Exception as exc:  # the store lives in rank 0: it is gone
+            raise TensorParallelError(
+                f"tensor-parallel rank {self.rank} lost rank 0 while waiting to {what}: {exc}"
+            ) from exc
+
+    def _posted_failure(self) -> str | None:
+        return self.store.get(_FAILED_KEY).decode() if self.store.check([_FAILED_KEY]) else None
+
+    def check_same(self, name: str, value: str) -> None:
+        """TensorParallelError unless every rank reports the same ``value`` as rank 0."""
+        self.store.set(f"npuserve/{name}/{self.rank}", value)
+        values = self.wait_for(f"npuserve/{name}", self.parallel.connect_timeout_s, f"report {name}")
+        differ = [rank for rank, other in enumerate(values) if other != values[0]]
+        if differ:
+            raise TensorParallelError(
+                f"tensor-parallel ranks {differ} run with other {name} than rank 0 ({values[differ[0]]} "
+                f"against {values[0]}); start every rank with the same executor flags and model"
+            )
+
+    def agree_min(self, name: str, value: int) -> int:
+        """The smallest ``value`` over the ranks (start-up only: it waits through the store)."""
+        self.store.set(f"npuserve/{name}/{self.rank}", str(value))
+        return min(int(v) for v in self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, f"report {name}"))
+
+    def send(self, message: tuple[str, Any]) -> None:
+        """Rank 0: one message to every other rank."""
+        dist.broadcast_object_list([message], src=0, group=self.meta_group)
+
+    def receive(self) -> tuple[str, Any]:
+        """Ranks >= 1: rank 0's next message (waits at most the connect timeout)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.meta_group)
+        return box[0]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def post_failure(store: dist.TCPStore, rank: int, message: str) -> None:
+    """Tells the other ranks, waiting in `RankGroup.wait_for`, why this rank cannot start."""
+    with contextlib.suppress(Exception):
+        store.set(_FAILED_KEY, f"rank {rank}: {message}")
+
+
+# --------------------------------------------------------------------------------------------
+# Runners
+# --------------------------------------------------------------------------------------------
+
+
+class TensorParallelRunner(ModelRunner):
+    """A ModelRunner holding one rank's shard; its KV cache has the fewest blocks of any rank."""
+
+    def __init__(self, config: ExecutorConfig, model_config: ModelConfig, group: RankGroup) -> None:
+        self.group = group
+        super().__init__(config, model_config, group.tp)
+
+    def _size_kv_cache(self) -> int:
+        local = super()._size_kv_cache()
+        num_blocks = self.group.agree_min("num_blocks", local)
+        if num_blocks < local:
+            log.info("kv cache shrunk to the smallest rank's", num_blocks=num_blocks, local=local)
+        return num_blocks
+
+
+class GroupLeader:
+    """Rank 0: the runner the gRPC server drives. Sends each plan to the other ranks first."""
+
+    def __init__(self, runner: TensorParallelRunner, ranks: LocalRanks | None) -> None:
+        self.runner = runner
+        self.group = runner.group
+        self.ranks = ranks
+        self.lost: str | None = None
+        self._lost_lock = threading.Lock()
+        self._lock = threading.Lock()  # one message at a time: steps and heartbeats
+        self._last_sent = time.monotonic()
+        self._stopping = threading.Event()
+        self._heartbeat_s = min(HEARTBEAT_MAX_S, runner.group.parallel.connect_timeout_s / 4)
+        threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+        if ranks is not None:
+            threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def info(self) -> ExecutorInfo:
+        return self.runner.info()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        with self._lock:
+            if self.lost is not None:
+                raise GroupLost(f"tensor-parallel group lost: {self.lost}")
+            self._send(("step", plan))
+            try:
+                return self.runner.execute(plan)
+            except PlanError:
+                raise  # every rank refused the same plan the same way: the group is intact
+            except Exception as exc:
+                # NOTE: a failure inside the step may have left ranks out of step; never go on.
+                raise self._lose(f"step {plan.step_id} failed: {exc}") from exc
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        try:
+            self.group.send(message)
+        except Exception as exc:
+            raise self._lose(f"cannot reach the other ranks: {exc}") from exc
+        self._last_sent = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        while not self._stopping.wait(self._heartbeat_s / 2):
+            if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(False):
+                continue
+            try:
+                if self.lost is None and not self._stopping.is_set():
+                    self._send(("ping", None))
+            except GroupLost:
+                pass
+            finally:
+                self._lock.release()
+
+    def _watch(self) -> None:
+        assert self.ranks is not None
+        while not self._stopping.wait(0.2):
+            exited = self.ranks.exited()
+            if exited is not None and not self._stopping.is_set():
+                self._lose(exited)
+                return
+
+    def _lose(self, reason: str) -> GroupLost:
+        """Marks the group lost (once), and unless it is stopping already, stops this process:
+        SIGTERM to itself runs the server's graceful stop (`serve_executor`), and a timer ends
+        the process if that cannot finish (a step stuck in a device collective)."""
+        with self._lost_lock:
+            first, self.lost = self.lost is None, self.lost or reason
+        if first and not self._stopping.is_set():
+            log.error("tensor-parallel group lost; the executor stops", reason=reason)
+            timer = threading.Timer(HARD_EXIT_AFTER_S, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return GroupLost(f"tensor-parallel group lost: {self.lost}")
+
+    def close(self) -> None:
+        """Stops the other ranks; raises SystemExit(1) when the group was lost."""
+        self._stopping.set()
+        with self._lock:
+            if self.lost is None:
+                with contextlib.suppress(GroupLost):
+                    self._send(("stop", None))
+        if self.ranks is not None:
+            # NOTE: after a loss the others may wait in a collective until it times out: end them.
+            self.ranks.stop(STOP_RANKS_GRACE_S if self.lost is None else 0.0)
+        self.group.close()
+        if self.lost is not None:
+            raise SystemExit(f"npuserve executor: error: tensor-parallel group lost: {self.lost}")
+
+
+def run_follower(runner: TensorParallelRunner) -> None:
+    """Ranks >= 1: run every step rank 0 sends until it says stop; SystemExit(1) if it is lost."""
+    group = runner.group
+    while True:
+        try:
+            kind, payload = group.receive()
+        except Exception as exc:
+            group.close()
+            raise SystemExit(
+                f"npuserve executor: error: tensor-parallel rank {group.rank} lost rank 0: {exc}"
+            ) from None
+        if kind == "stop":
+            break
+        if kind == "step":
+            try:
+                runner.execute(payload)
+            except PlanError:
+                pass  # rank 0 refused the same plan, and answered so
+            except Exception as exc:
+                log.exception("tensor-parallel step failed", rank=group.rank, step_id=payload.step_id)
+                group.close()
+                raise SystemExit(
+                    f"npuserve executor: error: tensor-parallel rank {group.rank} failed a step: {exc}"
+                ) from None
+    group.close()
+    log.info("tensor-parallel rank stopped", rank=group.rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Starting the ranks of one node
+# --------------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+
+
+def _exit_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def executor_flags(config: ExecutorConfig) -> list[str]:
+    """The flags that give another process the same ExecutorConfig."""
+    values = {
+        "model": config.model,
+        "device": config.device,
+        "dtype": config.dtype,
+        "block-size": config.block_size,
+        "max-model-len": config.max_model_len,
+        "max-num-seqs": config.max_num_seqs,
+        "max-num-batched-tokens": config.max_num_batched_tokens,
+        "kv-cache-memory": config.kv_cache_memory_gib,
+        "gpu-memory-utilization": config.gpu_memory_utilization,
+        "load-format": config.load_format,
+        "seed": config.seed,
+    }
+    return [f"--{name}={value}" for name, value in values.items() if value is not None]
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as child processes of rank 0, each pinned to one device of this node."""
+
+    def __init__(
+        self, config: ExecutorConfig, parallel: ParallelConfig, device: torch.device, host: str, port: int
+    ) -> None:
+        variable = VISIBLE_DEVICES_ENV.get(device.type)
+        visible = os.environ.get(variable or "", "")
+        devices = [d for d in visible.split(",") if d] or [str(i) for i in range(parallel.size)]
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        for rank in range(1, parallel.size):
+            command = [
+                sys.executable, "-m", "npuserve.deploy.cli", "executor", *executor_flags(config),
+                f"--tensor-parallel-size={parallel.size}", f"--tp-rank={rank}",
+                f"--master-addr={host}", f"--master-port={port}",
+                f"--tp-connect-timeout={parallel.connect_timeout_s}", *parallel.worker_flags,
+            ]  # fmt: skip
+            env = dict(os.environ)
+            if variable is not None:
+                env[variable] = devices[rank]
+            env.pop(TP_RANK_ENV, None)
+            # NOTE: a session of their own: a terminal's Ctrl-C reaches rank 0, which stops them.
+            self.processes[rank] = subprocess.Popen(
+                command, env=env, preexec_fn=_exit_with_parent, start_new_session=True
+            )
+            log.info("tensor-parallel rank started", rank=rank, pid=self.processes[rank].pid)
+
+    def exited(self) -> str | None:
+        """Why a started rank is gone, or None while all run."""
+        for rank, process in self.processes.items():
+            code = process.poll()
+            if code is not None:
+                return f"rank {rank} (pid {process.pid}) exited with code {code}"
+        return None
+
+    def stop(self, grace_s: float) -> None:
+        """Waits ``grace_s`` for the ranks to exit (they were told to stop), then SIGTERM, then
+        SIGKILL."""
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _settings(config: ExecutorConfig, model: ModelConfig) -> str:
+    """What must be equal on every rank for their steps to agree (the model path may differ)."""
+    shape = (model.architecture, model.vocab_size, model.hidden_size, model.num_layers, model.num_heads)
+    return f"{replace(config, model='')!r} {shape}"
+
+
+def start_tensor_parallel(config: ExecutorConfig, parallel: ParallelConfig) -> GroupLeader | None:
+    """Builds this process's rank. Rank 0 returns the `GroupLeader` to serve (call `close()`
+    when done); ranks >= 1 run the group's steps here until rank 0 stops them, and return None.
+
+    Everything a user can get wrong (a size that does not split the model, too few devices)
+    raises ConfigError before any weight is loaded.
+    """
+    model_config = ModelConfig.from_pretrained(config.model)
+    check_model_split(model_config, parallel.size)
+    device = resolve_device(config.device)
+    if parallel.starts_ranks:
+        check_devices(device, parallel.size)
+    rank = parallel.this_rank
+    structlog.contextvars.bind_contextvars(tp_rank=rank)
+    host = parallel.master_addr or "127.0.0.1"
+    store = RankGroup.connect_store(parallel, host, parallel.master_port or 0)
+    ranks = LocalRanks(config, parallel, device, host, store.port) if parallel.starts_ranks else None
+    try:
+        group = RankGroup(parallel, device, store, ranks.exited if ranks is not None else lambda: None)
+        group.check_same("settings", _settings(config, model_config))
+        runner = TensorParallelRunner(config, model_config, group)
+    except BaseException as exc:
+        post_failure(store, rank, str(exc))
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        if ranks is not None:
+            ranks.stop(grace_s=2.0)
+        raise
+    if rank > 0:
+        run_follower(runner)
+        return None
+    return GroupLeader(runner, ranks)

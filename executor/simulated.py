@@ -1,0 +1,485 @@
+"""A simulated executor: the real step protocol and request bookkeeping, no model, no tensors.
+
+`SimulatedRunner` keeps per-request state the way the `ModelRunner` does (new requests whole,
+then block deltas, finished ids, reset), refuses the plans the real runner refuses where that is
+cheap to check (`PlanError`), and answers every request whose computed plus scheduled tokens
+reach its known tokens with one token. The token is a hash of the request id and the position,
+so runs are reproducible (`simulated_token`), and never an EOS unless `eos_after` asks for one.
+
+Each step takes as long as a latency model says a real NPU step would (`LatencyModel`); the
+bookkeeping runs inside that time, and a step whose bookkeeping alone overruns it is counted.
+It is served by the real `start_executor_server`, so a scheduler cannot tell it from a real
+executor, and many fit in one process (`--count N`: one gRPC server each, on its own port) to
+measure the scheduler against 16-64 executors on a small machine:
+
+    python -m npuserve.executor.simulated --port 0 --count 16 --ready-file ready.json
+
+The ready file holds what the real executor writes (`address`, `pid`, `executor_id`,
+`version`, `info`) for one server, and `addresses` (and `executor_ids`) for any count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from npuserve.executor.input_batch import PlanError
+from npuserve.executor.server import RunningExecutor, start_executor_server
+from npuserve.executor.step_plan import (
+    ExecutorInfo,
+    NewRequest,
+    StepPlan,
+    StepResult,
+    StepTimings,
+    TokenLogprobs,
+)
+
+STOP_GRACE_S = 5.0
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class LatencyModel:
+    """Seconds one step takes: ``base_s + per_token_s * tokens + per_seq_s * sequences``.
+
+    The defaults resemble a decode step of a mid-size model on one Ascend 910B.
+    """
+
+    base_s: float = 0.005
+    per_token_s: float = 0.00002
+    per_seq_s: float = 0.00001
+
+    def __post_init__(self) -> None:
+        if min(self.base_s, self.per_token_s, self.per_seq_s) < 0:
+            raise ValueError(f"latency terms must be >= 0, got {self}")
+
+    def step_seconds(self, num_tokens: int, num_seqs: int) -> float:
+        return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
+
+
+@dataclass(slots=True)
+class SimulatedConfig:
+    """What a simulated executor reports in the capacity handshake, and how fast it steps."""
+
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    num_blocks: int = 100_000  # including the null block 0
+    block_size: int = 128
+    max_model_len: int = 8192
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 8192
+    vocab_size: int = 512  # stories260K's tokenizer
+    eos_token_ids: tuple[int, ...] = (2,)
+    eos_after: int | None = None  # every request's N-th output token is EOS; None: never
+    model: str = "simulated"
+    seed: int = 0  # mixed into every token, for runs that must differ
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not all(0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids {self.eos_token_ids} must be in [0, {self.vocab_size})")
+        if self.vocab_size <= len(set(self.eos_token_ids)):
+            raise ValueError(f"vocab_size {self.vocab_size} leaves no token that is not an EOS")
+        if self.eos_after is not None and (self.eos_after < 1 or not self.eos_token_ids):
+            raise ValueError("eos_after must be >= 1 and needs an EOS token id")
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(slots=True)
+class SimulatedStats:
+    """Totals since start; `modeled_s` is the time the latency model charged, `busy_s` the wall
+    time steps took (sleep included), `num_overruns` the steps whose bookkeeping took longer."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_sampled: int = 0
+    modeled_s: float = 0.0
+    busy_s: float = 0.0
+    num_overruns: int = 0
+
+
+@dataclass(slots=True)
+class _RequestState:
+    key: int  # hash of the request id, the seed of its tokens
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    num_logprobs: int | None
+
+
+def request_key(req_id: str, seed: int = 0) -> int:
+    """A stable 32-bit hash of a request id (never Python's `hash()`, which varies per process)."""
+    return zlib.crc32(req_id.encode()) ^ (seed * 0x9E3779B1 & _MASK32)
+
+
+def simulated_token(key: int, position: int, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> int:
+    """The token a simulated executor samples at ``position`` of the request keyed ``key``: a
+    mix of both (murmur3's finaliser) modulo the vocabulary, stepped past EOS ids."""
+    h = (key ^ (position * 0x85EBCA77)) & _MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK32
+    h ^= h >> 16
+    token = h % vocab_size
+    while token in eos_token_ids:
+        token = (token + 1) % vocab_size
+    return token
+
+
+class SimulatedRunner:
+    """A `StepRunner` without a model. Steps are serialised by the server's lock, as for the
+    `ModelRunner`; `stats` may be read from any thread (a snapshot, not a transaction)."""
+
+    def __init__(self, config: SimulatedConfig | None = None) -> None:
+        self.config = config or SimulatedConfig()
+        self.stats = SimulatedStats()
+        self._requests: dict[str, _RequestState] = {}
+        self._last_result: StepResult | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def info(self) -> ExecutorInfo:
+        c = self.config
+        return ExecutorInfo(
+            model=c.model,
+            architecture="SimulatedForCausalLM",
+            block_size=c.block_size,
+            num_blocks=c.num_blocks,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            vocab_size=c.vocab_size,
+            eos_token_ids=list(c.eos_token_ids),
+            dtype="bfloat16",
+            device="simulated",
+        )
+
+    def token_for(self, req_id: str, position: int) -> int:
+        """The token this runner samples at ``position`` of ``req_id`` (EOS only per `eos_after`)."""
+        c = self.config
+        return simulated_token(request_key(req_id, c.seed), position, c.vocab_size, c.eos_token_ids)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step, as `ModelRunner.execute` does: a repeated step id returns the earlier
+        result; a refused plan drops the state of every request it names and raises."""
+        if self._last_result is not None and plan.step_id == self._last_result.step_id:
+            return self._last_result
+        start = time.perf_counter()
+        try:
+            result = self._execute(plan)
+        except Exception:
+            for req_id in [*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests)]:
+                self._requests.pop(req_id, None)
+            raise
+        num_tokens = plan.total_num_scheduled_tokens
+        num_seqs = len(plan.num_scheduled_tokens)
+        modeled = self.config.latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+        done = time.perf_counter()
+        remaining = start + modeled - done
+        if remaining > 0:
+            time.sleep(remaining)
+        elif num_seqs:
+            self.stats.num_overruns += 1
+        end = time.perf_counter()
+        result.timings = StepTimings(prepare_s=done - start, forward_s=end - done, total_s=end - start)
+        s = self.stats
+        s.num_steps += 1
+        s.num_tokens += num_tokens
+        s.num_seqs += num_seqs
+        s.num_sampled += len(result.sampled_req_ids)
+        s.modeled_s += modeled
+        s.busy_s += end - start
+        self._last_result = result
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        requests = self._requests
+        if plan.reset:
+            requests.clear()
+        for req_id in plan.finished_req_ids:
+            requests.pop(req_id, None)
+        for new in plan.new_requests:
+            self._add(new)
+        for cached in plan.cached_requests:
+            state = requests.get(cached.req_id)
+            if state is None:
+                raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
+            self._check_blocks(cached.req_id, cached.new_block_ids, state.num_blocks)
+            state.num_blocks += len(cached.new_block_ids)
+        # Check every scheduled request before changing any (the real runner's `prepare`).
+        block_size = self.config.block_size
+        scheduled = []
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            state = requests.get(req_id)
+            if state is None:
+                raise PlanError(f"request {req_id!r} is scheduled but unknown")
+            seq_len = state.num_computed_tokens + num_new
+            if num_new < 1 or seq_len > state.num_tokens:
+                raise PlanError("tokens scheduled beyond a request's known tokens")
+            if seq_len > state.num_blocks * block_size:
+                raise PlanError("tokens scheduled beyond a request's blocks")
+            scheduled.append((req_id, state, seq_len))
+        result = StepResult(step_id=plan.step_id)
+        for req_id, state, seq_len in scheduled:
+            state.num_computed_tokens = seq_len
+            if seq_len == state.num_tokens:
+                token = self._sample(state)
+                result.sampled_req_ids.append(req_id)
+                result.sampled_token_ids.append(token)
+                result.logprobs.append(self._logprobs(state, token))
+                state.num_tokens += 1
+        return result
+
+    def _add(self, req: NewRequest) -> None:
+        c = self.config
+        num_tokens = len(req.token_ids)
+        if req.req_id in self._requests:
+            raise PlanError(f"request {req.req_id!r} is already running on this executor")
+        if not 0 < req.num_prompt_tokens <= num_tokens <= c.max_model_len:
+            raise PlanError(
+                f"request {req.req_id!r}: {num_tokens} tokens ({req.num_prompt_tokens} prompt) "
+                f"for max_model_len {c.max_model_len}"
+            )
+        if not 0 <= req.num_computed_tokens < num_tokens:
+            raise PlanError(f"request {req.req_id!r}: bad num_computed_tokens")
+        self._check_blocks(req.req_id, req.block_ids, 0)
+        if len(self._requests) >= c.max_num_seqs:
+            raise PlanError(f"more than max_num_seqs={c.max_num_seqs} requests at once")
+        self._requests[req.req_id] = _RequestState(
+            key=request_key(req.req_id, c.seed),
+            num_tokens=num_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed_tokens=req.num_computed_tokens,
+            num_blocks=len(req.block_ids),
+            num_logprobs=req.sampling.num_logprobs,
+        )
+
+    def _check_blocks(self, req_id: str, block_ids: list[int], num_held: int) -> None:
+        c = self.config
+        if num_held + len(block_ids) > c.max_blocks_per_req:
+            raise PlanError(f"request {req_id!r}: more blocks than max_model_len needs")
+        if block_ids and not (min(block_ids) > 0 and max(block_ids) < c.num_blocks):
+            raise PlanError(f"request {req_id!r}: block id outside 1..{c.num_blocks - 1}")
+
+    def _sample(self, state: _RequestState) -> int:
+        c = self.config
+        output_index = state.num_tokens - state.num_prompt_tokens + 1  # 1-based
+        if c.eos_after is not None and output_index == c.eos_after:
+            return c.eos_token_ids[0]
+        return simulated_token(state.key, state.num_tokens, c.vocab_size, c.eos_token_ids)
+
+    def _logprobs(self, state: _RequestState, token: int) -> TokenLogprobs | None:
+        """A certain token (logprob 0, rank 1) and made-up runners-up, when the request asks."""
+        if state.num_logprobs is None:
+            return None
+        vocab = self.config.vocab_size
+        top_ids = [(token + i) % vocab for i in range(min(state.num_logprobs, vocab))]
+        return TokenLogprobs(0.0, 1, top_ids, [0.0 if i == 0 else -20.0 for i in range(len(top_ids))])
+
+
+# --------------------------------------------------------------------------------------------
+# Serving many in one process
+# --------------------------------------------------------------------------------------------
+
+
+def start_simulated(
+    config: SimulatedConfig, host: str, port: int, count: int, executor_id: str | None = None
+) -> list[tuple[RunningExecutor, SimulatedRunner]]:
+    """``count`` servers, one runner each, on ports ``port, port+1, ...`` (port 0: free ones)."""
+    started = []
+    try:
+        for index in range(count):
+            runner = SimulatedRunner(config)
+            name = executor_id if count == 1 else (f"{executor_id}-{index}" if executor_id else None)
+            running = start_executor_server(runner, host, port + index if port else 0, name)
+            started.append((running, runner))
+    except Exception:
+        stop_all([r for r, _ in started])
+        raise
+    return started
+
+
+def stop_all(servers: list[RunningExecutor], grace_s: float = STOP_GRACE_S) -> None:
+    """Stops every server at once (`RunningExecutor.stop`, in parallel rather than in turn)."""
+    events = [running.server.stop(grace_s) for running in servers]
+    for running in servers:
+        running.servicer.shut_down()
+    for event in events:
+        event.wait()
+
+
+def ready_payload(servers: list[RunningExecutor]) -> dict[str, Any]:
+    """The ready file: the real executor's fields for one server, plus every address."""
+    first = servers[0]
+    payload: dict[str, Any] = {
+        "addresses": [s.address for s in servers],
+        "executor_ids": [s.executor_id for s in servers],
+        "pid": os.getpid(),
+        "version": first.version,
+        "info": dataclasses.asdict(first.info),
+    }
+    if len(servers) == 1:
+        payload.update(address=first.address, executor_id=first.executor_id)
+    return payload
+
+
+def stats_payload(started: list[tuple[RunningExecutor, SimulatedRunner]]) -> dict[str, Any]:
+    """Every runner's totals, stamped with the system-wide monotonic clock (comparable across
+    processes on one machine)."""
+    return {
+        "time": time.monotonic(),
+        "pid": os.getpid(),
+        "executors": [
+            {"executor_id": r.executor_id, **dataclasses.asdict(runner.stats)} for r, runner in started
+        ],
+    }
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def serve_simulated(
+    config: SimulatedConfig,
+    host: str,
+    port: int,
+    count: int,
+    ready_file: Path | None,
+    executor_id: str | None = None,
+    stats_file: Path | None = None,
+    stats_interval_s: float = 0.5,
+) -> None:
+    """Serves ``count`` simulated executors until SIGTERM/SIGINT (main thread only); rewrites
+    ``stats_file`` every ``stats_interval_s`` seconds and once more at the end."""
+    import structlog
+
+    log = structlog.get_logger(__name__)
+    started = start_simulated(config, host, port, count, executor_id)
+    servers = [running for running, _ in started]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if ready_file is not None:
+            write_json_atomic(ready_file, ready_payload(servers))
+        log.info(
+            "simulated executors serving",
+            count=count,
+            addresses=[s.address for s in servers] if count <= 4 else f"{servers[0].address} ...",
+            latency=dataclasses.asdict(config.latency),
+            num_blocks=config.num_blocks,
+        )
+        while not stop.wait(stats_interval_s if stats_file is not None else None):
+            if stats_file is not None:
+                write_json_atomic(stats_file, stats_payload(started))
+    finally:
+        stop_all(servers)
+        if stats_file is not None:
+            write_json_atomic(stats_file, stats_payload(started))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("simulated executors stopped", steps=sum(r.stats.num_steps for _, r in started))
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults, latency = SimulatedConfig(), LatencyModel()
+    p = argparse.ArgumentParser(
+        prog="python -m npuserve.executor.simulated",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="first port (0: free ones)")
+    p.add_argument("--count", type=int, default=1, help="simulated executors in this process")
+    p.add_argument("--ready-file", type=Path, help="write the addresses and handshake here as JSON")
+    p.add_argument("--executor-id", help="id (with --count > 1: prefix of ids); default HOSTNAME:PORT")
+    p.add_argument("--base-ms", type=float, default=latency.base_s * 1e3, help="fixed cost of a step")
+    p.add_argument("--per-token-ms", type=float, default=latency.per_token_s * 1e3)
+    p.add_argument("--per-seq-ms", type=float, default=latency.per_seq_s * 1e3)
+    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument("--eos-token-ids", default=",".join(map(str, defaults.eos_token_ids)), help="comma list")
+    p.add_argument("--eos-after", type=int, help="make every request's N-th output token an EOS")
+    p.add_argument("--model-name", default=defaults.model)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats-file", type=Path, help="rewrite every runner's step totals here as JSON")
+    p.add_argument("--stats-interval", type=float, default=0.5, help="seconds between stats writes")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="console", choices=["console", "json"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
+    return SimulatedConfig(
+        latency=LatencyModel(args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3),
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        vocab_size=args.vocab_size,
+        eos_token_ids=tuple(int(t) for t in args.eos_token_ids.split(",") if t),
+        eos_after=args.eos_after,
+        model=args.model_name,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from npuserve.deploy.logs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_format == "json")
+    try:
+        if args.count < 1:
+            raise ValueError(f"--count must be >= 1, got {args.count}")
+        config = config_from_args(args)
+        serve_simulated(
+            config,
+            args.host,
+            args.port,
+            args.count,
+            args.ready_file,
+            args.executor_id,
+            args.stats_file,
+            args.stats_interval,
+        )
+    except ValueError as exc:  # ConfigError (a busy port) included
+        print(f"npuserve simulated executor: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
