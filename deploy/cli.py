@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_flags(gateway, standalone=True)
     _add_logging_flags(gateway)
 
+    serving_bench = commands.add_parser(
+        "bench", help="serving throughput, TTFT and inter-token latency, offline or over gRPC"
+    )
+    from npuserve.scheduler.benchmark import add_bench_flags
+
+    add_bench_flags(serving_bench)
+
     bench = commands.add_parser(
         "bench-runner",
         help="decode throughput of the ModelRunner, against transformers on the same weights",
@@ -304,7 +311,14 @@ def run_bench_runner(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serving_bench(args: argparse.Namespace) -> int:
+    from npuserve.scheduler.benchmark import run_bench
+
+    return run_bench(args)
+
+
 COMMANDS = {
+    "bench": run_serving_bench,
     "serve": run_serve,
     "executor": run_executor,
     "scheduler": run_scheduler,

@@ -258,14 +258,17 @@ def plot(summaries: Sequence[BenchSummary], path: Path, title: str = "") -> None
     stats = ("mean", "p50", "p90", "p99")
     bar_width = 0.8 / len(stats)
     for ax, (label, attr) in zip(axes[1:], [("TTFT", "ttft_ms"), ("ITL", "itl_ms")], strict=True):
+        top = 0.0
         for k, stat in enumerate(stats):
             xs = [i + (k - (len(stats) - 1) / 2) * bar_width for i in range(len(names))]
             ys = [getattr(getattr(s, attr), stat) or 0.0 for s in summaries]
             ax.bar(xs, ys, bar_width, label=stat)
+            top = max(top, *ys)
         ax.set_xticks(range(len(names)), names)
+        ax.set_ylim(0, top * 1.25 or 1.0)  # headroom for the legend
         ax.set_ylabel("ms")
         ax.set_title(label)
-        ax.legend()
+        ax.legend(ncol=len(stats), fontsize="small", loc="upper center")
     for ax in axes:
         ax.grid(True, axis="y", alpha=0.3)
         ax.tick_params(axis="x", labelrotation=15)

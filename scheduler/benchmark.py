@@ -35,6 +35,8 @@ import grpc
 import structlog
 from tqdm import tqdm
 
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.scheduler.bench_report import (
     BenchSummary,
     RequestRecord,
@@ -135,6 +137,8 @@ class BenchError(RuntimeError):
 
 
 class Target(Protocol):
+    """What the measurement loop needs of a target: open, stream one request, close."""
+
     name: str
     max_model_len: int
 
@@ -215,9 +219,6 @@ class GrpcTarget:
         self._stub: Any = None
 
     async def open(self) -> None:
-        from npuserve.proto import scheduler_pb2 as pb
-        from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -239,8 +240,6 @@ class GrpcTarget:
     async def stream(
         self, prompt: list[int], max_tokens: int, temperature: float, seed: int
     ) -> AsyncIterator[Chunk]:
-        from npuserve.proto import scheduler_pb2 as pb
-
         sampling = pb.SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
         )
