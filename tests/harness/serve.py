@@ -194,3 +194,28 @@ def npuserve_process(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def run_streams(
+    stub: pb_grpc.SchedulerStub, requests: list[pb.GenerateRequest], started: threading.Barrier | None
+) -> tuple[list[threading.Thread], list[list[int]], list[str]]:
+    """One thread per request; with ``started``, each waits there once it has streamed 4 tokens."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    reasons = ["" for _ in requests]
+
+    def stream(index: int) -> None:
+        waited = started is None
+        for response in stub.Generate(requests[index], timeout=120):
+            for completion in response.completions:
+                outputs[index] += completion.token_ids
+                reasons[index] = completion.finish_reason or reasons[index]
+                if not waited and len(outputs[index]) >= 4:
+                    waited = True
+                    started.wait(60)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    if started is not None:
+        started.wait(60)
+    return threads, outputs, reasons

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from harness.serve import greedy_request, npuserve_process
+from harness.serve import greedy_request, npuserve_process, run_streams
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -23,30 +23,6 @@ def prompts() -> list[list[int]]:
         [1, *torch.randint(3, 512, (int(n),), generator=generator).tolist()]
         for n in torch.randint(4, 40, (NUM_STREAMS,), generator=generator)
     ]
-
-
-def run_streams(
-    stub: pb_grpc.SchedulerStub, requests: list[pb.GenerateRequest], on_tokens: threading.Barrier | None
-) -> list[list[int]]:
-    outputs: list[list[int]] = [[] for _ in requests]
-    reasons: list[str] = ["" for _ in requests]
-
-    def stream(index: int) -> None:
-        waited = on_tokens is None
-        for response in stub.Generate(requests[index], timeout=120):
-            for completion in response.completions:
-                outputs[index] += completion.token_ids
-                reasons[index] = completion.finish_reason or reasons[index]
-                if not waited and len(outputs[index]) >= 4:
-                    waited = True
-                    on_tokens.wait(60)
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    if on_tokens is not None:
-        on_tokens.wait(60)  # every stream has streamed a few tokens
-    return threads, outputs, reasons
 
 
 def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
