@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from npuserve.executor.step_plan import TokenLogprobs
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.scheduler.engine import PoolState, PromptInput
@@ -97,8 +99,21 @@ def _logprob_to_proto(token_id: int, lp: TokenLogprobs, tokenizer: Tokenizer) ->
     return msg
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    """A token's text as it reads inside a stream, leading space included.
+
+    NOTE: decoded after an anchor token and cut after it: decoding a lone token drops the space
+    that sentencepiece tokenizers put at a word's start, and OpenAI clients join these texts.
+    """
+    anchor = _anchor(tokenizer)
+    prefix = tokenizer.decode(anchor, skip_special_tokens=False)
+    return tokenizer.decode([*anchor, token_id], skip_special_tokens=False)[len(prefix) :]
+
+
+@functools.lru_cache(maxsize=8)
+def _anchor(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode("a", add_special_tokens=False)[-1:]
 
 
 def pool_state_to_proto(state: PoolState) -> pb.ExecutorPoolState:

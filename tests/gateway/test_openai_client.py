@@ -115,6 +115,8 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
     for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) == 2  # greedy: the sampled token is the best of the two
         assert top[token] == pytest.approx(lp) and max(top.values()) == pytest.approx(lp)
+    # Token texts keep their leading spaces: joined, they are the completion.
+    assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
 def test_n_choices_with_a_seed_are_reproducible(client: openai.OpenAI, model: str) -> None:
