@@ -12,12 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from npuserve.executor.plan_checks import PlanError, check_block_ids, check_new_request
 from npuserve.executor.step_plan import NewRequest, SamplingOptions
 from npuserve.kernels import NULL_BLOCK_ID, cdiv, slot_mapping
-
-
-class PlanError(ValueError):
-    """A step plan that contradicts the executor's state; the step is refused, state unchanged."""
 
 
 @dataclass(slots=True)
@@ -61,23 +58,12 @@ class InputBatch:
     # -- state changes ------------------------------------------------------------------------
 
     def check_new(self, req: NewRequest) -> None:
-        num_tokens = len(req.token_ids)
         if req.req_id in self.row_of:
             raise PlanError(f"request {req.req_id!r} is already running on this executor")
-        if not 0 < req.num_prompt_tokens <= num_tokens <= self.max_model_len:
-            raise PlanError(
-                f"request {req.req_id!r}: {num_tokens} tokens ({req.num_prompt_tokens} prompt) "
-                f"for max_model_len {self.max_model_len}"
-            )
-        if not 0 <= req.num_computed_tokens < num_tokens:
-            raise PlanError(f"request {req.req_id!r}: bad num_computed_tokens")
-        self.check_blocks(req.req_id, req.block_ids, 0)
+        check_new_request(req, self.max_model_len, self.num_blocks, self.max_blocks_per_req)
 
     def check_blocks(self, req_id: str, block_ids: list[int], num_held: int) -> None:
-        if num_held + len(block_ids) > self.max_blocks_per_req:
-            raise PlanError(f"request {req_id!r}: more blocks than max_model_len needs")
-        if block_ids and not all(0 < b < self.num_blocks for b in block_ids):
-            raise PlanError(f"request {req_id!r}: block id outside 1..{self.num_blocks - 1}")
+        check_block_ids(req_id, block_ids, num_held, self.num_blocks, self.max_blocks_per_req)
 
     def add(self, req: NewRequest, seed: int) -> None:
         if not self._free_rows:

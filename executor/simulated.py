@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from npuserve.executor.input_batch import PlanError
+from npuserve.executor.plan_checks import PlanError, check_block_ids, check_new_request
 from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.step_plan import (
     ExecutorInfo,
@@ -256,14 +256,7 @@ class SimulatedRunner:
         num_tokens = len(req.token_ids)
         if req.req_id in self._requests:
             raise PlanError(f"request {req.req_id!r} is already running on this executor")
-        if not 0 < req.num_prompt_tokens <= num_tokens <= c.max_model_len:
-            raise PlanError(
-                f"request {req.req_id!r}: {num_tokens} tokens ({req.num_prompt_tokens} prompt) "
-                f"for max_model_len {c.max_model_len}"
-            )
-        if not 0 <= req.num_computed_tokens < num_tokens:
-            raise PlanError(f"request {req.req_id!r}: bad num_computed_tokens")
-        self._check_blocks(req.req_id, req.block_ids, 0)
+        check_new_request(req, c.max_model_len, c.num_blocks, c.max_blocks_per_req)
         if len(self._requests) >= c.max_num_seqs:
             raise PlanError(f"more than max_num_seqs={c.max_num_seqs} requests at once")
         self._requests[req.req_id] = _RequestState(
@@ -277,10 +270,7 @@ class SimulatedRunner:
 
     def _check_blocks(self, req_id: str, block_ids: list[int], num_held: int) -> None:
         c = self.config
-        if num_held + len(block_ids) > c.max_blocks_per_req:
-            raise PlanError(f"request {req_id!r}: more blocks than max_model_len needs")
-        if block_ids and not (min(block_ids) > 0 and max(block_ids) < c.num_blocks):
-            raise PlanError(f"request {req_id!r}: block id outside 1..{c.num_blocks - 1}")
+        check_block_ids(req_id, block_ids, num_held, c.num_blocks, c.max_blocks_per_req)
 
     def _sample(self, state: _RequestState) -> int:
         c = self.config

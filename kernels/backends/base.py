@@ -72,3 +72,13 @@ def check_attention_shapes(
     num_kv_heads = kv_cache.shape[3]
     assert kv_cache.shape[4] == head_size and num_heads % num_kv_heads == 0
     return num_heads, num_kv_heads, head_size
+
+
+def check_kv_write_shapes(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+) -> tuple[int, int]:
+    """Asserts the cache-write contract; returns (num_kv_heads, head_size)."""
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    assert key.shape == (metadata.num_tokens, num_kv_heads, head_size), key.shape
+    assert value.shape == key.shape, value.shape
+    return num_kv_heads, head_size

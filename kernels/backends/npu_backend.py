@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch_npu
 
-from npuserve.kernels.backends.base import KernelBackend, check_attention_shapes
+from npuserve.kernels.backends.base import KernelBackend, check_attention_shapes, check_kv_write_shapes
 from npuserve.kernels.metadata import AttentionMetadata
 
 # NOTE: with sparse_mode 3 ("rightDownCausal") the fused attention kernel takes a compressed
@@ -53,9 +53,7 @@ class NpuBackend(KernelBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
-        num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
-        assert key.shape == (metadata.num_tokens, num_kv_heads, head_size), key.shape
-        assert value.shape == key.shape
+        check_kv_write_shapes(key, value, kv_cache, metadata)
         assert metadata.slot_mapping.dtype == torch.int32, metadata.slot_mapping.dtype
         torch_npu._npu_reshape_and_cache(
             key=key,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from npuserve.kernels.backends.base import KernelBackend, check_attention_shapes
+from npuserve.kernels.backends.base import KernelBackend, check_attention_shapes, check_kv_write_shapes
 from npuserve.kernels.metadata import AttentionMetadata
 
 
@@ -55,9 +55,7 @@ class TorchBackend(KernelBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
-        num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
-        assert key.shape == (metadata.num_tokens, num_kv_heads, head_size), key.shape
-        assert value.shape == key.shape
+        num_kv_heads, head_size = check_kv_write_shapes(key, value, kv_cache, metadata)
         slots = metadata.slot_mapping.long()
         kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key)
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value)

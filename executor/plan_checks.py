@@ -1,0 +1,34 @@
+"""Checks a step plan must pass against an executor's state (no torch: the simulated executor
+and the scheduler's tests use them too)."""
+
+from __future__ import annotations
+
+from npuserve.executor.step_plan import NewRequest
+
+
+class PlanError(ValueError):
+    """A step plan that contradicts the executor's state; the step is refused (gRPC
+    INVALID_ARGUMENT) and the executor drops every request the plan names."""
+
+
+def check_new_request(req: NewRequest, max_model_len: int, num_blocks: int, max_blocks_per_req: int) -> None:
+    num_tokens = len(req.token_ids)
+    if not 0 < req.num_prompt_tokens <= num_tokens <= max_model_len:
+        raise PlanError(
+            f"request {req.req_id!r}: {num_tokens} tokens ({req.num_prompt_tokens} prompt) "
+            f"for max_model_len {max_model_len}"
+        )
+    if not 0 <= req.num_computed_tokens < num_tokens:
+        raise PlanError(f"request {req.req_id!r}: bad num_computed_tokens")
+    check_block_ids(req.req_id, req.block_ids, 0, num_blocks, max_blocks_per_req)
+
+
+def check_block_ids(
+    req_id: str, block_ids: list[int], num_held: int, num_blocks: int, max_blocks_per_req: int
+) -> None:
+    """New blocks of a request: within 1..num_blocks-1 (0 is the null block), and no more in
+    all than its longest possible sequence needs."""
+    if num_held + len(block_ids) > max_blocks_per_req:
+        raise PlanError(f"request {req_id!r}: more blocks than max_model_len needs")
+    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
+        raise PlanError(f"request {req_id!r}: block id outside 1..{num_blocks - 1}")
