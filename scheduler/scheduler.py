@@ -154,7 +154,7 @@ class Scheduler:
             self._grant(request, num_new, plan, stats, scheduled)
             budget -= num_new
 
-        stats.requests = [r for r in scheduled if r.req_id in plan.num_scheduled_tokens]
+        stats.requests = scheduled
         return plan, stats
 
     def _grant(
@@ -183,15 +183,15 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        # NOTE: victims come from the tail of `running`, which this step has not reached yet
+        # (or are the request being scheduled), so none of them is already in the plan.
+        assert request.req_id not in plan.num_scheduled_tokens
         self.kv.free(request)
+        request.reset_for_recompute()
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.appendleft(request)
-        if request.req_id in plan.num_scheduled_tokens:  # scheduled earlier in this step
-            del plan.num_scheduled_tokens[request.req_id]
-            plan.cached_requests = [c for c in plan.cached_requests if c.req_id != request.req_id]
         plan.finished_req_ids.append(request.req_id)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
