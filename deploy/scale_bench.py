@@ -494,7 +494,7 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
      ("scheduler/scheduler.py", "kv_cache_manager.py", "block_pool.py", "block_hash.py", "scheduler/request.py")),
     ("routing (choose_lane)", ("scheduler/router.py",)),
     ("step plan/result <-> protobuf", ("step_codec.py", "executor_pb2")),
-    ("executor gRPC client (sync, lane threads)", ("executor/client.py", "grpc/_channel.py", "grpc/_common.py",
+    ("executor gRPC client (sync, lane threads)", ("scheduler/executor_client.py", "grpc/_channel.py", "grpc/_common.py",
                                                  "grpc/_interceptor.py")),
     ("Generate response encode", ("api_codec.py", "scheduler_pb2")),
     ("public gRPC server (grpc.aio Python parts)", ("grpc/aio/", "grpc/_cython", "cygrpc")),

@@ -22,8 +22,8 @@ import torch
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import NewRequest, SamplingOptions, StepPlan
 from npuserve.kernels import cdiv
+from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan
 
 log = structlog.get_logger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npuserve.executor.plan_checks import PlanError, check_block_ids, check_new_request
-from npuserve.executor.step_plan import NewRequest, SamplingOptions
 from npuserve.kernels import NULL_BLOCK_ID, cdiv, slot_mapping
+from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request
+from npuserve.proto.step_plan import NewRequest, SamplingOptions
 
 
 @dataclass(slots=True)

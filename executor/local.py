@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 
 class LocalExecutor:

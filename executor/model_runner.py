@@ -26,14 +26,14 @@ from npuserve.executor.sampler import (
     SamplerOutput,
     build_sampling_metadata,
 )
-from npuserve.executor.step_plan import (
+from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
+from npuserve.proto.step_plan import (
     ExecutorInfo,
     StepPlan,
     StepResult,
     StepTimings,
     TokenLogprobs,
 )
-from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
 
 log = structlog.get_logger(__name__)
 

@@ -59,7 +59,7 @@ from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.server import ExecutorStopping
-from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 

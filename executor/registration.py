@@ -9,7 +9,7 @@ deletes the key at once.
 Redis going away never stops the executor: the heartbeat logs once per outage, retries with a
 capped backoff, and registers again as soon as Redis answers (a restarted Redis has lost the key).
 
-This module imports no torch: the scheduler reads the record format from here.
+The record format and key layout are in `proto/registry_record.py`.
 """
 
 from __future__ import annotations
@@ -17,49 +17,22 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import redis
 import structlog
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.proto.registry_record import MAX_SOCKET_TIMEOUT_S, redis_client, registry_key
 
 log = structlog.get_logger(__name__)
 
 MIN_BACKOFF_S = 0.25
-MAX_SOCKET_TIMEOUT_S = 1.0
 # Deletes the key only while it still holds this process's record: an executor that stops late
 # must not remove the registration of the instance that replaced it.
 _DELETE_IF_OURS = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 )
-
-
-def registry_key(prefix: str, executor_id: str) -> str:
-    return f"{prefix}:executor:{executor_id}"
-
-
-def registry_pattern(prefix: str) -> str:
-    """The SCAN pattern of every executor key under ``prefix`` (glob characters escaped)."""
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:executor:*"
-
-
-def redis_client(url: str, timeout_s: float = MAX_SOCKET_TIMEOUT_S) -> redis.Redis:
-    """A client that fails fast: bounded socket waits, one immediate reconnect, no hidden backoff
-    (callers own their retry policy)."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1),
-    )
 
 
 @dataclass(slots=True)
@@ -78,43 +51,6 @@ class RegistryConfig:
             raise ValueError("--registry-prefix must not be empty")
         if self.advertise_address is not None and ":" not in self.advertise_address:
             raise ValueError(f"--advertise-address must be HOST:PORT, not {self.advertise_address!r}")
-
-
-def registration_record(
-    address: str, executor_id: str, info: ExecutorInfo, version: str, ttl_s: float
-) -> dict[str, Any]:
-    """What the registry holds for one executor process (``instance_id`` is new at every start)."""
-    return {
-        "address": address,
-        "executor_id": executor_id,
-        "instance_id": uuid.uuid4().hex,
-        "model": info.model,
-        "architecture": info.architecture,
-        "device": info.device,
-        "dtype": info.dtype,
-        "block_size": info.block_size,
-        "num_blocks": info.num_blocks,
-        "max_model_len": info.max_model_len,
-        "tensor_parallel_size": info.tensor_parallel_size,
-        "version": version,
-        "started_at": datetime.now(timezone.utc).isoformat(),
-        "ttl_s": ttl_s,
-    }
-
-
-def parse_record(text: str) -> dict[str, Any] | None:
-    """A registration as written by `registration_record`; None when it is not one."""
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(record, dict):
-        return None
-    if not all(
-        isinstance(record.get(k), str) and record[k] for k in ("address", "executor_id", "instance_id")
-    ):
-        return None
-    return record
 
 
 class ExecutorRegistration:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import json
 import os
 import signal
 import socket
@@ -39,22 +38,23 @@ from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import PlatformError
-from npuserve.executor.registration import ExecutorRegistration, RegistryConfig, registration_record
-from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
+from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
+from npuserve.proto.ready_file import write_ready_file
+from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_codec import CodecError
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from npuserve.executor.parallel import ParallelConfig
 
 log = structlog.get_logger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *message_size_options(MAX_STEP_MESSAGE_BYTES),
     # NOTE: gRPC sets SO_REUSEPORT by default, which lets a second executor bind a port that is
     # already served and silently share its traffic; a busy port must fail the bind instead.
     ("grpc.so_reuseport", 0),
@@ -310,7 +310,7 @@ def _connect_address(host: str, port: int) -> str:
     return f"127.0.0.1:{port}" if host in wildcard_or_local else f"{host}:{port}"
 
 
-def write_ready_file(path: Path, running: RunningExecutor) -> None:
+def write_executor_ready_file(path: Path, running: RunningExecutor) -> None:
     """Writes the address and handshake as JSON, atomically (temp file + rename)."""
     payload = {
         "address": running.address,
@@ -319,10 +319,7 @@ def write_ready_file(path: Path, running: RunningExecutor) -> None:
         "version": running.version,
         "info": dataclasses.asdict(running.info),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
+    write_ready_file(path, payload)
 
 
 def _advertised(host: str, running: RunningExecutor, registry: RegistryConfig) -> str:
@@ -366,7 +363,7 @@ def serve_executor(
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if ready_file is not None:
-            write_ready_file(ready_file, running)
+            write_executor_ready_file(ready_file, running)
         if registry is not None:
             record = registration_record(
                 _advertised(host, running, registry),

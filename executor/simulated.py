@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -33,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from npuserve.executor.plan_checks import PlanError, check_block_ids, check_new_request
 from npuserve.executor.server import RunningExecutor, start_executor_server
-from npuserve.executor.step_plan import (
+from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request
+from npuserve.proto.ready_file import write_ready_file
+from npuserve.proto.step_plan import (
     ExecutorInfo,
     NewRequest,
     StepPlan,
@@ -346,13 +346,6 @@ def stats_payload(started: list[tuple[RunningExecutor, SimulatedRunner]]) -> dic
     }
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
-
-
 def serve_simulated(
     config: SimulatedConfig,
     host: str,
@@ -374,7 +367,7 @@ def serve_simulated(
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if ready_file is not None:
-            write_json_atomic(ready_file, ready_payload(servers))
+            write_ready_file(ready_file, ready_payload(servers))
         log.info(
             "simulated executors serving",
             count=count,
@@ -384,11 +377,11 @@ def serve_simulated(
         )
         while not stop.wait(stats_interval_s if stats_file is not None else None):
             if stats_file is not None:
-                write_json_atomic(stats_file, stats_payload(started))
+                write_ready_file(stats_file, stats_payload(started))
     finally:
         stop_all(servers)
         if stats_file is not None:
-            write_json_atomic(stats_file, stats_payload(started))
+            write_ready_file(stats_file, stats_payload(started))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("simulated executors stopped", steps=sum(r.stats.num_steps for _, r in started))

@@ -22,8 +22,8 @@ from npuserve.gateway.protocol import (
 )
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the scheduler's server allows
 SMALL_CALL_TIMEOUT_S = 10.0
 
 
@@ -246,10 +246,7 @@ class SchedulerClient:
     async def open(self) -> None:
         self._channel = grpc.aio.insecure_channel(
             self.address,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ],
+            options=message_size_options(MAX_API_MESSAGE_BYTES),
         )
         self._stub = pb_grpc.SchedulerStub(self._channel)
 

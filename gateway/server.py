@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ import uvicorn
 from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.convert import SchedulerClient
 from npuserve.gateway.errors import APIError
+from npuserve.proto.ready_file import write_ready_file
 
 log = structlog.get_logger(__name__)
 
@@ -134,7 +134,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
     log.info("gateway serving", url=url, scheduler=config.scheduler, api_key=bool(config.api_key))
     await _wait_for_scheduler(app.state.gateway.client, server, config.scheduler_wait_s)
     if config.ready_file is not None and not server.should_exit:
-        _write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
+        write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
     await serving
     log.info("gateway stopped")
     return 0
@@ -161,9 +161,3 @@ async def _wait_for_scheduler(client: SchedulerClient, server: uvicorn.Server, t
             log.warning("the scheduler is not ready; serving 503 until it is", reason=reason)
             return
         await asyncio.sleep(0.25)
-
-
-def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    tmp.replace(path)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-NULL_BLOCK_ID = 0
+from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
+
+__all__ = ["NPU_BLOCK_SIZE", "NULL_BLOCK_ID", "cdiv", "kv_cache_block_bytes", "kv_cache_shape", "slot_mapping"]
+
 # NOTE: Ascend's paged-attention kernels take block_size 128 (vllm-ascend forces it once prefix
 # caching or chunked prefill is on); smaller sizes are for CPU tests and the torch backend.
 NPU_BLOCK_SIZE = 128
@@ -28,10 +31,6 @@ def kv_cache_block_bytes(
 ) -> int:
     """Bytes one block takes across all layers (keys and values)."""
     return 2 * block_size * num_kv_heads * head_size * num_layers * dtype_bytes
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def slot_mapping(

@@ -1,4 +1,4 @@
-"""Maps the step contract's dataclasses (`npuserve.executor.step_plan`) to protobuf and back.
+"""Maps the step contract's dataclasses (`npuserve.proto.step_plan`) to protobuf and back.
 
 This is the only module that knows both sides of the scheduler<->executor wire: the scheduler's
 client encodes plans and decodes results, the executor's server does the reverse. It imports no
@@ -7,7 +7,8 @@ torch. A message that cannot describe a valid plan or result raises `CodecError`
 
 from __future__ import annotations
 
-from npuserve.executor.step_plan import (
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto.step_plan import (
     CachedRequest,
     ExecutorInfo,
     NewRequest,
@@ -17,7 +18,6 @@ from npuserve.executor.step_plan import (
     StepTimings,
     TokenLogprobs,
 )
-from npuserve.proto import executor_pb2 as pb
 
 __all__ = [
     "CodecError",

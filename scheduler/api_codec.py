@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from npuserve.executor.step_plan import TokenLogprobs
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 from npuserve.scheduler.bench_report import (
     BenchSummary,
     RequestRecord,
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 FIRST_TOKEN_ID = 3  # random prompts avoid the usual unk/bos/eos ids 0-2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -219,10 +219,7 @@ class GrpcTarget:
         self._stub: Any = None
 
     async def open(self) -> None:
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
+        options = message_size_options(MAX_API_MESSAGE_BYTES)
         self._channel = grpc.aio.insecure_channel(self.address, options=options)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         try:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from npuserve.proto.kv_layout import NULL_BLOCK_ID
 from npuserve.scheduler.block_hash import BlockHash
-
-NULL_BLOCK_ID = 0
 
 
 @dataclass(slots=True, eq=False)

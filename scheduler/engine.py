@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce

@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from npuserve.proto.kv_layout import cdiv
 from npuserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from npuserve.scheduler.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)

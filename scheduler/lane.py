@@ -17,7 +17,7 @@ from typing import Protocol
 
 import structlog
 
-from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, StepStats
 

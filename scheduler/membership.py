@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from npuserve.executor.client import ExecutorClient, ExecutorError
-from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 
 if TYPE_CHECKING:
     from npuserve.scheduler.engine import Engine

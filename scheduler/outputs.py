@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from npuserve.executor.step_plan import TokenLogprobs
+from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.detokenizer import IncrementalDetokenizer
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from npuserve.executor.client import ExecutorClient, ExecutorError
-from npuserve.executor.registration import parse_record, redis_client, registry_pattern
-from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.proto.registry_record import parse_record, redis_client, registry_pattern
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 from npuserve.scheduler.membership import ClientFactory, handshake
 
 if TYPE_CHECKING:

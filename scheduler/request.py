@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from npuserve.executor.step_plan import SamplingOptions, TokenLogprobs
+from npuserve.proto.step_plan import SamplingOptions, TokenLogprobs
 from npuserve.scheduler.block_hash import BlockHash, extend_block_hashes
 
 

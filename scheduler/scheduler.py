@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from npuserve.executor.step_plan import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
+from npuserve.proto.step_plan import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
 from npuserve.scheduler.kv_cache_manager import KVCacheManager
 from npuserve.scheduler.request import Request, RequestStatus
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -15,9 +14,10 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from npuserve.executor.client import ExecutorClient, StreamingExecutorClient
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.ready_file import write_ready_file
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.engine import (
     Engine,
@@ -26,6 +26,7 @@ from npuserve.scheduler.engine import (
     NoExecutorError,
     QueueFullError,
 )
+from npuserve.scheduler.executor_client import ExecutorClient, StreamingExecutorClient
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.request import InvalidRequestError
@@ -33,7 +34,6 @@ from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 T = TypeVar("T")
 
 # Client errors and what they become on the wire; anything else is INTERNAL.
@@ -211,10 +211,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
     server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
+        options=message_size_options(MAX_API_MESSAGE_BYTES)
     )
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, config.model), server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -222,7 +219,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
     log.info("scheduler serving", address=address, executors=len(executors), model=engine.model_name)
     if ready_file is not None:
-        _write_ready_file(ready_file, {"address": address, "pid": os.getpid(), "model": engine.model_name})
+        write_ready_file(ready_file, {"address": address, "pid": os.getpid(), "model": engine.model_name})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,9 +229,3 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     watcher.cancel()
     await server.stop(grace=5)
     engine.stop()
-
-
-def _write_ready_file(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    tmp.replace(path)

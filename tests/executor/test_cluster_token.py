@@ -19,11 +19,11 @@ from harness.cluster import Proc, processes
 from harness.serve import collect, greedy_request
 from harness.step_driver import DrivenRequest, StepDriver
 
-from npuserve.executor.client import ExecutorClient, ExecutorError, StreamingExecutorClient
-from npuserve.executor.step_plan import SamplingOptions, StepPlan, StepResult
 from npuserve.proto import executor_pb2 as executor_pb
 from npuserve.proto import executor_pb2_grpc as executor_pb_grpc
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.step_plan import SamplingOptions, StepPlan, StepResult
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
 TOKEN = "s3cret-cluster-token"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"

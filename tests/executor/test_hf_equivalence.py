@@ -16,7 +16,7 @@ from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import SamplingOptions
+from npuserve.proto.step_plan import SamplingOptions
 
 transformers = pytest.importorskip("transformers")
 

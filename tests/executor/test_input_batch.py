@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from npuserve.executor.input_batch import InputBatch, PlanError
-from npuserve.executor.step_plan import NewRequest, SamplingOptions
 from npuserve.kernels import NULL_BLOCK_ID
+from npuserve.proto.step_plan import NewRequest, SamplingOptions
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64  # 4 blocks per request

@@ -17,8 +17,8 @@ from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.kv_cache import GIB, allocate_kv_caches, block_bytes, num_blocks_for_budget
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import SamplingOptions
 from npuserve.kernels import NULL_BLOCK_ID
+from npuserve.proto.step_plan import SamplingOptions
 
 # stories260K: 5 layers, 4 kv heads, head_dim 8; keys and values; float32.
 STORIES_BLOCK_BYTES = 2 * 16 * 4 * 8 * 5 * 4

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.model_loader import safetensors_files
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import SamplingOptions
+from npuserve.proto.step_plan import SamplingOptions
 
 transformers = pytest.importorskip("transformers")
 

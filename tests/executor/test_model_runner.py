@@ -19,7 +19,7 @@ from harness.step_driver import DrivenRequest, StepDriver
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import NewRequest, SamplingOptions, StepPlan
+from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time"
 GREEDY = SamplingOptions(temperature=0)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from harness.cluster import PrivateRedis, private_redis, processes, shared_registry, wait_until
 
-from npuserve.executor.client import ExecutorClient
-from npuserve.executor.registration import ExecutorRegistration, RegistryConfig, registration_record
-from npuserve.executor.step_plan import ExecutorInfo
+from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
+from npuserve.proto.registry_record import registration_record
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.executor_client import ExecutorClient
 
 TTL_S = 2.0
 INFO = ExecutorInfo(

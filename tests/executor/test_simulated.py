@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from harness.serve import Served, generate_concurrently, greedy_request, npuserve_process
 
-from npuserve.executor.client import ExecutorClient, ExecutorError
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.simulated import (
     LatencyModel,
@@ -32,12 +31,13 @@ from npuserve.executor.simulated import (
     start_simulated,
     stop_all,
 )
-from npuserve.executor.step_plan import (
+from npuserve.proto.step_plan import (
     CachedRequest,
     NewRequest,
     SamplingOptions,
     StepPlan,
 )
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 
 SMALL = SimulatedConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4)
 PROMPT = [1, 403, 407, 261, 378]

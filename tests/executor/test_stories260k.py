@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import SamplingOptions
+from npuserve.proto.step_plan import SamplingOptions
 
 # From the model's SOURCE.txt: greedy, 60 new tokens after "Once upon a time".
 PROMPT_IDS = [1, 403, 407, 261, 378]

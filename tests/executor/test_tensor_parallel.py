@@ -32,10 +32,10 @@ from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model, weight_bytes
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.step_plan import SamplingOptions
 from npuserve.kernels import get_backend
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.step_plan import SamplingOptions
 
 transformers = pytest.importorskip("transformers")
 

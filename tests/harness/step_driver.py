@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from npuserve.executor.step_plan import (
+from npuserve.proto.step_plan import (
     CachedRequest,
     NewRequest,
     SamplingOptions,

@@ -4,16 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from npuserve.executor.step_plan import (
-    CachedRequest,
-    ExecutorInfo,
-    NewRequest,
-    SamplingOptions,
-    StepPlan,
-    StepResult,
-    StepTimings,
-    TokenLogprobs,
-)
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.step_codec import (
     CodecError,
@@ -23,6 +13,16 @@ from npuserve.proto.step_codec import (
     plan_to_proto,
     result_from_proto,
     result_to_proto,
+)
+from npuserve.proto.step_plan import (
+    CachedRequest,
+    ExecutorInfo,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    StepResult,
+    StepTimings,
+    TokenLogprobs,
 )
 
 

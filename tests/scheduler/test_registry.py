@@ -29,9 +29,9 @@ from harness.cluster import (
 )
 from harness.serve import collect, greedy_request, run_streams
 
-from npuserve.executor.step_plan import ExecutorInfo
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.registry import RedisMembership
 
 TTL_S = 3.0

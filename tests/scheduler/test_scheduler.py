@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from npuserve.executor.step_plan import NewRequest, StepPlan, StepResult
+from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 

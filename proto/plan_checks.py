@@ -3,7 +3,7 @@ and the scheduler's tests use them too)."""
 
 from __future__ import annotations
 
-from npuserve.executor.step_plan import NewRequest
+from npuserve.proto.step_plan import NewRequest
 
 
 class PlanError(ValueError):

@@ -17,16 +17,13 @@ from typing import Any
 
 import grpc
 
-from npuserve.executor.step_plan import ExecutorInfo, StepPlan, StepResult
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
+from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 
 
 class ExecutorError(RuntimeError):
