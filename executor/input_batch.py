@@ -132,33 +132,43 @@ class InputBatch:
         self.num_tokens[sampled_rows] += 1
 
 
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One per-request sampling value as a numpy column; ``unset`` stands for an option's None."""
+
+    dtype: type[np.generic]
+    unset: float = 0
+
+
+# The executor's per-request sampling state: one column per SamplingOptions field, gathered per
+# step by row and handed to the sampler under the same names. stop_token_ids, a list per
+# request, is the one field kept apart (a [rows, K] matrix padded with -1).
+SAMPLING_COLUMNS: dict[str, Column] = {
+    "temperature": Column(np.float32),
+    "top_k": Column(np.int32),
+    "top_p": Column(np.float32, 1),
+    "min_p": Column(np.float32),
+    "seed": Column(np.int64),  # never unset here: the runner draws a seed for None
+    "presence_penalty": Column(np.float32),
+    "frequency_penalty": Column(np.float32),
+    "repetition_penalty": Column(np.float32, 1),
+    "num_logprobs": Column(np.int32, -1),  # -1: no logprobs
+    "min_tokens": Column(np.int32),
+}
+
+
 class SamplingArrays:
     """`SamplingOptions` of every row as arrays, so a step gathers them with one index."""
 
     def __init__(self, rows: int) -> None:
-        self.temperature = np.zeros(rows, dtype=np.float32)
-        self.top_k = np.zeros(rows, dtype=np.int32)
-        self.top_p = np.ones(rows, dtype=np.float32)
-        self.min_p = np.zeros(rows, dtype=np.float32)
-        self.seeds = np.zeros(rows, dtype=np.int64)
-        self.presence_penalty = np.zeros(rows, dtype=np.float32)
-        self.frequency_penalty = np.zeros(rows, dtype=np.float32)
-        self.repetition_penalty = np.ones(rows, dtype=np.float32)
-        self.num_logprobs = np.full(rows, -1, dtype=np.int32)
-        self.min_tokens = np.zeros(rows, dtype=np.int32)
+        self.columns = {name: np.full(rows, c.unset, dtype=c.dtype) for name, c in SAMPLING_COLUMNS.items()}
         self.stop_token_ids = np.full((rows, 0), -1, dtype=np.int32)
 
     def set(self, row: int, options: SamplingOptions, seed: int) -> None:
-        self.temperature[row] = options.temperature
-        self.top_k[row] = options.top_k
-        self.top_p[row] = options.top_p
-        self.min_p[row] = options.min_p
-        self.seeds[row] = seed
-        self.presence_penalty[row] = options.presence_penalty
-        self.frequency_penalty[row] = options.frequency_penalty
-        self.repetition_penalty[row] = options.repetition_penalty
-        self.num_logprobs[row] = -1 if options.num_logprobs is None else options.num_logprobs
-        self.min_tokens[row] = options.min_tokens
+        for name, column in self.columns.items():
+            value = getattr(options, name)
+            column[row] = SAMPLING_COLUMNS[name].unset if value is None else value
+        self.columns["seed"][row] = seed
         stop_ids = options.stop_token_ids if options.min_tokens else ()
         width = self.stop_token_ids.shape[1]
         if len(stop_ids) > width:  # rare: widen once for the longest list seen
@@ -166,3 +176,9 @@ class SamplingArrays:
             self.stop_token_ids = np.concatenate([self.stop_token_ids, extra], axis=1)
         self.stop_token_ids[row] = -1
         self.stop_token_ids[row, : len(stop_ids)] = stop_ids
+
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """rows [B] -> every column at those rows ([B]; stop_token_ids [B, K]), by field name."""
+        gathered = {name: column[rows] for name, column in self.columns.items()}
+        gathered["stop_token_ids"] = self.stop_token_ids[rows]
+        return gathered

@@ -24,6 +24,7 @@ from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     Sampler,
     SamplerOutput,
+    SamplingMetadata,
     build_sampling_metadata,
 )
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
@@ -160,7 +161,7 @@ class ModelRunner:
             ]
             result.sampled_token_ids = sampled_ids.tolist()
             result.logprobs = _logprobs_lists(
-                output, self.batch.sampling.num_logprobs[inputs.rows[inputs.sample_mask]]
+                output, self.batch.sampling.columns["num_logprobs"][inputs.rows[inputs.sample_mask]]
             )
             sampled = time.perf_counter()
         self.batch.commit(inputs, sampled_ids)
@@ -192,22 +193,13 @@ class ModelRunner:
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
 
-    def _sampling_metadata(self, inputs: StepInputs):
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        """The sampler's inputs for the rows sampled this step."""
         rows = inputs.rows[inputs.sample_mask]
-        s, batch = self.batch.sampling, self.batch
+        batch = self.batch
         num_tokens = batch.num_tokens[rows]
         return build_sampling_metadata(
-            temperature=s.temperature[rows],
-            top_k=s.top_k[rows],
-            top_p=s.top_p[rows],
-            min_p=s.min_p[rows],
-            seeds=s.seeds[rows],
-            presence_penalty=s.presence_penalty[rows],
-            frequency_penalty=s.frequency_penalty[rows],
-            repetition_penalty=s.repetition_penalty[rows],
-            num_logprobs=s.num_logprobs[rows],
-            min_tokens=s.min_tokens[rows],
-            stop_token_ids=s.stop_token_ids[rows],
+            batch.sampling.gather(rows),
             token_ids=batch.token_ids[rows, : int(num_tokens.max())],
             num_prompt_tokens=batch.num_prompt_tokens[rows],
             num_tokens=num_tokens,

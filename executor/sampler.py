@@ -14,6 +14,7 @@ the argmax of the penalised logits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,26 +75,19 @@ class SamplerOutput:
 
 
 def build_sampling_metadata(
-    temperature: np.ndarray,
-    top_k: np.ndarray,
-    top_p: np.ndarray,
-    min_p: np.ndarray,
-    seeds: np.ndarray,
-    presence_penalty: np.ndarray,
-    frequency_penalty: np.ndarray,
-    repetition_penalty: np.ndarray,
-    num_logprobs: np.ndarray,
-    min_tokens: np.ndarray,
-    stop_token_ids: np.ndarray,
+    options: Mapping[str, np.ndarray],
     token_ids: np.ndarray,
     num_prompt_tokens: np.ndarray,
     num_tokens: np.ndarray,
     vocab_size: int,
     device: torch.device,
 ) -> SamplingMetadata:
-    """Turn per-row numpy arrays ([B], stop_token_ids [B, K], token_ids [B, L]) into metadata."""
+    """Turn per-row numpy arrays into metadata: `options` holds one [B] array per SamplingOptions
+    field (the executor's SAMPLING_COLUMNS, stop_token_ids [B, K] padded with -1), token_ids [B, L]."""
+    temperature, top_k, top_p, min_p = (options[k] for k in ("temperature", "top_k", "top_p", "min_p"))
     temperature = np.where(temperature < _GREEDY_TEMPERATURE, 0.0, temperature).astype(np.float32)
     top_k = np.where((top_k > 0) & (top_k < vocab_size), top_k, 0).astype(np.int64)
+    num_logprobs = options["num_logprobs"]
     uses_top_k = bool((top_k > 0).any())
     uses_top_p = bool((top_p < 1.0).any())
     uses_min_p = bool((min_p > 0.0).any())
@@ -107,14 +101,14 @@ def build_sampling_metadata(
         top_k=on_device(top_k, torch.int64) if uses_top_k else None,
         top_p=on_device(top_p, torch.float32) if uses_top_p else None,
         min_p=on_device(min_p, torch.float32) if uses_min_p else None,
-        seeds=on_device(seeds, torch.int64),
+        seeds=on_device(options["seed"], torch.int64),
         positions=on_device(num_tokens, torch.int64),
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(num_logprobs[wants_logprobs].max()) if wants_logprobs.any() else None,
         penalties=_build_penalties(
-            presence_penalty,
-            frequency_penalty,
-            repetition_penalty,
+            options["presence_penalty"],
+            options["frequency_penalty"],
+            options["repetition_penalty"],
             token_ids,
             num_prompt_tokens,
             num_tokens,
@@ -122,7 +116,12 @@ def build_sampling_metadata(
             device,
         ),
         min_tokens_block=_build_min_tokens_block(
-            min_tokens, stop_token_ids, num_prompt_tokens, num_tokens, vocab_size, device
+            options["min_tokens"],
+            options["stop_token_ids"],
+            num_prompt_tokens,
+            num_tokens,
+            vocab_size,
+            device,
         ),
         max_top_k=int(top_k.max()) if uses_top_k else 0,
     )

@@ -1,6 +1,7 @@
 """The gateway's routes: OpenAI's and vLLM's REST surface over the scheduler's gRPC API.
 
-Handlers read and check the body, translate it (`convert`), and answer in OpenAI's shape
+Handlers read and check the body, translate it (`convert`), call the scheduler
+(`scheduler_client`), and answer in OpenAI's shape
 (`generate`, `protocol`). The app holds no model state beyond the served model's name, which it
 asks the scheduler for once.
 """
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -39,6 +41,7 @@ from npuserve.gateway.protocol import (
     parse_request,
     validate,
 )
+from npuserve.gateway.scheduler_client import SchedulerClient
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +58,7 @@ class ClientGone(Exception):
 class Gateway:
     """What the routes share: the scheduler client and the served model's name."""
 
-    client: convert.SchedulerClient
+    client: SchedulerClient
     served_model_name: str | None
     max_request_bytes: int
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
@@ -139,6 +142,14 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
+async def _in_request_terms(body: BaseModel, work: Awaitable[T]) -> T:
+    """Awaits `work`; a refused field is named as `body` sent it (see `convert.in_request_terms`)."""
+    try:
+        return await work
+    except APIError as exc:
+        raise convert.in_request_terms(exc, body) from None
+
+
 class EventStreamResponse(StreamingResponse):
     """SSE; the event generator is closed however the response ends, so its calls are cancelled."""
 
@@ -165,7 +176,8 @@ async def _generate(
     response_id: str,
     model: str,
 ) -> Response:
-    calls, firsts = await _until_disconnected(request, start_calls(gateway.client, requests))
+    started = _in_request_terms(body, start_calls(gateway.client, requests))
+    calls, firsts = await _until_disconnected(request, started)
     generation = Generation(kind, calls, firsts, body.n, response_id, model, body.include_usage)
     if body.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -213,7 +225,7 @@ def _routes(app: FastAPI) -> None:
         raw = parse_json_object(await read_body(request, gateway.max_request_bytes))
         body = validate(raw, TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest)
         target, _ = await gateway.scheduler_model(body.model)
-        result = await gateway.client.tokenize(body, target)
+        result = await _in_request_terms(body, gateway.client.tokenize(body, target))
         return _json(
             {
                 "count": len(result.tokens),
@@ -228,7 +240,8 @@ def _routes(app: FastAPI) -> None:
         gateway = _gateway(request)
         body = parse_request(await read_body(request, gateway.max_request_bytes), DetokenizeRequest)
         target, _ = await gateway.scheduler_model(body.model)
-        return _json({"prompt": await gateway.client.detokenize(body.tokens, target)})
+        text = await _in_request_terms(body, gateway.client.detokenize(body.tokens, target))
+        return _json({"prompt": text})
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -296,7 +309,7 @@ def create_app(
     """The gateway app; its gRPC channel opens when the app starts (inside the server's loop)."""
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    client = convert.SchedulerClient(scheduler_address)
+    client = SchedulerClient(scheduler_address)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,31 +1,27 @@
-"""The scheduler's gRPC API in gateway terms: the only gateway module that touches protobuf.
+"""The OpenAI requests in the scheduler's protobuf terms, and its replies and errors back.
 
-Requests go out as `GenerateRequest`s built from the OpenAI models; responses come back as the
-small dataclasses below, so the rest of the gateway never sees a protobuf message. Every failed
-call surfaces as an `APIError` carrying the HTTP status its gRPC status maps to.
+Requests go out as `GenerateRequest`s built from the OpenAI models; replies come back as the
+small dataclasses below, so the rest of the gateway never sees a protobuf message; a refused
+field comes back under the name the client sent it as. The calls themselves are made by
+`scheduler_client`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
+from pydantic import BaseModel
 
-from npuserve.gateway.errors import bad_request, from_status
+from npuserve.gateway.errors import APIError, bad_request
 from npuserve.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from npuserve.proto import scheduler_pb2 as pb
-from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
-
-SMALL_CALL_TIMEOUT_S = 10.0
-
 
 # -- what the gateway sees of the scheduler's replies -----------------------------------------------
 
@@ -175,7 +171,7 @@ def _chat_prompt(
     return chat
 
 
-def _tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, model: str) -> pb.TokenizeRequest:
+def tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, model: str) -> pb.TokenizeRequest:
     msg = pb.TokenizeRequest(
         model=model, add_special_tokens=req.add_special_tokens, return_token_strs=req.return_token_strs
     )
@@ -189,7 +185,7 @@ def _tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, mode
 # -- responses -------------------------------------------------------------------------------------
 
 
-def _update_of(msg: pb.GenerateResponse) -> Update:
+def update_of(msg: pb.GenerateResponse) -> Update:
     choices = []
     for c in msg.completions:
         delta = ChoiceDelta(c.index, c.text, len(c.token_ids), [])
@@ -212,90 +208,42 @@ def _update_of(msg: pb.GenerateResponse) -> Update:
     return update
 
 
-# -- the client ------------------------------------------------------------------------------------
+def tokenize_result(reply: pb.TokenizeResponse, return_token_strs: bool) -> TokenizeResult:
+    strs = list(reply.token_strs) if return_token_strs else None
+    return TokenizeResult(list(reply.token_ids), reply.max_model_len, strs)
 
 
-class GenerateCall:
-    """One streaming Generate call; `next()` gives updates until None, `cancel()` aborts it."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self._call = call
-
-    async def next(self) -> Update | None:
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
-        if msg is grpc.aio.EOF:
-            return None
-        return _update_of(msg)
-
-    def cancel(self) -> None:
-        """Cancels the call; the scheduler then aborts the request and frees its blocks."""
-        self._call.cancel()
+def model_infos(reply: pb.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.id, m.max_model_len, m.root, m.created) for m in reply.models]
 
 
-class SchedulerClient:
-    """One gRPC channel to the scheduler, opened inside the event loop that uses it."""
+def health_info(reply: pb.HealthResponse) -> HealthInfo:
+    return HealthInfo(reply.serving, reply.ready_executors, reply.total_executors, reply.message)
 
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.SchedulerStub | None = None
 
-    async def open(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            self.address,
-            options=message_size_options(MAX_API_MESSAGE_BYTES),
-        )
-        self._stub = pb_grpc.SchedulerStub(self._channel)
+# -- errors ----------------------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-            self._channel = self._stub = None
 
-    @property
-    def stub(self) -> pb_grpc.SchedulerStub:
-        assert self._stub is not None, "SchedulerClient.open() was not awaited"
-        return self._stub
+def _params_of_fields(body: BaseModel) -> dict[str, str]:
+    """The scheduler's field -> the param `body` sent it as, where the two names differ: the
+    inverse of the request mapping above."""
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+    if isinstance(body, TokenizeChatRequest):
+        return {"prompt": "messages"}
+    if isinstance(body, DetokenizeRequest):
+        return {"token_ids": "tokens"}
+    return {}
 
-    def generate(self, request: pb.GenerateRequest) -> GenerateCall:
-        # NOTE: no deadline: a generation lasts as long as it needs; a gone client cancels it.
-        return GenerateCall(self.stub.Generate(request))
 
-    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
-        try:
-            return await method(request, timeout=SMALL_CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
-
-    async def tokenize(
-        self, req: TokenizeCompletionRequest | TokenizeChatRequest, model: str
-    ) -> TokenizeResult:
-        try:
-            request = _tokenize_request(req, model)
-        except ValueError as exc:
-            raise bad_request(f"the request cannot be encoded: {exc}") from None
-        reply = await self._unary(self.stub.Tokenize, request)
-        strs = list(reply.token_strs) if req.return_token_strs else None
-        return TokenizeResult(list(reply.token_ids), reply.max_model_len, strs)
-
-    async def detokenize(self, tokens: list[int], model: str) -> str:
-        reply = await self._unary(self.stub.Detokenize, pb.DetokenizeRequest(model=model, token_ids=tokens))
-        return reply.text
-
-    async def list_models(self) -> list[ModelInfo]:
-        reply = await self._unary(self.stub.ListModels, pb.ListModelsRequest())
-        return [ModelInfo(m.id, m.max_model_len, m.root, m.created) for m in reply.models]
-
-    async def health(self, timeout_s: float = SMALL_CALL_TIMEOUT_S) -> HealthInfo:
-        try:
-            reply = await self.stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
-        return HealthInfo(reply.serving, reply.ready_executors, reply.total_executors, reply.message)
-
-    async def metrics_text(self) -> str:
-        reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())
-        return reply.text
+def in_request_terms(error: APIError, body: BaseModel) -> APIError:
+    """`error` naming the param the client sent (`top_logprobs`) where the scheduler named its
+    own field (`logprobs`), in `param` and at the head of the message."""
+    field = error.param
+    if field is None or (param := _params_of_fields(body).get(field)) is None:
+        return error
+    message = error.message
+    if message.startswith(f"{field} "):
+        message = param + message[len(field) :]
+    return APIError(error.status, message, error.type, param, error.code, error.headers)

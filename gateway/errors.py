@@ -9,7 +9,6 @@ a 5xx means the gateway or the scheduler behind it failed.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import grpc
@@ -69,37 +68,9 @@ _HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 # so DEADLINE_EXCEEDED means a scheduler that does not answer, like UNAVAILABLE.
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-# NOTE: the scheduler's INVALID_ARGUMENT carries only a message, so the field is read from it:
-# "n must be in [1, 128], got 1000" and "messages[0].role must be one of ..." start with it,
-# "stop entries must ..." and "the prompt is empty" name one of the request's fields.
-_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:must|is|are|has) ")
-_WORD = re.compile(r"[A-Za-z_]+")
-_FIELDS = frozenset(
-    [
-        "prompt",
-        "messages",
-        "tokens",
-        "n",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "min_tokens",
-        "logprobs",
-        "chat_template",
-    ]
-)
 
-
-def from_status(code: grpc.StatusCode, details: str | None) -> APIError:
-    """The HTTP error for a failed scheduler call."""
+def from_status(code: grpc.StatusCode, details: str | None, field: str | None = None) -> APIError:
+    """The HTTP error for a failed scheduler call; `field` is the request field it names."""
     message = details or code.name.lower()
     if code in _UNAVAILABLE:
         return unavailable(f"the scheduler is unavailable: {message}")
@@ -107,19 +78,8 @@ def from_status(code: grpc.StatusCode, details: str | None) -> APIError:
         return APIError(500, f"the scheduler failed: {message}", "server_error", code=code.name.lower())
     status, kind, error_code = _HTTP_OF_STATUS[code]
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    param = "model" if status == 404 else _param_of(message)
+    param = "model" if status == 404 else field
     return APIError(status, message, kind, param, error_code, headers)
-
-
-def _param_of(message: str) -> str | None:
-    """The request field a scheduler message is about, when it names one."""
-    match = _LEADING_FIELD.match(message)
-    if match:
-        return match.group(1)
-    if "context length" in message:  # the scheduler's "maximum context length is N" messages
-        return "max_tokens" if "in the completion" in message else "prompt"
-    first_clause = re.split(r"[.;:]", message, maxsplit=1)[0]
-    return next((w for w in _WORD.findall(first_clause) if w in _FIELDS), None)
 
 
 def from_validation_error(errors: list[dict[str, Any]]) -> APIError:

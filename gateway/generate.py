@@ -18,9 +18,10 @@ from typing import Any
 
 import structlog
 
-from npuserve.gateway.convert import ChoiceDelta, GenerateCall, SchedulerClient, TokenLogprob, Update, Usage
+from npuserve.gateway.convert import ChoiceDelta, TokenLogprob, Update, Usage
 from npuserve.gateway.errors import APIError, error_body
 from npuserve.gateway.protocol import SSE_DONE, ChunkEvents, sse_event, usage_dict
+from npuserve.gateway.scheduler_client import GenerateCall, SchedulerClient
 
 log = structlog.get_logger(__name__)
 

@@ -24,8 +24,8 @@ import structlog
 import uvicorn
 
 from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES, create_app
-from npuserve.gateway.convert import SchedulerClient
 from npuserve.gateway.errors import APIError
+from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto.ready_file import write_ready_file
 
 log = structlog.get_logger(__name__)

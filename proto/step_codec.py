@@ -7,7 +7,10 @@ torch. A message that cannot describe a valid plan or result raises `CodecError`
 
 from __future__ import annotations
 
+import dataclasses
+
 from npuserve.proto import executor_pb2 as pb
+from npuserve.proto.sampling_ranges import check_options
 from npuserve.proto.step_plan import (
     CachedRequest,
     ExecutorInfo,
@@ -95,40 +98,35 @@ def _new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
     )
 
 
-def _sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
-    # NOTE: every field is written, so proto3's zero defaults never stand in for ours (top_p 1.0).
-    return pb.SamplingOptions(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        min_p=s.min_p,
-        seed=s.seed,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        num_logprobs=s.num_logprobs,
-        min_tokens=s.min_tokens,
-        stop_token_ids=s.stop_token_ids,
+# Every SamplingOptions field travels under its own name: (name, optional in proto, repeated).
+_SAMPLING_FIELDS = tuple(
+    (f.name, f.has_presence, f.is_repeated)
+    for f in (
+        pb.SamplingOptions.DESCRIPTOR.fields_by_name[d.name] for d in dataclasses.fields(SamplingOptions)
     )
+)
+
+
+def _sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
+    # NOTE: every field is written, so proto3's zero defaults never stand in for ours (top_p 1.0);
+    # None (an unset optional) is the one value left out.
+    values = {name: getattr(s, name) for name, _, _ in _SAMPLING_FIELDS}
+    return pb.SamplingOptions(**{name: value for name, value in values.items() if value is not None})
 
 
 def _sampling_from_proto(req_id: str, msg: pb.SamplingOptions) -> SamplingOptions:
+    values: dict[str, object] = {}
+    for name, optional, repeated in _SAMPLING_FIELDS:
+        if optional and not msg.HasField(name):
+            values[name] = None
+        else:
+            values[name] = tuple(getattr(msg, name)) if repeated else getattr(msg, name)
+    options = SamplingOptions(**values)  # type: ignore[arg-type]
     try:
-        return SamplingOptions(
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p,
-            min_p=msg.min_p,
-            seed=msg.seed if msg.HasField("seed") else None,
-            presence_penalty=msg.presence_penalty,
-            frequency_penalty=msg.frequency_penalty,
-            repetition_penalty=msg.repetition_penalty,
-            num_logprobs=msg.num_logprobs if msg.HasField("num_logprobs") else None,
-            min_tokens=msg.min_tokens,
-            stop_token_ids=tuple(msg.stop_token_ids),
-        )
+        check_options(options)
     except ValueError as exc:
         raise CodecError(f"new request {req_id!r}: {exc}") from None
+    return options
 
 
 # --------------------------------------------------------------------------------------------

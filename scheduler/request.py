@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field, replace
 
+from npuserve.proto.sampling_ranges import Bounds, FieldValueError, check_options
 from npuserve.proto.step_plan import SamplingOptions, TokenLogprobs
 from npuserve.scheduler.block_hash import BlockHash, extend_block_hashes
 
 
-class InvalidRequestError(ValueError):
-    """A client error; ``field`` names the offending parameter (gRPC INVALID_ARGUMENT, HTTP 400)."""
+class InvalidRequestError(FieldValueError):
+    """A client error; ``field`` names the offending parameter as the scheduler's API does
+    (gRPC INVALID_ARGUMENT with the field in a BadRequest detail, HTTP 400)."""
 
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+
+# The client's names for the SamplingOptions fields that SamplingParams calls otherwise.
+_PARAM_OF_OPTION = {"num_logprobs": "logprobs"}
 
 
 @dataclass(slots=True)
@@ -42,28 +43,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_N = 128
-    MAX_LOGPROBS = 20
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequestError naming the first out-of-range field."""
-        _check_range("n", self.n, 1, self.MAX_N)
-        if self.max_tokens is not None:
-            _check_range("max_tokens", self.max_tokens, 1, None)
-        _check_range("temperature", self.temperature, 0, None)
-        _check_range("top_p", self.top_p, 0, 1, low_open=True)
-        if self.top_k != -1:  # -1 disables top-k, as 0 does
-            _check_range("top_k", self.top_k, 0, None)
-        _check_range("min_p", self.min_p, 0, 1)
-        _check_range("presence_penalty", self.presence_penalty, -2, 2)
-        _check_range("frequency_penalty", self.frequency_penalty, -2, 2)
-        _check_range("repetition_penalty", self.repetition_penalty, 0, None, low_open=True)
-        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
-        if self.logprobs is not None:
-            _check_range("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError("stop entries must be non-empty strings", field="stop")
-        for token_id in self.stop_token_ids:
-            _check_range("stop_token_ids", token_id, 0, vocab_size - 1)
+        try:
+            Bounds(1, self.MAX_N).check("n", self.n)
+            if self.max_tokens is not None:
+                Bounds(1).check("max_tokens", self.max_tokens)
+            # NOTE: the executor's ranges, checked once here; -1 disables top-k, as 0 does.
+            check_options(self.to_options(()), _PARAM_OF_OPTION)
+            if self.max_tokens is not None:
+                Bounds(0, self.max_tokens).check("min_tokens", self.min_tokens)
+            if not all(isinstance(s, str) and s for s in self.stop):
+                raise FieldValueError("stop entries must be non-empty strings", field="stop")
+            for token_id in self.stop_token_ids:
+                Bounds(0, vocab_size - 1).check("stop_token_ids", token_id)
+        except FieldValueError as exc:
+            raise InvalidRequestError(str(exc), exc.field) from None
 
     def for_sibling(self, index: int) -> SamplingParams:
         """Sibling ``index`` of an ``n > 1`` request: one sequence, its own seed if seeded."""
@@ -75,7 +71,7 @@ class SamplingParams:
         stop_ids = tuple(self.stop_token_ids) + (() if self.ignore_eos else eos_token_ids)
         return SamplingOptions(
             temperature=self.temperature,
-            top_k=max(self.top_k, 0),
+            top_k=0 if self.top_k == -1 else self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
             seed=self.seed,
@@ -172,10 +168,3 @@ class Request:
         if self.num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-def _check_range(name: str, value: float, low: float, high: float | None, low_open: bool = False) -> None:
-    too_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or too_low or (high is not None and value > high):
-        bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
-        raise InvalidRequestError(f"{name} must be in {bounds}, got {value}", field=name)

@@ -17,7 +17,9 @@ import structlog
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.error_details import field_status
 from npuserve.proto.ready_file import write_ready_file
+from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.engine import (
     Engine,
@@ -103,7 +105,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self.engine.check_model(request.model or None)
             ids = list(request.token_ids)
             if any(not 0 <= t < self.engine.vocab_size for t in ids):
-                raise InvalidRequestError(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+                raise InvalidRequestError(f"token ids must be in [0, {self.engine.vocab_size})", "token_ids")
             return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(ids, skip_special_tokens=False))
 
         return await _guard(context, run)
@@ -154,11 +156,21 @@ async def _guard(context: grpc.aio.ServicerContext, run: Callable[[], Awaitable[
         raise  # unreachable: abort raises
 
 
+def field_of(exc: Exception) -> str | None:
+    """The request field a client error names (scheduler.proto lists the names), if any."""
+    return exc.field if isinstance(exc, (FieldValueError, TokenizerError)) else None
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("request failed", error=str(exc))
-    await context.abort(code, str(exc))
+    field = field_of(exc)
+    if field is None:
+        await context.abort(code, str(exc))
+    else:
+        status = field_status(code, str(exc), field)
+        await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 @dataclass(slots=True)

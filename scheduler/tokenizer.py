@@ -36,7 +36,12 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 class TokenizerError(ValueError):
-    """A model's tokenizer files, its chat template or a chat request cannot be used."""
+    """A model's tokenizer files, its chat template or a chat request cannot be used; ``field``
+    names the request field at fault (`messages[0].role`, `chat_template`), when one is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Tokenizer:
@@ -192,17 +197,22 @@ class Tokenizer:
         template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise TokenizerError(f"model {self.name} has no chat template; pass --chat-template")
-        compiled = _compile_template(template)
+        normalized = normalize_messages(messages)
+        field = None if chat_template is None else "chat_template"  # the client's own template
+        try:
+            compiled = _compile_template(template)
+        except TokenizerError as exc:
+            raise TokenizerError(str(exc), field) from exc
         try:
             return compiled.render(
-                messages=normalize_messages(messages),
+                messages=normalized,
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except Exception as exc:
-            raise TokenizerError(f"the chat template of model {self.name} failed: {exc}") from exc
+            raise TokenizerError(f"the chat template of model {self.name} failed: {exc}", field) from exc
 
 
 # -- loading helpers ------------------------------------------------------------------------------
@@ -373,17 +383,19 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     by newlines. Keys other than role and content pass through unchanged.
     """
     if not isinstance(messages, list) or not messages:
-        raise TokenizerError("messages must be a non-empty list")
+        raise TokenizerError("messages must be a non-empty list", "messages")
     return [_normalize_message(i, message) for i, message in enumerate(messages)]
 
 
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise TokenizerError(f"{where} must be an object with role and content")
+        raise TokenizerError(f"{where} must be an object with role and content", where)
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise TokenizerError(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        raise TokenizerError(
+            f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role"
+        )
     return {**message, "content": _content_text(f"{where}.content", message.get("content", None))}
 
 
@@ -392,14 +404,14 @@ def _content_text(where: str, content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise TokenizerError(
-            f"{where} must be a string or a list of text parts, got {type(content).__name__}"
+            f"{where} must be a string or a list of text parts, got {type(content).__name__}", where
         )
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise TokenizerError(f"{where}[{i}].type must be 'text'")
+            raise TokenizerError(f"{where}[{i}].type must be 'text'", f"{where}[{i}].type")
         text = part.get("text")
         if not isinstance(text, str):
-            raise TokenizerError(f"{where}[{i}].text must be a string")
+            raise TokenizerError(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
         texts.append(text)
     return "\n".join(texts)

@@ -17,6 +17,7 @@ from harness.reference import transformers_greedy
 from harness.serve import collect, generate_concurrently, greedy_request, serve
 
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.error_details import error_field
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,52 +145,54 @@ def test_abort_frees_blocks(stories_dir: Path) -> None:
         assert_idle_and_intact(served)
 
 
+def _chat(role: str, template: str | None = None) -> pb.GenerateRequest:
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=role, content="hi")], chat_template=template)
+    return pb.GenerateRequest(chat=chat)
+
+
+# (request, status, words in the message, the field its BadRequest detail names)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_REQUESTS = [
     (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 600)),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        INVALID,
         "maximum context length is 512",
+        "prompt",
     ),
-    (pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (pb.GenerateRequest(text=""), INVALID, "prompt", "prompt"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), INVALID, "prompt", "prompt"),
+    (pb.GenerateRequest(), INVALID, "prompt", "prompt"),
     (
         pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        INVALID,
+        "temperature",
         "temperature",
     ),
-    (
-        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "top_p",
-    ),
-    (
-        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=0)),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "n must",
-    ),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)), INVALID, "top_p", "top_p"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=0)), INVALID, "n must", "n"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(logprobs=21)), INVALID, "logprobs", "logprobs"),
     (
         pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=600)),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        INVALID,
+        "max_tokens",
         "max_tokens",
     ),
-    (pb.GenerateRequest(text="hi", model="gpt-4"), grpc.StatusCode.NOT_FOUND, "gpt-4"),
-    (
-        pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "chat template",
-    ),
+    (pb.GenerateRequest(text="hi", model="gpt-4"), grpc.StatusCode.NOT_FOUND, "gpt-4", None),
+    (_chat("user"), INVALID, "chat template", None),
+    (_chat("wizard", "{{ messages }}"), INVALID, "role must be", "messages[0].role"),
+    (_chat("user", "{% if %}"), INVALID, "not valid jinja", "chat_template"),
 ]
 
 
 def test_bad_requests_are_refused_and_serving_goes_on(stories_dir: Path) -> None:
     with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
         stub = served.stub()
-        for request, code, words in BAD_REQUESTS:
+        for request, code, words, field in BAD_REQUESTS:
             with pytest.raises(grpc.RpcError) as caught:
                 list(stub.Generate(request, timeout=10))
             assert caught.value.code() == code, (request, caught.value.details())
             assert words in caught.value.details(), caught.value.details()
+            assert error_field(caught.value) == field, caught.value.details()
         tokens, text, _ = collect(stub, greedy_request([1, 403, 407, 261, 378], 8))
         assert len(tokens) == 8 and text.startswith(", there was")
         assert_idle_and_intact(served)

@@ -6,10 +6,12 @@ prefill stopping mid-prompt, and a prefix-cache hit whose first blocks are alrea
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from npuserve.executor.input_batch import InputBatch, PlanError
+from npuserve.executor.input_batch import SAMPLING_COLUMNS, InputBatch, PlanError
 from npuserve.kernels import NULL_BLOCK_ID
 from npuserve.proto.step_plan import NewRequest, SamplingOptions
 
@@ -202,3 +204,28 @@ def test_prompt_of_exactly_max_model_len_is_accepted() -> None:
     batch.commit(inputs, np.array([500], dtype=np.int32))
     assert batch.num_tokens[0] == MAX_MODEL_LEN + 1
     assert batch.token_ids[0, MAX_MODEL_LEN] == 500
+
+
+def test_every_sampling_option_has_a_column() -> None:
+    """stop_token_ids aside (a matrix), each SamplingOptions field is one column."""
+    fields = {f.name for f in dataclasses.fields(SamplingOptions)}
+    assert set(SAMPLING_COLUMNS) == fields - {"stop_token_ids"}
+
+
+def test_sampling_columns_gather_each_request_options_by_row() -> None:
+    batch = make_batch()
+    options = SamplingOptions(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, seed=None, presence_penalty=1.0)
+    blocked = SamplingOptions(num_logprobs=3, repetition_penalty=1.2, min_tokens=2, stop_token_ids=(2, 9))
+    for req_id, sampling, blocks in [("a", options, [1]), ("b", blocked, [2])]:
+        req = dataclasses.replace(new_request(req_id, tokens(1, 3), blocks), sampling=sampling)
+        batch.check_new(req)
+        batch.add(req, seed=1234 if req_id == "a" else 5)
+    gathered = batch.sampling.gather(np.array([batch.row_of["b"], batch.row_of["a"]]))
+    for name, column in SAMPLING_COLUMNS.items():
+        assert gathered[name].dtype == column.dtype, name
+    np.testing.assert_allclose(gathered["temperature"], [1.0, 0.5])
+    np.testing.assert_array_equal(gathered["top_k"], [0, 7])
+    np.testing.assert_array_equal(gathered["seed"], [5, 1234])  # the runner's seed, not None
+    np.testing.assert_array_equal(gathered["num_logprobs"], [3, -1])  # -1: none asked
+    np.testing.assert_array_equal(gathered["min_tokens"], [2, 0])
+    np.testing.assert_array_equal(gathered["stop_token_ids"], [[2, 9], [-1, -1]])

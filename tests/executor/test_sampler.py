@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from npuserve.executor.input_batch import SAMPLING_COLUMNS
 from npuserve.executor.sampler import (
     Sampler,
     SamplerOutput,
@@ -60,18 +61,11 @@ def build(rows: list[Row], garbage: int = 7) -> SamplingMetadata:
     def col(name: str, dtype: type) -> np.ndarray:
         return np.array([getattr(r, name) for r in rows], dtype=dtype)
 
+    # The executor's columns, names and dtypes; Row names the penalties briefly.
+    short = {f"{kind}_penalty": kind for kind in ("presence", "frequency", "repetition")}
+    options = {name: col(short.get(name, name), c.dtype) for name, c in SAMPLING_COLUMNS.items()}
     return build_sampling_metadata(
-        temperature=col("temperature", np.float32),
-        top_k=col("top_k", np.int32),
-        top_p=col("top_p", np.float32),
-        min_p=col("min_p", np.float32),
-        seeds=col("seed", np.int64),
-        presence_penalty=col("presence", np.float32),
-        frequency_penalty=col("frequency", np.float32),
-        repetition_penalty=col("repetition", np.float32),
-        num_logprobs=col("num_logprobs", np.int32),
-        min_tokens=col("min_tokens", np.int32),
-        stop_token_ids=stops,
+        {**options, "stop_token_ids": stops},
         token_ids=token_ids,
         num_prompt_tokens=np.array([len(r.prompt) for r in rows], dtype=np.int32),
         num_tokens=np.array([len(r.prompt) + len(r.output) for r in rows], dtype=np.int32),

@@ -95,16 +95,20 @@ BAD_JSON_REQUESTS = [
         "messages[0].content",
     ),
     (CHAT, {"messages": USER, "top_logprobs": 2}, None),
-    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 99}, "logprobs"),
-    (CHAT, {"messages": USER, "max_completion_tokens": -1}, "max_tokens"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    (CHAT, {"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": -1}, "max_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 600}, "max_completion_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
     (CHAT, {"messages": USER, "chat_template": "/etc/passwd"}, "chat_template"),
-    (CHAT, {"messages": USER, "chat_template": "{% if %}"}, None),
+    (CHAT, {"messages": USER, "chat_template": "{% if %}"}, "chat_template"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, None),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
 ]
 
 
@@ -157,6 +161,12 @@ def test_prompt_longer_than_the_context_names_both_lengths(http: httpx.Client) -
     assert "512" in error["message"] and str(count) in error["message"]
     error = assert_openai_error(http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 600}), 400)
     assert "512" in error["message"] and "600" in error["message"]
+
+
+def test_top_logprobs_over_the_limit_is_named_as_the_client_sent_it(http: httpx.Client) -> None:
+    body = {"messages": USER, "logprobs": True, "top_logprobs": 21}
+    error = assert_openai_error(http.post(CHAT, json=body), 400, "top_logprobs")
+    assert error["message"] == "top_logprobs must be in [0, 20], got 21"
 
 
 def test_unknown_model_is_a_404(http: httpx.Client) -> None:

@@ -12,9 +12,11 @@ import httpx
 import pytest
 
 from npuserve.gateway.app import create_app
-from npuserve.gateway.errors import from_status
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.error_details import field_status
+
+LOGPROBS_REFUSAL = "logprobs must be in [0, 20], got 21"
 
 
 def token(index: int, text: str, finish: str = "", error: str = "") -> pb.GenerateResponse:
@@ -30,7 +32,15 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        what = request.text
+        what = "chat" if request.WhichOneof("prompt") == "chat" else request.text
+        if what in ("chat", "bad-logprobs"):  # the scheduler's refusal of logprobs=21
+            status = field_status(grpc.StatusCode.INVALID_ARGUMENT, LOGPROBS_REFUSAL, "logprobs")
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        if what == "bad-unnamed":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is refused")
+        if what == "bad-contradicting":  # a details trailer whose status is not the call's
+            status = field_status(grpc.StatusCode.INVALID_ARGUMENT, "another message", "n")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message", status.trailing_metadata)
         if what == "queue-full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full; retry later")
         if what == "internal":
@@ -131,22 +141,19 @@ def test_the_body_limit_holds_in_the_app() -> None:
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
 
-@pytest.mark.parametrize(
-    ("message", "param"),
-    [
-        ("n must be in [1, 128], got 1000", "n"),
-        ("messages[0].role must be one of ['user'], got 'x'", "messages[0].role"),
-        ("stop entries must be non-empty strings", "stop"),
-        ("the prompt is empty", "prompt"),
-        ("This model's maximum context length is 512 tokens. However, your prompt has 600 tokens", "prompt"),
-        (
-            "This model's maximum context length is 512 tokens. However, you requested 610 tokens "
-            "(10 in the prompt, 600 in the completion).",
-            "max_tokens",
-        ),
-        ("request id 'x' is already in use", None),
-    ],
-)
-def test_scheduler_messages_name_their_field(message: str, param: str | None) -> None:
-    error = from_status(grpc.StatusCode.INVALID_ARGUMENT, message)
-    assert (error.status, error.param, error.message) == (400, param, message)
+def test_the_field_the_scheduler_names_is_the_param_the_client_sent() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 5}
+    completion_error, chat_error, unnamed, contradicting = run(
+        completion("bad-logprobs", stream=False),
+        ("/v1/chat/completions", {**chat, "stream": True}),
+        completion("bad-unnamed"),
+        completion("bad-contradicting"),
+    )
+    assert completion_error.status_code == 400 and completion_error.json()["error"]["param"] == "logprobs"
+    assert completion_error.json()["error"]["message"] == LOGPROBS_REFUSAL
+    # Chat sends top_logprobs as the scheduler's logprobs: the error names top_logprobs.
+    assert chat_error.status_code == 400, chat_error.text
+    error = chat_error.json()["error"]
+    assert error["param"] == "top_logprobs" and error["message"] == "top_logprobs must be in [0, 20], got 21"
+    for response in (unnamed, contradicting):
+        assert response.status_code == 400 and response.json()["error"]["param"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from npuserve.proto import executor_pb2 as pb
@@ -142,6 +144,20 @@ def test_new_request_with_invalid_sampling_is_refused() -> None:
         plan_from_proto(msg)
     with pytest.raises(CodecError, match="no sampling options"):
         plan_from_proto(pb.StepRequest(new_requests=[pb.NewRequest(req_id="y")]))
+
+
+def test_new_request_out_of_its_sampling_ranges_is_refused() -> None:
+    """The executor checks decoded options against the same ranges the scheduler checks."""
+    for option, value in [("temperature", -1.0), ("num_logprobs", 21), ("repetition_penalty", 0.0)]:
+        plan = StepPlan(1, [NewRequest("x", [1], 1, SamplingOptions(**{option: value}), [1], 0)])
+        with pytest.raises(CodecError, match=rf"'x': {option} must be in"):
+            _wire_plan(plan)
+
+
+def test_every_sampling_option_has_its_protobuf_field() -> None:
+    """The codec carries SamplingOptions by field name: both sides must declare the same fields."""
+    fields = {f.name for f in dataclasses.fields(SamplingOptions)}
+    assert fields == set(pb.SamplingOptions.DESCRIPTOR.fields_by_name)
 
 
 def test_logprobs_index_outside_the_sampled_tokens_is_refused() -> None:

@@ -1,0 +1,114 @@
+"""The gateway's gRPC client for the scheduler: one channel, one method per scheduler call.
+
+Requests and replies are mapped by `convert`; this module only makes the calls. Every failed
+call surfaces as an `APIError` carrying the HTTP status its gRPC status maps to and, for a
+refused field, the field the scheduler named (in the scheduler API's terms: `convert` puts it
+in the client's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from npuserve.gateway import convert
+from npuserve.gateway.convert import HealthInfo, ModelInfo, TokenizeResult, Update
+from npuserve.gateway.errors import APIError, bad_request, from_status
+from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.error_details import error_field
+
+SMALL_CALL_TIMEOUT_S = 10.0
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
+    """The HTTP error for a failed scheduler call, with the field it names."""
+    return from_status(exc.code(), exc.details(), error_field(exc))
+
+
+class GenerateCall:
+    """One streaming Generate call; `next()` gives updates until None, `cancel()` aborts it."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def next(self) -> Update | None:
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        if msg is grpc.aio.EOF:
+            return None
+        return convert.update_of(msg)
+
+    def cancel(self) -> None:
+        """Cancels the call; the scheduler then aborts the request and frees its blocks."""
+        self._call.cancel()
+
+
+class SchedulerClient:
+    """One gRPC channel to the scheduler, opened inside the event loop that uses it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.SchedulerStub | None = None
+
+    async def open(self) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            self.address,
+            options=message_size_options(MAX_API_MESSAGE_BYTES),
+        )
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+            self._channel = self._stub = None
+
+    @property
+    def stub(self) -> pb_grpc.SchedulerStub:
+        assert self._stub is not None, "SchedulerClient.open() was not awaited"
+        return self._stub
+
+    def generate(self, request: pb.GenerateRequest) -> GenerateCall:
+        # NOTE: no deadline: a generation lasts as long as it needs; a gone client cancels it.
+        return GenerateCall(self.stub.Generate(request))
+
+    async def _unary(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable,
+        request: object,
+        timeout_s: float = SMALL_CALL_TIMEOUT_S,
+    ) -> Any:
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest, model: str
+    ) -> TokenizeResult:
+        try:
+            request = convert.tokenize_request(req, model)
+        except ValueError as exc:
+            raise bad_request(f"the request cannot be encoded: {exc}") from None
+        reply = await self._unary(self.stub.Tokenize, request)
+        return convert.tokenize_result(reply, req.return_token_strs)
+
+    async def detokenize(self, tokens: list[int], model: str) -> str:
+        reply = await self._unary(self.stub.Detokenize, pb.DetokenizeRequest(model=model, token_ids=tokens))
+        return reply.text
+
+    async def list_models(self) -> list[ModelInfo]:
+        return convert.model_infos(await self._unary(self.stub.ListModels, pb.ListModelsRequest()))
+
+    async def health(self, timeout_s: float = SMALL_CALL_TIMEOUT_S) -> HealthInfo:
+        return convert.health_info(await self._unary(self.stub.Health, pb.HealthRequest(), timeout_s))
+
+    async def metrics_text(self) -> str:
+        reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())
+        return reply.text
