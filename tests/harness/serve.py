@@ -187,13 +187,18 @@ def npuserve_process(
             time.sleep(0.05)
         yield process, json.loads(ready_file.read_text())
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen[str], grace_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns once the process is gone."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def run_streams(
