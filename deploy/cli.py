@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_flags(gateway, standalone=True)
     _add_logging_flags(gateway)
 
+    doctor = commands.add_parser("doctor", help="check the driver, CANN, versions, NPUs and a model")
+    from npuserve.deploy.doctor.command import add_doctor_flags
+
+    add_doctor_flags(doctor)
+    _add_logging_flags(doctor)
+
     serving_bench = commands.add_parser(
         "bench", help="serving throughput, TTFT and inter-token latency, offline or over gRPC"
     )
@@ -311,6 +317,12 @@ def run_bench_runner(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    from npuserve.deploy.doctor.command import run_doctor
+
+    return run_doctor(args)
+
+
 def run_serving_bench(args: argparse.Namespace) -> int:
     from npuserve.scheduler.benchmark import run_bench
 
@@ -324,6 +336,7 @@ COMMANDS = {
     "scheduler": run_scheduler,
     "gateway": run_gateway,
     "bench-runner": run_bench_runner,
+    "doctor": run_doctor,
 }
 
 
