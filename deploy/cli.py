@@ -157,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.launcher import Launcher, LaunchError
 
     executor_args = _forwarded(args, exclude={"port", "host", "ready_file", "executor_id"})
+    executor_args += ["--no-warmup"] if args.no_warmup else []
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
     token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
@@ -226,6 +227,7 @@ _EXECUTOR_FLAGS = [
     "seed",
     "tensor_parallel_size",
     "tp_connect_timeout",
+    "profile_dir",
     "log_level",
     "log_format",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, TypeVar
 
+import grpc
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -25,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from npuserve.gateway import convert
 from npuserve.gateway.auth import APIKeyMiddleware
-from npuserve.gateway.errors import APIError, bad_request, error_body, unavailable
+from npuserve.gateway.errors import APIError, bad_request, error_body, from_status, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
 from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
 from npuserve.gateway.protocol import (
@@ -39,11 +40,13 @@ from npuserve.gateway.protocol import (
     parse_request,
     validate,
 )
+from npuserve.proto import scheduler_pb2 as scheduler_pb
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 HEALTH_TIMEOUT_S = 5.0
+PROFILE_TIMEOUT_S = 600.0  # stopping exports the trace
 T = TypeVar("T")
 
 
@@ -240,6 +243,23 @@ def _routes(app: FastAPI) -> None:
             raise unavailable(info.message or "no executor is ready")
         return _json({"status": "ok", "ready_executors": info.ready_executors})
 
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> Response:
+        stub = _gateway(request).client.stub
+        reply = await _profile_call(
+            stub.StartProfile(scheduler_pb.StartProfileRequest(), timeout=PROFILE_TIMEOUT_S)
+        )
+        return _json({"status": "profiling", "executors": list(reply.executor_ids)})
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request) -> Response:
+        stub = _gateway(request).client.stub
+        reply = await _profile_call(
+            stub.StopProfile(scheduler_pb.StopProfileRequest(), timeout=PROFILE_TIMEOUT_S)
+        )
+        traces = {e.executor_id: list(e.trace_files) for e in reply.executors}
+        return _json({"status": "stopped", "traces": traces})
+
     @app.get("/version")
     async def version() -> Response:
         return _json({"version": _version()})
@@ -254,6 +274,23 @@ def _routes(app: FastAPI) -> None:
             log.warning("scheduler metrics unavailable", error=exc.message)
             text += f"# scheduler metrics unavailable: {exc.message}\n"
         return Response(text, media_type=CONTENT_TYPE)
+
+
+# Profiling answers: executors without --profile-dir, and a start/stop out of turn.
+_PROFILE_ERRORS = {
+    grpc.StatusCode.UNIMPLEMENTED: (400, "profiling_disabled"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "profiler_state"),
+}
+
+
+async def _profile_call(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        status = _PROFILE_ERRORS.get(exc.code())
+        if status is None:
+            raise from_status(exc.code(), exc.details()) from None
+        raise APIError(status[0], exc.details() or exc.code().name, code=status[1]) from None
 
 
 def _version() -> str:
