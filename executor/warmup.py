@@ -31,7 +31,7 @@ from npuserve.proto.step_plan import ExecutorInfo, NewRequest, SamplingOptions, 
 
 log = structlog.get_logger(__name__)
 
-CPU_MAX_PREFILL_TOKENS = 1024
+CPU_MAX_PREFILL_TOKENS = 512
 
 
 class PlanRunner(Protocol):
