@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_flags(gateway, standalone=True)
     _add_logging_flags(gateway)
 
+    doctor = commands.add_parser("doctor", help="check the driver, CANN, versions, NPUs and a model")
+    from npuserve.deploy.doctor.command import add_doctor_flags
+
+    add_doctor_flags(doctor)
+    _add_logging_flags(doctor)
+
     serving_bench = commands.add_parser(
         "bench", help="serving throughput, TTFT and inter-token latency, offline or over gRPC"
     )
@@ -151,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.launcher import Launcher, LaunchError
 
     executor_args = _forwarded(args, exclude={"port", "host", "ready_file", "executor_id"})
+    executor_args += ["--no-warmup"] if args.no_warmup else []
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
     token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
@@ -220,6 +227,7 @@ _EXECUTOR_FLAGS = [
     "seed",
     "tensor_parallel_size",
     "tp_connect_timeout",
+    "profile_dir",
     "log_level",
     "log_format",
 ]
@@ -311,6 +319,12 @@ def run_bench_runner(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    from npuserve.deploy.doctor.command import run_doctor
+
+    return run_doctor(args)
+
+
 def run_serving_bench(args: argparse.Namespace) -> int:
     from npuserve.scheduler.benchmark import run_bench
 
@@ -324,6 +338,7 @@ COMMANDS = {
     "scheduler": run_scheduler,
     "gateway": run_gateway,
     "bench-runner": run_bench_runner,
+    "doctor": run_doctor,
 }
 
 

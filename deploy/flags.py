@@ -26,6 +26,16 @@ def add_executor_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="report ready without the warm-up steps (the first requests then run slower)",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="allow POST /start_profile and /stop_profile; traces are written here (off by default)",
+    )
     add_tensor_parallel_flags(parser)
     add_cluster_token_flag(parser)
 

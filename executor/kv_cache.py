@@ -9,6 +9,8 @@ from npuserve.executor.layers import TensorParallel
 from npuserve.kernels import cdiv, kv_cache_block_bytes, kv_cache_shape
 
 GIB = 1 << 30
+# NOTE: like vLLM's CPU default KV space; --kv-cache-memory sets it.
+CPU_DEFAULT_KV_CACHE_GIB = 4
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: TensorParallel) -> int:

@@ -16,7 +16,13 @@ import torch
 
 from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
-from npuserve.executor.kv_cache import GIB, allocate_kv_caches, block_bytes, num_blocks_for_budget
+from npuserve.executor.kv_cache import (
+    CPU_DEFAULT_KV_CACHE_GIB,
+    GIB,
+    allocate_kv_caches,
+    block_bytes,
+    num_blocks_for_budget,
+)
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
 from npuserve.executor.platform import resolve_device, resolve_dtype
@@ -80,7 +86,7 @@ class ModelRunner:
         if self.config.kv_cache_memory_gib is not None:
             budget = int(self.config.kv_cache_memory_gib * GIB)
         elif self.device.type == "cpu":
-            budget = 4 * GIB  # NOTE: like vLLM's CPU default KV space; --kv-cache-memory sets it
+            budget = CPU_DEFAULT_KV_CACHE_GIB * GIB
         else:
             budget = profile_kv_budget(self)
         num_blocks = num_blocks_for_budget(budget, per_block, self.block_size, self.max_model_len)

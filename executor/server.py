@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
 import structlog
+import torch
 
 from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token
 from npuserve.executor.cluster_token import ClusterTokenInterceptor
@@ -39,6 +40,8 @@ from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import PlatformError
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
+from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled, StepProfiler
+from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
@@ -85,15 +88,46 @@ class StepRunner(Protocol):
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    """Decode, call the runner, encode. Owns the lock that keeps steps from overlapping."""
+    """Decode, call the runner, encode. Owns the lock that keeps steps from overlapping.
 
-    def __init__(self, runner: StepRunner, executor_id: str, version: str) -> None:
+    With profiling enabled, steps and the profiler's start and stop run on one thread of their
+    own (torch's profiler records the thread that starts it); otherwise on the RPC's thread.
+    """
+
+    def __init__(
+        self, runner: StepRunner, executor_id: str, version: str, profiler: StepProfiler | None = None
+    ) -> None:
         self._runner = runner
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
+        self._profiler = profiler or StepProfiler(None, torch.device("cpu"), executor_id)  # off
+        self._step_thread = (
+            futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+            if self._profiler.enabled
+            else None
+        )
         self.serving = True
+
+    def _on_step_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._step_thread is None:
+            return fn(*args)
+        return self._step_thread.submit(fn, *args).result()
+
+    def StartProfile(
+        self, request: pb.StartProfileRequest, context: grpc.ServicerContext
+    ) -> pb.StartProfileResponse:
+        with self._step_lock:
+            profile_dir = self._on_step_thread(self._profiler.start)
+        return pb.StartProfileResponse(profile_dir=str(profile_dir))
+
+    def StopProfile(
+        self, request: pb.StopProfileRequest, context: grpc.ServicerContext
+    ) -> pb.StopProfileResponse:
+        with self._step_lock:
+            files = self._on_step_thread(self._profiler.stop)
+        return pb.StopProfileResponse(trace_files=[str(f) for f in files])
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
         return self._info
@@ -125,13 +159,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._step_lock:
             for context in list(self._streams):
                 context.cancel()
+            if self._profiler.running:
+                self._on_step_thread(self._profiler.stop)  # keep what was recorded
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
 
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         plan = step_codec.plan_from_proto(request)
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
-            result = self._runner.execute(plan)
+            result = self._on_step_thread(self._runner.execute, plan)
             self._last_step_id = plan.step_id
         t = result.timings
         log.debug(
@@ -212,6 +250,10 @@ def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetu
         code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     elif isinstance(exc, ExecutorStopping):
         code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
+    elif isinstance(exc, ProfilingDisabled):
+        code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    elif isinstance(exc, ProfilerStateError):
+        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     else:
         log.error("rpc failed", method=method, exc_info=exc)
         code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -258,11 +300,12 @@ def start_executor_server(
     *,
     cluster_token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
+    profile_dir: Path | None = None,
 ) -> RunningExecutor:
     """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads.
 
     ``cluster_token``: refuse calls that do not present it; ``tls``: (private key, certificate
-    chain) in PEM, to serve over TLS.
+    chain) in PEM, to serve over TLS; ``profile_dir``: allow profiles, written there.
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
@@ -276,12 +319,12 @@ def start_executor_server(
     bound = _bind(server, host, port, credentials)
     executor_id = executor_id or f"{socket.gethostname()}:{bound}"
     version = npuserve_version()
-    servicer = ExecutorServicer(runner, executor_id, version)
+    info = runner.info()
+    profiler = StepProfiler(profile_dir, torch.device(info.device), executor_id)
+    servicer = ExecutorServicer(runner, executor_id, version, profiler)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()
-    return RunningExecutor(
-        server, servicer, bound, _connect_address(host, bound), executor_id, version, runner.info()
-    )
+    return RunningExecutor(server, servicer, bound, _connect_address(host, bound), executor_id, version, info)
 
 
 def _bind(
@@ -343,6 +386,8 @@ def serve_executor(
     tls: tuple[bytes, bytes] | None = None,
     registry: RegistryConfig | None = None,
     parallel: ParallelConfig | None = None,
+    warmup: bool = True,
+    profile_dir: Path | None = None,
 ) -> None:
     """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only.
 
@@ -357,7 +402,11 @@ def serve_executor(
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
             return
     runner = leader or ModelRunner(config)
-    running = start_executor_server(runner, host, port, executor_id, cluster_token=cluster_token, tls=tls)
+    if warmup:
+        warm_up(runner)
+    running = start_executor_server(
+        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=profile_dir
+    )
     registration = None
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -461,6 +510,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             tls=tls,
             registry=registry,
             parallel=ParallelConfig.from_args(args),
+            warmup=not args.no_warmup,
+            profile_dir=args.profile_dir,
         )
     except (ConfigError, PlatformError) as exc:
         print(f"npuserve executor: error: {exc}", file=sys.stderr)

@@ -253,6 +253,16 @@ def _routes(app: FastAPI) -> None:
             raise unavailable(info.message or "no executor is ready")
         return _json({"status": "ok", "ready_executors": info.ready_executors})
 
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> Response:
+        executor_ids = await _gateway(request).client.start_profile()
+        return _json({"status": "profiling", "executors": executor_ids})
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request) -> Response:
+        traces = await _gateway(request).client.stop_profile()
+        return _json({"status": "stopped", "traces": traces})
+
     @app.get("/version")
     async def version() -> Response:
         return _json({"version": _version()})

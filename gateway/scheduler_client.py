@@ -22,6 +22,12 @@ from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 from npuserve.proto.error_details import error_field
 
 SMALL_CALL_TIMEOUT_S = 10.0
+PROFILE_TIMEOUT_S = 600.0  # stopping exports every executor's trace
+# Profiling answers: executors without --profile-dir, and a start/stop out of turn.
+_PROFILE_ERRORS = {
+    grpc.StatusCode.UNIMPLEMENTED: (400, "profiling_disabled"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "profiler_state"),
+}
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
@@ -112,3 +118,22 @@ class SchedulerClient:
     async def metrics_text(self) -> str:
         reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())
         return reply.text
+
+    async def start_profile(self) -> list[str]:
+        """Starts the profiler on every executor; the ids of those profiling."""
+        reply = await self._profile_call(self.stub.StartProfile, pb.StartProfileRequest())
+        return list(reply.executor_ids)
+
+    async def stop_profile(self) -> dict[str, list[str]]:
+        """Stops the profilers; the trace files each executor wrote, by executor id."""
+        reply = await self._profile_call(self.stub.StopProfile, pb.StopProfileRequest())
+        return {e.executor_id: list(e.trace_files) for e in reply.executors}
+
+    async def _profile_call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
+        try:
+            return await method(request, timeout=PROFILE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            status = _PROFILE_ERRORS.get(exc.code())
+            if status is None:
+                raise from_rpc_error(exc) from None
+            raise APIError(status[0], exc.details() or exc.code().name, code=status[1]) from None

@@ -13,11 +13,23 @@ import numpy as np
 
 from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
 
-__all__ = ["NPU_BLOCK_SIZE", "NULL_BLOCK_ID", "cdiv", "kv_cache_block_bytes", "kv_cache_shape", "slot_mapping"]
+__all__ = [
+    "NPU_ATTENTION_HEAD_DIMS",
+    "NPU_BLOCK_SIZE",
+    "NULL_BLOCK_ID",
+    "cdiv",
+    "kv_cache_block_bytes",
+    "kv_cache_shape",
+    "slot_mapping",
+]
 
 # NOTE: Ascend's paged-attention kernels take block_size 128 (vllm-ascend forces it once prefix
 # caching or chunked prefill is on); smaller sizes are for CPU tests and the torch backend.
 NPU_BLOCK_SIZE = 128
+# NOTE: npu_fused_infer_attention_score in the TND layout without rope takes head_dim 128 (and
+# 192 for Q/K only, which no served architecture uses); newer CANN also 64 (CANN operator docs,
+# "npu_fused_infer_attention_score" constraints). Others fail at the first call (error 561002).
+NPU_ATTENTION_HEAD_DIMS = (64, 128)
 
 
 def kv_cache_shape(

@@ -165,3 +165,23 @@ class HealthResponse(_message.Message):
     executor_id: str
     last_step_id: int
     def __init__(self, serving: _Optional[bool] = ..., executor_id: _Optional[str] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("profile_dir",)
+    PROFILE_DIR_FIELD_NUMBER: _ClassVar[int]
+    profile_dir: str
+    def __init__(self, profile_dir: _Optional[str] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("trace_files",)
+    TRACE_FILES_FIELD_NUMBER: _ClassVar[int]
+    trace_files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trace_files: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -54,6 +54,16 @@ class ExecutorStub:
                 request_serializer=npuserve_dot_proto_dot_executor__pb2.HealthRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_executor__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/npuserve.executor.v1.Executor/StartProfile',
+                request_serializer=npuserve_dot_proto_dot_executor__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_executor__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/npuserve.executor.v1.Executor/StopProfile',
+                request_serializer=npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -89,6 +99,21 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Profiling of the steps (an executor started with --profile-dir; otherwise UNIMPLEMENTED).
+        StartProfile while a profile runs, or StopProfile while none does, is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Ends the profile and writes its trace (a Chrome trace, and a table of the top operators).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +136,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=npuserve_dot_proto_dot_executor__pb2.HealthRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_executor__pb2.HealthResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=npuserve_dot_proto_dot_executor__pb2.StartProfileRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_executor__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +256,60 @@ class Executor:
             '/npuserve.executor.v1.Executor/Health',
             npuserve_dot_proto_dot_executor__pb2.HealthRequest.SerializeToString,
             npuserve_dot_proto_dot_executor__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/npuserve.executor.v1.Executor/StartProfile',
+            npuserve_dot_proto_dot_executor__pb2.StartProfileRequest.SerializeToString,
+            npuserve_dot_proto_dot_executor__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/npuserve.executor.v1.Executor/StopProfile',
+            npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.SerializeToString,
+            npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

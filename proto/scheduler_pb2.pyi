@@ -295,3 +295,31 @@ class CheckIntegrityResponse(_message.Message):
     message: str
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorPoolState]
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., executors: _Optional[_Iterable[_Union[ExecutorPoolState, _Mapping]]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("executor_ids",)
+    EXECUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    executor_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, executor_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorProfile(_message.Message):
+    __slots__ = ("executor_id", "trace_files")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FILES_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    trace_files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, executor_id: _Optional[str] = ..., trace_files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("executors",)
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorProfile]
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorProfile, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,16 @@ class SchedulerStub:
                 request_serializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/npuserve.scheduler.v1.Scheduler/StartProfile',
+                request_serializer=npuserve_dot_proto_dot_scheduler__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/npuserve.scheduler.v1.Scheduler/StopProfile',
+                request_serializer=npuserve_dot_proto_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -129,6 +139,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Operators: profile every executor's steps (torch_npu.profiler on NPU, torch.profiler
+        elsewhere) between StartProfile and StopProfile. Executors started without --profile-dir
+        answer UNIMPLEMENTED; starting twice, or stopping when none runs, is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +196,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.CheckIntegrity,
                     request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.StartProfileRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_scheduler__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.StopProfileRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_scheduler__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +424,60 @@ class Scheduler:
             '/npuserve.scheduler.v1.Scheduler/CheckIntegrity',
             npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityRequest.SerializeToString,
             npuserve_dot_proto_dot_scheduler__pb2.CheckIntegrityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/npuserve.scheduler.v1.Scheduler/StartProfile',
+            npuserve_dot_proto_dot_scheduler__pb2.StartProfileRequest.SerializeToString,
+            npuserve_dot_proto_dot_scheduler__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/npuserve.scheduler.v1.Scheduler/StopProfile',
+            npuserve_dot_proto_dot_scheduler__pb2.StopProfileRequest.SerializeToString,
+            npuserve_dot_proto_dot_scheduler__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -54,6 +55,10 @@ def _checked_state(scheduler: Scheduler, expect_idle: bool) -> PoolState:
 
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve (gRPC NOT_FOUND, HTTP 404)."""
+
+
+class ProfilingUnavailable(RuntimeError):
+    """Profiling asked of an executor that cannot profile (gRPC UNIMPLEMENTED, HTTP 400)."""
 
 
 class QueueFullError(RuntimeError):
@@ -464,6 +469,37 @@ class Engine:
             state.executor_id = lane.executor_id
             states.append(state)
         return states
+
+    async def start_profile(self) -> list[str]:
+        """Starts profiling on every live executor; returns their ids. A failure (profiling off,
+        or already running) raises the executor's error, named by its id."""
+        lanes = self._profiled_lanes()
+        await asyncio.gather(*(self._on_executor(lane, "start_profile") for lane in lanes))
+        return [lane.executor_id for lane in lanes]
+
+    async def stop_profile(self) -> dict[str, list[str]]:
+        """Ends every live executor's profile; returns the trace files each wrote."""
+        lanes = self._profiled_lanes()
+        files = await asyncio.gather(*(self._on_executor(lane, "stop_profile") for lane in lanes))
+        return {lane.executor_id: list(f) for lane, f in zip(lanes, files, strict=True)}
+
+    def _profiled_lanes(self) -> list[ExecutorLane]:
+        lanes = self.live_lanes
+        if not lanes:
+            raise NoExecutorError("no executor is available to profile")
+        return lanes
+
+    @staticmethod
+    async def _on_executor(lane: ExecutorLane, method: str) -> Any:
+        call = getattr(lane.executor, method, None)
+        if call is None:
+            raise ProfilingUnavailable(f"executor {lane.executor_id} runs in-process and cannot profile")
+        try:
+            return await asyncio.to_thread(call)
+        except Exception as exc:
+            # NOTE: keep the executor's status code (see SchedulerServicer), add its id.
+            exc.args = (f"executor {lane.executor_id}: {getattr(exc, 'message', exc)}",)
+            raise
 
     async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""

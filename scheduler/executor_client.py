@@ -24,6 +24,8 @@ from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
+# NOTE: stopping a profile exports its trace, which takes long after a busy profile.
+PROFILE_EXPORT_TIMEOUT_S = 600.0
 
 
 class ExecutorError(RuntimeError):
@@ -82,6 +84,17 @@ class ExecutorClient:
         except grpc.RpcError:
             return False
 
+    def start_profile(self) -> str:
+        """Starts profiling the executor's steps; returns where its trace will be written."""
+        return self._call(self._stub.StartProfile, pb.StartProfileRequest()).profile_dir
+
+    def stop_profile(self) -> list[str]:
+        """Ends the profile; returns the files the executor wrote (paths on its machine)."""
+        reply = self._call(
+            self._stub.StopProfile, pb.StopProfileRequest(), timeout_s=PROFILE_EXPORT_TIMEOUT_S
+        )
+        return list(reply.trace_files)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -93,10 +106,19 @@ class ExecutorClient:
     ) -> None:
         self.close()
 
-    def _call(self, method: Callable[..., Any], request: Any, wait_for_ready: bool = False) -> Any:
+    def _call(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        wait_for_ready: bool = False,
+        timeout_s: float | None = None,
+    ) -> Any:
         try:
             return method(
-                request, timeout=self.timeout_s, wait_for_ready=wait_for_ready, metadata=self._metadata
+                request,
+                timeout=timeout_s or self.timeout_s,
+                wait_for_ready=wait_for_ready,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise ExecutorError.from_rpc_error(exc) from None

@@ -26,9 +26,10 @@ from npuserve.scheduler.engine import (
     EngineConfig,
     ModelNotFoundError,
     NoExecutorError,
+    ProfilingUnavailable,
     QueueFullError,
 )
-from npuserve.scheduler.executor_client import ExecutorClient, StreamingExecutorClient
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.request import InvalidRequestError
@@ -45,10 +46,17 @@ STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
+    (ProfilingUnavailable, grpc.StatusCode.UNIMPLEMENTED),
 ]
+# An executor's answer to a call relayed to it keeps its code (profiling off, already running...).
+RELAYED_EXECUTOR_CODES = frozenset(
+    {"UNIMPLEMENTED", "FAILED_PRECONDITION", "UNAVAILABLE", "DEADLINE_EXCEEDED"}
+)
 
 
 def status_of(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, ExecutorError) and exc.code in RELAYED_EXECUTOR_CODES:
+        return grpc.StatusCode[exc.code]
     for kind, code in STATUS_OF:
         if isinstance(exc, kind):
             return code
@@ -141,6 +149,25 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             ok=True, executors=[api_codec.pool_state_to_proto(s) for s in states]
         )
 
+    async def StartProfile(
+        self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartProfileResponse:
+        async def run() -> pb.StartProfileResponse:
+            return pb.StartProfileResponse(executor_ids=await self.engine.start_profile())
+
+        return await _guard(context, run)
+
+    async def StopProfile(
+        self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StopProfileResponse:
+        async def run() -> pb.StopProfileResponse:
+            traces = await self.engine.stop_profile()
+            return pb.StopProfileResponse(
+                executors=[pb.ExecutorProfile(executor_id=e, trace_files=f) for e, f in traces.items()]
+            )
+
+        return await _guard(context, run)
+
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:
@@ -222,9 +249,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     )
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
-    server = grpc.aio.server(
-        options=message_size_options(MAX_API_MESSAGE_BYTES)
-    )
+    server = grpc.aio.server(options=message_size_options(MAX_API_MESSAGE_BYTES))
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, config.model), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -1,0 +1,125 @@
+"""Profiling the executor's steps on demand (``--profile-dir``), the way vLLM's profiler works.
+
+`StepProfiler.start()` begins a trace, `stop()` ends it and writes, under the profile dir, a
+Chrome trace (``*.pt.trace.json``, open in chrome://tracing or Perfetto) and ``*.top_ops.txt``,
+the operators by self time. On NPU it is torch_npu.profiler (CPU and NPU activities, shapes and
+memory; its handler writes the Ascend profiling folder with the trace inside); elsewhere
+torch.profiler (CPU, plus CUDA on a CUDA device).
+
+NOTE: torch's profiler records the thread that starts it; the server therefore runs every step
+and both calls on one thread of its own while profiling is enabled (`ExecutorServicer`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+TOP_OPS_ROWS = 40
+
+
+class ProfilingDisabled(RuntimeError):
+    """Profiling was asked of an executor started without --profile-dir (gRPC UNIMPLEMENTED)."""
+
+
+class ProfilerStateError(RuntimeError):
+    """Start while a profile runs, or stop while none does (gRPC FAILED_PRECONDITION)."""
+
+
+def _npu_profiler(profile_dir: Path, worker_name: str) -> Any:
+    import torch_npu
+
+    npu_profiler = torch_npu.profiler
+    experimental = npu_profiler._ExperimentalConfig(
+        export_type=npu_profiler.ExportType.Text,
+        profiler_level=npu_profiler.ProfilerLevel.Level1,
+        aic_metrics=npu_profiler.AiCMetrics.AiCoreNone,
+    )
+    return npu_profiler.profile(
+        activities=[npu_profiler.ProfilerActivity.CPU, npu_profiler.ProfilerActivity.NPU],
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+        experimental_config=experimental,
+        on_trace_ready=npu_profiler.tensorboard_trace_handler(str(profile_dir), worker_name=worker_name),
+    )
+
+
+def _torch_profiler(profile_dir: Path, worker_name: str, device: torch.device) -> Any:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(profile_dir), worker_name=worker_name),
+    )
+
+
+class StepProfiler:
+    """One profile at a time, written under ``profile_dir`` (None: profiling is off)."""
+
+    def __init__(self, profile_dir: Path | None, device: torch.device, worker_name: str) -> None:
+        self.profile_dir = profile_dir
+        self.device = device
+        self.worker_name = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_name)
+        self._profile: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.profile_dir is not None
+
+    @property
+    def running(self) -> bool:
+        return self._profile is not None
+
+    def _require_enabled(self) -> Path:
+        if self.profile_dir is None:
+            raise ProfilingDisabled(
+                "profiling is off on this executor: start it with --profile-dir DIR to allow profiles"
+            )
+        return self.profile_dir
+
+    def start(self) -> Path:
+        profile_dir = self._require_enabled()
+        if self._profile is not None:
+            raise ProfilerStateError("a profile is already running; stop it first (POST /stop_profile)")
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        if self.device.type == "npu":
+            profile = _npu_profiler(profile_dir, self.worker_name)
+        else:
+            profile = _torch_profiler(profile_dir, self.worker_name, self.device)
+        profile.start()
+        self._profile = profile
+        log.info("profile started", profile_dir=str(profile_dir), device=str(self.device))
+        return profile_dir
+
+    def stop(self) -> list[Path]:
+        """Ends the profile; returns the files it wrote (the trace export runs here)."""
+        profile_dir = self._require_enabled()
+        if self._profile is None:
+            raise ProfilerStateError("no profile is running; start one first (POST /start_profile)")
+        profile, self._profile = self._profile, None
+        before = set(profile_dir.rglob("*"))
+        started = time.perf_counter()
+        profile.stop()  # NOTE: calls on_trace_ready, which exports the trace
+        if hasattr(profile, "key_averages"):  # NOTE: torch_npu's profiler parses offline instead
+            top_ops = profile_dir / f"{self.worker_name}.{time.time_ns()}.top_ops.txt"
+            table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_OPS_ROWS)
+            top_ops.write_text(table + "\n")
+        written = sorted(p for p in set(profile_dir.rglob("*")) - before if p.is_file())
+        log.info(
+            "profile written",
+            files=[str(p) for p in written],
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        return written
