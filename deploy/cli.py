@@ -28,7 +28,10 @@ def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--served-model-name", help="the name clients use (default: --model as given)")
+    parser.add_argument(
+        "--served-model-name",
+        help="the name clients use (default: --model as given; stories260K for the demo model)",
+    )
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
     parser.add_argument(
         "--enable-prefix-caching",
@@ -69,6 +72,7 @@ def _scheduler_config(args: argparse.Namespace, executors: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from npuserve.deploy.demo_model import DEMO_MODEL_DIR
     from npuserve.deploy.flags import (
         add_cluster_token_flag,
         add_executor_cluster_flags,
@@ -97,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_flags(executor)
 
     scheduler = commands.add_parser("scheduler", help="the scheduler, driving running executors")
-    scheduler.add_argument("--model", required=True, help="model directory (tokenizer and chat template)")
+    scheduler.add_argument(
+        "--model",
+        default=str(DEMO_MODEL_DIR),
+        help="model directory (tokenizer and chat template; default: the bundled stories260K demo model)",
+    )
     scheduler.add_argument("--executors", type=_csv(str), help="comma list of HOST:PORT (or --registry)")
     scheduler.add_argument("--registry", help="redis://HOST:PORT/DB: discover the executors registered there")
     scheduler.add_argument("--registry-prefix", default="npuserve", help="prefix of the registry keys")

@@ -6,12 +6,18 @@ import argparse
 import os
 from pathlib import Path
 
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+
 CLUSTER_TOKEN_ENV = "NPUSERVE_CLUSTER_TOKEN"
 
 
 def add_executor_flags(parser: argparse.ArgumentParser) -> None:
     """The executor's flags (vLLM names), for `python -m npuserve.executor.server` and the CLI."""
-    parser.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    parser.add_argument(
+        "--model",
+        default=str(DEMO_MODEL_DIR),
+        help="a local Hugging Face model directory (default: the bundled stories260K demo model)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")

@@ -51,11 +51,11 @@ from typing import Any
 
 import grpc
 
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.scheduler.bench_report import percentile
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K-hf"
 FIRST_TOKEN_ID = 3  # prompts avoid the unk/bos/eos ids
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0
@@ -80,7 +80,7 @@ class ScaleConfig:
     block_size: int = 128
     num_blocks: int = 0  # per executor; 0: 4x what an even share of the largest concurrency needs
     max_num_seqs: int = 512
-    model: Path = DEFAULT_MODEL
+    model: Path = DEMO_MODEL_DIR
     step_transport: str = "unary"
     routing: str = "prefix-aware"
     scheduler_log_level: str = "warning"

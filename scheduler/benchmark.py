@@ -35,6 +35,7 @@ import grpc
 import structlog
 from tqdm import tqdm
 
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
@@ -443,8 +444,12 @@ def parse_variants(args: argparse.Namespace) -> list[Variant]:
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of `npuserve bench` (engine flags keep `npuserve serve`'s names and defaults)."""
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a local Hugging Face model directory")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model",
+        default=str(DEMO_MODEL_DIR),
+        help="a local Hugging Face model directory (default: the bundled stories260K demo model)",
+    )
     model.add_argument(
         "--preset", help="a random-weight model (e.g. llama-150m) with a synthetic tokenizer, loaded as dummy"
     )

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from npuserve.deploy.demo_model import default_served_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
@@ -239,7 +240,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
             membership.joined(address, executor_id)
     engine = Engine(
         EngineConfig(
-            served_model_name=config.served_model_name or config.model,
+            served_model_name=config.served_model_name or default_served_name(config.model),
             enable_prefix_caching=config.enable_prefix_caching,
             routing=config.routing,
             max_queued_requests=config.max_queued_requests,

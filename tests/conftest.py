@@ -6,12 +6,10 @@ from pathlib import Path
 
 import pytest
 
-SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-STORIES_260K = SHARED_MODELS / "stories260K-hf"
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    if not (STORIES_260K / "config.json").is_file():
-        pytest.skip(f"the shared model {STORIES_260K} is not on this machine")
-    return STORIES_260K
+    """The bundled demo model, stories260K (it has a chat template)."""
+    return DEMO_MODEL_DIR

@@ -49,6 +49,16 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) ->
     return path
 
 
+@pytest.fixture(scope="module")
+def stories_without_template(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    """The demo model less its chat template: chat requests to it are refused."""
+    path = tmp_path_factory.mktemp("stories260K-no-template")
+    for file in stories_dir.iterdir():
+        if file.name != "chat_template.jinja":
+            shutil.copy(file, path / file.name)
+    return path
+
+
 def prompts(
     count: int, seed: int, min_len: int = 3, max_len: int = 60, prefix: list[int] | None = None
 ) -> list[list[int]]:
@@ -184,8 +194,8 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_are_refused_and_serving_goes_on(stories_dir: Path) -> None:
-    with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
+def test_bad_requests_are_refused_and_serving_goes_on(stories_without_template: Path) -> None:
+    with serve(stories_without_template, "--kv-cache-memory", "0.02") as served:
         stub = served.stub()
         for request, code, words, field in BAD_REQUESTS:
             with pytest.raises(grpc.RpcError) as caught:

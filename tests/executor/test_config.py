@@ -209,10 +209,10 @@ def test_good_executor_config_values() -> None:
 
 
 def test_stories260k_config(stories_dir: Path) -> None:
-    """The shared TinyStories checkpoint's config.json parses to the documented shape."""
+    """The bundled TinyStories checkpoint's config.json parses to the documented shape."""
     config = ModelConfig.from_pretrained(stories_dir)
     assert config.architecture == "LlamaForCausalLM"
-    assert config.served_name == "stories260K-hf"
+    assert config.served_name == "stories260K"
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (512, 64, 172)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (5, 8, 4, 8)
     assert config.max_position_embeddings == 512

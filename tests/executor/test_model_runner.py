@@ -295,5 +295,5 @@ def test_info_reports_capacity(stories_dir: Path) -> None:
     assert info.device == "cpu"
     assert info.eos_token_ids == [2]
     assert info.vocab_size == 512
-    assert info.model == "stories260K-hf" and info.architecture == "LlamaForCausalLM"
+    assert info.model == "stories260K" and info.architecture == "LlamaForCausalLM"
     assert info.tensor_parallel_size == 1

@@ -117,7 +117,7 @@ def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) ->
     with ExecutorClient(executor.address, timeout_s=10) as client:
         info = client.info()
         assert info == local_runner.info()
-        assert info.model == "stories260K-hf" and info.block_size == 16 and info.device == "cpu"
+        assert info.model == "stories260K" and info.block_size == 16 and info.device == "cpu"
         assert client.executor_id and client.executor_id.endswith(executor.address.rsplit(":", 1)[1])
         assert client.version
     assert executor.ready["pid"] == executor.proc.pid

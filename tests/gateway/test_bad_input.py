@@ -20,12 +20,10 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def served(stories_dir: Path, chat_template_file: Path, api_key: str) -> Iterator[Served]:
+def served(stories_dir: Path, api_key: str) -> Iterator[Served]:
     flags = (
         "--kv-cache-memory",
         "0.02",
-        "--chat-template",
-        str(chat_template_file),
         "--api-key",
         api_key,
         "--max-request-bytes",

@@ -16,10 +16,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ign
 
 
 @pytest.fixture(scope="module")
-def served(stories_dir: Path, chat_template_file: Path) -> Iterator[Served]:
-    with serve(
-        stories_dir, "--kv-cache-memory", "0.02", "--chat-template", str(chat_template_file)
-    ) as served:
+def served(stories_dir: Path) -> Iterator[Served]:
+    with serve(stories_dir, "--kv-cache-memory", "0.02") as served:
         yield served
 
 

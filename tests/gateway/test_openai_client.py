@@ -1,4 +1,5 @@
-"""The gateway through the official `openai` client, against `npuserve serve` on stories260K.
+"""The gateway through the official `openai` client, against `npuserve serve` with no `--model`: the
+bundled stories260K demo model and its story chat template.
 
 Greedy outputs must equal what the scheduler's own gRPC Generate returns for the same prompt.
 """
@@ -6,12 +7,12 @@ Greedy outputs must equal what the scheduler's own gRPC Generate returns for the
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from harness.serve import Served, serve
 
+from npuserve.deploy.demo_model import DEMO_MODEL_NAME
 from npuserve.proto import scheduler_pb2 as pb
 
 openai = pytest.importorskip("openai")
@@ -24,9 +25,8 @@ ONCE_60 = (
 
 
 @pytest.fixture(scope="module")
-def served(stories_dir: Path, chat_template_file: Path, api_key: str) -> Iterator[Served]:
-    flags = ("--kv-cache-memory", "0.02", "--chat-template", str(chat_template_file), "--api-key", api_key)
-    with serve(stories_dir, *flags) as served:
+def served(api_key: str) -> Iterator[Served]:
+    with serve(None, "--kv-cache-memory", "0.02", "--api-key", api_key) as served:
         yield served
         check = served.integrity(expect_idle=True)
         assert check.ok, check.message
@@ -51,9 +51,9 @@ def grpc_text(served: Served, **request: object) -> tuple[str, pb.GenerateRespon
     return text, last
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, stories_dir: Path) -> None:
+def test_models_lists_the_demo_model_by_name(client: openai.OpenAI) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == [str(stories_dir)]
+    assert [m.id for m in models] == [DEMO_MODEL_NAME] == ["stories260K"]
     assert models[0].owned_by == "npuserve"
 
 
@@ -184,6 +184,28 @@ def test_chat_matches_grpc_and_streams_logprobs(client: openai.OpenAI, served: S
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
 
 
+def test_chat_is_one_story_the_model_continues(client: openai.OpenAI, model: str) -> None:
+    """The demo template writes the conversation as one story: a user message that starts the
+    known story gets the known continuation, and an earlier assistant turn is part of the story."""
+    alone = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": ONCE}], temperature=0, max_tokens=60
+    )
+    assert alone.choices[0].message.content == ONCE_60
+    assert alone.usage.prompt_tokens == 5
+    turns = [
+        {"role": "system", "content": "Tell a story."},
+        {"role": "user", "content": "Once upon a time,"},
+        {"role": "assistant", "content": "there was a little girl"},
+        {"role": "user", "content": "named"},
+    ]
+    chat = client.chat.completions.create(model=model, messages=turns, temperature=0, max_tokens=10)
+    story = client.completions.create(
+        model=model, prompt="Once upon a time, there was a little girl named", temperature=0, max_tokens=10
+    )
+    assert chat.choices[0].message.content == story.choices[0].text
+    assert chat.choices[0].message.content.startswith(" Lily")
+
+
 def test_chat_text_parts_are_joined(client: openai.OpenAI, model: str) -> None:
     parts = [{"type": "text", "text": "A cat"}, {"type": "text", "text": "and a dog"}]
     joined = client.chat.completions.create(
@@ -205,9 +227,8 @@ def test_tokenize_detokenize_round_trip(served: Served, api_key: str) -> None:
         no_bos = http.post("/tokenize", json={"prompt": ONCE, "add_special_tokens": False}).json()
         assert no_bos["tokens"] == tokens["tokens"][1:]
         assert http.post("/detokenize", json={"tokens": no_bos["tokens"]}).json()["prompt"] == ONCE
-        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-        rendered = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
-        assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": " hi "}]}).json()
+        assert chat["tokens"] == http.post("/tokenize", json={"prompt": "hi"}).json()["tokens"]
 
 
 def test_open_routes_health_version_metrics(served: Served) -> None:

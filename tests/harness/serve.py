@@ -83,19 +83,11 @@ class Served:
 
 
 @contextmanager
-def serve(model: Path | str, *flags: str, timeout_s: float = 120.0) -> Iterator[Served]:
-    """`npuserve serve --model MODEL FLAGS` on free ports; on exit, SIGTERM and no orphan left."""
-    command = [
-        sys.executable,
-        "-m",
-        "npuserve.deploy.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        *flags,
-    ]
+def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> Iterator[Served]:
+    """`npuserve serve --model MODEL FLAGS` on free ports (no `--model` when MODEL is None: the
+    bundled demo model); on exit, SIGTERM and no orphan left."""
+    model_flags = [] if model is None else ["--model", str(model)]
+    command = [sys.executable, "-m", "npuserve.deploy.cli", "serve", *model_flags, "--port", "0", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     served = Served("", process)
     ready = threading.Event()

@@ -103,7 +103,8 @@ def hf(stories_dir: Path) -> Any:
 
 
 def make_model_dir(stories_dir: Path, path: Path, **config_updates: Any) -> Path:
-    """A copy of stories260K's tokenizer files with `config_updates` merged into tokenizer_config.json."""
+    """A copy of stories260K's tokenizer files (not its chat template) with `config_updates` merged
+    into tokenizer_config.json."""
     path.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (stories_dir / name).is_file():
@@ -254,6 +255,24 @@ def test_chat_template_matches_transformers(
     )
 
 
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_demo_model_template_writes_one_story(tok: Tokenizer, hf: Any, add_generation_prompt: bool) -> None:
+    """The bundled stories260K template (chat_template.jinja): user and assistant turns joined into
+    one story, system messages left out; transformers renders it the same."""
+    story = "<s>Tell me a story about Lily 😀. Once upon a time, 中文 Lily found a ball. And then?"
+    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)
+    assert rendered == story
+    assert rendered == hf.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    once = tok.apply_chat_template([{"role": "user", "content": "Once upon a time"}])
+    assert (
+        tok.encode(once, add_special_tokens=False)
+        == tok.encode("Once upon a time")
+        == [1, 403, 407, 261, 378]
+    )
+
+
 def test_list_form_template_takes_default(stories_dir: Path, tmp_path: Path) -> None:
     templates = [
         {"name": "tool_use", "template": "TOOLS {{ messages[0]['content'] }}"},
@@ -305,8 +324,10 @@ def test_request_template_is_never_read_as_a_file(stories_dir: Path, tmp_path: P
     assert "top secret" not in rendered and rendered == str(secret)
 
 
-def test_override_gives_a_template_to_a_model_without_one(stories_dir: Path) -> None:
-    tok = Tokenizer.from_pretrained(stories_dir, chat_template=CHATML_TEMPLATE)
+def test_override_gives_a_template_to_a_model_without_one(stories_dir: Path, tmp_path: Path) -> None:
+    tok = Tokenizer.from_pretrained(
+        make_model_dir(stories_dir, tmp_path / "m"), chat_template=CHATML_TEMPLATE
+    )
     assert tok.has_chat_template
     prompt = tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=False)
     assert prompt == "<|im_start|>user\nTell me a story about Lily 😀.<|im_end|>\n"
@@ -350,11 +371,13 @@ def test_malformed_config_names_file(stories_dir: Path, tmp_path: Path) -> None:
         Tokenizer.from_pretrained(model_dir)
 
 
-def test_no_chat_template(tok: Tokenizer, stories_dir: Path) -> None:
+def test_no_chat_template(stories_dir: Path, tmp_path: Path) -> None:
+    model_dir = make_model_dir(stories_dir, tmp_path / "m")
+    tok = Tokenizer.from_pretrained(model_dir)
     assert not tok.has_chat_template
     with pytest.raises(TokenizerError, match=r"has no chat template; pass --chat-template") as info:
         tok.apply_chat_template(MESSAGES)
-    assert str(stories_dir) in str(info.value)
+    assert str(model_dir) in str(info.value)
 
 
 def test_template_exception_carries_its_message(stories_dir: Path) -> None:
