@@ -13,11 +13,17 @@ import numpy as np
 
 from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
 
-__all__ = ["NPU_BLOCK_SIZE", "NULL_BLOCK_ID", "cdiv", "kv_cache_block_bytes", "kv_cache_shape", "slot_mapping"]
+__all__ = ["NPU_BLOCK_SIZE", "NPU_HEAD_SIZES", "NULL_BLOCK_ID", "cdiv", "kv_cache_block_bytes", "kv_cache_shape", "slot_mapping"]
 
-# NOTE: Ascend's paged-attention kernels take block_size 128 (vllm-ascend forces it once prefix
-# caching or chunked prefill is on); smaller sizes are for CPU tests and the torch backend.
+# NOTE: Ascend's paged-attention kernels take block_size 128: npu_fused_infer_attention_score's
+# paged prefill needs a multiple of 128 (op-plugin docs, PageAttention约束) and vllm-ascend v0.13.0
+# supports only 128 (AscendAttentionBackend.get_supported_block_size); smaller sizes are for CPU
+# tests and the torch backend.
 NPU_BLOCK_SIZE = 128
+# Head sizes npu_fused_infer_attention_score takes in the paged TND layout without rope: 128
+# (op-plugin docs, TND布局约束; 192 only with V_D 128, impossible with one paged cache, and "GQA和PA
+# 场景不支持V_D等于192" in the v2 docs), and 64 on the newer CANN of the v2 docs (MHA场景).
+NPU_HEAD_SIZES = (64, 128)
 
 
 def kv_cache_shape(

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+from npuserve.kernels.npu_emulation import EMULATE_ENV
+from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 STORIES_260K = SHARED_MODELS / "stories260K-hf"
@@ -15,3 +21,18 @@ def stories_dir() -> Path:
     if not (STORIES_260K / "config.json").is_file():
         pytest.skip(f"the shared model {STORIES_260K} is not on this machine")
     return STORIES_260K
+
+
+@pytest.fixture
+def emulated_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """``NPUSERVE_EMULATE_NPU=1`` for this test (and the processes it starts); the torch_npu
+    stand-in that ``--device npu`` then installs is removed again afterwards. Yields the
+    monkeypatch, to set the emulated machine's variables."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    for name in MODULE_NAMES:
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, None)  # restored (removed) at teardown
+            del sys.modules[name]
+    monkeypatch.setattr(torch, "npu", getattr(torch, "npu", None), raising=False)
+    monkeypatch.setattr(torch.version, "cann", getattr(torch.version, "cann", None), raising=False)
+    yield monkeypatch
