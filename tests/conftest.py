@@ -33,6 +33,8 @@ def emulated_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
         if name not in sys.modules:
             monkeypatch.setitem(sys.modules, name, None)  # restored (removed) at teardown
             del sys.modules[name]
+    # The npu backend binds the torch_npu it imported first: import it afresh for this stand-in.
+    monkeypatch.delitem(sys.modules, "npuserve.kernels.backends.npu_backend", raising=False)
     monkeypatch.setattr(torch, "npu", getattr(torch, "npu", None), raising=False)
     monkeypatch.setattr(torch.version, "cann", getattr(torch.version, "cann", None), raising=False)
     yield monkeypatch
