@@ -6,15 +6,20 @@ rounding may flip a near-tie that float32 transformers resolves the other way, a
 texts part: instead of equal tokens, every greedy token (through whole and chunked prefill, paged
 decode and a prefix-cache hit) must be within bfloat16 tolerance of the best logit transformers
 computes in float32 for the same prefix, and prefill logits must be within that tolerance too.
+`npuserve serve --device npu` runs the same way with the emulation switched on, alone and as a
+two-rank tensor-parallel group (gloo standing in for HCCL).
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from harness.serve import generate_concurrently, greedy_request, serve
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
@@ -143,3 +148,51 @@ def test_prefill_logits_within_bfloat16_tolerance(model_dir: Path, device: str) 
     expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in batch])
     scale = expected.abs().max()
     torch.testing.assert_close(logits / scale, expected / scale, rtol=0, atol=TOLERANCE)
+
+
+# --------------------------------------------------------------------------- npuserve serve
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    """A head_dim-64 random Llama with the TinyStories tokenizer (vocab 512), for `serve`."""
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("served-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (stories_dir / name).exists():
+            shutil.copy(stories_dir / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2-gloo"])
+def test_serve_on_the_emulated_npu(
+    emulated_npu: pytest.MonkeyPatch, served_model: Path, tp_size: int
+) -> None:
+    generator = torch.Generator().manual_seed(9)
+    prompt_ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 140, 33)]
+    flags = ["--device", "npu", "--dtype", "bfloat16", "--kv-cache-memory", "0.05"]
+    flags += ["--tensor-parallel-size", str(tp_size), "--max-num-batched-tokens", "160"]
+    with serve(served_model, *flags) as served:
+        results = generate_concurrently(served.stub(), [greedy_request(p, NUM_NEW) for p in prompt_ids])
+        check = served.integrity(expect_idle=True)
+        assert check.ok, check.message
+    log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(served.log))
+    assert "block_size=128 device='npu (emulated on cpu)'" in log  # the executor's serving line
+    reference = reference_model(served_model)
+    for index, (prompt, (tokens, _, _)) in enumerate(zip(prompt_ids, results, strict=True)):
+        assert_greedy_within_tolerance(reference, greedy(f"r{index}", prompt, output=tokens))
