@@ -17,9 +17,9 @@ DAVINCI = re.compile(r"davinci(\d+)")
 
 def physical_npu_ids(dev: Path = Path("/dev")) -> list[int]:
     """Ids of the NPUs the driver exposes (``/dev/davinci0``...; not ``davinci_manager``)."""
-    from npuserve.kernels import npu_emulation
-
-    if npu_emulation.requested():
+    # NOTE: the switch of `npuserve.kernels.npu_emulation.requested`, read here without importing
+    # the kernels package (and torch): the serve launcher counts devices.
+    if os.environ.get("NPUSERVE_EMULATE_NPU", "").strip().lower() in ("1", "true", "yes"):
         return list(range(int(os.environ.get("NPUSERVE_EMULATE_NPU_COUNT", "1"))))
     try:
         names = [path.name for path in dev.iterdir()]
