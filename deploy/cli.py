@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler-port", type=int, default=0, help="the scheduler's gRPC port (0: a free one)"
     )
     add_gateway_flags(serve, standalone=False)
-    serve.add_argument("--num-executors", type=int, default=1, help="executor processes (one per device)")
+    serve.add_argument(
+        "--num-executors",
+        type=int,
+        help="executor processes, one per device (default: one per visible NPU with --device npu, else 1)",
+    )
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     _add_logging_flags(serve)
 
@@ -169,14 +173,12 @@ def run_serve(args: argparse.Namespace) -> int:
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
     token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
+    num_executors = _num_executors(args)
     launcher = Launcher()
     try:
         executors = []
-        for index in range(args.num_executors):
-            env = {
-                **_device_env(args.device, index, args.num_executors, args.tensor_parallel_size),
-                **token_env,
-            }
+        for index in range(num_executors):
+            env = {**_device_env(args.device, index, num_executors, args.tensor_parallel_size), **token_env}
             executors.append(
                 launcher.start(f"executor-{index}", ["executor", *executor_args, "--port", "0"], env)
             )
@@ -213,12 +215,35 @@ def run_serve(args: argparse.Namespace) -> int:
         launcher.stop()
 
 
+def _num_executors(args: argparse.Namespace) -> int:
+    """--num-executors, or on npu one executor per ``--tensor-parallel-size`` visible NPUs."""
+    if args.num_executors is not None:
+        return args.num_executors
+    if args.device != "npu":  # npu:N names one device
+        return 1
+    from npuserve.executor.npu_devices import visible_npu_ids
+
+    return max(1, len(visible_npu_ids()) // args.tensor_parallel_size)
+
+
 def _device_env(device: str, index: int, count: int, tp_size: int = 1) -> dict[str, str]:
-    """Pins executor ``index`` to its ``tp_size`` devices when several share the machine."""
+    """Pins executor ``index`` to its ``tp_size`` devices when several share the machine: on npu
+    to the ``index``-th group of the NPUs this process sees, so each executor uses its own."""
     if count == 1 or device not in ("npu", "cuda"):
         return {}
-    devices = ",".join(str(index * tp_size + rank) for rank in range(tp_size))
-    return {"ASCEND_RT_VISIBLE_DEVICES" if device == "npu" else "CUDA_VISIBLE_DEVICES": devices}
+    positions = range(index * tp_size, (index + 1) * tp_size)
+    if device == "npu":
+        from npuserve.deploy.launcher import LaunchError
+        from npuserve.executor.npu_devices import VISIBLE_ENV, visible_npu_ids
+
+        visible = visible_npu_ids()
+        if len(visible) < count * tp_size:
+            raise LaunchError(
+                f"{count} executors x --tensor-parallel-size {tp_size} need {count * tp_size} NPUs but "
+                f"{len(visible)} are visible ({VISIBLE_ENV}, /dev/davinci*); lower --num-executors"
+            )
+        return {VISIBLE_ENV: ",".join(str(visible[p]) for p in positions)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(p) for p in positions)}
 
 
 _EXECUTOR_FLAGS = [

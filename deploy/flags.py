@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 
 CLUSTER_TOKEN_ENV = "NPUSERVE_CLUSTER_TOKEN"
+DEVICE_FLAG = re.compile(r"auto|cpu|(cuda|npu)(:\d+)?")
+
+
+def device_flag(text: str) -> str:
+    value = text.strip().lower()
+    if DEVICE_FLAG.fullmatch(value) is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose auto, cpu, cuda, npu, or npu:N (N a device index)"
+        )
+    return value
 
 
 def add_executor_flags(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +33,12 @@ def add_executor_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")
     parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        type=device_flag,
+        help="auto, cpu, cuda, npu, or npu:N (the Nth visible NPU; NPUSERVE_EMULATE_NPU=1 emulates one)",
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--max-model-len", type=int)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 from npuserve.kernels.rope import RopeScaling
 
 
@@ -249,3 +250,20 @@ class ExecutorConfig:
                 f"context {model.model_dir.name} supports; lower --max-model-len"
             )
         return self.max_model_len
+
+
+def check_npu_model(model: ModelConfig, block_size: int) -> None:
+    """Refuses, before any weight loads, what the Ascend attention kernel cannot run."""
+    if model.head_dim not in NPU_ATTENTION_HEAD_DIMS:
+        raise ConfigError(
+            f"{model.model_dir.name}: head_dim {model.head_dim} does not run on npu: Ascend's "
+            f"npu_fused_infer_attention_score takes head sizes {' or '.join(map(str, NPU_ATTENTION_HEAD_DIMS))} "
+            "in npuserve's paged layout (it fails with error 561002 otherwise). Serve this model "
+            "with --device cpu (or cuda)."
+        )
+    if block_size != NPU_BLOCK_SIZE:
+        raise ConfigError(
+            f"--block-size {block_size} does not run on npu: Ascend's paged attention needs "
+            f"{NPU_BLOCK_SIZE}-token blocks. Drop --block-size (the npu default is "
+            f"{NPU_BLOCK_SIZE}) or pass --block-size {NPU_BLOCK_SIZE}."
+        )
