@@ -217,6 +217,8 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
+    warmup: bool = True  # dummy steps before serving, so the first requests are not the slow ones
+    profile_dir: Path | None = None  # None: profiling refused; else traces are written there
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):

@@ -10,18 +10,16 @@ does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key``
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
 serves until SIGTERM or SIGINT; with ``--registry`` it registers in Redis meanwhile
-(`registration`). `python -m npuserve.executor.server --help` runs it directly.
+(`registration`). `npuserve executor` runs it (its flags: `npuserve.deploy.executor_flags`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.metadata
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -33,12 +31,10 @@ import grpc
 import structlog
 import torch
 
-from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token
 from npuserve.executor.cluster_token import ClusterTokenInterceptor
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.platform import PlatformError
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled, StepProfiler
 from npuserve.executor.warmup import warm_up
@@ -386,8 +382,6 @@ def serve_executor(
     tls: tuple[bytes, bytes] | None = None,
     registry: RegistryConfig | None = None,
     parallel: ParallelConfig | None = None,
-    warmup: bool = True,
-    profile_dir: Path | None = None,
 ) -> None:
     """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only.
 
@@ -402,10 +396,10 @@ def serve_executor(
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
             return
     runner = leader or ModelRunner(config)
-    if warmup:
+    if config.warmup:
         warm_up(runner)
     running = start_executor_server(
-        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=profile_dir
+        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
     )
     registration = None
     stop = threading.Event()
@@ -447,90 +441,3 @@ def serve_executor(
         if leader is not None:
             leader.close()  # stops the other ranks; SystemExit(1) if the group was lost
     log.info("executor stopped")
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
-    return ExecutorConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format,
-        seed=args.seed,
-    )
-
-
-def _cluster_from_args(
-    args: argparse.Namespace,
-) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
-    """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    tls = None
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if cert is not None and key is not None:
-        try:
-            tls = (Path(key).read_bytes(), Path(cert).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the TLS key or certificate: {exc}") from exc
-    registry = None
-    if getattr(args, "registry", None):
-        try:
-            registry = RegistryConfig(
-                args.registry, args.registry_prefix, args.registry_ttl, args.advertise_address
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    return tls, registry
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Serves with the flags of `add_executor_flags`; 2 (and the message) on a user error."""
-    from npuserve.executor.parallel import ParallelConfig
-
-    try:
-        tls, registry = _cluster_from_args(args)
-        serve_executor(
-            config_from_args(args),
-            args.host,
-            args.port,
-            args.ready_file,
-            args.executor_id,
-            cluster_token=cluster_token(args),
-            tls=tls,
-            registry=registry,
-            parallel=ParallelConfig.from_args(args),
-            warmup=not args.no_warmup,
-            profile_dir=args.profile_dir,
-        )
-    except (ConfigError, PlatformError) as exc:
-        print(f"npuserve executor: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    from npuserve.deploy.logs import configure_logging
-
-    parser = argparse.ArgumentParser(prog="python -m npuserve.executor.server", description=__doc__)
-    add_executor_flags(parser)
-    add_executor_cluster_flags(parser)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="console", choices=["console", "json"])
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_format == "json")
-    sys.exit(run_from_args(args))
-
-
-if __name__ == "__main__":
-    main()

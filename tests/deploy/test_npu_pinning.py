@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from npuserve.deploy import cli
-from npuserve.deploy.flags import device_flag
-from npuserve.deploy.launcher import LaunchError
+from npuserve.deploy.executor_flags import device_flag
+from npuserve.deploy.launcher import LaunchError, device_env
 from npuserve.executor.npu_devices import physical_npu_ids, visible_npu_ids
 
 
@@ -35,12 +35,12 @@ def test_executors_default_to_the_visible_npus_and_pin_one_each(monkeypatch: pyt
     assert cli._num_executors(args(device="npu:1")) == 1
     assert cli._num_executors(args(device="cpu")) == 1
     assert cli._num_executors(args(num_executors=3)) == 3
-    assert [cli._device_env("npu", i, 4) for i in range(4)] == [
+    assert [device_env("npu", i, 4) for i in range(4)] == [
         {"ASCEND_RT_VISIBLE_DEVICES": str(n)} for n in (4, 5, 6, 7)
     ]
-    assert cli._device_env("npu", 1, 2, tp_size=2) == {"ASCEND_RT_VISIBLE_DEVICES": "6,7"}
+    assert device_env("npu", 1, 2, tp_size=2) == {"ASCEND_RT_VISIBLE_DEVICES": "6,7"}
     with pytest.raises(LaunchError, match="need 6 NPUs but 4 are visible"):
-        cli._device_env("npu", 0, 3, tp_size=2)
+        device_env("npu", 0, 3, tp_size=2)
 
 
 def test_device_flag_takes_an_index() -> None:

@@ -27,6 +27,7 @@ from harness.reference import transformers_greedy
 from harness.serve import child_pids, generate_concurrently, npuserve_process, serve
 from harness.step_driver import DrivenRequest, StepDriver
 
+from npuserve.deploy.executor_flags import TP_RANK_ENV, parallel_config_from_args
 from npuserve.executor import model_loader, parallel
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.layers import TensorParallel
@@ -205,16 +206,16 @@ def test_parallel_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    single_node = parallel.ParallelConfig.from_args(args())
+    single_node = parallel_config_from_args(args())
     assert single_node.starts_ranks and single_node.master_addr is None  # MASTER_* unused here
-    monkeypatch.setenv(parallel.TP_RANK_ENV, "1")
-    joined = parallel.ParallelConfig.from_args(args())
+    monkeypatch.setenv(TP_RANK_ENV, "1")
+    joined = parallel_config_from_args(args())
     assert (joined.rank, joined.master_addr, joined.master_port) == (1, "10.0.0.1", 29500)
     monkeypatch.delenv("MASTER_ADDR")
     with pytest.raises(ConfigError, match="--master-addr and --master-port"):
-        parallel.ParallelConfig.from_args(args(tp_rank=1))
+        parallel_config_from_args(args(tp_rank=1))
     with pytest.raises(ConfigError, match=r"--tp-rank 2 is outside 0\.\.1"):
-        parallel.ParallelConfig.from_args(args(tp_rank=2, master_addr="h", master_port=1))
+        parallel_config_from_args(args(tp_rank=2, master_addr="h", master_port=1))
 
 
 def test_more_ranks_than_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,11 +301,11 @@ def test_killed_rank_fails_its_executor_over_to_another(model_dirs: dict[str, Pa
             os.kill(rank1, signal.SIGKILL)
             for thread in threads:
                 thread.join(120)
-            assert group.wait(30) != 0  # rank 0 noticed, and failed the executor
+            assert group.process.wait(30) != 0  # rank 0 noticed, and failed the executor
             assert reasons == ["length"] * len(prompt_ids)
             assert outputs == expected
             check = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=10)
             assert check.ok, check.message
             assert len(check.executors) == 1
-        assert "requests moved" in scheduler.stderr.read()  # the group's requests failed over
-        assert "tensor-parallel group lost" in group.stderr.read()
+        assert "requests moved" in scheduler.log()  # the group's requests failed over
+        assert "tensor-parallel group lost" in group.log()
