@@ -50,7 +50,7 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _scheduler_config(args: argparse.Namespace, executors: list[str]):
-    from npuserve.deploy.flags import cluster_token
+    from npuserve.deploy.flags import api_key, cluster_token, server_tls
     from npuserve.scheduler.server import SchedulerConfig
 
     return SchedulerConfig(
@@ -68,16 +68,21 @@ def _scheduler_config(args: argparse.Namespace, executors: list[str]):
         registry_prefix=args.registry_prefix,
         cluster_token=cluster_token(args),
         tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
+        api_key=api_key(args),
+        tls=server_tls(args),
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from npuserve.deploy.demo_model import DEMO_MODEL_DIR
     from npuserve.deploy.flags import (
+        add_allow_unauthenticated_flag,
+        add_api_key_flag,
         add_cluster_token_flag,
         add_executor_cluster_flags,
         add_executor_flags,
         add_gateway_flags,
+        add_server_tls_flags,
     )
 
     parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
@@ -114,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scheduler.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach executors over TLS")
     add_cluster_token_flag(scheduler)
+    add_api_key_flag(scheduler, "require `authorization: Bearer KEY` metadata on every call but Health")
+    add_server_tls_flags(scheduler)
+    add_allow_unauthenticated_flag(scheduler)
     scheduler.add_argument("--host", default="127.0.0.1")
     scheduler.add_argument("--port", type=int, default=50051)
     scheduler.add_argument("--ready-file", type=Path)
@@ -163,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token
     from npuserve.deploy.launcher import Launcher, LaunchError
+    from npuserve.proto.auth import API_KEY
 
     executor_args = _forwarded(args, exclude={"port", "host", "ready_file", "executor_id"})
     executor_args += ["--no-warmup"] if args.no_warmup else []
@@ -192,13 +201,13 @@ def run_serve(args: argparse.Namespace) -> int:
             str(args.scheduler_port),
         ]
         scheduler_args += _forwarded_scheduler_flags(args)
-        scheduler = launcher.start("scheduler", scheduler_args, token_env)
+        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
+        key_env = {API_KEY.env: args.api_key} if args.api_key else {}
+        scheduler = launcher.start("scheduler", scheduler_args, {**token_env, **key_env})
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
         gateway_args = ["gateway", "--scheduler", str(info["address"]), "--host", args.host]
         gateway_args += ["--port", str(args.port), *_flags(args, _GATEWAY_FLAGS)]
-        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
-        gateway_env = {"NPUSERVE_API_KEY": args.api_key} if args.api_key else None
-        gateway = launcher.start("gateway", gateway_args, gateway_env)
+        gateway = launcher.start("gateway", gateway_args, key_env or None)
         (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
         print(
             f"npuserve ready: scheduler gRPC at {info['address']}, OpenAI API at {url_info['url']}, "
@@ -250,7 +259,15 @@ _SCHEDULER_FLAGS = [
     "log_format",
 ]
 
-_GATEWAY_FLAGS = ["max_request_bytes", "log_level", "log_format"]
+_GATEWAY_FLAGS = [
+    "max_request_bytes",
+    "request_header_timeout",
+    "request_body_timeout",
+    "keep_alive_timeout",
+    "max_connections",
+    "log_level",
+    "log_format",
+]
 
 
 def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -284,6 +301,7 @@ def run_executor(args: argparse.Namespace) -> int:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler
 
     if bool(args.executors) == bool(args.registry):
@@ -293,6 +311,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
         config = _scheduler_config(args, list(args.executors or ()))
     except OSError as exc:
         print(f"npuserve scheduler: error: cannot read --tls-ca: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"npuserve scheduler: error: {exc}", file=sys.stderr)
+        return 2
+    problem = exposure_problem(args.host, API_KEY, bool(config.api_key), args.allow_unauthenticated)
+    if problem is not None:
+        print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
         return 2
     asyncio.run(serve_scheduler(config, args.host, args.port, args.ready_file))
     return 0

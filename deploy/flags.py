@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
-CLUSTER_TOKEN_ENV = "NPUSERVE_CLUSTER_TOKEN"
+CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
 
 
 def add_executor_flags(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +84,17 @@ def cluster_token(args: argparse.Namespace) -> str | None:
     return getattr(args, "cluster_token", None) or os.environ.get(CLUSTER_TOKEN_ENV) or None
 
 
+def add_api_key_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--api-key``: the key clients present as `Authorization: Bearer KEY`; ``what`` says what
+    this command does with it."""
+    parser.add_argument("--api-key", help=f"{what} (default: ${API_KEY.env})")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key`` or the environment (None: none configured)."""
+    return getattr(args, "api_key", None) or os.environ.get(API_KEY.env) or None
+
+
 def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
     """Flags of an executor that runs on its own in a cluster: registry and TLS."""
     parser.add_argument("--registry", help="redis://HOST:PORT/DB: register this executor there")
@@ -93,15 +105,78 @@ def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise-address", help="HOST:PORT the scheduler connects to (default: the bound address)"
     )
+    add_server_tls_flags(parser)
+    add_allow_unauthenticated_flag(parser)
+
+
+def add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert``/``--tls-key``: serve a gRPC port over TLS."""
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
 
 
+def server_tls(args: argparse.Namespace) -> tuple[bytes, bytes] | None:
+    """(private key, certificate chain) in PEM from ``--tls-key``/``--tls-cert``, or None;
+    ValueError naming the problem when only one is given or one cannot be read."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if cert is None or key is None:
+        return None
+    try:
+        return Path(key).read_bytes(), Path(cert).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the TLS key or certificate: {exc}") from exc
+
+
+def add_allow_unauthenticated_flag(parser: argparse.ArgumentParser) -> None:
+    """``--allow-unauthenticated``: bind a non-loopback address without a secret."""
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback --host without a secret (only on a trusted network)",
+    )
+
+
 def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     """The gateway's own flags; ``--host``/``--port`` are added by the command that owns them."""
-    parser.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: $NPUSERVE_API_KEY)"
-    )
+    if standalone:
+        add_api_key_flag(
+            parser, "require `Authorization: Bearer KEY` on /v1/*, and present KEY to the scheduler"
+        )
+    else:
+        add_api_key_flag(parser, "require `Authorization: Bearer KEY` on /v1/* and the scheduler's gRPC API")
     parser.add_argument("--max-request-bytes", type=int, default=None, help="largest request body accepted")
+    parser.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client may take to send a request's headers (then 408 and close)",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's body (then 408 and close)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="open connections beyond which new ones get 503 (stalled clients count until timed out)",
+    )
     if standalone:
         parser.add_argument("--served-model-name", help="default: the scheduler's model name")
+        parser.add_argument(
+            "--scheduler-api-key",
+            help=f"the key presented to the scheduler (default: --api-key, ${API_KEY.env})",
+        )
+        parser.add_argument(
+            "--scheduler-tls-ca", type=Path, help="PEM CA certificates: reach the scheduler over TLS"
+        )

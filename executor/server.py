@@ -4,8 +4,9 @@ Each RPC decodes its message, calls the runner and encodes the answer (`Executor
 single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
 them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
 refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
-With a cluster token, `ClusterTokenInterceptor` runs first and ends every call but `Health` that
-does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the port is TLS.
+With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
+`Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
+port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
 
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
@@ -33,8 +34,7 @@ import grpc
 import structlog
 import torch
 
-from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token
-from npuserve.executor.cluster_token import ClusterTokenInterceptor
+from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token, server_tls
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
@@ -45,6 +45,7 @@ from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
+from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor, exposure_problem
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
@@ -309,7 +310,7 @@ def start_executor_server(
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
-        interceptors.insert(0, ClusterTokenInterceptor(cluster_token))
+        interceptors.insert(0, TokenInterceptor(CLUSTER_TOKEN, cluster_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=NUM_WORKER_THREADS, thread_name_prefix="executor-rpc"),
         interceptors=interceptors,
@@ -474,15 +475,10 @@ def _cluster_from_args(
     args: argparse.Namespace,
 ) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
     """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    tls = None
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if cert is not None and key is not None:
-        try:
-            tls = (Path(key).read_bytes(), Path(cert).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the TLS key or certificate: {exc}") from exc
+    try:
+        tls = server_tls(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     registry = None
     if getattr(args, "registry", None):
         try:
@@ -499,6 +495,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     from npuserve.executor.parallel import ParallelConfig
 
     try:
+        token = cluster_token(args)
+        problem = exposure_problem(args.host, CLUSTER_TOKEN, bool(token), args.allow_unauthenticated)
+        if problem is not None:
+            raise ConfigError(problem)
         tls, registry = _cluster_from_args(args)
         serve_executor(
             config_from_args(args),
@@ -506,7 +506,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             args.port,
             args.ready_file,
             args.executor_id,
-            cluster_token=cluster_token(args),
+            cluster_token=token,
             tls=tls,
             registry=registry,
             parallel=ParallelConfig.from_args(args),

@@ -36,9 +36,11 @@ import structlog
 from tqdm import tqdm
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.deploy.flags import add_api_key_flag, api_key
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.auth import bearer_metadata
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
 from npuserve.scheduler.bench_report import (
     BenchSummary,
     RequestRecord,
@@ -211,23 +213,37 @@ class OfflineTarget:
 class GrpcTarget:
     """A `grpc.aio` client of a running scheduler's public `Generate` stream."""
 
-    def __init__(self, address: str, name: str = "grpc", connect_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str = "grpc",
+        connect_timeout_s: float = 60.0,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
         self.address = address
         self.name = name
         self.connect_timeout_s = connect_timeout_s
         self.max_model_len = 0
+        self._metadata = bearer_metadata(api_key)
+        self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
 
     async def open(self) -> None:
         options = message_size_options(MAX_API_MESSAGE_BYTES)
-        self._channel = grpc.aio.insecure_channel(self.address, options=options)
+        self._channel = aio_client_channel(self.address, options, self._tls_ca)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise BenchError(f"no scheduler answers at {self.address}") from None
-        models = await self._stub.ListModels(pb.ListModelsRequest())
+        try:
+            models = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise BenchError(
+                f"the scheduler at {self.address} refused: {exc.code().name}: {exc.details()}"
+            ) from None
         self.max_model_len = models.models[0].max_model_len
 
     async def close(self) -> None:
@@ -243,7 +259,7 @@ class GrpcTarget:
         )
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
         try:
-            async for response in self._stub.Generate(request):
+            async for response in self._stub.Generate(request, metadata=self._metadata):
                 failed = [c for c in response.completions if c.finish_reason in ("error", "abort")]
                 if failed:
                     raise BenchError(failed[0].error_message or f"finish_reason {failed[0].finish_reason}")
@@ -456,6 +472,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", help="HOST:PORT of a running scheduler (default: launch one, or run offline)"
     )
+    add_api_key_flag(parser, "present `authorization: Bearer KEY` to the scheduler at --address")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach --address over TLS")
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--mode", choices=["offline", "grpc"], help="default: grpc with --address, else offline"
@@ -593,7 +611,9 @@ def _run_variant(
         )
         return measure(target, workload, requests, warmup, progress)
     if args.address:
-        return measure(GrpcTarget(args.address, variant.name), workload, requests, warmup, progress)
+        tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        target = GrpcTarget(args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca)
+        return measure(target, workload, requests, warmup, progress)
     with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
         return measure(GrpcTarget(address, variant.name), workload, requests, warmup, progress)
 

@@ -19,6 +19,7 @@ import grpc
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import with_bearer
 
 READY = re.compile(r"npuserve ready: scheduler gRPC at (\S+), OpenAI API at (\S+),")
 
@@ -57,9 +58,11 @@ class Served:
     process: subprocess.Popen[str]
     url: str = ""  # the OpenAI-compatible gateway, e.g. http://127.0.0.1:PORT
     log: list[str] = field(default_factory=list)
+    api_key: str | None = None  # `serve --api-key`: the scheduler's gRPC API requires it too
 
     def stub(self) -> pb_grpc.SchedulerStub:
-        return pb_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+        """A stub of the scheduler's API that presents the API key, if there is one."""
+        return pb_grpc.SchedulerStub(with_bearer(grpc.insecure_channel(self.address), self.api_key))
 
     def integrity(self, expect_idle: bool = True, timeout_s: float = 5.0) -> pb.CheckIntegrityResponse:
         """The pools' integrity check, retried until it passes or ``timeout_s`` runs out
@@ -89,7 +92,7 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
     model_flags = [] if model is None else ["--model", str(model)]
     command = [sys.executable, "-m", "npuserve.deploy.cli", "serve", *model_flags, "--port", "0", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    served = Served("", process)
+    served = Served("", process, api_key=flag_value(flags, "--api-key"))
     ready = threading.Event()
 
     def pump() -> None:
@@ -124,6 +127,16 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         assert not orphans, f"processes left behind: {orphans}"
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value given to flag ``name`` in ``flags`` (``--name V`` or ``--name=V``), if any."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return None
 
 
 def greedy_request(prompt_ids: Sequence[int], max_tokens: int, **sampling: object) -> pb.GenerateRequest:
