@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
-    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags
+    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, gateway_flags, logging_flags
     from npuserve.deploy.launcher import Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
+    from npuserve.proto.auth import API_KEY
     from npuserve.proto.ready_file import write_ready_file
 
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
@@ -107,17 +108,15 @@ def run_serve(args: argparse.Namespace) -> int:
         ready = launcher.wait_ready(executors, args.startup_timeout)
         scheduler_config = SCHEDULER.from_args(args, executors=[str(r["address"]) for r in ready])
         scheduler_args = ["scheduler", *SCHEDULER.to_flags(scheduler_config), *logging_flags(args)]
+        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
+        key_env = {API_KEY.env: args.api_key} if args.api_key else {}
         scheduler = launcher.start(
-            "scheduler", [*scheduler_args, "--port", str(args.scheduler_port)], token_env
+            "scheduler", [*scheduler_args, "--port", str(args.scheduler_port)], {**token_env, **key_env}
         )
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
         gateway_args = ["gateway", "--scheduler", str(info["address"]), "--host", args.host]
-        gateway_args += ["--port", str(args.port), *logging_flags(args)]
-        if args.max_request_bytes is not None:
-            gateway_args.append(f"--max-request-bytes={args.max_request_bytes}")
-        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
-        gateway_env = {"NPUSERVE_API_KEY": args.api_key} if args.api_key else None
-        gateway = launcher.start("gateway", gateway_args, gateway_env)
+        gateway_args += ["--port", str(args.port), *logging_flags(args), *gateway_flags(args)]
+        gateway = launcher.start("gateway", gateway_args, key_env or None)
         (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
         print(
             f"npuserve ready: scheduler gRPC at {info['address']}, OpenAI API at {url_info['url']}, "
@@ -161,6 +160,7 @@ def run_executor(args: argparse.Namespace) -> int:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     from npuserve.deploy.scheduler_flags import SCHEDULER
+    from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler
 
     if bool(args.executors) == bool(args.registry):
@@ -170,6 +170,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
         config = SCHEDULER.from_args(args)
     except OSError as exc:
         print(f"npuserve scheduler: error: cannot read --tls-ca: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"npuserve scheduler: error: {exc}", file=sys.stderr)
+        return 2
+    problem = exposure_problem(args.host, API_KEY, bool(config.api_key), args.allow_unauthenticated)
+    if problem is not None:
+        print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
         return 2
     asyncio.run(serve_scheduler(config, args.host, args.port, args.ready_file))
     return 0

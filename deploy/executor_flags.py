@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.flag_table import Flag, FlagTable
-from npuserve.deploy.flags import add_cluster_token_flag, cluster_token
+from npuserve.deploy.flags import (
+    add_allow_unauthenticated_flag,
+    add_cluster_token_flag,
+    add_server_tls_flags,
+    cluster_token,
+    server_tls,
+)
+from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
@@ -180,10 +187,11 @@ def add_executor_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of an executor that runs on its own in a cluster: registry and TLS."""
+    """Flags of an executor that runs on its own in a cluster: registry, TLS, and leave to serve
+    a non-loopback address without a cluster token."""
     REGISTRY.add(parser)
-    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
-    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    add_server_tls_flags(parser)
+    add_allow_unauthenticated_flag(parser)
 
 
 def serve_parallel_flags(args: argparse.Namespace) -> list[str]:
@@ -223,15 +231,10 @@ def cluster_from_args(args: argparse.Namespace) -> tuple[tuple[bytes, bytes] | N
     """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
     from npuserve.executor.config import ConfigError
 
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    tls = None
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if cert is not None and key is not None:
-        try:
-            tls = (Path(key).read_bytes(), Path(cert).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the TLS key or certificate: {exc}") from exc
+    try:
+        tls = server_tls(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     registry = None
     if getattr(args, "registry", None):
         try:
@@ -248,6 +251,12 @@ def run_executor(args: argparse.Namespace) -> int:
     from npuserve.executor.server import serve_executor
 
     try:
+        token = cluster_token(args)
+        problem = exposure_problem(
+            args.host, CLUSTER_TOKEN, bool(token), getattr(args, "allow_unauthenticated", False)
+        )
+        if problem is not None:
+            raise ConfigError(problem)
         tls, registry = cluster_from_args(args)
         serve_executor(
             EXECUTOR.from_args(args),
@@ -255,7 +264,7 @@ def run_executor(args: argparse.Namespace) -> int:
             args.port,
             args.ready_file,
             args.executor_id,
-            cluster_token=cluster_token(args),
+            cluster_token=token,
             tls=tls,
             registry=registry,
             parallel=parallel_config_from_args(args),

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
-CLUSTER_TOKEN_ENV = "NPUSERVE_CLUSTER_TOKEN"
+from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
+
+CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
 CLUSTER_TOKEN_OPTIONS = {
     "help": f"shared secret between the scheduler and its executors (default: ${CLUSTER_TOKEN_ENV})"
 }
@@ -40,11 +43,116 @@ def resolve_cluster_token(given: str | None) -> str | None:
     return given or os.environ.get(CLUSTER_TOKEN_ENV) or None
 
 
+def add_api_key_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--api-key``: the key clients present as `Authorization: Bearer KEY`; ``what`` says what
+    this command does with it."""
+    parser.add_argument("--api-key", help=f"{what} (default: ${API_KEY.env})")
+
+
+# The scheduler's --api-key (in its flag table).
+API_KEY_OPTIONS = {
+    "help": f"require `authorization: Bearer KEY` metadata on every call but Health (default: ${API_KEY.env})"
+}
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key`` or the environment (None: none configured)."""
+    return resolve_api_key(getattr(args, "api_key", None))
+
+
+def resolve_api_key(given: str | None) -> str | None:
+    return given or os.environ.get(API_KEY.env) or None
+
+
+def add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert``/``--tls-key``: serve a gRPC port over TLS."""
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+
+
+def server_tls(args: argparse.Namespace) -> tuple[bytes, bytes] | None:
+    """(private key, certificate chain) in PEM from ``--tls-key``/``--tls-cert``, or None;
+    ValueError naming the problem when only one is given or one cannot be read."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if cert is None or key is None:
+        return None
+    try:
+        return Path(key).read_bytes(), Path(cert).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the TLS key or certificate: {exc}") from exc
+
+
+def add_allow_unauthenticated_flag(parser: argparse.ArgumentParser) -> None:
+    """``--allow-unauthenticated``: bind a non-loopback address without a secret."""
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback --host without a secret (only on a trusted network)",
+    )
+
+
+# The gateway flags `npuserve serve` forwards to its gateway process (the API key goes by the
+# environment).
+FORWARDED_GATEWAY_FLAGS = (
+    "max_request_bytes",
+    "request_header_timeout",
+    "request_body_timeout",
+    "keep_alive_timeout",
+    "max_connections",
+)
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's own flags as given to `npuserve serve`, for its gateway process."""
+    out = []
+    for name in FORWARDED_GATEWAY_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            out.append(f"--{name.replace('_', '-')}={value}")
+    return out
+
+
 def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     """The gateway's own flags; ``--host``/``--port`` are added by the command that owns them."""
-    parser.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: $NPUSERVE_API_KEY)"
-    )
+    if standalone:
+        add_api_key_flag(
+            parser, "require `Authorization: Bearer KEY` on /v1/*, and present KEY to the scheduler"
+        )
+    else:
+        add_api_key_flag(parser, "require `Authorization: Bearer KEY` on /v1/* and the scheduler's gRPC API")
     parser.add_argument("--max-request-bytes", type=int, default=None, help="largest request body accepted")
+    parser.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client may take to send a request's headers (then 408 and close)",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's body (then 408 and close)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="open connections beyond which new ones get 503 (stalled clients count until timed out)",
+    )
     if standalone:
         parser.add_argument("--served-model-name", help="default: the scheduler's model name")
+        parser.add_argument(
+            "--scheduler-api-key",
+            help=f"the key presented to the scheduler (default: --api-key, ${API_KEY.env})",
+        )
+        parser.add_argument(
+            "--scheduler-tls-ca", type=Path, help="PEM CA certificates: reach the scheduler over TLS"
+        )

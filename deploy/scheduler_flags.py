@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.flag_table import Flag, FlagTable, csv
-from npuserve.deploy.flags import CLUSTER_TOKEN_OPTIONS, resolve_cluster_token
+from npuserve.deploy.flags import (
+    API_KEY_OPTIONS,
+    CLUSTER_TOKEN_OPTIONS,
+    add_allow_unauthenticated_flag,
+    resolve_api_key,
+    resolve_cluster_token,
+    server_tls,
+)
 from npuserve.scheduler.server import SchedulerConfig
 
 
@@ -18,14 +26,21 @@ def _scheduler_config(
     executors: tuple[str, ...] | list[str] | None = None,
     tls_ca: Path | bytes | None = None,
     cluster_token: str | None = None,
+    api_key: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    tls: tuple[bytes, bytes] | None = None,
     **fields: Any,
 ) -> SchedulerConfig:
-    """The config; ``--tls-ca`` is read here (OSError when it cannot be) and the cluster token
-    falls back to the environment."""
+    """The config; ``--tls-ca`` and ``--tls-cert``/``--tls-key`` are read here (OSError when they
+    cannot be, ValueError when only one of the pair is given) and the secrets fall back to the
+    environment."""
     return SchedulerConfig(
         executors=list(executors or ()),
         tls_ca=tls_ca.read_bytes() if isinstance(tls_ca, Path) else tls_ca,
         cluster_token=resolve_cluster_token(cluster_token),
+        api_key=resolve_api_key(api_key),
+        tls=tls or server_tls(SimpleNamespace(tls_cert=tls_cert, tls_key=tls_key)),
         **fields,
     )
 
@@ -68,6 +83,9 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
         ),
         # NOTE: the token travels in the environment, not in argv where `ps` shows it.
         Flag("cluster_token", "--cluster-token", CLUSTER_TOKEN_OPTIONS, forward=False),
+        Flag("api_key", "--api-key", API_KEY_OPTIONS, forward=False),
+        Flag("tls_cert", "--tls-cert", {"type": Path, "help": "PEM certificate chain: serve over TLS"}, forward=False),
+        Flag("tls_key", "--tls-key", {"type": Path, "help": "PEM private key of --tls-cert"}, forward=False),
         # The serving flags, `npuserve serve`'s too:
         Flag(
             "served_model_name",
@@ -106,6 +124,9 @@ CLUSTER_FIELDS = (
     "connect_timeout_s",
     "tls_ca",
     "cluster_token",
+    "api_key",
+    "tls_cert",
+    "tls_key",
 )
 SERVING_FIELDS = tuple(f.field for f in SCHEDULER.flags if f.field not in CLUSTER_FIELDS)
 
@@ -116,4 +137,5 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--ready-file", type=Path)
+    add_allow_unauthenticated_flag(parser)
     SCHEDULER.add(parser, only=SERVING_FIELDS)

@@ -4,8 +4,9 @@ Each RPC decodes its message, calls the runner and encodes the answer (`Executor
 single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
 them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
 refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
-With a cluster token, `ClusterTokenInterceptor` runs first and ends every call but `Health` that
-does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the port is TLS.
+With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
+`Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
+port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
 
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
@@ -31,7 +32,6 @@ import grpc
 import structlog
 import torch
 
-from npuserve.executor.cluster_token import ClusterTokenInterceptor
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
@@ -41,6 +41,7 @@ from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
+from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
@@ -305,7 +306,7 @@ def start_executor_server(
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
-        interceptors.insert(0, ClusterTokenInterceptor(cluster_token))
+        interceptors.insert(0, TokenInterceptor(CLUSTER_TOKEN, cluster_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=NUM_WORKER_THREADS, thread_name_prefix="executor-rpc"),
         interceptors=interceptors,

@@ -57,6 +57,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable", headers=retry)
 
 
+def request_timeout(message: str) -> APIError:
+    """408 for a client too slow to send its request; the connection is closed after it."""
+    return APIError(408, message, code="request_timeout", headers={"Connection": "close"})
+
+
 # The scheduler's status codes for client errors and overload, as (HTTP status, type, code).
 _HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),

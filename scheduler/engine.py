@@ -304,6 +304,8 @@ class Engine:
         try:
             while True:
                 output = coalesce(await stream.queue.get(), stream.queue)
+                if output.refusal is not None:
+                    raise output.refusal
                 usage = output.usage or usage
                 yield output
                 if output.finished:
@@ -413,8 +415,14 @@ class Engine:
                 why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
-                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
                     self._record_finish(request, "error", time.monotonic())
+                if not self.live_lanes and not stream.started:
+                    # NOTE: nothing was sent: to the client this is a request that came while no
+                    # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
+                    stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
+                    continue
+                for request in siblings:
+                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
                 continue
             lane = self._place(siblings)
             log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)

@@ -30,7 +30,7 @@ from npuserve.deploy.bench.targets import BenchError, GrpcTarget, OfflineTarget,
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
-from npuserve.deploy.flags import add_logging_flags, logging_flags
+from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.scheduler_flags import SCHEDULER
 
@@ -217,6 +217,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", help="HOST:PORT of a running scheduler (default: launch one, or run offline)"
     )
+    add_api_key_flag(parser, "present `authorization: Bearer KEY` to the scheduler at --address")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach --address over TLS")
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--mode", choices=["offline", "grpc"], help="default: grpc with --address, else offline"
@@ -319,7 +321,9 @@ def _run_variant(
         )
         return measure(target, workload, requests, warmup, progress)
     if args.address:
-        return measure(GrpcTarget(args.address, variant.name), workload, requests, warmup, progress)
+        tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        target = GrpcTarget(args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca)
+        return measure(target, workload, requests, warmup, progress)
     with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
         return measure(GrpcTarget(address, variant.name), workload, requests, warmup, progress)
 

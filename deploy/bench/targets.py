@@ -17,7 +17,8 @@ import grpc
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.auth import bearer_metadata
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
 from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
 from npuserve.scheduler.request import SamplingParams
 
@@ -111,23 +112,37 @@ class OfflineTarget:
 class GrpcTarget:
     """A `grpc.aio` client of a running scheduler's public `Generate` stream."""
 
-    def __init__(self, address: str, name: str = "grpc", connect_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str = "grpc",
+        connect_timeout_s: float = 60.0,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
         self.address = address
         self.name = name
         self.connect_timeout_s = connect_timeout_s
         self.max_model_len = 0
+        self._metadata = bearer_metadata(api_key)
+        self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
 
     async def open(self) -> None:
         options = message_size_options(MAX_API_MESSAGE_BYTES)
-        self._channel = grpc.aio.insecure_channel(self.address, options=options)
+        self._channel = aio_client_channel(self.address, options, self._tls_ca)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise BenchError(f"no scheduler answers at {self.address}") from None
-        models = await self._stub.ListModels(pb.ListModelsRequest())
+        try:
+            models = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise BenchError(
+                f"the scheduler at {self.address} refused: {exc.code().name}: {exc.details()}"
+            ) from None
         self.max_model_len = models.models[0].max_model_len
 
     async def close(self) -> None:
@@ -143,7 +158,7 @@ class GrpcTarget:
         )
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
         try:
-            async for response in self._stub.Generate(request):
+            async for response in self._stub.Generate(request, metadata=self._metadata):
                 failed = [c for c in response.completions if c.finish_reason in ("error", "abort")]
                 if failed:
                     raise BenchError(failed[0].error_message or f"finish_reason {failed[0].finish_reason}")

@@ -19,6 +19,7 @@ import grpc
 from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import with_bearer
 
 
 def child_pids(pid: int) -> list[int]:
@@ -55,6 +56,7 @@ class Served:
     process: subprocess.Popen[bytes] | None
     url: str = ""  # the OpenAI-compatible gateway, e.g. http://127.0.0.1:PORT
     log_path: Path | None = None  # every process's output
+    api_key: str | None = None  # `serve --api-key`: the scheduler's gRPC API requires it too
 
     @property
     def log(self) -> list[str]:
@@ -63,7 +65,8 @@ class Served:
         return self.log_path.read_text(errors="replace").splitlines(keepends=True)
 
     def stub(self) -> pb_grpc.SchedulerStub:
-        return pb_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+        """A stub of the scheduler's API that presents the API key, if there is one."""
+        return pb_grpc.SchedulerStub(with_bearer(grpc.insecure_channel(self.address), self.api_key))
 
     def integrity(self, expect_idle: bool = True, timeout_s: float = 5.0) -> pb.CheckIntegrityResponse:
         """The pools' integrity check, retried until it passes or ``timeout_s`` runs out
@@ -96,7 +99,7 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
     child = launcher.start(
         "serve", ["serve", *model_flags, "--port", "0", *flags], log_path=log_path
     )
-    served = Served("", child.process, log_path=log_path)
+    served = Served("", child.process, log_path=log_path, api_key=flag_value(flags, "--api-key"))
     try:
         try:
             (ready,) = launcher.wait_ready([child], timeout_s)
@@ -115,6 +118,16 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         assert not orphans, f"processes left behind: {orphans}"
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value given to flag ``name`` in ``flags`` (``--name V`` or ``--name=V``), if any."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return None
 
 
 def greedy_request(prompt_ids: Sequence[int], max_tokens: int, **sampling: object) -> pb.GenerateRequest:
