@@ -14,6 +14,8 @@ from harness.serve import Served, serve
 
 from npuserve.proto import scheduler_pb2 as pb
 
+pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
+
 openai = pytest.importorskip("openai")
 
 ONCE = "Once upon a time"
