@@ -7,13 +7,14 @@ import asyncio
 import json
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from npuserve.deploy.logs import configure_logging
 
 
-def _csv(kind: type) -> object:
-    def parse(text: str) -> tuple:
+def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple[object, ...]]:
+    def parse(text: str) -> tuple[object, ...]:
         try:
             return tuple(kind(part) for part in text.split(",") if part)
         except ValueError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -122,7 +123,7 @@ def _param_of(message: str) -> str | None:
     return next((w for w in _WORD.findall(first_clause) if w in _FIELDS), None)
 
 
-def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
+def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first field pydantic refused, as `messages[0].role` style paths."""
     first = errors[0]
     param = field_path(first.get("loc", ()))
