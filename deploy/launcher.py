@@ -187,7 +187,7 @@ class Launcher:
 
     def supervise(self) -> int:
         """Blocks until a signal asks to stop (returns 0) or a child dies (returns 1)."""
-        stop = {"signal": None}
+        stop: dict[str, int | None] = {"signal": None}
 
         def on_signal(signum: int, _frame: object) -> None:
             stop["signal"] = signum

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 from npuserve.kernels.rope import RopeScaling
@@ -130,6 +130,10 @@ class ModelConfig:
         )
 
 
+@overload
+def _read_json(path: Path, required: Literal[True]) -> dict[str, Any]: ...
+@overload
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None: ...
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
     if not path.is_file():
         if required:

@@ -224,6 +224,7 @@ def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[Tok
     """Host lists of the logprobs each sampled request asked for (None where it asked none)."""
     if output.logprobs is None:
         return [None] * len(output.token_ids)
+    assert output.ranks is not None and output.top_token_ids is not None and output.top_logprobs is not None
     logprobs = output.logprobs.tolist()
     ranks = output.ranks.tolist()
     top_ids = output.top_token_ids.tolist()

@@ -328,6 +328,7 @@ def _bind(
     server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> int:
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    cause: RuntimeError | None = None
     try:
         if credentials is not None:
             bound = server.add_secure_port(target, credentials)
@@ -335,8 +336,6 @@ def _bind(
             bound = server.add_insecure_port(target)
     except RuntimeError as exc:
         bound, cause = 0, exc
-    else:
-        cause = None
     if bound == 0:
         raise ConfigError(
             f"cannot listen on {target} ({cause or 'bind failed'}): another process may hold the "

@@ -142,6 +142,10 @@ class SimulatedRunner:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def holds(self, req_id: str) -> bool:
+        """Whether the request's state is here (sent whole, not dropped since)."""
+        return req_id in self._requests
+
     def info(self) -> ExecutorInfo:
         c = self.config
         return ExecutorInfo(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -95,7 +95,7 @@ def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 
-def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json(payload: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     body = json.dumps(payload, ensure_ascii=False).encode()
     return Response(body, status, headers, media_type="application/json")
 
@@ -242,7 +242,11 @@ def _routes(app: FastAPI) -> None:
     async def tokenize(request: Request) -> Response:
         gateway = _gateway(request)
         raw = parse_json_object(await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s))
-        body = validate(raw, TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest)
+        body: TokenizeChatRequest | TokenizeCompletionRequest = (
+            validate(raw, TokenizeChatRequest)
+            if "messages" in raw
+            else validate(raw, TokenizeCompletionRequest)
+        )
         target, _ = await gateway.scheduler_model(body.model)
         result = await _in_request_terms(body, gateway.client.tokenize(body, target))
         return _json(

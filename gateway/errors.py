@@ -9,6 +9,7 @@ a 5xx means the gateway or the scheduler behind it failed.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -87,7 +88,7 @@ def from_status(code: grpc.StatusCode, details: str | None, field: str | None = 
     return APIError(status, message, kind, param, error_code, headers)
 
 
-def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
+def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first field pydantic refused, as `messages[0].role` style paths."""
     first = errors[0]
     param = field_path(first.get("loc", ()))

@@ -124,16 +124,6 @@ class Engine:
         self._unstarted: dict[str, tuple[ExecutorLane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
 
-    def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=info.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_model_len=info.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        )
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         for executor_id, executor, info in self._pending:
@@ -168,9 +158,8 @@ class Engine:
         old = self.lanes.get(executor_id)
         if old is not None:
             self.remove_executor(executor_id, "replaced by a new instance")
-        lane = ExecutorLane(
-            executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event
-        )
+        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
+        lane = ExecutorLane(executor_id, executor, scheduler, self._on_lane_event)
         self.lanes[executor_id] = lane
         lane.start()
         log.info(

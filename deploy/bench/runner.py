@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
@@ -35,7 +36,7 @@ from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan
 log = structlog.get_logger(__name__)
 
 # A ~150M-parameter Llama: hidden 1024, 8 layers, 16 heads, 4 KV heads, vocab 32000.
-PRESETS: dict[str, dict[str, object]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "llama-150m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -85,7 +86,7 @@ def materialise_preset(name: str, directory: Path, with_weights: bool, seed: int
 
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    hf_config.architectures = list(config["architectures"])  # type: ignore[arg-type]
+    hf_config.architectures = list(config["architectures"])
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     log.info("saving random weights", preset=name, directory=str(directory))
     model.save_pretrained(directory)
@@ -118,7 +119,7 @@ def run_npuserve(
     outputs: list[list[int]] = [[] for _ in req_ids]
     start = time.perf_counter()
     result = runner.execute(
-        StepPlan(next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, prompt_len))
+        StepPlan(next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, int(prompt_len)))
     )
     prefilled = time.perf_counter()
     for _ in range(output_len - 1):

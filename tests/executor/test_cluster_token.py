@@ -25,6 +25,8 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import SamplingOptions, StepPlan, StepResult
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
+pytestmark = pytest.mark.slow  # executors and schedulers in processes of their own
+
 TOKEN = "s3cret-cluster-token"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}

@@ -112,6 +112,7 @@ def expected(local_runner: ModelRunner) -> list[DrivenRequest]:
     return _drive(local_runner, "local")
 
 
+@pytest.mark.slow
 def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) -> None:
     with ExecutorClient(executor.address, timeout_s=10) as client:
         info = client.info()
@@ -125,6 +126,7 @@ def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) ->
 
 
 @pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.slow
 def test_greedy_generation_matches_in_process_runner(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
@@ -138,6 +140,7 @@ def test_greedy_generation_matches_in_process_runner(
 
 
 @pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.slow
 def test_bad_plan_is_invalid_argument_and_serving_goes_on(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
@@ -153,6 +156,7 @@ def test_bad_plan_is_invalid_argument_and_serving_goes_on(
     assert request.output == expected[0].output[:8]
 
 
+@pytest.mark.slow
 def test_health(executor: ExecutorProcess) -> None:
     with ExecutorClient(executor.address, timeout_s=5) as client:
         assert client.health()
@@ -206,6 +210,7 @@ def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode
         assert client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
     running = _start_executor(stories_dir, tmp_path)
     with StreamingExecutorClient(running.address, timeout_s=10) as client:

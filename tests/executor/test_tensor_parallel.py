@@ -122,6 +122,7 @@ def cli(*args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.slow
 def test_tp2_serve_matches_tp1_and_transformers(name: str, model_dirs: dict[str, Path]) -> None:
     model_dir = model_dirs[name]
     prompt_ids = prompts(8, seed=1)
@@ -230,6 +231,7 @@ def test_more_ranks_than_visible_devices(monkeypatch: pytest.MonkeyPatch) -> Non
     parallel.check_devices(torch.device("cpu"), 8)  # ranks share the CPU
 
 
+@pytest.mark.slow
 def test_bad_size_and_ranks_that_cannot_join_fail_clearly(model_dirs: dict[str, Path]) -> None:
     model = str(model_dirs["llama-gqa"])
     base = ("executor", "--model", model, "--device", "cpu", "--kv-cache-memory", "0.01")
@@ -260,6 +262,7 @@ def test_bad_size_and_ranks_that_cannot_join_fail_clearly(model_dirs: dict[str, 
 # --------------------------------------------------------------------------- a rank dies
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_its_executor_over_to_another(model_dirs: dict[str, Path]) -> None:
     """SIGKILL rank 1 of a TP=2 executor while streams run: rank 0 exits non-zero, the scheduler
     moves its requests to the TP=1 executor, and every stream ends with the undisturbed tokens."""

@@ -18,6 +18,8 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import bearer_metadata
 
+pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
+
 openai = pytest.importorskip("openai")
 
 ONCE = "Once upon a time"

@@ -222,6 +222,7 @@ def test_shared_prefix_hits_the_cache_only_with_caching_on(stories_dir: Path) ->
     assert off.cached_prompt_tokens == 0 and off.prefix_cache_hit_rate == 0
 
 
+@pytest.mark.slow
 def test_run_bench_compares_caching_and_writes_json_and_plot(
     stories_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -250,6 +251,7 @@ def test_run_bench_reports_a_workload_too_long_for_the_model(capsys: pytest.Capt
     assert "max_model_len 512" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_grpc_mode_launches_serve_and_counts_every_token(stories_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = _args(
