@@ -9,9 +9,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 from harness.serve import Served, npuserve_process
 
 from npuserve.deploy.launcher import Launcher
+
+pytestmark = pytest.mark.slow  # starts npuserve processes
 
 PROBE_RUN_TIMEOUT_S = 30
 

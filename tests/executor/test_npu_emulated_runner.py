@@ -98,6 +98,7 @@ def assert_greedy_within_tolerance(reference: torch.nn.Module, request: DrivenRe
     assert bool((chosen >= logits.max(dim=1).values - slack).all()), (request.req_id, request.output)
 
 
+@pytest.mark.slow  # runs models for seconds
 @pytest.mark.parametrize("token_budget", [10_000, 100], ids=["whole-prefill", "chunked-prefill"])
 def test_batched_greedy_follows_transformers(model_dir: Path, device: str, token_budget: int) -> None:
     runner = make_runner(model_dir, device)
@@ -179,6 +180,7 @@ def served_model(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) ->
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2-gloo"])
 def test_serve_on_the_emulated_npu(
     emulated_npu: pytest.MonkeyPatch, served_model: Path, tp_size: int

@@ -17,6 +17,8 @@ from harness.serve import Served, child_pids, serve
 
 from npuserve.proto import scheduler_pb2 as pb
 
+pytestmark = pytest.mark.slow  # starts npuserve processes
+
 NUM_REQUESTS = 12
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
 GIVE_UP_S = 120

@@ -20,6 +20,8 @@ import httpx
 import pytest
 from harness.serve import Served, serve
 
+pytestmark = pytest.mark.slow  # starts npuserve processes
+
 HEADER_TIMEOUT_S = 2
 BODY_TIMEOUT_S = 2
 MAX_CONNECTIONS = 4

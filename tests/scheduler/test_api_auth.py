@@ -24,6 +24,8 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import bearer_metadata, with_bearer
 
+pytestmark = pytest.mark.slow  # starts npuserve processes
+
 KEY = "sk-scheduler-test-key"
 TOKEN = "cluster-token-for-the-api-tests"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"

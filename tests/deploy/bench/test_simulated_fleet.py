@@ -24,6 +24,8 @@ from npuserve.deploy.bench.simulated_fleet import (
 from npuserve.deploy.launcher import Launcher, LaunchError, python_module
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, request_key, simulated_token
 
+pytestmark = pytest.mark.slow  # starts npuserve processes
+
 SMALL = SimulatedConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4)
 NUM_EXECUTORS = 4
 NUM_STREAMS = 16
