@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
 import structlog
-import torch
 
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
@@ -99,7 +98,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
-        self._profiler = profiler or StepProfiler(None, torch.device("cpu"), executor_id)  # off
+        self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
         self._step_thread = (
             futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
             if self._profiler.enabled
@@ -317,7 +316,7 @@ def start_executor_server(
     executor_id = executor_id or f"{socket.gethostname()}:{bound}"
     version = npuserve_version()
     info = runner.info()
-    profiler = StepProfiler(profile_dir, torch.device(info.device), executor_id)
+    profiler = StepProfiler(profile_dir, info.device, executor_id)
     servicer = ExecutorServicer(runner, executor_id, version, profiler)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()

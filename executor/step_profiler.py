@@ -52,9 +52,9 @@ def _npu_profiler(profile_dir: Path, worker_name: str) -> Any:
     )
 
 
-def _torch_profiler(profile_dir: Path, worker_name: str, device: torch.device) -> Any:
+def _torch_profiler(profile_dir: Path, worker_name: str, device_type: str) -> Any:
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
+    if device_type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return torch.profiler.profile(
         activities=activities,
@@ -68,9 +68,9 @@ def _torch_profiler(profile_dir: Path, worker_name: str, device: torch.device) -
 class StepProfiler:
     """One profile at a time, written under ``profile_dir`` (None: profiling is off)."""
 
-    def __init__(self, profile_dir: Path | None, device: torch.device, worker_name: str) -> None:
+    def __init__(self, profile_dir: Path | None, device: str, worker_name: str) -> None:
         self.profile_dir = profile_dir
-        self.device = device
+        self.device_type = device.split(":", 1)[0]  # "npu:0" -> "npu"; "simulated" profiles the host
         self.worker_name = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_name)
         self._profile: Any = None
 
@@ -94,13 +94,13 @@ class StepProfiler:
         if self._profile is not None:
             raise ProfilerStateError("a profile is already running; stop it first (POST /stop_profile)")
         profile_dir.mkdir(parents=True, exist_ok=True)
-        if self.device.type == "npu":
+        if self.device_type == "npu":
             profile = _npu_profiler(profile_dir, self.worker_name)
         else:
-            profile = _torch_profiler(profile_dir, self.worker_name, self.device)
+            profile = _torch_profiler(profile_dir, self.worker_name, self.device_type)
         profile.start()
         self._profile = profile
-        log.info("profile started", profile_dir=str(profile_dir), device=str(self.device))
+        log.info("profile started", profile_dir=str(profile_dir), device=self.device_type)
         return profile_dir
 
     def stop(self) -> list[Path]:
