@@ -147,9 +147,15 @@ def _num_executors(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    from npuserve.deploy.flags import gateway_config_from_args
     from npuserve.gateway.server import run_gateway
 
-    return run_gateway(args)
+    try:
+        config = gateway_config_from_args(args)
+    except ValueError as exc:
+        print(f"npuserve gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return run_gateway(config)
 
 
 def run_executor(args: argparse.Namespace) -> int:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
+
+if TYPE_CHECKING:
+    from npuserve.gateway.server import GatewayConfig
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
 CLUSTER_TOKEN_OPTIONS = {
@@ -156,3 +160,31 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
         parser.add_argument(
             "--scheduler-tls-ca", type=Path, help="PEM CA certificates: reach the scheduler over TLS"
         )
+
+
+def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The gateway's settings from `npuserve gateway` flags; the keys may come from the environment
+    (the scheduler's key is the API key unless --scheduler-api-key names another)."""
+    from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES
+    from npuserve.gateway.server import GatewayConfig
+
+    key = api_key(args)
+    try:
+        tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
+    except OSError as exc:
+        raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
+    return GatewayConfig(
+        scheduler=args.scheduler,
+        host=args.host,
+        port=args.port,
+        api_key=key,
+        scheduler_api_key=getattr(args, "scheduler_api_key", None) or key,
+        scheduler_tls_ca=tls_ca,
+        served_model_name=getattr(args, "served_model_name", None),
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        ready_file=args.ready_file,
+    )

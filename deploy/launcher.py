@@ -100,6 +100,12 @@ class Child:
         where = f":\n{tail}" if tail else " (see its log above)" if self.log_path is None else ""
         return f"{self.name} (pid {self.pid}) exited with code {code}{where}"
 
+    def kill(self) -> int:
+        """SIGKILL now (a crash, as far as the others can tell); its exit code."""
+        if self.process.poll() is None:
+            self.process.kill()
+        return self.process.wait()
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> int:
         """SIGTERM, then SIGKILL if it still runs after ``grace_s``; its exit code."""
         if self.process.poll() is None:

@@ -10,7 +10,6 @@ the limits of `http_protocol` and the app's body deadline.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -25,7 +24,6 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from npuserve.deploy.flags import api_key
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
@@ -70,38 +68,8 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be positive, got {seconds}")
 
 
-def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    """The gateway's settings from `npuserve gateway` flags; the keys may come from the environment
-    (the scheduler's key is the API key unless --scheduler-api-key names another)."""
-    key = api_key(args)
-    try:
-        tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
-    except OSError as exc:
-        raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
-    return GatewayConfig(
-        scheduler=args.scheduler,
-        host=args.host,
-        port=args.port,
-        api_key=key,
-        scheduler_api_key=getattr(args, "scheduler_api_key", None) or key,
-        scheduler_tls_ca=tls_ca,
-        served_model_name=getattr(args, "served_model_name", None),
-        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-        request_header_timeout_s=args.request_header_timeout,
-        request_body_timeout_s=args.request_body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout,
-        max_connections=args.max_connections,
-        ready_file=args.ready_file,
-    )
-
-
-def run_gateway(args: argparse.Namespace) -> int:
-    """Entry point of `npuserve gateway`; returns the exit code."""
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"npuserve gateway: error: {exc}", file=sys.stderr)
-        return 2
+def run_gateway(config: GatewayConfig) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit code."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvicorn[standard] brings it

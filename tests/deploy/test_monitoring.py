@@ -14,6 +14,8 @@ from harness.deploy_files import COMPOSE, DEPLOY, K8S, render_kustomization
 from harness.serve import Served
 from prometheus_client.parser import text_string_to_metric_families
 
+from npuserve.deploy.demo_model import DEMO_MODEL_NAME
+
 promql = pytest.importorskip("promql_parser")
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "npuserve.json"
@@ -134,7 +136,7 @@ def test_every_queried_metric_is_exported_by_a_live_server(served_stories: Serve
     wanted = queried_metrics() - PROMETHEUS_OWN
     assert wanted
     with httpx.Client(base_url=served_stories.url, timeout=60) as client:
-        body = {"model": str(stories_dir), "prompt": "Once upon a time", "max_tokens": 8}
+        body = {"model": DEMO_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8}
         assert client.post("/v1/completions", json=body).status_code == 200
         exported = exported_names(client.get("/metrics").text)
     missing = sorted(wanted - exported)

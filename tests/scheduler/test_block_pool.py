@@ -6,8 +6,6 @@ handed out and the exact order of the free list.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from npuserve.scheduler.block_hash import hash_block_tokens
@@ -386,10 +384,10 @@ def test_free_block_queue_small() -> None:
 
 
 def test_free_block_queue_large_pool_stays_correct_and_fast() -> None:
-    """On 100k blocks, middle removals, appends and pops keep the exact order, in linear time."""
+    """On 100k blocks, middle removals, appends and pops keep the exact order, in linear time (a
+    list-based queue with O(n) removals would take minutes: the suite's timeout catches that)."""
     n = 100_000
     blocks = [KVCacheBlock(i) for i in range(n)]
-    start = time.perf_counter()
     queue = FreeBlockQueue(blocks)
     for block in blocks[1::2]:  # remove every odd block from the middle
         queue.remove(block)
@@ -400,9 +398,6 @@ def test_free_block_queue_large_pool_stays_correct_and_fast() -> None:
     assert popped == list(range(0, n, 2))
     assert len(queue) == n // 2
     assert [b.block_id for b in queue] == list(range(n - 1, 0, -2))
-    elapsed = time.perf_counter() - start
-    # Linear work; a list-based queue with O(n) removals would take minutes here.
-    assert elapsed < 5.0, f"FreeBlockQueue took {elapsed:.2f} s on {n} blocks"
 
 
 def test_large_pool_touch_from_the_middle() -> None:
