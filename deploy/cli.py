@@ -34,6 +34,11 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates that clients send (off: such requests are refused)",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -58,6 +63,7 @@ def _scheduler_config(args: argparse.Namespace, executors: list[str]):
         executors=executors,
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         enable_prefix_caching=args.enable_prefix_caching,
         routing=args.routing,
         max_queued_requests=args.max_queued_requests,
@@ -268,6 +274,7 @@ def _forwarded(args: argparse.Namespace, exclude: set[str]) -> list[str]:
 
 def _forwarded_scheduler_flags(args: argparse.Namespace) -> list[str]:
     flags = _flags(args, _SCHEDULER_FLAGS)
+    flags += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     return [*flags, "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
 
 
