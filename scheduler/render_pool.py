@@ -82,9 +82,16 @@ class _Worker:
         self.process.start()
         child.close()
         # NOTE: a render's time starts once the worker has imported what it needs.
-        if not self.conn.poll(WORKER_START_TIMEOUT_S) or self.conn.recv() != ("ready",):
+        try:
+            ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == ("ready",)
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
-            raise RuntimeError(f"a chat template worker did not start in {WORKER_START_TIMEOUT_S:g} s")
+            raise RuntimeError(
+                f"a chat template worker did not start in {WORKER_START_TIMEOUT_S:g} s "
+                f"(exit code {self.process.exitcode})"
+            )
 
     def call(self, job: ChatRender, timeout_s: float) -> Outcome:
         """The job's outcome; ("timeout",) past `timeout_s`, ("died",) when the worker ended."""
