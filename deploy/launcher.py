@@ -1,15 +1,18 @@
-"""`npuserve serve`: scheduler and executors as processes on one machine, on loopback.
+"""Starting `npuserve` processes: `npuserve serve`, the benchmarks, tensor-parallel ranks and
+the tests all launch their children here.
 
-Children are started with the same Python, report readiness through small JSON files, and are
-stopped together: on SIGINT/SIGTERM, when any of them dies, and (Linux) when the launcher itself
-dies, through the parent-death signal. No orphan survives the launcher.
+A child is the same Python running ``npuserve.deploy.cli`` (or another npuserve module) with
+``--ready-file``: it writes that file (`proto.ready_file`) once it serves, and `wait_ready`
+returns what it wrote, or fails naming every child that is not ready and how each that exited
+did. Children are stopped together (SIGTERM, then SIGKILL after a grace period): on SIGINT/SIGTERM
+of the launcher, when any of them dies, and (Linux) when the launcher itself dies, through the
+parent-death signal. No orphan survives the launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -19,17 +22,48 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
+from npuserve.proto.ready_file import read_ready_file
+
 log = structlog.get_logger(__name__)
 
+CLI_MODULE = "npuserve.deploy.cli"
 PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 10.0
+LOG_TAIL_CHARS = 3000
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(OSError):
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """SIGTERM this process when its parent dies (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def python_module(module: str = CLI_MODULE) -> list[str]:
+    """The command that runs ``module`` with this Python."""
+    return [sys.executable, "-m", module]
+
+
+def device_env(device: str, index: int, count: int, tp_size: int = 1) -> dict[str, str]:
+    """Pins executor ``index`` to its ``tp_size`` devices when several share the machine: on npu
+    to the ``index``-th group of the NPUs this process sees, so each executor uses its own."""
+    if count == 1 or device not in ("npu", "cuda"):
+        return {}
+    positions = range(index * tp_size, (index + 1) * tp_size)
+    if device == "npu":
+        from npuserve.executor.npu_devices import VISIBLE_ENV, visible_npu_ids
+
+        visible = visible_npu_ids()
+        if len(visible) < count * tp_size:
+            raise LaunchError(
+                f"{count} executors x --tensor-parallel-size {tp_size} need {count * tp_size} NPUs but "
+                f"{len(visible)} are visible ({VISIBLE_ENV}, /dev/davinci*); lower --num-executors"
+            )
+        return {VISIBLE_ENV: ",".join(str(visible[p]) for p in positions)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(p) for p in positions)}
 
 
 class LaunchError(RuntimeError):
@@ -38,57 +72,122 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class Child:
+    """One started process; its output goes to ``log_path`` (None: the launcher's own)."""
+
     name: str
     process: subprocess.Popen[bytes]
-    ready_file: Path
+    ready_file: Path | None
     log_path: Path | None = None
 
-    def ready(self) -> dict[str, object] | None:
-        if not self.ready_file.exists():
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def ready(self) -> dict[str, Any] | None:
+        return read_ready_file(self.ready_file) if self.ready_file is not None else None
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def exited(self) -> str | None:
+        """How the process ended (with the end of its log), or None while it runs."""
+        code = self.process.poll()
+        if code is None:
             return None
-        return json.loads(self.ready_file.read_text())
+        tail = self.log()[-LOG_TAIL_CHARS:]
+        where = f":\n{tail}" if tail else " (see its log above)" if self.log_path is None else ""
+        return f"{self.name} (pid {self.pid}) exited with code {code}{where}"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """SIGTERM, then SIGKILL if it still runs after ``grace_s``; its exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            return self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process did not stop in time; killing it", name=self.name)
+            self.process.kill()
+            return self.process.wait()
 
 
 @dataclass
 class Launcher:
-    """Starts children in order and stops all of them together."""
+    """Starts children and stops all of them together (the last started first)."""
 
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="npuserve-")))
+    workdir: Path | None = None  # where ready files go (None: a temp folder, made when needed)
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        ready_file = self.workdir / f"{name}.ready.json"
-        command = [sys.executable, "-m", "npuserve.deploy.cli", *args, "--ready-file", str(ready_file)]
-        process = subprocess.Popen(
-            command,
-            env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-        child = Child(name, process, ready_file)
+    def start(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        *,
+        command: Sequence[str] | None = None,
+        log_path: Path | None = None,
+        ready_file: bool = True,
+        new_session: bool = False,
+    ) -> Child:
+        """Runs ``command`` (default: ``python -m npuserve.deploy.cli``) with ``args`` and, unless
+        ``ready_file`` is False, ``--ready-file``. ``env`` adds to this process's environment;
+        ``log_path`` takes the child's stdout and stderr; ``new_session`` keeps a terminal's
+        Ctrl-C from reaching it (the launcher stops it)."""
+        ready_path = None
+        if ready_file:
+            if self.workdir is None:
+                self.workdir = Path(tempfile.mkdtemp(prefix="npuserve-"))
+            ready_path = self.workdir / f"{name}.ready.json"
+            ready_path.unlink(missing_ok=True)  # from an earlier run in the same workdir
+        argv = [*(command or python_module()), *args]
+        if ready_path is not None:
+            argv += ["--ready-file", str(ready_path)]
+        output = log_path.open("wb") if log_path is not None else None
+        try:
+            process = subprocess.Popen(
+                argv,
+                env={**os.environ, **(env or {})},
+                stdout=output,
+                stderr=subprocess.STDOUT if output is not None else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                start_new_session=new_session,
+            )
+        finally:
+            if output is not None:
+                output.close()
+        child = Child(name, process, ready_path, log_path)
         self.children.append(child)
         log.info("process started", name=name, pid=process.pid)
         return child
 
-    def wait_ready(self, children: Sequence[Child], timeout_s: float) -> list[dict[str, object]]:
+    def wait_ready(
+        self, children: Sequence[Child], timeout_s: float, watch: Sequence[Child] | None = None
+    ) -> list[dict[str, Any]]:
+        """What each of ``children`` wrote to its ready file, once all have; LaunchError when
+        ``timeout_s`` passes or a child of ``watch`` (default: every child of this launcher)
+        exits first."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for child in self.children:
-                code = child.process.poll()
-                if code is not None:
-                    raise LaunchError(
-                        f"{child.name} exited with code {code} before it was ready (see its log above)"
-                    )
+            watched = self.children if watch is None else watch
+            exited = [report for child in watched if (report := child.exited()) is not None]
             ready = [child.ready() for child in children]
+            if exited:
+                raise LaunchError(f"{'; '.join(exited)}\n(before it was ready)")
             if all(r is not None for r in ready):
                 return ready  # type: ignore[return-value]
             if time.monotonic() > deadline:
                 waiting = [c.name for c, r in zip(children, ready, strict=True) if r is None]
                 raise LaunchError(f"not ready after {timeout_s:.0f} s: {', '.join(waiting)}")
-            time.sleep(0.1)
+            time.sleep(0.05)
+
+    def first_exited(self) -> str | None:
+        """How the first child that ended did, or None while all run."""
+        return next((report for child in self.children if (report := child.exited()) is not None), None)
 
     def supervise(self) -> int:
         """Blocks until a signal asks to stop (returns 0) or a child dies (returns 1)."""
-        stop = {"signal": None}
+        stop: dict[str, int | None] = {"signal": None}
 
         def on_signal(signum: int, _frame: object) -> None:
             stop["signal"] = signum
@@ -105,19 +204,24 @@ class Launcher:
         log.info("stopping", signal=signal.Signals(stop["signal"]).name)
         return 0
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to every child (the scheduler first), then SIGKILL after the grace period."""
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every child to end on its own; True when all have."""
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+        return all(child.process.poll() is not None for child in self.children)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> dict[str, int]:
+        """SIGTERM to every child (the last started first), SIGKILL to those still running after
+        ``grace_s``; returns each child's exit code by name."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()
         deadline = time.monotonic() + grace_s
         for child in reversed(self.children):
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                child.process.wait(remaining)
-            except subprocess.TimeoutExpired:
-                log.warning("process did not stop in time; killing it", name=child.name)
-                child.process.kill()
-                child.process.wait()
+            child.stop(max(0.1, deadline - time.monotonic()))
         for child in self.children:
-            child.ready_file.unlink(missing_ok=True)
+            if child.ready_file is not None:
+                child.ready_file.unlink(missing_ok=True)
+        return {child.name: child.process.returncode for child in self.children}

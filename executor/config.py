@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
+from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 from npuserve.kernels.rope import RopeScaling
 
 
@@ -129,6 +130,10 @@ class ModelConfig:
         )
 
 
+@overload
+def _read_json(path: Path, required: Literal[True]) -> dict[str, Any]: ...
+@overload
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None: ...
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
     if not path.is_file():
         if required:
@@ -216,6 +221,8 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
+    warmup: bool = True  # dummy steps before serving, so the first requests are not the slow ones
+    profile_dir: Path | None = None  # None: profiling refused; else traces are written there
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
@@ -249,3 +256,20 @@ class ExecutorConfig:
                 f"context {model.model_dir.name} supports; lower --max-model-len"
             )
         return self.max_model_len
+
+
+def check_npu_model(model: ModelConfig, block_size: int) -> None:
+    """Refuses, before any weight loads, what the Ascend attention kernel cannot run."""
+    if model.head_dim not in NPU_ATTENTION_HEAD_DIMS:
+        raise ConfigError(
+            f"{model.model_dir.name}: head_dim {model.head_dim} does not run on npu: Ascend's "
+            f"npu_fused_infer_attention_score takes head sizes {' or '.join(map(str, NPU_ATTENTION_HEAD_DIMS))} "
+            "in npuserve's paged layout (it fails with error 561002 otherwise). Serve this model "
+            "with --device cpu (or cuda)."
+        )
+    if block_size != NPU_BLOCK_SIZE:
+        raise ConfigError(
+            f"--block-size {block_size} does not run on npu: Ascend's paged attention needs "
+            f"{NPU_BLOCK_SIZE}-token blocks. Drop --block-size (the npu default is "
+            f"{NPU_BLOCK_SIZE}) or pass --block-size {NPU_BLOCK_SIZE}."
+        )

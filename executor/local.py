@@ -1,16 +1,19 @@
-"""An executor in the caller's process: the ModelRunner behind the same interface as the gRPC
-client (`info()`, `step(plan)`), for offline use and for measuring what the gRPC split costs."""
+"""An executor in the caller's process: a runner (the `ModelRunner`, or the `SimulatedRunner`)
+behind the same interface as the gRPC client (`info()`, `step(plan)`), for offline use, for
+measuring what the gRPC split costs, and for in-process tests of the scheduler."""
 
 from __future__ import annotations
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.server import StepRunner
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 
 class LocalExecutor:
-    def __init__(self, config: ExecutorConfig) -> None:
-        self.runner = ModelRunner(config)
+    def __init__(self, runner: StepRunner | ExecutorConfig) -> None:
+        """A runner, or the config of a `ModelRunner` to build."""
+        self.runner = ModelRunner(runner) if isinstance(runner, ExecutorConfig) else runner
 
     def info(self) -> ExecutorInfo:
         return self.runner.info()

@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 import torch
 
-from npuserve.executor.config import ExecutorConfig, ModelConfig
+from npuserve.executor.config import ExecutorConfig, ModelConfig, check_npu_model
 from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
 from npuserve.executor.kv_cache import (
     CPU_DEFAULT_KV_CACHE_GIB,
@@ -25,7 +25,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
-from npuserve.executor.platform import resolve_device, resolve_dtype
+from npuserve.executor.platform import resolve_dtype, resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     Sampler,
@@ -57,11 +57,17 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config or ModelConfig.from_pretrained(config.model)
         self.tp = tp or TensorParallel()
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        # The target's kind picks kernels and rules; its device holds the tensors (the CPU for
+        # an emulated NPU).
+        self.target = resolve_target(config.device)
+        self.device = self.target.device
+        is_npu = self.target.kind == "npu"
+        self.block_size = config.block_size or (NPU_BLOCK_SIZE if is_npu else 16)
+        if is_npu:
+            check_npu_model(self.model_config, self.block_size)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.target)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
-        self.block_size = config.block_size or (NPU_BLOCK_SIZE if self.device.type == "npu" else 16)
-        self.backend = get_backend(self.device)
+        self.backend = get_backend(self.target)
         self.model = load_model(
             self.model_config,
             self.backend,
@@ -85,7 +91,7 @@ class ModelRunner:
         per_block = block_bytes(self.model_config, self.block_size, self.dtype, self.tp)
         if self.config.kv_cache_memory_gib is not None:
             budget = int(self.config.kv_cache_memory_gib * GIB)
-        elif self.device.type == "cpu":
+        elif self.target.kind == "cpu":
             budget = CPU_DEFAULT_KV_CACHE_GIB * GIB
         else:
             budget = profile_kv_budget(self)
@@ -111,7 +117,7 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
+            device="npu (emulated on cpu)" if self.target.emulated else str(self.device),
             tensor_parallel_size=self.tp.size,
         )
 
@@ -218,6 +224,7 @@ def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[Tok
     """Host lists of the logprobs each sampled request asked for (None where it asked none)."""
     if output.logprobs is None:
         return [None] * len(output.token_ids)
+    assert output.ranks is not None and output.top_token_ids is not None and output.top_logprobs is not None
     logprobs = output.logprobs.tolist()
     ranks = output.ranks.tolist()
     top_ids = output.top_token_ids.tolist()

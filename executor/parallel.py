@@ -34,14 +34,10 @@ exits 1. A rank >= 1 that loses rank 0 exits 1.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +49,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from npuserve.deploy.executor_flags import DEFAULT_TP_CONNECT_TIMEOUT_S, EXECUTOR, PARALLEL, TP_RANK_ENV
+from npuserve.deploy.launcher import Launcher
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.layers import TensorParallel
@@ -63,8 +61,6 @@ from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 
-TP_RANK_ENV = "NPUSERVE_TP_RANK"
-DEFAULT_CONNECT_TIMEOUT_S = 120.0
 # How long ranks wait for each other to load weights and size the KV cache.
 STARTUP_TIMEOUT_S = 3600.0
 HEARTBEAT_MAX_S = 10.0
@@ -98,7 +94,7 @@ class ParallelConfig:
     rank: int | None = None  # None: rank 0, which starts ranks 1..size-1 on this node
     master_addr: str | None = None
     master_port: int | None = None
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_TP_CONNECT_TIMEOUT_S
     worker_flags: tuple[str, ...] = ()  # extra flags for the ranks this process starts
 
     def __post_init__(self) -> None:
@@ -127,37 +123,6 @@ class ParallelConfig:
     def starts_ranks(self) -> bool:
         """Rank 0 of a single-node group: it starts the other ranks itself."""
         return self.rank is None and self.size > 1
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ParallelConfig:
-        """From `add_executor_flags`' flags; the rank and master fall back to the environment."""
-        rank = getattr(args, "tp_rank", None)
-        if rank is None and os.environ.get(TP_RANK_ENV):
-            rank = _env_int(TP_RANK_ENV)
-        addr, port = getattr(args, "master_addr", None), getattr(args, "master_port", None)
-        if rank is not None:  # NOTE: a single-node group ignores MASTER_* (it picks a free port)
-            addr = addr or os.environ.get("MASTER_ADDR") or None
-            port = port if port is not None else _env_int("MASTER_PORT")
-        logging = {name: getattr(args, name, None) for name in ("log_level", "log_format")}
-        flags = [f"--{name.replace('_', '-')}={value}" for name, value in logging.items() if value]
-        return cls(
-            size=getattr(args, "tensor_parallel_size", 1) or 1,
-            rank=rank,
-            master_addr=addr,
-            master_port=port,
-            connect_timeout_s=getattr(args, "tp_connect_timeout", None) or DEFAULT_CONNECT_TIMEOUT_S,
-            worker_flags=tuple(flags),
-        )
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
 
 
 def check_model_split(model: ModelConfig, size: int) -> None:
@@ -480,31 +445,6 @@ def run_follower(runner: TensorParallelRunner) -> None:
 # Starting the ranks of one node
 # --------------------------------------------------------------------------------------------
 
-PR_SET_PDEATHSIG = 1
-
-
-def _exit_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def executor_flags(config: ExecutorConfig) -> list[str]:
-    """The flags that give another process the same ExecutorConfig."""
-    values = {
-        "model": config.model,
-        "device": config.device,
-        "dtype": config.dtype,
-        "block-size": config.block_size,
-        "max-model-len": config.max_model_len,
-        "max-num-seqs": config.max_num_seqs,
-        "max-num-batched-tokens": config.max_num_batched_tokens,
-        "kv-cache-memory": config.kv_cache_memory_gib,
-        "gpu-memory-utilization": config.gpu_memory_utilization,
-        "load-format": config.load_format,
-        "seed": config.seed,
-    }
-    return [f"--{name}={value}" for name, value in values.items() if value is not None]
-
 
 class LocalRanks:
     """Ranks 1..N-1 as child processes of rank 0, each pinned to one device of this node."""
@@ -515,48 +455,30 @@ class LocalRanks:
         variable = VISIBLE_DEVICES_ENV.get(device.type)
         visible = os.environ.get(variable or "", "")
         devices = [d for d in visible.split(",") if d] or [str(i) for i in range(parallel.size)]
-        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.launcher = Launcher()
         for rank in range(1, parallel.size):
-            command = [
-                sys.executable, "-m", "npuserve.deploy.cli", "executor", *executor_flags(config),
-                f"--tensor-parallel-size={parallel.size}", f"--tp-rank={rank}",
-                f"--master-addr={host}", f"--master-port={port}",
-                f"--tp-connect-timeout={parallel.connect_timeout_s}", *parallel.worker_flags,
-            ]  # fmt: skip
-            env = dict(os.environ)
-            if variable is not None:
-                env[variable] = devices[rank]
-            env.pop(TP_RANK_ENV, None)
+            rank_config = replace(parallel, rank=rank, master_addr=host, master_port=port)
+            args = [
+                "executor",
+                *EXECUTOR.to_flags(config),
+                *PARALLEL.to_flags(rank_config),
+                *parallel.worker_flags,
+            ]
+            env = {variable: devices[rank]} if variable is not None else {}
+            env[TP_RANK_ENV] = ""  # NOTE: the rank is in the flags; an inherited one must not count
             # NOTE: a session of their own: a terminal's Ctrl-C reaches rank 0, which stops them.
-            self.processes[rank] = subprocess.Popen(
-                command, env=env, preexec_fn=_exit_with_parent, start_new_session=True
-            )
-            log.info("tensor-parallel rank started", rank=rank, pid=self.processes[rank].pid)
+            child = self.launcher.start(f"rank-{rank}", args, env, ready_file=False, new_session=True)
+            log.info("tensor-parallel rank started", rank=rank, pid=child.pid)
 
     def exited(self) -> str | None:
         """Why a started rank is gone, or None while all run."""
-        for rank, process in self.processes.items():
-            code = process.poll()
-            if code is not None:
-                return f"rank {rank} (pid {process.pid}) exited with code {code}"
-        return None
+        return self.launcher.first_exited()
 
     def stop(self, grace_s: float) -> None:
         """Waits ``grace_s`` for the ranks to exit (they were told to stop), then SIGTERM, then
         SIGKILL."""
-        deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(max(0.0, deadline - time.monotonic()))
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(5.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self.launcher.wait_exit(grace_s)
+        self.launcher.stop(grace_s=5.0)
 
 
 def _settings(config: ExecutorConfig, model: ModelConfig) -> str:

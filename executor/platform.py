@@ -1,10 +1,16 @@
 """Where the model runs and in which dtype, checked before anything is loaded.
 
-`resolve_device` and `resolve_dtype` turn the ``--device`` and ``--dtype`` flags into torch
-objects; every way a user's machine can get them wrong raises `PlatformError` with the cause and
-the fix. torch_npu is imported here, lazily and only when an NPU is asked for (or probed by
-``auto``), after checking that torch and torch_npu belong to one version set: CANN, torch and
-torch_npu are released together, and a mismatch is the most common Ascend failure.
+`resolve_target` (and `resolve_device`) and `resolve_dtype` turn the ``--device`` and ``--dtype``
+flags into torch objects; every way a user's machine can get them wrong raises `PlatformError`
+with the cause and the fix. torch_npu is imported here, lazily and only when an NPU is asked for
+(or probed by ``auto``), after checking that torch and torch_npu belong to one version set: CANN,
+torch and torch_npu are released together, and a mismatch is the most common Ascend failure.
+Once imported, the NNAL/ATB library, the CANN version and the chip are checked too, and the
+device is selected (``--device npu:N``).
+
+With ``NPUSERVE_EMULATE_NPU=1``, ``--device npu`` installs the CPU emulation of torch_npu
+(`npuserve.kernels.npu_emulation`) instead: the target's kind is ``npu`` (the npu kernels and
+rules apply) while its tensors live on the CPU.
 
 The memory helpers (`device_memory`, `reset_peak_memory`, `peak_memory_allocated`, `synchronize`,
 `empty_cache`) hide the ``torch.cuda`` / ``torch.npu`` split from the executor.
@@ -18,13 +24,17 @@ import importlib.util
 import logging
 import os
 import re
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+from npuserve.executor.version_matrix import cann_problem
+from npuserve.kernels import npu_emulation
+
 logger = logging.getLogger(__name__)
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu", "npu:N")
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -55,6 +65,29 @@ CANN_FAILURE_MARKERS = (
 
 class PlatformError(ValueError):
     """The machine cannot run what was asked; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an executor runs: the torch device its tensors live on, and the device family whose
+    kernels and rules apply. They differ only for the emulated NPU (kind npu, tensors on cpu)."""
+
+    device: torch.device
+    kind: str  # "npu" | "cuda" | "cpu"
+    emulated: bool = False
+
+    @property
+    def type(self) -> str:
+        """The kind, so helpers written for a torch.device take a Target as well."""
+        return self.kind
+
+    @property
+    def index(self) -> int | None:
+        return self.device.index
+
+
+def _torch_device(where: torch.device | Target) -> torch.device:
+    return where.device if isinstance(where, Target) else where
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,19 +190,52 @@ def _visible_devices(variable: str) -> str:
     return f"{variable} is unset" if value is None else f"{variable}={value!r}"
 
 
-def _require_npu() -> torch.device:
-    import_torch_npu()
-    if _npu_count() == 0:
+def _require_npu(index: int | None) -> Target:
+    emulated = npu_emulation.requested()
+    module = install_emulation() if emulated else import_torch_npu()
+    check_npu_runtime(module)
+    count = _npu_count()
+    if count == 0:
         raise PlatformError(
             "--device npu: torch_npu imports but sees no NPU. Check `npu-smi info`, that "
             f"ASCEND_RT_VISIBLE_DEVICES names existing devices "
             f"({_visible_devices('ASCEND_RT_VISIBLE_DEVICES')}), and that a container has the "
             "/dev/davinci* devices mounted."
         )
-    return torch.device("npu")
+    if index is not None and not 0 <= index < count:
+        raise PlatformError(
+            f"--device npu:{index}: only {count} NPU(s) are visible "
+            f"({_visible_devices('ASCEND_RT_VISIBLE_DEVICES')}); pick npu:0..npu:{count - 1} "
+            "(indices count the visible devices) or check `npu-smi info`."
+        )
+    # NOTE: select the device explicitly: an executor left on the default would run on NPU 0
+    # whatever it was given, next to every other executor of the node.
+    selected = index or 0
+    torch.npu.set_device(selected)  # type: ignore[attr-defined]
+    check_npu_chip()
+    if emulated:
+        return Target(torch.device("cpu"), "npu", emulated=True)
+    return Target(torch.device("npu", selected), "npu")
 
 
-def _require_cuda() -> torch.device:
+def install_emulation() -> ModuleType:
+    """The CPU stand-in for torch_npu, with the same version-set check as the real import."""
+    from npuserve.kernels.npu_emulation.runtime import EmulatedMachine, install
+
+    machine = EmulatedMachine.from_env()
+    check_version_set(torch.__version__, machine.torch_npu_version)
+    module = install(machine)
+    logger.warning(
+        "%s=1: torch_npu is EMULATED on the CPU (torch_npu %s, CANN %s, %s); nothing runs on an NPU",
+        npu_emulation.EMULATE_ENV,
+        machine.torch_npu_version,
+        machine.cann_version,
+        machine.device_name,
+    )
+    return module
+
+
+def _require_cuda(index: int | None) -> torch.device:
     if not torch.cuda.is_available():
         raise PlatformError(
             f"--device cuda: torch {torch.__version__} sees no CUDA device. Check `nvidia-smi`, "
@@ -177,38 +243,125 @@ def _require_cuda() -> torch.device:
             f"({_visible_devices('CUDA_VISIBLE_DEVICES')}), and that torch is a CUDA build "
             f"(torch.version.cuda is {torch.version.cuda})."
         )
-    return torch.device("cuda")
+    return torch.device("cuda", index) if index is not None else torch.device("cuda")
 
 
-def _auto_device() -> torch.device:
-    if torch_npu_installed():
+def _auto_target() -> Target:
+    if torch_npu_installed() or npu_emulation.requested():
         try:
-            return _require_npu()
+            return _require_npu(None)
         except PlatformError as exc:
             logger.warning("--device auto: not using the NPU: %s", exc)
     if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
+        return Target(torch.device("cuda"), "cuda")
+    return Target(torch.device("cpu"), "cpu")
+
+
+def parse_device(name: str) -> tuple[str, int | None]:
+    """``npu:1`` -> ``("npu", 1)``; ``auto`` -> ``("auto", None)``; PlatformError when unknown."""
+    kind, _, index_text = name.strip().lower().partition(":")
+    if kind not in ("auto", "cpu", "cuda", "npu"):
+        raise PlatformError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    if not index_text:
+        return kind, None
+    if kind not in ("npu", "cuda") or not index_text.isdigit():
+        raise PlatformError(f"bad device {name!r}: only npu and cuda take an index (npu:0, npu:1, ...)")
+    return kind, int(index_text)
+
+
+def resolve_target(name: str) -> Target:
+    """``auto`` | ``cpu`` | ``cuda[:N]`` | ``npu[:N]`` -> a usable `Target`, or PlatformError."""
+    kind, index = parse_device(name)
+    if kind == "cpu":
+        return Target(torch.device("cpu"), "cpu")
+    if kind == "cuda":
+        return Target(_require_cuda(index), "cuda")
+    if kind == "npu":
+        return _require_npu(index)
+    target = _auto_target()
+    logger.info("--device auto: using %s%s", target.kind, " (emulated)" if target.emulated else "")
+    return target
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` | ``cpu`` | ``cuda`` | ``npu`` -> a usable torch.device, or PlatformError."""
-    choice = name.strip().lower()
-    if choice == "cpu":
-        return torch.device("cpu")
-    if choice == "cuda":
-        return _require_cuda()
-    if choice == "npu":
-        return _require_npu()
-    if choice == "auto":
-        device = _auto_device()
-        logger.info("--device auto: using %s", device.type)
-        return device
-    raise PlatformError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    """The torch device tensors go to for ``--device name`` (the CPU for an emulated NPU)."""
+    return resolve_target(name).device
 
 
-def _device_module(device: torch.device) -> ModuleType | None:
-    """torch.cuda or torch.npu for an accelerator, None for the CPU."""
+# --------------------------------------------------------------------------------------------
+# Ascend runtime: NNAL/ATB, CANN version, chip
+# --------------------------------------------------------------------------------------------
+
+# torch_npu.npu.get_soc_version() ranges, as vllm-ascend v0.13.0 utils.check_ascend_device_type
+# reads them: 220-225 Atlas A2, 250-255 Atlas A3, 200-205 Ascend 310P.
+A2_A3_SOC_RANGES = ((220, 225), (250, 255))
+SOC_310P_RANGE = (200, 205)
+
+
+def register_atb_extensions() -> None:
+    """Loads NNAL's ATB operators (``_npu_reshape_and_cache``, ``_npu_rotary_embedding``).
+
+    NOTE: torch_npu swallows a failed ``libatb.so`` load at import and keeps the error until the
+    first ATB call (op-plugin ``op_plugin/python/atb/_atb_ops.py``); ``_register_atb_extensions``,
+    which vllm-ascend's worker calls at start-up, raises it, so it surfaces here.
+    """
+    try:
+        atb_ops = importlib.import_module("torch_npu.op_plugin.atb._atb_ops")
+    except ImportError as exc:
+        raise PlatformError(
+            f"this torch_npu has no ATB extension module ({exc}); install the torch_npu of a "
+            f"supported version set ({VERSION_SET_EXAMPLE})."
+        ) from exc
+    try:
+        atb_ops._register_atb_extensions()
+    except OSError as exc:
+        raise PlatformError(
+            f"the NNAL/ATB library libatb.so did not load ({exc}; "
+            f"{_visible_devices('ATB_HOME_PATH')}): npuserve's cache and rotary kernels are ATB "
+            f"operators. Install the NNAL package of your CANN release and {ATB_SET_ENV} in the "
+            "shell that starts npuserve (after the toolkit's set_env.sh)."
+        ) from exc
+
+
+def check_cann_version(torch_npu_version: str) -> None:
+    cann = getattr(torch.version, "cann", None)
+    problem = cann_problem(torch_npu_version, cann)
+    if problem is not None:
+        raise PlatformError(
+            f"{problem}. Install that CANN release (toolkit and NNAL) and {CANN_SET_ENV}, or the "
+            f"torch_npu built for your CANN ({VERSION_SET_EXAMPLE})."
+        )
+    if cann is None:
+        logger.warning("CANN version unknown (torch.version.cann unset): not checked against torch_npu")
+
+
+def check_npu_runtime(module: ModuleType) -> None:
+    """What importing torch_npu leaves unchecked: NNAL/ATB and the CANN release."""
+    register_atb_extensions()
+    check_cann_version(getattr(module, "__version__", "unknown"))
+
+
+def check_npu_chip() -> None:
+    """Refuses chips whose attention kernel npuserve cannot call (only Atlas A2/A3 run it)."""
+    npu = getattr(torch, "npu", None)
+    get_soc = getattr(npu, "get_soc_version", None)
+    if get_soc is None:
+        return
+    soc = int(get_soc())
+    if any(low <= soc <= high for low, high in A2_A3_SOC_RANGES):
+        return
+    name = npu.get_device_name(npu.current_device())
+    low, high = SOC_310P_RANGE
+    what = "Ascend 310P" if low <= soc <= high or "310P" in name else f"this chip ({name}, soc {soc})"
+    raise PlatformError(
+        f"{what} is not supported yet: npuserve's attention calls npu_fused_infer_attention_score, "
+        "which runs on Atlas A2/A3 (910B, 910_93) only (op-plugin docs, 产品支持情况). Serve on an "
+        "A2/A3 device (choose it with ASCEND_RT_VISIBLE_DEVICES), or use --device cpu."
+    )
+
+
+def _device_module(device: torch.device | Target) -> ModuleType | None:
+    """torch.cuda or torch.npu for an accelerator (an emulated NPU too), None for the CPU."""
     if device.type == "cuda":
         return torch.cuda
     if device.type == "npu":
@@ -219,7 +372,7 @@ def _device_module(device: torch.device) -> ModuleType | None:
     return None
 
 
-def is_ascend_310p(device: torch.device) -> bool:
+def is_ascend_310p(device: torch.device | Target) -> bool:
     if device.type != "npu":
         return False
     npu = _device_module(device)
@@ -241,7 +394,7 @@ def _parse_dtype(name: str, what: str) -> torch.dtype:
     return dtype
 
 
-def _auto_dtype(config_dtype: str | None, device: torch.device) -> torch.dtype:
+def _auto_dtype(config_dtype: str | None, device: torch.device | Target) -> torch.dtype:
     if config_dtype is None:
         dtype = torch.float32
     else:
@@ -261,7 +414,7 @@ def _auto_dtype(config_dtype: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device | Target) -> torch.dtype:
     """``--dtype`` -> the activation and weight dtype, checked to run on ``device``.
 
     ``auto`` takes the checkpoint's ``torch_dtype`` (float32 when absent), except float16 on
@@ -278,7 +431,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_fix(device: torch.device, dtype: torch.dtype) -> str:
+def _dtype_fix(device: torch.device | Target, dtype: torch.dtype) -> str:
     if device.type == "cpu":
         return "--dtype float32"
     if device.type == "npu":
@@ -286,7 +439,7 @@ def _dtype_fix(device: torch.device, dtype: torch.dtype) -> str:
     return "--dtype float16" if dtype == torch.bfloat16 else "--dtype float32"
 
 
-def _check_npu_dtype(device: torch.device, dtype: torch.dtype) -> None:
+def _check_npu_dtype(device: torch.device | Target, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         raise PlatformError(
             "float32 does not run on npu: the Ascend attention, cache and rope kernels take "
@@ -298,12 +451,12 @@ def _check_npu_dtype(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
+def check_dtype_supported(device: torch.device | Target, dtype: torch.dtype) -> None:
     """Runs a tiny matmul + softmax in ``dtype`` on ``device``; raises PlatformError if it fails."""
     if device.type == "npu":
         _check_npu_dtype(device, dtype)
     try:
-        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(_torch_device(device), dtype)
         probs = torch.softmax(a @ a.T, dim=-1)
         synchronize(device)
         ok = bool(torch.isfinite(probs.float()).all())
@@ -322,34 +475,34 @@ def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def device_memory(device: torch.device) -> tuple[int, int]:
+def device_memory(device: torch.device | Target) -> tuple[int, int]:
     """(free, total) bytes of an accelerator's memory."""
     module = _device_module(device)
     if module is None:
         raise PlatformError(f"device memory is only known for cuda and npu devices, not {device.type}")
-    free, total = module.mem_get_info(device)
+    free, total = module.mem_get_info(_torch_device(device))
     return int(free), int(total)
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device | Target) -> None:
     module = _device_module(device)
     if module is not None:
-        module.reset_peak_memory_stats(device)
+        module.reset_peak_memory_stats(_torch_device(device))
 
 
-def peak_memory_allocated(device: torch.device) -> int:
+def peak_memory_allocated(device: torch.device | Target) -> int:
     """Peak bytes allocated by torch since the last reset; 0 on the CPU (not tracked)."""
     module = _device_module(device)
-    return 0 if module is None else int(module.max_memory_allocated(device))
+    return 0 if module is None else int(module.max_memory_allocated(_torch_device(device)))
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device | Target) -> None:
     module = _device_module(device)
     if module is not None:
-        module.synchronize(device)
+        module.synchronize(_torch_device(device))
 
 
-def empty_cache(device: torch.device) -> None:
+def empty_cache(device: torch.device | Target) -> None:
     module = _device_module(device)
     if module is not None:
         module.empty_cache()

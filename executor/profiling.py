@@ -27,14 +27,17 @@ log = structlog.get_logger(__name__)
 
 @torch.inference_mode()
 def profile_kv_budget(runner: ModelRunner) -> int:
-    """Bytes the KV cache may take: ``utilization * total - (in use now + step activations)``."""
-    device, config = runner.device, runner.config
-    synchronize(device)
-    empty_cache(device)
-    free_before, total = device_memory(device)
-    in_use = total - free_before  # weights, other processes, the runtime itself
-    reset_peak_memory(device)
-    allocated_before = peak_memory_allocated(device)
+    """Bytes the KV cache may take: ``utilization * total - (in use after the run + activations)``.
+
+    NOTE: device memory is read after the profiling run, as vllm-ascend's worker does
+    (``determine_available_memory``): the first forward makes allocations outside torch's
+    allocator (operator workspaces, ATB and HCCL buffers) that a reading taken before it misses.
+    """
+    target, device, config = runner.target, runner.device, runner.config
+    synchronize(target)
+    empty_cache(target)
+    reset_peak_memory(target)
+    allocated_before = peak_memory_allocated(target)  # the weights, after the reset
 
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * runner.max_model_len)
     query_lens = _split(num_tokens, runner.max_model_len)  # [B]
@@ -64,10 +67,13 @@ def profile_kv_budget(runner: ModelRunner) -> int:
     # Logits for as many rows as a step can sample, in float32 as the sampler sees them.
     rows = min(config.max_num_seqs, num_tokens)
     runner.model.compute_logits(hidden[:rows]).float().softmax(dim=-1)
-    synchronize(device)
-    activation_peak = peak_memory_allocated(device) - allocated_before
+    synchronize(target)
+    activation_peak = peak_memory_allocated(target) - allocated_before
     del kv_caches, hidden
-    empty_cache(device)
+    empty_cache(target)
+    free_after, total = device_memory(target)
+    # Weights, other processes, the runtime, and what the run allocated outside torch.
+    in_use = total - free_after
 
     budget = int(total * config.gpu_memory_utilization) - in_use - activation_peak
     log.info(

@@ -4,24 +4,23 @@ Each RPC decodes its message, calls the runner and encodes the answer (`Executor
 single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
 them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
 refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
-With a cluster token, `ClusterTokenInterceptor` runs first and ends every call but `Health` that
-does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the port is TLS.
+With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
+`Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
+port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
 
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
 serves until SIGTERM or SIGINT; with ``--registry`` it registers in Redis meanwhile
-(`registration`). `python -m npuserve.executor.server --help` runs it directly.
+(`registration`). `npuserve executor` runs it (its flags: `npuserve.deploy.executor_flags`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.metadata
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -33,18 +32,16 @@ import grpc
 import structlog
 import torch
 
-from npuserve.deploy.flags import add_executor_cluster_flags, add_executor_flags, cluster_token
-from npuserve.executor.cluster_token import ClusterTokenInterceptor
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.platform import PlatformError
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled, StepProfiler
 from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
+from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
@@ -309,7 +306,7 @@ def start_executor_server(
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
-        interceptors.insert(0, ClusterTokenInterceptor(cluster_token))
+        interceptors.insert(0, TokenInterceptor(CLUSTER_TOKEN, cluster_token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=NUM_WORKER_THREADS, thread_name_prefix="executor-rpc"),
         interceptors=interceptors,
@@ -331,6 +328,7 @@ def _bind(
     server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> int:
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    cause: RuntimeError | None = None
     try:
         if credentials is not None:
             bound = server.add_secure_port(target, credentials)
@@ -338,8 +336,6 @@ def _bind(
             bound = server.add_insecure_port(target)
     except RuntimeError as exc:
         bound, cause = 0, exc
-    else:
-        cause = None
     if bound == 0:
         raise ConfigError(
             f"cannot listen on {target} ({cause or 'bind failed'}): another process may hold the "
@@ -386,8 +382,6 @@ def serve_executor(
     tls: tuple[bytes, bytes] | None = None,
     registry: RegistryConfig | None = None,
     parallel: ParallelConfig | None = None,
-    warmup: bool = True,
-    profile_dir: Path | None = None,
 ) -> None:
     """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only.
 
@@ -402,10 +396,10 @@ def serve_executor(
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
             return
     runner = leader or ModelRunner(config)
-    if warmup:
+    if config.warmup:
         warm_up(runner)
     running = start_executor_server(
-        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=profile_dir
+        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
     )
     registration = None
     stop = threading.Event()
@@ -447,90 +441,3 @@ def serve_executor(
         if leader is not None:
             leader.close()  # stops the other ranks; SystemExit(1) if the group was lost
     log.info("executor stopped")
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
-    return ExecutorConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format,
-        seed=args.seed,
-    )
-
-
-def _cluster_from_args(
-    args: argparse.Namespace,
-) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
-    """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    tls = None
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if cert is not None and key is not None:
-        try:
-            tls = (Path(key).read_bytes(), Path(cert).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the TLS key or certificate: {exc}") from exc
-    registry = None
-    if getattr(args, "registry", None):
-        try:
-            registry = RegistryConfig(
-                args.registry, args.registry_prefix, args.registry_ttl, args.advertise_address
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    return tls, registry
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Serves with the flags of `add_executor_flags`; 2 (and the message) on a user error."""
-    from npuserve.executor.parallel import ParallelConfig
-
-    try:
-        tls, registry = _cluster_from_args(args)
-        serve_executor(
-            config_from_args(args),
-            args.host,
-            args.port,
-            args.ready_file,
-            args.executor_id,
-            cluster_token=cluster_token(args),
-            tls=tls,
-            registry=registry,
-            parallel=ParallelConfig.from_args(args),
-            warmup=not args.no_warmup,
-            profile_dir=args.profile_dir,
-        )
-    except (ConfigError, PlatformError) as exc:
-        print(f"npuserve executor: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    from npuserve.deploy.logs import configure_logging
-
-    parser = argparse.ArgumentParser(prog="python -m npuserve.executor.server", description=__doc__)
-    add_executor_flags(parser)
-    add_executor_cluster_flags(parser)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="console", choices=["console", "json"])
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_format == "json")
-    sys.exit(run_from_args(args))
-
-
-if __name__ == "__main__":
-    main()

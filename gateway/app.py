@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from npuserve.gateway import convert
 from npuserve.gateway.auth import APIKeyMiddleware
-from npuserve.gateway.errors import APIError, bad_request, error_body, unavailable
+from npuserve.gateway.errors import APIError, bad_request, error_body, request_timeout, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
 from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
 from npuserve.gateway.protocol import (
@@ -46,6 +46,7 @@ from npuserve.gateway.scheduler_client import SchedulerClient
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ class Gateway:
     client: SchedulerClient
     served_model_name: str | None
     max_request_bytes: int
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _models: list[convert.ModelInfo] = field(default_factory=list)
 
@@ -93,7 +95,7 @@ def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 
-def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json(payload: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     body = json.dumps(payload, ensure_ascii=False).encode()
     return Response(body, status, headers, media_type="application/json")
 
@@ -102,8 +104,9 @@ def _error_response(error: APIError) -> Response:
     return _json(error.body(), error.status, error.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 past `limit` bytes (by Content-Length, then as it streams)."""
+async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The whole body, refused with 413 past `limit` bytes (by Content-Length, then as it streams)
+    and with 408 (closing the connection) when it takes longer than `timeout_s` to arrive."""
     too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None:
@@ -111,13 +114,20 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise bad_request("Content-Length is not a number")
         if int(length) > limit:
             raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def collect() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout_s)
+    except asyncio.TimeoutError:
+        raise request_timeout(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -176,6 +186,11 @@ async def _generate(
     response_id: str,
     model: str,
 ) -> Response:
+    if body.stream and request.scope.get("http_version") == "1.0":
+        # NOTE: a stream of unknown length needs HTTP/1.1's chunked encoding.
+        raise bad_request(
+            "stream: true needs HTTP/1.1; send the request over HTTP/1.1 or without stream", "stream"
+        )
     started = _in_request_terms(body, start_calls(gateway.client, requests))
     calls, firsts = await _until_disconnected(request, started)
     generation = Generation(kind, calls, firsts, body.n, response_id, model, body.include_usage)
@@ -192,7 +207,9 @@ def _routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(await read_body(request, gateway.max_request_bytes), CompletionRequest)
+        body = parse_request(
+            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), CompletionRequest
+        )
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
         response_id = f"cmpl-{_request_id(request)}"
@@ -203,7 +220,9 @@ def _routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(await read_body(request, gateway.max_request_bytes), ChatCompletionRequest)
+        body = parse_request(
+            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), ChatCompletionRequest
+        )
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
         response_id = f"chatcmpl-{_request_id(request)}"
@@ -222,8 +241,12 @@ def _routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         gateway = _gateway(request)
-        raw = parse_json_object(await read_body(request, gateway.max_request_bytes))
-        body = validate(raw, TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest)
+        raw = parse_json_object(await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s))
+        body: TokenizeChatRequest | TokenizeCompletionRequest = (
+            validate(raw, TokenizeChatRequest)
+            if "messages" in raw
+            else validate(raw, TokenizeCompletionRequest)
+        )
         target, _ = await gateway.scheduler_model(body.model)
         result = await _in_request_terms(body, gateway.client.tokenize(body, target))
         return _json(
@@ -238,7 +261,9 @@ def _routes(app: FastAPI) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(await read_body(request, gateway.max_request_bytes), DetokenizeRequest)
+        body = parse_request(
+            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), DetokenizeRequest
+        )
         target, _ = await gateway.scheduler_model(body.model)
         text = await _in_request_terms(body, gateway.client.detokenize(body.tokens, target))
         return _json({"prompt": text})
@@ -315,11 +340,16 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    *,
+    scheduler_api_key: str | None = None,
+    scheduler_tls_ca: bytes | None = None,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
-    """The gateway app; its gRPC channel opens when the app starts (inside the server's loop)."""
+    """The gateway app; its gRPC channel opens when the app starts (inside the server's loop).
+    `scheduler_api_key` is presented to the scheduler, `scheduler_tls_ca` verifies its TLS."""
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    client = SchedulerClient(scheduler_address)
+    client = SchedulerClient(scheduler_address, scheduler_api_key, scheduler_tls_ca)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -330,7 +360,7 @@ def create_app(
             await client.close()
 
     app = FastAPI(title="npuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    gateway = Gateway(client, served_model_name, max_request_bytes)
+    gateway = Gateway(client, served_model_name, max_request_bytes, body_timeout_s)
     app.state.gateway = gateway
     _routes(app)
     _error_handlers(app)

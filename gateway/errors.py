@@ -9,6 +9,7 @@ a 5xx means the gateway or the scheduler behind it failed.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -57,6 +58,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable", headers=retry)
 
 
+def request_timeout(message: str) -> APIError:
+    """408 for a client too slow to send its request; the connection is closed after it."""
+    return APIError(408, message, code="request_timeout", headers={"Connection": "close"})
+
+
 # The scheduler's status codes for client errors and overload, as (HTTP status, type, code).
 _HTTP_OF_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -82,7 +88,7 @@ def from_status(code: grpc.StatusCode, details: str | None, field: str | None = 
     return APIError(status, message, kind, param, error_code, headers)
 
 
-def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
+def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first field pydantic refused, as `messages[0].role` style paths."""
     first = errors[0]
     param = field_path(first.get("loc", ()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +50,12 @@ def _raise_on_error(update: Update) -> None:
             raise APIError(500, message, "server_error", code="generation_failed")
 
 
-async def _merged(calls: list[GenerateCall], firsts: list[Update]) -> AsyncIterator[tuple[int, Update]]:
+async def _merged(
+    calls: list[GenerateCall], firsts: list[Update]
+) -> AsyncGenerator[tuple[int, Update], None]:
     """Every call's updates as (call index, update), in arrival order."""
-    for i, update in enumerate(firsts):
-        yield i, update
+    for i, first in enumerate(firsts):
+        yield i, first
     if len(calls) == 1:  # the common case: no tasks, no queue
         while (update := await calls[0].next()) is not None:
             yield 0, update

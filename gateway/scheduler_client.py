@@ -18,7 +18,8 @@ from npuserve.gateway.errors import APIError, bad_request, from_status
 from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.auth import bearer_metadata
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
 from npuserve.proto.error_details import error_field
 
 SMALL_CALL_TIMEOUT_S = 10.0
@@ -56,18 +57,19 @@ class GenerateCall:
 
 
 class SchedulerClient:
-    """One gRPC channel to the scheduler, opened inside the event loop that uses it."""
+    """One gRPC channel to the scheduler, opened inside the event loop that uses it; every call
+    presents the API key when one is given."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> None:
         self.address = address
+        self._metadata = bearer_metadata(api_key)
+        self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
 
     async def open(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            self.address,
-            options=message_size_options(MAX_API_MESSAGE_BYTES),
-        )
+        options = message_size_options(MAX_API_MESSAGE_BYTES)
+        self._channel = aio_client_channel(self.address, options, self._tls_ca)
         self._stub = pb_grpc.SchedulerStub(self._channel)
 
     async def close(self) -> None:
@@ -82,7 +84,7 @@ class SchedulerClient:
 
     def generate(self, request: pb.GenerateRequest) -> GenerateCall:
         # NOTE: no deadline: a generation lasts as long as it needs; a gone client cancels it.
-        return GenerateCall(self.stub.Generate(request))
+        return GenerateCall(self.stub.Generate(request, metadata=self._metadata))
 
     async def _unary(
         self,
@@ -91,7 +93,7 @@ class SchedulerClient:
         timeout_s: float = SMALL_CALL_TIMEOUT_S,
     ) -> Any:
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -131,7 +133,7 @@ class SchedulerClient:
 
     async def _profile_call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
         try:
-            return await method(request, timeout=PROFILE_TIMEOUT_S)
+            return await method(request, timeout=PROFILE_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             status = _PROFILE_ERRORS.get(exc.code())
             if status is None:

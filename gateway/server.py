@@ -2,8 +2,10 @@
 
 Start-up: bind the port (0 picks a free one), serve HTTP, wait until the scheduler answers
 Health with a ready executor (until then /health is 503 and generation requests get 503), then
-write the ready file `{"url", "pid", "scheduler"}` atomically. SIGTERM or SIGINT stops
-accepting connections, lets running responses finish for a few seconds, and exits 0.
+write the ready file `{"url", "pid", "scheduler"}` atomically; a scheduler that refuses the
+gateway's key ends the start with exit 2. SIGTERM or SIGINT stops accepting connections, lets
+running responses finish for a few seconds, and exits 0. Slow clients and connection floods meet
+the limits of `http_protocol` and the app's body deadline.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from npuserve.deploy.flags import api_key
+from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.errors import APIError
+from npuserve.gateway.http_protocol import guarded_protocol
 from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto.ready_file import write_ready_file
 
 log = structlog.get_logger(__name__)
 
-API_KEY_ENV = "NPUSERVE_API_KEY"
 SCHEDULER_WAIT_S = 60.0
 GRACEFUL_SHUTDOWN_S = 3
 
@@ -40,26 +43,54 @@ class GatewayConfig:
     scheduler: str  # the scheduler's gRPC address
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port
-    api_key: str | None = None
+    api_key: str | None = None  # required of REST clients
+    scheduler_api_key: str | None = None  # presented to the scheduler
+    scheduler_tls_ca: bytes | None = None  # PEM roots: reach the scheduler over TLS
     served_model_name: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    request_header_timeout_s: float = 10.0
+    request_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 1000
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        if self.max_connections <= 0:
+            raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
+        timeouts = {
+            "--request-header-timeout": self.request_header_timeout_s,
+            "--request-body-timeout": self.request_body_timeout_s,
+            "--keep-alive-timeout": self.keep_alive_timeout_s,
+        }
+        for flag, seconds in timeouts.items():
+            if not seconds > 0:
+                raise ValueError(f"{flag} must be positive, got {seconds}")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    """The gateway's settings from `npuserve gateway` flags; the key may come from the environment."""
+    """The gateway's settings from `npuserve gateway` flags; the keys may come from the environment
+    (the scheduler's key is the API key unless --scheduler-api-key names another)."""
+    key = api_key(args)
+    try:
+        tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
+    except OSError as exc:
+        raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
     return GatewayConfig(
         scheduler=args.scheduler,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=key,
+        scheduler_api_key=getattr(args, "scheduler_api_key", None) or key,
+        scheduler_tls_ca=tls_ca,
         served_model_name=getattr(args, "served_model_name", None),
         max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
         ready_file=args.ready_file,
     )
 
@@ -104,7 +135,15 @@ def public_url(host: str, port: int) -> str:
 
 
 async def serve_gateway(config: GatewayConfig) -> int:
-    app = create_app(config.scheduler, config.api_key, config.served_model_name, config.max_request_bytes)
+    app = create_app(
+        config.scheduler,
+        config.api_key,
+        config.served_model_name,
+        config.max_request_bytes,
+        scheduler_api_key=config.scheduler_api_key,
+        scheduler_tls_ca=config.scheduler_tls_ca,
+        body_timeout_s=config.request_body_timeout_s,
+    )
     try:
         sock = bind_socket(config.host, config.port)
     except OSError as exc:
@@ -113,7 +152,8 @@ async def serve_gateway(config: GatewayConfig) -> int:
     server = _Server(
         uvicorn.Config(
             app,
-            http="httptools",
+            http=guarded_protocol(config.request_header_timeout_s, config.max_connections),
+            timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
             ws="none",
             lifespan="on",
             log_config=None,
@@ -132,7 +172,20 @@ async def serve_gateway(config: GatewayConfig) -> int:
         await asyncio.sleep(0.01)
     url = public_url(config.host, sock.getsockname()[1])
     log.info("gateway serving", url=url, scheduler=config.scheduler, api_key=bool(config.api_key))
-    await _wait_for_scheduler(app.state.gateway.client, server, config.scheduler_wait_s)
+    client = app.state.gateway.client
+    await _wait_for_scheduler(client, server, config.scheduler_wait_s)
+    refused = await _key_refused(client) if not server.should_exit else None
+    if refused is not None:
+        log.error("the scheduler refuses this gateway's key", reason=refused)
+        print(
+            f"npuserve gateway: error: the scheduler at {config.scheduler} refuses this gateway: "
+            f"{refused}; give the gateway the scheduler's key (--api-key, --scheduler-api-key or "
+            "$NPUSERVE_API_KEY)",
+            file=sys.stderr,
+        )
+        server.should_exit = True
+        await serving
+        return 2
     if config.ready_file is not None and not server.should_exit:
         write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
     await serving
@@ -143,6 +196,15 @@ async def serve_gateway(config: GatewayConfig) -> int:
 def _stop(server: uvicorn.Server) -> None:
     log.info("gateway stopping")
     server.should_exit = True
+
+
+async def _key_refused(client: SchedulerClient) -> str | None:
+    """Why the scheduler refuses this gateway's key (Health is open, so it says nothing), or None."""
+    try:
+        await client.list_models()
+    except APIError as exc:
+        return exc.message if exc.code == "unauthenticated" else None
+    return None
 
 
 async def _wait_for_scheduler(client: SchedulerClient, server: uvicorn.Server, timeout_s: float) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from npuserve.kernels.backends.base import KernelBackend
 from npuserve.kernels.layout import (
+    NPU_ATTENTION_HEAD_DIMS,
     NPU_BLOCK_SIZE,
     NULL_BLOCK_ID,
     cdiv,
@@ -16,6 +17,7 @@ from npuserve.kernels.layout import (
 from npuserve.kernels.metadata import AttentionMetadata, build_attention_metadata
 
 __all__ = [
+    "NPU_ATTENTION_HEAD_DIMS",
     "NPU_BLOCK_SIZE",
     "NULL_BLOCK_ID",
     "AttentionMetadata",
@@ -29,9 +31,11 @@ __all__ = [
 ]
 
 
-def get_backend(device: torch.device) -> KernelBackend:
-    """The backend for a device: torch_npu operators on Ascend, plain PyTorch elsewhere."""
-    if device.type == "npu":
+def get_backend(device: torch.device | str) -> KernelBackend:
+    """The backend for a device (or a device kind): torch_npu operators on Ascend (emulated ones
+    too: the executor passes its target, whose ``type`` is its kind), plain PyTorch elsewhere."""
+    kind = device if isinstance(device, str) else device.type
+    if kind == "npu":
         from npuserve.kernels.backends.npu_backend import NpuBackend
 
         return NpuBackend()

@@ -23,8 +23,10 @@ __all__ = [
     "slot_mapping",
 ]
 
-# NOTE: Ascend's paged-attention kernels take block_size 128 (vllm-ascend forces it once prefix
-# caching or chunked prefill is on); smaller sizes are for CPU tests and the torch backend.
+# NOTE: Ascend's paged-attention kernels take block_size 128: npu_fused_infer_attention_score's
+# paged prefill needs a multiple of 128 (op-plugin docs, PageAttention约束) and vllm-ascend v0.13.0
+# supports only 128 (AscendAttentionBackend.get_supported_block_size); smaller sizes are for CPU
+# tests and the torch backend.
 NPU_BLOCK_SIZE = 128
 # NOTE: npu_fused_infer_attention_score in the TND layout without rope takes head_dim 128 (and
 # 192 for Q/K only, which no served architecture uses); newer CANN also 64 (CANN operator docs,

@@ -1,6 +1,9 @@
-"""gRPC message-size limits, one per link, used by both ends of each link."""
+"""gRPC message-size limits, one per link, used by both ends of each link, and client channels
+(plaintext, or TLS verified against given roots)."""
 
 from __future__ import annotations
+
+import grpc
 
 # Scheduler <-> executor: a step plan carries whole prompts for every new request of a batch.
 MAX_STEP_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -14,3 +17,22 @@ def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_bytes),
         ("grpc.max_receive_message_length", max_bytes),
     ]
+
+
+def client_channel(address: str, options: list[tuple[str, int]], tls_ca: bytes | None = None) -> grpc.Channel:
+    """A blocking channel to ``address``: TLS verified against ``tls_ca`` (PEM roots) when given."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(
+        address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options
+    )
+
+
+def aio_client_channel(
+    address: str, options: list[tuple[str, int]], tls_ca: bytes | None = None
+) -> grpc.aio.Channel:
+    """`client_channel` for asyncio code."""
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+    return grpc.aio.secure_channel(address, credentials, options=options)

@@ -65,7 +65,7 @@ def registration_record(
     }
 
 
-def parse_record(text: str) -> dict[str, Any] | None:
+def parse_record(text: str | bytes) -> dict[str, Any] | None:
     """A registration as written by `registration_record`; None when it is not one."""
     try:
         record = json.loads(text)

@@ -46,7 +46,7 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
     add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else None
     if which == "text":
         return PromptInput(text=msg.text, add_special_tokens=add_special)
-    if which == "token_ids":
+    if which == "token_ids" and isinstance(msg, pb.GenerateRequest):  # a TokenizeRequest has none
         return PromptInput(token_ids=list(msg.token_ids.ids))
     if which == "chat":
         chat = msg.chat

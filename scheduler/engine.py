@@ -145,16 +145,6 @@ class Engine:
             RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
         )
 
-    def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=info.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_model_len=info.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        )
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         for executor_id, executor, info in self._pending:
@@ -202,9 +192,8 @@ class Engine:
         old = self.lanes.get(executor_id)
         if old is not None:
             self.remove_executor(executor_id, "replaced by a new instance")
-        lane = ExecutorLane(
-            executor_id, executor, Scheduler(self._scheduler_config(info)), self._on_lane_event
-        )
+        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
+        lane = ExecutorLane(executor_id, executor, scheduler, self._on_lane_event)
         self.lanes[executor_id] = lane
         lane.start()
         log.info(
@@ -393,6 +382,8 @@ class Engine:
         try:
             while True:
                 output = coalesce(await stream.queue.get(), stream.queue)
+                if output.refusal is not None:
+                    raise output.refusal
                 usage = output.usage or usage
                 yield output
                 if output.finished:
@@ -502,8 +493,14 @@ class Engine:
                 why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
-                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
                     self._record_finish(request, "error", time.monotonic())
+                if not self.live_lanes and not stream.started:
+                    # NOTE: nothing was sent: to the client this is a request that came while no
+                    # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
+                    stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
+                    continue
+                for request in siblings:
+                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
                 continue
             lane = self._place(siblings)
             log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)

@@ -20,7 +20,8 @@ import grpc
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
-from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
+from npuserve.proto.auth import bearer_metadata
+from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, client_channel, message_size_options
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
@@ -55,13 +56,9 @@ class ExecutorClient:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        if tls_ca is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
-            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = client_channel(address, CHANNEL_OPTIONS, tls_ca)
         self._stub = pb_grpc.ExecutorStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = bearer_metadata(token)
         # Filled by info(): the executor's identity, next to the capacity handshake.
         self.executor_id: str | None = None
         self.version: str | None = None

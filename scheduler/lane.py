@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 import structlog
 
@@ -23,6 +23,8 @@ from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, StepStats
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 
 class StepExecutor(Protocol):
     """What a lane needs of an executor: the gRPC client, or an in-process runner."""
@@ -30,6 +32,8 @@ class StepExecutor(Protocol):
     def info(self) -> ExecutorInfo: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
+
+    def health(self) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -103,9 +107,9 @@ class ExecutorLane:
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
         self._command("finish", (req_ids, status))
 
-    def call(self, fn: Callable[[Scheduler], object]) -> Future[object]:
+    def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the lane thread between steps (e.g. an integrity check)."""
-        future: Future[object] = Future()
+        future: Future[T] = Future()
         self._command("call", (fn, future))
         return future
 
@@ -153,21 +157,22 @@ class ExecutorLane:
             except queue.Empty:
                 return
             if kind == "add":
+                requests = cast(list[Request], payload)
                 if not self.alive:  # raced with the executor going down: send them elsewhere
-                    self.on_event(self, LaneEvent(evacuated=list(payload), error=self.down_reason))  # type: ignore[call-overload]
+                    self.on_event(self, LaneEvent(evacuated=list(requests), error=self.down_reason))
                     continue
-                for request in payload:  # type: ignore[attr-defined]
+                for request in requests:
                     self.scheduler.add_request(request)
             elif kind == "down":
                 self._go_down(str(payload))
             elif kind == "call":
-                fn, future = payload  # type: ignore[misc]
+                fn, future = cast(tuple[Callable[[Scheduler], object], Future[object]], payload)
                 try:
                     future.set_result(fn(self.scheduler))
                 except Exception as exc:
                     future.set_exception(exc)
             else:
-                req_ids, status = payload  # type: ignore[misc]
+                req_ids, status = cast(tuple[list[str], RequestStatus], payload)
                 ended = self.scheduler.finish_requests(req_ids, status)
                 if ended:
                     self.on_event(self, LaneEvent(ended=ended))

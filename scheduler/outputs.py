@@ -42,6 +42,7 @@ class GenerateOutput:
     usage: Usage | None = None  # on the last output
     finished: bool = False
     error: str | None = None
+    refusal: Exception | None = None  # the request ended before its first output: raise this
 
 
 @dataclass(slots=True)
@@ -126,6 +127,19 @@ class RequestStream:
         state.finished = True
         self.error = self.error or error
         self._emit(CompletionDelta(self.index_of[req_id], "", [], finish_reason=status.value))
+
+    @property
+    def started(self) -> bool:
+        """Whether the client has been sent anything (the prompt comes with the first output)."""
+        return self._sent_prompt
+
+    def refuse(self, refusal: Exception) -> None:
+        """Ends a request that has sent nothing yet as if it had been refused on arrival: its
+        stream raises ``refusal`` (a status for the client, e.g. UNAVAILABLE, not a broken stream)."""
+        assert not self.started, "a request that has streamed output ends with `end`"
+        for state in self.sequences.values():
+            state.finished = True
+        self.queue.put_nowait(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:
         output = GenerateOutput(self.request_id, [delta])

@@ -15,7 +15,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from npuserve.proto.step_plan import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
+from npuserve.proto.step_plan import (
+    CachedRequest,
+    ExecutorInfo,
+    NewRequest,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from npuserve.scheduler.kv_cache_manager import KVCacheManager
 from npuserve.scheduler.request import Request, RequestStatus
 
@@ -28,6 +35,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+
+    @classmethod
+    def for_executor(cls, info: ExecutorInfo, enable_prefix_caching: bool = True) -> SchedulerConfig:
+        """Scheduling within what an executor reported in its capacity handshake."""
+        return cls(
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_model_len=info.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+        )
 
 
 @dataclass(slots=True)

@@ -1,4 +1,8 @@
-"""The scheduler process: the public gRPC API over an engine driving remote executors."""
+"""The scheduler process: the public gRPC API over an engine driving remote executors.
+
+With an API key every call but `Health` must present it (`npuserve.proto.auth`); with a
+certificate and key the API is served over TLS.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import structlog
 from npuserve.deploy.demo_model import default_served_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import API_KEY, AioTokenInterceptor
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 from npuserve.proto.error_details import field_status
 from npuserve.proto.ready_file import write_ready_file
@@ -219,6 +224,8 @@ class SchedulerConfig:
     registry_prefix: str = "npuserve"
     cluster_token: str | None = None  # presented to executors on every call
     tls_ca: bytes | None = None  # PEM roots: talk TLS to executors and verify them against these
+    api_key: str | None = None  # clients of the public API present it (Health stays open)
+    tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -253,12 +260,24 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
     )
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
-    server = grpc.aio.server(options=message_size_options(MAX_API_MESSAGE_BYTES))
+    interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
+    server = grpc.aio.server(options=message_size_options(MAX_API_MESSAGE_BYTES), interceptors=interceptors)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, config.model), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    if config.tls is not None:
+        bound = server.add_secure_port(target, grpc.ssl_server_credentials([config.tls]))
+    else:
+        bound = server.add_insecure_port(target)
     await server.start()
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
-    log.info("scheduler serving", address=address, executors=len(executors), model=engine.model_name)
+    log.info(
+        "scheduler serving",
+        address=address,
+        executors=len(executors),
+        model=engine.model_name,
+        api_key=bool(config.api_key),
+        tls=config.tls is not None,
+    )
     if ready_file is not None:
         write_ready_file(ready_file, {"address": address, "pid": os.getpid(), "model": engine.model_name})
     stop = asyncio.Event()

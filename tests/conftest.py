@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.kernels.npu_emulation import EMULATE_ENV
+from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """The bundled demo model, stories260K (it has a chat template)."""
     return DEMO_MODEL_DIR
+
+
+@pytest.fixture
+def emulated_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """``NPUSERVE_EMULATE_NPU=1`` for this test (and the processes it starts); the torch_npu
+    stand-in that ``--device npu`` then installs is removed again afterwards. Yields the
+    monkeypatch, to set the emulated machine's variables."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    for name in MODULE_NAMES:
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, None)  # restored (removed) at teardown
+            del sys.modules[name]
+    # The npu backend binds the torch_npu it imported first: import it afresh for this stand-in.
+    monkeypatch.delitem(sys.modules, "npuserve.kernels.backends.npu_backend", raising=False)
+    monkeypatch.setattr(torch, "npu", getattr(torch, "npu", None), raising=False)
+    monkeypatch.setattr(torch.version, "cann", getattr(torch.version, "cann", None), raising=False)
+    yield monkeypatch

@@ -7,9 +7,13 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import npuserve.gateway
 import npuserve.proto
 import npuserve.scheduler
+
+pytestmark = pytest.mark.slow  # a fresh interpreter that imports every module
 
 
 def _modules(package: object) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from npuserve.deploy.doctor.facts import AUTOLOAD_ENV, NETWORK_ENV, HostFacts, VersionFile
 from npuserve.deploy.doctor.npu_smi import NpuChip
 from npuserve.deploy.doctor.report import Check, fail, ok, warn
-from npuserve.deploy.doctor.version_matrix import RECOMMENDED, describe, find_set, release, sets_for_cann
+from npuserve.executor.version_matrix import RECOMMENDED, describe, find_set, release, sets_for_cann
 
 MIN_PYTHON = (3, 10)
 DEVICE_NODES = "/dev/davinci<N> (with /dev/davinci_manager, /dev/devmm_svm and /dev/hisi_hdc)"

@@ -167,6 +167,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, cos_sin)
+        assert residual is not None, "a model has at least one layer"
         hidden, _ = self.backend.add_rms_norm(hidden, residual, self.norm.weight, self.eps)
         return hidden
 
@@ -177,6 +178,8 @@ class CausalLM(nn.Module):
     With ``tp.size > 1`` every layer holds its rank's shard, and `compute_logits` all-gathers
     the vocabulary so every rank sees the full logits.
     """
+
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] rotary table (a buffer)
 
     def __init__(
         self,

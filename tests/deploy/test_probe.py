@@ -5,10 +5,16 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from harness.serve import Served, npuserve_process, stop_process
+import pytest
+from harness.serve import Served, npuserve_process
+
+from npuserve.deploy.launcher import Launcher
+
+pytestmark = pytest.mark.slow  # starts npuserve processes
 
 PROBE_RUN_TIMEOUT_S = 30
 
@@ -54,33 +60,20 @@ def test_nothing_listening_fails_both_probes() -> None:
 def test_a_gateway_without_its_scheduler_is_alive_but_not_ready() -> None:
     port = free_port()
     scheduler = f"127.0.0.1:{free_port()}"  # nothing listens there
-    gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "npuserve.deploy.cli",
-            "gateway",
-            "--scheduler",
-            scheduler,
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = Launcher(Path(tempfile.mkdtemp(prefix="npuserve-test-")))
+    gateway = launcher.start("gateway", ["gateway", "--scheduler", scheduler, "--port", str(port)])
     url = f"http://127.0.0.1:{port}/health"
     try:
         deadline = time.monotonic() + 60
         while (live := probe("gateway", url, "--live")).returncode != 0:
-            assert gateway.poll() is None and time.monotonic() < deadline, live.stderr
+            assert gateway.exited() is None and time.monotonic() < deadline, live.stderr
             time.sleep(0.2)
         assert "is up" in live.stdout
         ready = probe("gateway", url)
         assert ready.returncode == 1
         assert "up but not serving: HTTP 503" in ready.stderr
     finally:
-        stop_process(gateway)
+        launcher.stop()
 
 
 def test_a_serving_scheduler_and_gateway_pass_readiness(served_stories: Served) -> None:

@@ -19,6 +19,8 @@ from harness.serve import collect, generate_concurrently, greedy_request, serve
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto.error_details import error_field
 
+pytestmark = pytest.mark.slow  # `npuserve serve` in processes of its own
+
 transformers = pytest.importorskip("transformers")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")

@@ -4,9 +4,8 @@ serves Step, StepStream and Info only to callers that present it (Health stays o
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import itertools
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 from harness.cluster import Proc, processes
 from harness.serve import collect, greedy_request
 from harness.step_driver import DrivenRequest, StepDriver
+from harness.tls import self_signed_cert
 
 from npuserve.proto import executor_pb2 as executor_pb
 from npuserve.proto import executor_pb2_grpc as executor_pb_grpc
@@ -25,51 +25,12 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import SamplingOptions, StepPlan, StepResult
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
+pytestmark = pytest.mark.slow  # executors and schedulers in processes of their own
+
 TOKEN = "s3cret-cluster-token"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}
 _step_ids = itertools.count(7_000_000, 10_000)
-
-
-def self_signed_cert(directory: Path) -> tuple[Path, Path] | None:
-    """A certificate for 127.0.0.1 and localhost that is its own CA: (cert, key) paths; None
-    without the `cryptography` package."""
-    try:
-        from cryptography import x509
-    except ImportError:
-        return None
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "npuserve test executor")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "executor.crt", directory / "executor.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
 
 
 @dataclass
@@ -198,3 +159,23 @@ def test_a_scheduler_with_a_wrong_token_says_so(cluster: Cluster, stories_dir: P
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "UNAUTHENTICATED" in result.stderr and "does not match" in result.stderr
+
+
+def test_an_executor_on_a_public_address_without_a_token_refuses_to_start(stories_dir: Path) -> None:
+    command = [sys.executable, "-m", "npuserve.deploy.cli", "executor", "--model", str(stories_dir),
+               "--host", "0.0.0.0", "--port", "0"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NPUSERVE_CLUSTER_TOKEN"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "refusing to serve the executor on 0.0.0.0 with no cluster token" in result.stderr
+    for fix in ("--cluster-token", "NPUSERVE_CLUSTER_TOKEN", "--allow-unauthenticated"):
+        assert fix in result.stderr, result.stderr
+
+
+def test_an_executor_on_a_public_address_starts_with_a_token(cluster: Cluster, stories_dir: Path) -> None:
+    with processes(cluster.workdir) as procs:
+        public = procs.start("public", "executor", "--model", str(stories_dir), "--host", "0.0.0.0",
+                             "--port", "0", "--kv-cache-memory", "0.02", "--no-warmup",
+                             env={"NPUSERVE_CLUSTER_TOKEN": TOKEN})  # fmt: skip
+        with ExecutorClient(public.wait_ready()["address"], timeout_s=10, token=TOKEN) as client:
+            assert client.info().block_size == 16

@@ -293,3 +293,24 @@ def test_dtype_key_of_transformers_5(tmp_path: Path) -> None:
     assert load(tmp_path / "new", {"dtype": "bfloat16"}).torch_dtype == "bfloat16"
     assert load(tmp_path / "old", {"torch_dtype": "float16"}).torch_dtype == "float16"
     assert load(tmp_path / "none").torch_dtype is None
+
+
+@pytest.mark.parametrize("head_dim", [8, 80, 96, 256])
+def test_npu_refuses_head_sizes_the_attention_kernel_lacks(tmp_path: Path, head_dim: int) -> None:
+    from npuserve.executor.config import check_npu_model
+
+    raw = {**BASE, "hidden_size": 4 * head_dim, "num_attention_heads": 4, "num_key_value_heads": 4}
+    model = ModelConfig.from_dict(raw, tmp_path)
+    with pytest.raises(ConfigError, match=rf"head_dim {head_dim} does not run on npu.*--device cpu"):
+        check_npu_model(model, 128)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_npu_accepts_its_head_sizes_and_needs_block_128(tmp_path: Path, head_dim: int) -> None:
+    from npuserve.executor.config import check_npu_model
+
+    raw = {**BASE, "hidden_size": 4 * head_dim, "num_attention_heads": 4, "num_key_value_heads": 4}
+    model = ModelConfig.from_dict(raw, tmp_path)
+    check_npu_model(model, 128)
+    with pytest.raises(ConfigError, match=r"--block-size 16 does not run on npu.*--block-size 128"):
+        check_npu_model(model, 16)

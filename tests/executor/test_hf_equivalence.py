@@ -18,6 +18,8 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.proto.step_plan import SamplingOptions
 
+pytestmark = pytest.mark.slow  # greedy runs of transformers models, tens of seconds
+
 transformers = pytest.importorskip("transformers")
 
 NUM_NEW_TOKENS = 12

@@ -77,6 +77,7 @@ def others() -> list[DrivenRequest]:
     ]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_batch_and_run_invariant(stories_dir: Path) -> None:
     """A seeded request samples the same tokens on two runners, alone, among five other requests,
     in another order, and under a small token budget that chunks the prefills differently."""
@@ -108,6 +109,7 @@ def test_seeded_sampling_is_batch_and_run_invariant(stories_dir: Path) -> None:
     assert alone != greedy_reference(stories_dir, PROMPT, 16)
 
 
+@pytest.mark.slow
 def test_unseeded_sampling_repeats_for_the_same_runner_seed(stories_dir: Path) -> None:
     """Unseeded requests draw their seeds from a generator seeded by ExecutorConfig.seed, one per
     request in arrival order: the same plans on a runner with the same seed give the same tokens.
@@ -183,6 +185,7 @@ def test_min_tokens_blocks_stop_ids_until_reached(stories_dir: Path) -> None:
 # ------------------------------------------------------------------------------- penalties
 
 
+@pytest.mark.slow
 def test_repetition_penalty_changes_greedy_output_deterministically(stories_dir: Path) -> None:
     """repetition_penalty 1.5 changes the greedy story, the same way on every run, and a
     penalised request batched with a plain one does not penalise its neighbour."""
@@ -227,6 +230,7 @@ def test_repeated_step_id_returns_same_result_without_advancing(stories_dir: Pat
 # ---------------------------------------------------------------------------- plan errors
 
 
+@pytest.mark.slow
 def test_plan_error_drops_named_requests_and_runner_keeps_serving(stories_dir: Path) -> None:
     """A new request scheduled with an unknown one is refused as a whole: PlanError, the new
     request is dropped (num_reqs as before), a running request the plan did not name is kept,

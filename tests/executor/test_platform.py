@@ -185,6 +185,7 @@ def test_other_import_failures_keep_the_cause(monkeypatch: pytest.MonkeyPatch) -
 
 def test_npu_with_no_visible_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "import_torch_npu", lambda: ModuleType("torch_npu"))
+    monkeypatch.setattr(platform, "check_npu_runtime", lambda module: None)
     monkeypatch.setattr(platform, "_npu_count", lambda: 0)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "3")
     with pytest.raises(PlatformError, match="ASCEND_RT_VISIBLE_DEVICES='3'"):
@@ -305,3 +306,82 @@ def test_memory_helpers_are_no_ops_on_cpu() -> None:
     synchronize(CPU)
     empty_cache(CPU)
     assert peak_memory_allocated(CPU) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Ascend start-up checks, on the torch_npu emulation
+# --------------------------------------------------------------------------------------------
+
+
+def test_emulated_npu_is_an_npu_target_on_the_cpu(emulated_npu: pytest.MonkeyPatch) -> None:
+    target = platform.resolve_target("npu")
+    assert (target.kind, target.device, target.emulated) == ("npu", CPU, True)
+    assert torch.npu.current_device() == 0  # type: ignore[attr-defined]
+    assert platform.resolve_dtype("auto", "float32", target) == torch.bfloat16
+    with pytest.raises(PlatformError, match="float32 does not run on npu"):
+        platform.resolve_dtype("float32", None, target)
+
+
+def test_npu_index_selects_the_device(emulated_npu: pytest.MonkeyPatch) -> None:
+    emulated_npu.setenv("NPUSERVE_EMULATE_NPU_COUNT", "4")
+    platform.resolve_target("npu:2")
+    assert torch.npu.current_device() == 2  # type: ignore[attr-defined]
+    with pytest.raises(PlatformError, match=r"npu:4: only 4 NPU\(s\) are visible"):
+        platform.resolve_target("npu:4")
+    with pytest.raises(PlatformError, match="only npu and cuda take an index"):
+        platform.resolve_target("cpu:1")
+
+
+def test_visible_devices_limit_the_emulated_npus(emulated_npu: pytest.MonkeyPatch) -> None:
+    emulated_npu.setenv("NPUSERVE_EMULATE_NPU_COUNT", "4")
+    emulated_npu.setenv("ASCEND_RT_VISIBLE_DEVICES", "3")
+    platform.resolve_target("npu")
+    assert torch.npu.device_count() == 1  # type: ignore[attr-defined]
+    with pytest.raises(PlatformError, match="npu:1: only 1 NPU"):
+        platform.resolve_target("npu:1")
+
+
+def test_310p_is_refused(emulated_npu: pytest.MonkeyPatch) -> None:
+    emulated_npu.setenv("NPUSERVE_EMULATE_NPU_SOC", "202")
+    with pytest.raises(PlatformError, match=r"Ascend 310P is not supported yet.*A2/A3"):
+        platform.resolve_target("npu")
+
+
+def test_missing_nnal_is_refused_with_the_set_env_line(emulated_npu: pytest.MonkeyPatch) -> None:
+    emulated_npu.setenv("NPUSERVE_EMULATE_NNAL", "0")
+    emulated_npu.delenv("ATB_HOME_PATH", raising=False)
+    with pytest.raises(PlatformError) as info:
+        platform.resolve_target("npu")
+    message = str(info.value)
+    assert "libatb.so did not load" in message and "ATB_HOME_PATH is unset" in message
+    assert "source /usr/local/Ascend/nnal/atb/set_env.sh" in message
+
+
+def test_torch_npu_of_another_torch_is_refused(emulated_npu: pytest.MonkeyPatch) -> None:
+    emulated_npu.setenv("NPUSERVE_EMULATE_TORCH_NPU_VERSION", "2.1.0.post17")
+    with pytest.raises(PlatformError, match="not one version set"):
+        platform.resolve_target("npu")
+
+
+def test_cann_outside_the_torch_npu_set_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cann", "8.3.RC1", raising=False)
+    with pytest.raises(
+        PlatformError, match=r"CANN 8.3.RC1 is not the CANN torch_npu 2.8.0.post2 is built for \(8.5.0"
+    ):
+        platform.check_cann_version("2.8.0.post2")
+    platform.check_cann_version("2.8.0")  # the 8.3.RC1 set
+    monkeypatch.setattr(torch.version, "cann", "CANN-8.5.0", raising=False)
+    platform.check_cann_version("2.8.0.post2+git1234")
+
+
+def test_torch_backend_autoload_is_off_in_every_entry_point() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; import npuserve.executor.platform; "
+        "print(os.environ['TORCH_DEVICE_BACKEND_AUTOLOAD'], 'torch_npu' in sys.modules)"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "False"]

@@ -30,6 +30,7 @@ def executor_flags(model: Path, url: str, prefix: str, executor_id: str) -> list
             "--log-format", "json"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_registers_refreshes_and_deregisters(stories_dir: Path, tmp_path: Path) -> None:
     with shared_registry() as registry, processes(tmp_path) as procs:
         executor = procs.start(
@@ -65,6 +66,7 @@ def test_registers_refreshes_and_deregisters(stories_dir: Path, tmp_path: Path) 
         assert registry.record("exec-a") is None, "a graceful stop deletes the registration"
 
 
+@pytest.mark.slow
 def test_rides_out_a_redis_outage(stories_dir: Path, tmp_path: Path) -> None:
     prefix = f"npuserve-test-{uuid.uuid4().hex}"
     with private_redis(tmp_path) as redis_server, processes(tmp_path) as procs:
@@ -100,6 +102,7 @@ def test_rides_out_a_redis_outage(stories_dir: Path, tmp_path: Path) -> None:
         assert sum(e == "registered again" for e in events) == 1
 
 
+@pytest.mark.slow
 def test_retries_with_capped_backoff_without_spinning(tmp_path: Path) -> None:
     """In-process: Redis absent at start, then present; one outage, a handful of attempts."""
     redis_server = PrivateRedis(tmp_path)  # its port is free: nothing answers yet

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +13,7 @@ import grpc
 import pytest
 from harness.step_driver import DrivenRequest, StepDriver
 
+from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.server import start_executor_server
@@ -31,47 +28,49 @@ CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}
 
 @dataclass
 class ExecutorProcess:
-    proc: subprocess.Popen
+    child: Child
     address: str
     ready: dict
-    stderr_path: Path
+
+    def log(self) -> str:
+        return self.child.log()
 
 
 def _start_executor(model_dir: Path, tmp: Path) -> ExecutorProcess:
-    ready_file = tmp / "ready.json"
-    stderr_path = tmp / "executor.stderr"
-    command = [
-        sys.executable, "-m", "npuserve.executor.server",
-        "--model", str(model_dir), "--port", "0", "--ready-file", str(ready_file),
-        "--kv-cache-memory", str(KV_CACHE_GIB), "--device", "cpu", "--log-level", "debug",
-    ]  # fmt: skip
-    with stderr_path.open("wb") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"executor did not start (exit {proc.poll()}):\n{stderr_path.read_text()}")
-        time.sleep(0.05)
-    ready = json.loads(ready_file.read_text())
-    return ExecutorProcess(proc, ready["address"], ready, stderr_path)
+    launcher = Launcher(tmp)
+    flags = [
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--kv-cache-memory",
+        str(KV_CACHE_GIB),
+        "--device",
+        "cpu",
+    ]
+    child = launcher.start(
+        "executor",
+        ["executor", *flags, "--log-level", "debug"],
+        log_path=tmp / "executor.log",
+        new_session=True,
+    )
+    try:
+        (ready,) = launcher.wait_ready([child], START_TIMEOUT_S)
+    except LaunchError as exc:
+        launcher.stop()
+        pytest.fail(f"executor did not start: {exc}")
+    return ExecutorProcess(child, ready["address"], ready)
 
 
 def _stop(executor: ExecutorProcess) -> int:
-    executor.proc.send_signal(signal.SIGTERM)
-    try:
-        return executor.proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(executor.proc.pid, signal.SIGKILL)
-        raise
+    return executor.child.stop(grace_s=15)
 
 
 @pytest.fixture(scope="module")
 def executor(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutorProcess]:
     running = _start_executor(stories_dir, tmp_path_factory.mktemp("executor"))
     yield running
-    if running.proc.poll() is None:
-        _stop(running)
+    _stop(running)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +112,7 @@ def expected(local_runner: ModelRunner) -> list[DrivenRequest]:
     return _drive(local_runner, "local")
 
 
+@pytest.mark.slow
 def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) -> None:
     with ExecutorClient(executor.address, timeout_s=10) as client:
         info = client.info()
@@ -120,12 +120,13 @@ def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) ->
         assert info.model == "stories260K" and info.block_size == 16 and info.device == "cpu"
         assert client.executor_id and client.executor_id.endswith(executor.address.rsplit(":", 1)[1])
         assert client.version
-    assert executor.ready["pid"] == executor.proc.pid
+    assert executor.ready["pid"] == executor.child.pid
     assert executor.ready["info"]["num_blocks"] == info.num_blocks
     assert executor.ready["executor_id"] == client.executor_id
 
 
 @pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.slow
 def test_greedy_generation_matches_in_process_runner(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
@@ -139,6 +140,7 @@ def test_greedy_generation_matches_in_process_runner(
 
 
 @pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.slow
 def test_bad_plan_is_invalid_argument_and_serving_goes_on(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
@@ -154,6 +156,7 @@ def test_bad_plan_is_invalid_argument_and_serving_goes_on(
     assert request.output == expected[0].output[:8]
 
 
+@pytest.mark.slow
 def test_health(executor: ExecutorProcess) -> None:
     with ExecutorClient(executor.address, timeout_s=5) as client:
         assert client.health()
@@ -207,16 +210,17 @@ def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode
         assert client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
     running = _start_executor(stories_dir, tmp_path)
     with StreamingExecutorClient(running.address, timeout_s=10) as client:
         client.info()
         client.step(StepPlan(step_id=0))  # an open stream must not hold the shutdown
-        assert _stop(running) == 0, running.stderr_path.read_text()
+        assert _stop(running) == 0, running.log()
         assert not client.health()
     with pytest.raises(ProcessLookupError):
-        os.killpg(running.proc.pid, 0)  # no process of its group is left
-    log = running.stderr_path.read_text()
+        os.killpg(running.child.pid, 0)  # no process of its group is left
+    log = running.log()
     assert "executor stopped" in log and "Traceback" not in log
 
 

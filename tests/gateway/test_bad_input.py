@@ -14,6 +14,8 @@ import httpx
 import pytest
 from harness.serve import Served, serve
 
+pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
+
 MAX_REQUEST_BYTES = 65536
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

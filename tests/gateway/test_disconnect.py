@@ -11,6 +11,8 @@ import httpx
 import pytest
 from harness.serve import Served, serve
 
+pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
+
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True}
 

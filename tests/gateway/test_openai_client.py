@@ -8,12 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import pytest
 from harness.serve import Served, serve
 
 from npuserve.deploy.demo_model import DEMO_MODEL_NAME
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import bearer_metadata
+
+pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
 
 openai = pytest.importorskip("openai")
 
@@ -243,3 +248,14 @@ def test_open_routes_health_version_metrics(served: Served) -> None:
             "vllm:kv_cache_usage_perc",
         ):
             assert name in metrics.text
+
+
+def test_the_api_key_guards_the_schedulers_grpc_api_too(served: Served, api_key: str) -> None:
+    """`serve --api-key` sets the key on both fronts; the gateway presents it to the scheduler."""
+    bare = pb_grpc.SchedulerStub(grpc.insecure_channel(served.address))
+    with pytest.raises(grpc.RpcError) as refused:
+        bare.ListModels(pb.ListModelsRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert bare.Health(pb.HealthRequest(), timeout=10).serving, "Health stays open for probes"
+    keyed = bare.ListModels(pb.ListModelsRequest(), timeout=10, metadata=bearer_metadata(api_key))
+    assert keyed.models[0].id == DEMO_MODEL_NAME

@@ -8,7 +8,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from harness.serve import serve
+
+pytestmark = pytest.mark.slow  # starts npuserve processes
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
 

@@ -4,11 +4,8 @@ together (not one after another), each logging to its own file."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from npuserve.deploy.launcher import Child, Launcher, LaunchError
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -136,32 +135,32 @@ def private_redis(workdir: Path) -> Iterator[PrivateRedis]:
 # -- npuserve processes --------------------------------------------------------------------------
 
 
-@dataclass
 class Proc:
-    """One `npuserve COMMAND` process; stderr goes to ``log_path``."""
+    """One `npuserve COMMAND` process (a launcher's `Child`); its output goes to ``log_path``."""
 
-    name: str
-    process: subprocess.Popen[bytes]
-    ready_file: Path
-    log_path: Path
+    def __init__(self, launcher: Launcher, child: Child) -> None:
+        self.launcher = launcher
+        self.child = child
+        self.name = child.name
+        self.process = child.process
+        self.log_path = child.log_path
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.child.pid
 
     def ready(self) -> dict | None:
-        return json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+        return self.child.ready()
 
     def wait_ready(self, timeout_s: float = 90.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while (ready := self.ready()) is None:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{self.name} did not start (exit {self.process.poll()}):\n{self.log()[-4000:]}")
-            time.sleep(0.05)
+        try:
+            (ready,) = self.launcher.wait_ready([self.child], timeout_s, watch=[self.child])
+        except LaunchError as exc:
+            pytest.fail(f"{self.name} did not start: {exc}")
         return ready
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self.child.log()
 
     def events(self) -> list[dict]:
         """The JSON log lines (run with ``--log-format json``)."""
@@ -175,13 +174,7 @@ class Proc:
         return found
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait(10)
+        return self.child.stop(timeout_s)
 
 
 class Processes:
@@ -189,40 +182,14 @@ class Processes:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.procs: list[Proc] = []
+        self.launcher = Launcher(workdir)
 
     def start(self, name: str, command: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        ready_file = self.workdir / f"{name}.ready.json"
-        log_path = self.workdir / f"{name}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "npuserve.deploy.cli",
-                    command,
-                    *args,
-                    "--ready-file",
-                    str(ready_file),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                env={**os.environ, **(env or {})},
-            )
-        proc = Proc(name, process, ready_file, log_path)
-        self.procs.append(proc)
-        return proc
+        child = self.launcher.start(name, [command, *args], env, log_path=self.workdir / f"{name}.log")
+        return Proc(self.launcher, child)
 
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.process.poll() is None:
-                proc.process.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.process.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.process.kill()
-                proc.process.wait(10)
+        self.launcher.stop(grace_s=15)
 
 
 @contextmanager

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-
-READY = re.compile(r"npuserve ready: scheduler gRPC at (\S+), OpenAI API at (\S+),")
+from npuserve.proto.auth import with_bearer
 
 
 def child_pids(pid: int) -> list[int]:
@@ -54,12 +53,20 @@ def alive(pid: int) -> bool:
 @dataclass
 class Served:
     address: str  # the scheduler's gRPC address
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[bytes] | None
     url: str = ""  # the OpenAI-compatible gateway, e.g. http://127.0.0.1:PORT
-    log: list[str] = field(default_factory=list)
+    log_path: Path | None = None  # every process's output
+    api_key: str | None = None  # `serve --api-key`: the scheduler's gRPC API requires it too
+
+    @property
+    def log(self) -> list[str]:
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        return self.log_path.read_text(errors="replace").splitlines(keepends=True)
 
     def stub(self) -> pb_grpc.SchedulerStub:
-        return pb_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+        """A stub of the scheduler's API that presents the API key, if there is one."""
+        return pb_grpc.SchedulerStub(with_bearer(grpc.insecure_channel(self.address), self.api_key))
 
     def integrity(self, expect_idle: bool = True, timeout_s: float = 5.0) -> pb.CheckIntegrityResponse:
         """The pools' integrity check, retried until it passes or ``timeout_s`` runs out
@@ -87,35 +94,22 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
     """`npuserve serve --model MODEL FLAGS` on free ports (no `--model` when MODEL is None: the
     bundled demo model); on exit, SIGTERM and no orphan left."""
     model_flags = [] if model is None else ["--model", str(model)]
-    command = [sys.executable, "-m", "npuserve.deploy.cli", "serve", *model_flags, "--port", "0", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    served = Served("", process)
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            served.log.append(line)
-            match = READY.search(line)
-            if match:
-                served.address, served.url = match.group(1), match.group(2)
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    launcher = Launcher(Path(tempfile.mkdtemp(prefix="npuserve-test-")))
+    log_path = launcher.workdir / "serve.log"  # type: ignore[operator]
+    child = launcher.start(
+        "serve", ["serve", *model_flags, "--port", "0", *flags], log_path=log_path
+    )
+    served = Served("", child.process, log_path=log_path, api_key=flag_value(flags, "--api-key"))
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.1):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("npuserve serve did not become ready:\n" + "".join(served.log[-40:]))
+        try:
+            (ready,) = launcher.wait_ready([child], timeout_s)
+        except LaunchError as exc:
+            raise RuntimeError(f"npuserve serve did not become ready: {exc}") from None
+        served.address, served.url = ready["address"], ready["url"]
         yield served
     finally:
-        children = child_pids(process.pid)
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        children = child_pids(child.pid)
+        code = child.stop(grace_s=30)
         assert code == 0, f"npuserve serve exited with {code}:\n" + "".join(served.log[-40:])
         deadline = time.monotonic() + 5
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
@@ -124,6 +118,16 @@ def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> It
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         assert not orphans, f"processes left behind: {orphans}"
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value given to flag ``name`` in ``flags`` (``--name V`` or ``--name=V``), if any."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return None
 
 
 def greedy_request(prompt_ids: Sequence[int], max_tokens: int, **sampling: object) -> pb.GenerateRequest:
@@ -155,42 +159,19 @@ def generate_concurrently(
 
 
 @contextmanager
-def npuserve_process(
-    command: str, *args: str, timeout_s: float = 120.0
-) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+def npuserve_process(command: str, *args: str, timeout_s: float = 120.0) -> Iterator[tuple[Child, dict]]:
     """One `npuserve COMMAND ARGS --ready-file ...` process; yields it with its ready-file JSON."""
-    import json
-    import tempfile
-
-    ready_file = Path(tempfile.mkdtemp(prefix="npuserve-test-")) / f"{command}.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "npuserve.deploy.cli", command, *args, "--ready-file", str(ready_file)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = Launcher(Path(tempfile.mkdtemp(prefix="npuserve-test-")))
+    log_path = launcher.workdir / f"{command}.log"  # type: ignore[operator]
+    child = launcher.start(command, [command, *args], log_path=log_path)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ready_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"npuserve {command} did not start:\n{process.stderr.read() if process.stderr else ''}"
-                )
-            time.sleep(0.05)
-        yield process, json.loads(ready_file.read_text())
-    finally:
-        stop_process(process)
-
-
-def stop_process(process: subprocess.Popen[str], grace_s: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``; returns once the process is gone."""
-    if process.poll() is None:
-        process.terminate()
         try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            (ready,) = launcher.wait_ready([child], timeout_s)
+        except LaunchError as exc:
+            raise RuntimeError(f"npuserve {command} did not start: {exc}") from None
+        yield child, ready
+    finally:
+        child.stop(grace_s=15)
 
 
 def run_streams(

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from npuserve.scheduler.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 
 TOKENS = [5, 17, 99, 3, 40_000, 151_935, 0, 12, 7, 8, 9, 10]
@@ -31,6 +33,7 @@ def _hashes_in_subprocess(hash_seed: str) -> list[bytes]:
     return [bytes.fromhex(h) for h in out.split(",")]
 
 
+@pytest.mark.slow
 def test_hashes_are_stable_across_processes() -> None:
     """The same blocks hash to the same bytes in processes with different PYTHONHASHSEEDs."""
     here: list[bytes] = []

@@ -14,6 +14,8 @@ from harness.serve import collect, greedy_request, npuserve_process
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # an executor and a scheduler in processes of their own
+
 
 def test_killed_executor_fails_its_requests_and_returns_blocks(stories_dir: Path) -> None:
     model = str(stories_dir)

@@ -7,11 +7,14 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from harness.serve import greedy_request, npuserve_process, run_streams
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow  # executors and a scheduler in processes of their own
 
 NUM_STREAMS = 32
 NUM_NEW = 48

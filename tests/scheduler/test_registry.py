@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from harness.cluster import (
     PrivateRedis,
@@ -172,6 +173,7 @@ def survive_sigkill(
     return victim
 
 
+@pytest.mark.slow
 def test_cluster_through_the_registry(stories_dir: Path, tmp_path: Path) -> None:
     """One scenario (processes are slow to start): discovery with the scheduler up first, prefix
     routing, a Redis outage under load, a late executor, then an executor SIGKILLed mid-run.

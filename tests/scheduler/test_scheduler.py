@@ -1,32 +1,30 @@
-"""Scheduler policy, driven by an in-process fake executor that checks every plan it gets.
+"""Scheduler policy, driven by the simulated executor (`SimulatedRunner`) with every plan checked.
 
-The fake keeps per-request state the way the real executor does (a request arrives whole, then
-as block deltas; finished ids are dropped before the step) and samples a deterministic token
-from the tokens so far, so a run that recomputes after preemption must reproduce a plain run.
+The runner keeps per-request state the way the real executor does (a request arrives whole, then
+as block deltas; finished ids are dropped before the step) and refuses plans the real one
+refuses; `CheckedExecutor` also checks each plan against the scheduler's own state. A sampled
+token depends only on the request id and its position, so a run that recomputes after
+preemption must reproduce a plain run.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 
 EOS = 2
-TokenFn = Callable[[str, list[int]], int]
-
-
-def default_token(req_id: str, tokens: list[int]) -> int:
-    return sum(tokens) % 50 + 3  # never EOS
+NUM_PROMPT = 5  # the prompt length of the stop-rule runs
 
 
 @dataclass
-class _ExecState:
+class _Sent:
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
@@ -34,73 +32,67 @@ class _ExecState:
 
 
 @dataclass
-class FakeExecutor:
-    """Holds per-request state like the real executor and asserts every plan is consistent."""
+class CheckedExecutor:
+    """A `SimulatedRunner` for the scheduler's executor; every plan is first checked for what
+    the executor was sent so far (`sent`) agreeing with the scheduler's state."""
 
     scheduler: Scheduler
-    token_fn: TokenFn = default_token
-    state: dict[str, _ExecState] = field(default_factory=dict)
+    runner: SimulatedRunner
+    sent: dict[str, _Sent] = field(default_factory=dict)
     sent_whole: list[tuple[int, NewRequest]] = field(default_factory=list)  # (step_id, request)
     plans: list[StepPlan] = field(default_factory=list)
     last_step_id: int | None = None
 
     def step(self, plan: StepPlan) -> StepResult:
+        self.check(plan)
+        result = self.runner.execute(plan)
+        for req_id, num in plan.num_scheduled_tokens.items():
+            self.sent[req_id].num_computed_tokens += num
+        for req_id, token in zip(result.sampled_req_ids, result.sampled_token_ids, strict=True):
+            self.sent[req_id].token_ids.append(token)
+        assert self.runner.num_requests == len(self.sent) and all(map(self.runner.holds, self.sent))
+        return result
+
+    def check(self, plan: StepPlan) -> None:
         cfg = self.scheduler.config
         bs = cfg.block_size
         assert self.last_step_id is None or plan.step_id == self.last_step_id + 1, "step ids must not skip"
         self.last_step_id = plan.step_id
         self.plans.append(plan)
         for req_id in plan.finished_req_ids:
-            self.state.pop(req_id, None)  # a request aborted while waiting was never sent
+            self.sent.pop(req_id, None)  # a request aborted while waiting was never sent
         for new in plan.new_requests:
-            assert new.req_id not in self.state, f"{new.req_id} sent whole while the executor holds it"
-            assert 0 <= new.num_computed_tokens < len(new.token_ids)
+            assert new.req_id not in self.sent, f"{new.req_id} sent whole while the executor holds it"
             assert new.num_computed_tokens % bs == 0, "a prefix hit covers whole blocks"
-            self.state[new.req_id] = _ExecState(
+            self.sent[new.req_id] = _Sent(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens
             )
             self.sent_whole.append((plan.step_id, new))
-            self._check_block_ids(new.block_ids)
         for cached in plan.cached_requests:
-            assert cached.req_id in self.state, f"{cached.req_id} not sent whole since its last drop"
+            assert cached.req_id in self.sent, f"{cached.req_id} not sent whole since its last drop"
             assert cached.new_block_ids, "a delta without new blocks is not sent"
-            self._check_block_ids(cached.new_block_ids)
-            self.state[cached.req_id].block_ids += cached.new_block_ids
+            self.sent[cached.req_id].block_ids += cached.new_block_ids
         sent = {n.req_id for n in plan.new_requests} | {c.req_id for c in plan.cached_requests}
         assert sent <= set(plan.num_scheduled_tokens), "a request sent but not scheduled"
 
         written: dict[int, str] = {}
         for req_id, num in plan.num_scheduled_tokens.items():
-            assert req_id in self.state, f"{req_id} scheduled without having been sent whole"
-            st = self.state[req_id]
+            assert req_id in self.sent, f"{req_id} scheduled without having been sent whole"
+            st = self.sent[req_id]
             req = self.scheduler.requests[req_id]
-            assert num >= 1
             assert st.num_computed_tokens == req.num_computed_tokens
             assert st.token_ids == req.all_token_ids, "executor and scheduler disagree on tokens"
             assert st.num_prompt_tokens == req.num_prompt_tokens
-            end = st.num_computed_tokens + num
-            assert end <= len(st.token_ids), "scheduled past the known tokens"
-            assert len(st.block_ids) * bs >= end, "blocks do not cover computed + scheduled tokens"
             assert st.block_ids == self.scheduler.kv.get_block_ids(req_id)
             assert len(set(st.block_ids)) == len(st.block_ids)
-            for pos in range(st.num_computed_tokens, end):
+            for pos in range(st.num_computed_tokens, st.num_computed_tokens + num):
                 block = st.block_ids[pos // bs]
                 assert written.setdefault(block, req_id) == req_id, f"two requests write block {block}"
 
-        result = StepResult(step_id=plan.step_id)
-        for req_id, num in plan.num_scheduled_tokens.items():
-            st = self.state[req_id]
-            st.num_computed_tokens += num
-            if st.num_computed_tokens == len(st.token_ids):
-                token = self.token_fn(req_id, st.token_ids)
-                st.token_ids.append(token)
-                result.sampled_req_ids.append(req_id)
-                result.sampled_token_ids.append(token)
-                result.logprobs.append(None)
-        return result
 
-    def _check_block_ids(self, block_ids: list[int]) -> None:
-        assert all(0 < b < self.scheduler.config.num_blocks for b in block_ids), block_ids
+def output_token(k: int, req_id: str = "a", num_prompt: int = NUM_PROMPT) -> int:
+    """The k-th (1-based) output token the simulated executor samples for ``req_id``."""
+    return SimulatedRunner().token_for(req_id, num_prompt + k - 1)
 
 
 def make_request(
@@ -129,7 +121,7 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 @dataclass
 class Run:
     scheduler: Scheduler
-    executor: FakeExecutor
+    executor: CheckedExecutor
     outputs: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, RequestStatus] = field(default_factory=dict)
     stop_reasons: dict[str, int | str | None] = field(default_factory=dict)
@@ -162,10 +154,22 @@ class Run:
         self.scheduler.check_integrity(expect_idle=True)
 
 
-def new_run(token_fn: TokenFn = default_token, **config: int | bool) -> Run:
-    cfg = {"num_blocks": 64, "block_size": 4, **config}
-    sched = Scheduler(SchedulerConfig(**cfg))  # type: ignore[arg-type]
-    return Run(sched, FakeExecutor(sched, token_fn))
+def new_run(eos_after: int | None = None, **config: int | bool) -> Run:
+    sched = Scheduler(SchedulerConfig(**{"num_blocks": 64, "block_size": 4, **config}))  # type: ignore[arg-type]
+    c = sched.config
+    runner = SimulatedRunner(
+        SimulatedConfig(
+            latency=LatencyModel(0.0, 0.0, 0.0),
+            num_blocks=c.num_blocks,
+            block_size=c.block_size,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            eos_token_ids=(EOS,),
+            eos_after=eos_after,
+        )
+    )
+    return Run(sched, CheckedExecutor(sched, runner))
 
 
 def test_token_budget_and_max_num_seqs_are_respected() -> None:
@@ -271,7 +275,7 @@ def test_prefix_hit_while_the_first_request_runs() -> None:
     assert plan.new_requests[0].block_ids == [1, 2, 3, 5]
     assert [run.scheduler.kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4, 5)] == [2, 2, 2, 1, 1]
     run.until_done()
-    assert run.outputs["a"] == run.outputs["b"]
+    assert len(run.outputs["a"]) == len(run.outputs["b"]) == 4
 
 
 def _preemption_run(num_blocks: int) -> Run:
@@ -311,7 +315,7 @@ def test_preemption_of_the_newest_request() -> None:
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert sched.total_preemptions == 1
-    assert "c" not in run.executor.state
+    assert not run.executor.runner.holds("c")
     assert sched.kv.get_block_ids("c") == []
 
     plan3 = run.step()  # c (head of the queue) does not fit, so d waits behind it
@@ -389,54 +393,50 @@ def test_a_request_may_preempt_itself() -> None:
     assert len(run.outputs["a"]) == 2 and len(run.outputs["b"]) == 2
 
 
-def _stop_run(token_fn: TokenFn, **params: object) -> tuple[Run, Request]:
-    run = new_run(token_fn=token_fn)
-    request = make_request("a", prompt_of(5), max_model_len=params.pop("max_model_len", 4096), **params)  # type: ignore[arg-type]
+def _stop_run(eos_after: int | None = None, **params: object) -> tuple[Run, Request]:
+    run = new_run(eos_after)
+    max_model_len = params.pop("max_model_len", 4096)
+    request = make_request("a", prompt_of(NUM_PROMPT), max_model_len=max_model_len, **params)  # type: ignore[arg-type]
     run.scheduler.add_request(request)
     run.until_done()
     return run, request
 
 
-def _script(tokens: list[int]) -> TokenFn:
-    def token_fn(req_id: str, so_far: list[int]) -> int:
-        return tokens[len(so_far) - 5]
-
-    return token_fn
-
-
 def test_stop_on_eos() -> None:
     """EOS ends the request with "stop", EOS included in the output, no stop_reason."""
-    run, req = _stop_run(_script([10, 11, EOS, 12, 13]), max_tokens=5)
-    assert run.outputs["a"] == [10, 11, EOS]
+    run, req = _stop_run(eos_after=3, max_tokens=5)
+    assert run.outputs["a"] == [output_token(1), output_token(2), EOS]
     assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
     assert req.stop_reason is None
 
 
 def test_ignore_eos_runs_to_max_tokens() -> None:
     """ignore_eos keeps generating through EOS until max_tokens ("length")."""
-    run, _ = _stop_run(_script([10, EOS, 11, EOS, 12]), max_tokens=4, ignore_eos=True)
-    assert run.outputs["a"] == [10, EOS, 11, EOS]
+    run, _ = _stop_run(eos_after=2, max_tokens=4, ignore_eos=True)
+    assert run.outputs["a"] == [output_token(1), EOS, output_token(3), output_token(4)]
     assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
 
 
 def test_stop_token_ids_set_stop_reason() -> None:
     """A stop token id ends the request with "stop" and records the token as the stop reason."""
-    run, req = _stop_run(_script([10, 11, 42, 12]), max_tokens=4, stop_token_ids=[42, 43])
-    assert run.outputs["a"] == [10, 11, 42]
+    stop = output_token(3)
+    run, req = _stop_run(max_tokens=4, stop_token_ids=[stop, 500])
+    assert run.outputs["a"] == [output_token(1), output_token(2), stop]
     assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
-    assert run.stop_reasons["a"] == 42 == req.stop_reason
+    assert run.stop_reasons["a"] == stop == req.stop_reason
 
 
 def test_stop_token_ids_apply_with_ignore_eos() -> None:
     """ignore_eos ignores only EOS, not explicit stop token ids."""
-    run, req = _stop_run(_script([EOS, 43, 12]), max_tokens=3, stop_token_ids=[43], ignore_eos=True)
-    assert run.outputs["a"] == [EOS, 43]
-    assert req.stop_reason == 43
+    stop = output_token(2)
+    run, req = _stop_run(eos_after=1, max_tokens=3, stop_token_ids=[stop], ignore_eos=True)
+    assert run.outputs["a"] == [EOS, stop]
+    assert req.stop_reason == stop
 
 
 def test_max_tokens_finishes_with_length() -> None:
     """max_tokens outputs end the request with "length"."""
-    run, req = _stop_run(default_token, max_tokens=3)
+    run, req = _stop_run(max_tokens=3)
     assert len(run.outputs["a"]) == 3
     assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
     assert req.stop_reason is None
@@ -444,7 +444,7 @@ def test_max_tokens_finishes_with_length() -> None:
 
 def test_max_model_len_finishes_with_length() -> None:
     """Without max_tokens the request stops when prompt + output reach max_model_len."""
-    run, req = _stop_run(default_token, max_model_len=9)
+    run, req = _stop_run(max_model_len=9)
     assert len(run.outputs["a"]) == 4
     assert req.num_tokens == 9
     assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
@@ -452,23 +452,24 @@ def test_max_model_len_finishes_with_length() -> None:
 
 def test_max_model_len_caps_max_tokens() -> None:
     """max_model_len wins over a larger max_tokens."""
-    run, _ = _stop_run(default_token, max_tokens=100, max_model_len=8)
+    run, _ = _stop_run(max_tokens=100, max_model_len=8)
     assert len(run.outputs["a"]) == 3
 
 
 def test_min_tokens_delays_eos_and_stop_ids() -> None:
     """Before min_tokens outputs, EOS and stop token ids do not end the request."""
-    run, req = _stop_run(_script([EOS, 42, EOS, 11, EOS]), max_tokens=5, min_tokens=3, stop_token_ids=[42])
-    assert run.outputs["a"] == [EOS, 42, EOS]
-    assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
+    stop = output_token(2)
+    run, req = _stop_run(eos_after=1, max_tokens=5, min_tokens=3, stop_token_ids=[stop])
+    assert run.outputs["a"] == [EOS, stop, *(output_token(k) for k in (3, 4, 5))]
+    assert run.finished["a"] == RequestStatus.FINISHED_LENGTH
     assert req.stop_reason is None
-    assert req.options.stop_token_ids == (42, EOS)  # the executor is told to mask them
+    assert req.options.stop_token_ids == (stop, EOS)  # the executor is told to mask them
 
 
 def test_eos_at_the_min_tokens_th_output_stops() -> None:
     """The output that reaches min_tokens may itself stop the request (vLLM's rule)."""
-    run, _ = _stop_run(_script([EOS] * 3), max_tokens=3, min_tokens=3)
-    assert run.outputs["a"] == [EOS] * 3
+    run, _ = _stop_run(eos_after=3, max_tokens=3, min_tokens=3)
+    assert run.outputs["a"] == [output_token(1), output_token(2), EOS]
     assert run.finished["a"] == RequestStatus.FINISHED_STOPPED
 
 
@@ -488,7 +489,7 @@ def test_abort_running_request_frees_blocks_now() -> None:
     plan = run.step()
     assert plan.finished_req_ids == ["a"]
     assert "a" not in plan.num_scheduled_tokens
-    assert "a" not in run.executor.state
+    assert not run.executor.runner.holds("a")
     run.until_done()
     assert "a" not in run.outputs
 
@@ -541,8 +542,7 @@ def test_fail_step_errors_the_plan_and_unregisters_its_blocks() -> None:
     assert sched.kv.get_block_ids("a") == [] and sched.kv.get_block_ids("b") == []
     assert not sched.running and [r.req_id for r in sched.waiting] == ["late"]
     sched.check_integrity()
-    run.executor.state.clear()  # the real executor drops a failed plan's requests
-    run.executor.last_step_id = plan.step_id
+    run.executor.last_step_id = plan.step_id  # a transport error: the executor never saw the plan
 
     sched.add_request(make_request("again", prompt, max_tokens=2))
     nxt = run.step()
@@ -607,7 +607,7 @@ def test_fail_step_resends_the_failed_plans_drops() -> None:
     failed = sched.fail_step(plan)  # a transport error: the executor never saw this plan
     assert [r.req_id for r in failed] == ["a", "b"]
     run.executor.last_step_id = plan.step_id
-    assert "c" in run.executor.state
+    assert run.executor.runner.holds("c")
     nxt = run.step()
     assert set(nxt.finished_req_ids) == {"a", "b", "c"}
     assert [n.req_id for n in nxt.new_requests] == ["c"]
@@ -644,11 +644,10 @@ def test_random_workload_keeps_every_invariant(seed: int) -> None:
             sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
         if rng.random() < 0.05:
             plan, _ = sched.schedule()
-            sched.fail_step(plan)
+            if rng.random() < 0.5:
+                run.executor.step(plan)  # it ran, but its result was lost on the way back
             run.executor.last_step_id = plan.step_id
-            if rng.random() < 0.5:  # it reached the executor, which dropped the plan's requests
-                for req_id in [*plan.finished_req_ids, *plan.num_scheduled_tokens]:
-                    run.executor.state.pop(req_id, None)
+            sched.fail_step(plan)
             failures += 1
             sched.check_integrity()
         elif sched.has_work():

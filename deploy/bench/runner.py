@@ -1,34 +1,42 @@
-"""Decode throughput of the ModelRunner against transformers' `generate` on the same weights.
+"""`npuserve bench-runner`: decode throughput of the ModelRunner against transformers' `generate`
+on the same weights.
 
 Each case runs a static batch: ``batch_size`` prompts of ``prompt_len`` random tokens, prefilled
 in one step, then ``output_len - 1`` greedy decode steps. Decode throughput counts the tokens of
 the decode steps over their time; transformers' decode time is `generate(output_len)` minus
-`generate(1)`, so both sides exclude prefill.
+`generate(1)`, so both sides exclude prefill. The table, JSON and plot are `report`'s.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
-from npuserve.executor.config import ExecutorConfig
+from npuserve.deploy.bench import report
+from npuserve.deploy.flag_table import csv
+from npuserve.deploy.flags import add_logging_flags
+from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.platform import PlatformError
 from npuserve.kernels import cdiv
 from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan
 
 log = structlog.get_logger(__name__)
 
 # A ~150M-parameter Llama: hidden 1024, 8 layers, 16 heads, 4 KV heads, vocab 32000.
-PRESETS: dict[str, dict[str, object]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "llama-150m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -78,7 +86,7 @@ def materialise_preset(name: str, directory: Path, with_weights: bool, seed: int
 
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    hf_config.architectures = list(config["architectures"])  # type: ignore[arg-type]
+    hf_config.architectures = list(config["architectures"])
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     log.info("saving random weights", preset=name, directory=str(directory))
     model.save_pretrained(directory)
@@ -111,7 +119,7 @@ def run_npuserve(
     outputs: list[list[int]] = [[] for _ in req_ids]
     start = time.perf_counter()
     result = runner.execute(
-        StepPlan(next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, prompt_len))
+        StepPlan(next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, int(prompt_len)))
     )
     prefilled = time.perf_counter()
     for _ in range(output_len - 1):
@@ -230,56 +238,48 @@ def _load_transformers(model_dir: Path, dtype: str) -> torch.nn.Module:
     return model.eval()
 
 
-def report_table(results: list[CaseResult]) -> str:
-    """One line per (dtype, batch size): both engines' decode tokens/s, the ratio, and whether
-    the greedy tokens agree."""
-    header = (
-        f"{'dtype':<9} {'batch':>5} {'npuserve tok/s':>15} {'transformers tok/s':>19} "
-        f"{'speed-up':>9} {'same tokens':>12}"
+# -- command line -------------------------------------------------------------------------------
+
+
+def add_runner_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local model directory (default: a random-weight preset)")
+    parser.add_argument("--preset", default="llama-150m", help="random-weight model preset")
+    parser.add_argument("--dtype", type=csv(str), default=("float32", "bfloat16"), help="comma list")
+    parser.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32), help="comma list")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB")
+    parser.add_argument("--no-compare", action="store_true", help="skip transformers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output-json", type=Path, help="write every case as JSON here (default: ./bench-results/)"
     )
-    lines = [header, "-" * len(header)]
-    ours = {(r.dtype, r.batch_size): r for r in results if r.engine == "npuserve"}
-    theirs = {(r.dtype, r.batch_size): r for r in results if r.engine == "transformers"}
-    for key, mine in ours.items():
-        other = theirs.get(key)
-        ref_tps = f"{other.decode_tokens_per_s:19.1f}" if other else f"{'-':>19}"
-        ratio = f"{mine.decode_tokens_per_s / other.decode_tokens_per_s:8.2f}x" if other else f"{'-':>9}"
-        same = _agreement(mine, other) if other else "-"
-        lines.append(f"{key[0]:<9} {key[1]:>5} {mine.decode_tokens_per_s:15.1f} {ref_tps} {ratio} {same:>12}")
-    return "\n".join(lines)
+    parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s against batch size")
+    add_logging_flags(parser)
 
 
-def _agreement(a: CaseResult, b: CaseResult) -> str:
-    """Share of requests whose greedy tokens are identical (bf16 rounding may split ties)."""
-    same = sum(x == y for x, y in zip(a.output_token_ids, b.output_token_ids, strict=True))
-    return f"{same}/{len(a.output_token_ids)}"
-
-
-def plot(results: list[CaseResult], path: Path) -> None:
-    """Decode tokens/s against batch size, one line per engine and dtype."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for engine in ("npuserve", "transformers"):
-        for dtype in sorted({r.dtype for r in results}):
-            points = sorted(
-                (r.batch_size, r.decode_tokens_per_s)
-                for r in results
-                if r.engine == engine and r.dtype == dtype
-            )
-            if points:
-                xs, ys = zip(*points, strict=True)
-                style = "-o" if engine == "npuserve" else "--s"
-                axes.plot(xs, ys, style, label=f"{engine} {dtype}")
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("batch size (concurrent requests)")
-    axes.set_ylabel("decode tokens / s")
-    axes.set_title("ModelRunner decode throughput vs transformers generate")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def run_runner_bench(args: argparse.Namespace) -> int:
+    config = BenchmarkConfig(
+        preset=args.preset,
+        model=args.model,
+        dtypes=args.dtype,
+        batch_sizes=args.batch_sizes,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        compare_transformers=not args.no_compare,
+        seed=args.seed,
+        kv_cache_memory_gib=args.kv_cache_memory,
+    )
+    try:
+        results = run_benchmark(config)
+    except (ConfigError, PlatformError) as exc:
+        print(f"npuserve bench-runner: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_runner_table(results))
+    written = report.write_json(
+        report.output_path(args.output_json, "bench-runner"), [r.row() for r in results]
+    )
+    print(f"results: {written}", file=sys.stderr)
+    if args.plot:
+        report.plot_runner(results, args.plot)
+    return 0

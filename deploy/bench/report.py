@@ -1,0 +1,335 @@
+"""What every benchmark reports, and how: percentiles, text tables, JSON files and plots.
+
+The serving bench (`serving`), the runner bench (`runner`) and the scale bench (`scale`) each
+measure their own things; here is how their numbers become a table on stdout, a JSON file and a
+PNG. Results go where ``--output-json``/``--plot`` say; JSON without a path goes to
+``./bench-results/`` (`output_path`). Plots need matplotlib (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from npuserve.deploy.bench.runner import CaseResult
+    from npuserve.deploy.bench.scale_measure import Result
+    from npuserve.deploy.bench.serving_metrics import BenchSummary
+
+PERCENTILES = (50, 90, 99)
+RESULTS_DIR = Path("bench-results")
+
+
+# -- numbers ------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, interpolated linearly between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyStats:
+    """Mean and percentiles in milliseconds; None when there was nothing to measure."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    @classmethod
+    def of_seconds(cls, values: Sequence[float]) -> LatencyStats:
+        if not values:
+            return cls(None, None, None, None)
+        ms = [v * 1000 for v in values]
+        p50, p90, p99 = (percentile(ms, q) for q in PERCENTILES)
+        return cls(sum(ms) / len(ms), p50, p90, p99)
+
+
+def cell(value: float | None, fmt: str) -> str:
+    """``value`` formatted, or "-" when there is none (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def output_path(given: Path | None, bench: str, suffix: str = ".json") -> Path:
+    """Where a result goes: ``given``, else ``./bench-results/<bench>-<UTC time><suffix>``."""
+    if given is not None:
+        return given
+    return RESULTS_DIR / f"{bench}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}"
+
+
+def write_json(path: Path, payload: Any) -> Path:
+    """``payload`` as indented JSON (infinities become null); the folder is made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
+    return path
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+@contextlib.contextmanager
+def figure(
+    path: Path, *subplots: int, size: tuple[float, float], dpi: int = 120, title: str = ""
+) -> Iterator[Any]:
+    """A matplotlib figure of ``subplots`` (rows, columns) axes, saved to ``path`` on exit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*subplots, figsize=size)
+    try:
+        yield axes
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+# -- the serving bench ----------------------------------------------------------------------------
+
+_COUNTS: list[tuple[str, Callable[[BenchSummary], float], str]] = [
+    ("successful requests", lambda s: s.num_requests - s.num_failed, ".0f"),
+    ("failed requests", lambda s: s.num_failed, ".0f"),
+    ("duration (s)", lambda s: s.duration_s, ".2f"),
+    ("requests/s", lambda s: s.request_throughput, ".2f"),
+    ("output tokens/s", lambda s: s.output_throughput, ".1f"),
+    ("total tokens/s", lambda s: s.total_token_throughput, ".1f"),
+    ("prefix cache hit rate", lambda s: s.prefix_cache_hit_rate, ".1%"),
+]
+_LATENCIES = [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")]
+_RATIO_LABELS = [
+    ("throughput", "output_throughput"),
+    ("TTFT mean", "ttft_mean_ms"),
+    ("TTFT p99", "ttft_p99_ms"),
+    ("ITL mean", "itl_mean_ms"),
+    ("e2e mean", "e2e_mean_ms"),
+]
+
+
+def compare(summaries: Sequence[BenchSummary]) -> list[dict[str, Any]]:
+    """Every variant after the first over the first: output throughput and latency ratios."""
+    if len(summaries) < 2:
+        return []
+    base = summaries[0].row()
+    out = []
+    for summary in summaries[1:]:
+        row = summary.row()
+        entry: dict[str, Any] = {"variant": summary.variant, "baseline": summaries[0].variant}
+        for _, key in _RATIO_LABELS:
+            entry[key] = ratio(row[key], base[key])
+        out.append(entry)
+    return out
+
+
+def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
+    """One column per variant, one line per metric; then each variant against the first."""
+    width = max(12, *(len(s.variant) + 2 for s in summaries))
+    header = f"{'metric':<24}" + "".join(f"{s.variant:>{width}}" for s in summaries)
+    lines = [header, "-" * len(header)]
+    for label, value, fmt in _COUNTS:
+        lines.append(f"{label:<24}" + "".join(f"{cell(float(value(s)), fmt):>{width}}" for s in summaries))
+    for label, attr in _LATENCIES:
+        for stat in ("mean", "p50", "p90", "p99"):
+            values = [getattr(getattr(s, attr), stat) for s in summaries]
+            lines.append(
+                f"{f'{label} {stat} (ms)':<24}" + "".join(f"{cell(v, '.2f'):>{width}}" for v in values)
+            )
+    ratios = compare(summaries)
+    if ratios:
+        lines.append("")
+        for r in ratios:
+            extras = ", ".join(f"{name} x{cell(r[key], '.2f')}" for name, key in _RATIO_LABELS[1:])
+            lines.append(
+                f"{r['variant']} / {r['baseline']} throughput: {r['output_throughput']:.2f} ({extras})"
+            )
+    return "\n".join(lines)
+
+
+def serving_json(workload: dict[str, Any], summaries: Sequence[BenchSummary]) -> dict[str, Any]:
+    """The workload, every variant's summary row and the ratios."""
+    return {"workload": workload, "variants": [s.row() for s in summaries], "ratios": compare(summaries)}
+
+
+def plot_serving(summaries: Sequence[BenchSummary], path: Path, title: str = "") -> None:
+    """Output tokens/s, TTFT and ITL (mean, p50, p90, p99) as bars per variant."""
+    names = [s.variant for s in summaries]
+    with figure(path, 1, 3, size=(13, 4.2), title=title) as axes:
+        axes[0].bar(names, [s.output_throughput for s in summaries], color="tab:blue")
+        axes[0].set_ylabel("output tokens / s")
+        axes[0].set_title("throughput")
+        stats = ("mean", "p50", "p90", "p99")
+        bar_width = 0.8 / len(stats)
+        for ax, (label, attr) in zip(axes[1:], [("TTFT", "ttft_ms"), ("ITL", "itl_ms")], strict=True):
+            top = 0.0
+            for k, stat in enumerate(stats):
+                xs = [i + (k - (len(stats) - 1) / 2) * bar_width for i in range(len(names))]
+                ys = [getattr(getattr(s, attr), stat) or 0.0 for s in summaries]
+                ax.bar(xs, ys, bar_width, label=stat)
+                top = max(top, *ys)
+            ax.set_xticks(range(len(names)), names)
+            ax.set_ylim(0, top * 1.25 or 1.0)  # headroom for the legend
+            ax.set_ylabel("ms")
+            ax.set_title(label)
+            ax.legend(ncol=len(stats), fontsize="small", loc="upper center")
+        for ax in axes:
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.tick_params(axis="x", labelrotation=15)
+
+
+# -- the runner bench -----------------------------------------------------------------------------
+
+
+def format_runner_table(results: Sequence[CaseResult]) -> str:
+    """One line per (dtype, batch size): both engines' decode tokens/s, the ratio, and whether
+    the greedy tokens agree (the share of requests whose tokens are identical: bf16 rounding may
+    split ties)."""
+    header = (
+        f"{'dtype':<9} {'batch':>5} {'npuserve tok/s':>15} {'transformers tok/s':>19} "
+        f"{'speed-up':>9} {'same tokens':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    ours = {(r.dtype, r.batch_size): r for r in results if r.engine == "npuserve"}
+    theirs = {(r.dtype, r.batch_size): r for r in results if r.engine == "transformers"}
+    for key, mine in ours.items():
+        other = theirs.get(key)
+        ref_tps = f"{other.decode_tokens_per_s:19.1f}" if other else f"{'-':>19}"
+        speedup = f"{mine.decode_tokens_per_s / other.decode_tokens_per_s:8.2f}x" if other else f"{'-':>9}"
+        same = "-"
+        if other:
+            pairs = zip(mine.output_token_ids, other.output_token_ids, strict=True)
+            same = f"{sum(x == y for x, y in pairs)}/{len(mine.output_token_ids)}"
+        lines.append(
+            f"{key[0]:<9} {key[1]:>5} {mine.decode_tokens_per_s:15.1f} {ref_tps} {speedup} {same:>12}"
+        )
+    return "\n".join(lines)
+
+
+def plot_runner(results: Sequence[CaseResult], path: Path) -> None:
+    """Decode tokens/s against batch size, one line per engine and dtype."""
+    with figure(path, size=(7, 4.5)) as axes:
+        for engine in ("npuserve", "transformers"):
+            for dtype in sorted({r.dtype for r in results}):
+                points = sorted(
+                    (r.batch_size, r.decode_tokens_per_s)
+                    for r in results
+                    if r.engine == engine and r.dtype == dtype
+                )
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    axes.plot(xs, ys, "-o" if engine == "npuserve" else "--s", label=f"{engine} {dtype}")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("batch size (concurrent requests)")
+        axes.set_ylabel("decode tokens / s")
+        axes.set_title("ModelRunner decode throughput vs transformers generate")
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+
+
+# -- the scale bench ------------------------------------------------------------------------------
+
+SCALE_COLUMNS: list[tuple[str, str, str]] = [
+    ("exec", "executors", "d"),
+    ("streams", "concurrency", "d"),
+    ("req/s", "requests_per_s", ",.1f"),
+    ("req/s sust.", "sustained_requests_per_s", ",.1f"),
+    ("out tok/s", "output_tokens_per_s", ",.0f"),
+    ("steps/s", "steps_per_s", ",.0f"),
+    ("ideal steps/s", "ideal_steps_per_s", ",.0f"),
+    ("exec busy", "executor_busy", ".1%"),
+    ("sched ms CPU/step", "scheduler_cpu_ms_per_step", ".3f"),
+    ("sched us CPU/tok", "scheduler_cpu_us_per_token", ".1f"),
+    ("seqs/step", "seqs_per_step", ".1f"),
+    ("step wall ms", "mean_step_wall_ms", ".1f"),
+    ("TTFT p50 ms", "ttft_p50_ms", ",.0f"),
+    ("TTFT p99 ms", "ttft_p99_ms", ",.0f"),
+    ("engine TTFT ms", "engine_ttft_mean_ms", ",.0f"),
+    ("in engine", "engine_requests", ",.0f"),
+    ("no token yet", "awaiting_first_token", ",d"),
+    ("cores sched/exec/client/other", "", ""),
+    ("errors", "num_errors", "d"),
+]
+
+
+def _scale_cells(r: Result) -> list[str]:
+    cells = []
+    for _, attr, fmt in SCALE_COLUMNS:
+        if not attr:
+            cores = (r.scheduler_cores, r.executors_cores, r.client_cores, r.other_cores)
+            cells.append("/".join(f"{c:.2f}" for c in cores))
+        else:
+            cells.append(cell(getattr(r, attr), fmt))
+    return cells
+
+
+def format_scale_table(results: Sequence[Result]) -> str:
+    rows = [[title for title, _, _ in SCALE_COLUMNS], *(_scale_cells(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SCALE_COLUMNS))]
+    lines = ["  ".join(c.rjust(width) for c, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def plot_scale(results: Sequence[Result], path: Path) -> None:
+    panels = [
+        ("output tokens/s", "output_tokens_per_s"),
+        ("steps/s (dashed: ideal)", "steps_per_s"),
+        ("scheduler CPU ms per step", "scheduler_cpu_ms_per_step"),
+        ("TTFT p99 (ms)", "ttft_p99_ms"),
+    ]
+    title = "one scheduler over simulated executors\n(client, scheduler and executors share the machine)"
+    with figure(path, 2, 2, size=(11, 8), dpi=110, title=title) as grid:
+        axes = list(grid.flat)
+        for ax, (panel, attr) in zip(axes, panels, strict=True):
+            for n in sorted({r.executors for r in results}):
+                runs = sorted((r for r in results if r.executors == n), key=lambda r: r.concurrency)
+                xs = [r.concurrency for r in runs]
+                line = ax.plot(
+                    xs, [getattr(r, attr) or math.nan for r in runs], marker="o", label=f"{n} executors"
+                )
+                if attr == "steps_per_s":
+                    ax.plot(xs, [r.ideal_steps_per_s for r in runs], ls="--", color=line[0].get_color())
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams")
+            ax.set_title(panel)
+            ax.grid(alpha=0.3)
+            if attr in ("steps_per_s", "ttft_p99_ms"):
+                ax.set_yscale("log")
+        axes[0].legend()
+
+
+def scale_json(config: Any, results: Sequence[Result], notes: list[str]) -> dict[str, Any]:
+    config_row = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+    return {"config": config_row, "results": [asdict(r) for r in results], "notes": notes}

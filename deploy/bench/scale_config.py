@@ -1,0 +1,71 @@
+"""The scale bench's settings (`ScaleConfig`) and limits."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+
+START_TIMEOUT_S = 180.0
+DRAIN_TIMEOUT_S = 60.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# Streams per client channel: one HTTP/2 connection carrying thousands of streams queues them.
+STREAMS_PER_CHANNEL = 256
+SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
+TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded
+
+
+@dataclass(slots=True)
+class ScaleConfig:
+    executors: tuple[int, ...] = (16, 32, 64)
+    concurrency: tuple[int, ...] = (256, 1024, 4096)
+    warmup_s: float = 8.0
+    duration_s: float = 15.0
+    prompt_len: tuple[int, int] = (128, 512)
+    output_len: tuple[int, int] = (64, 128)
+    base_ms: float = 5.0
+    per_token_ms: float = 0.02
+    per_seq_ms: float = 0.01
+    block_size: int = 128
+    num_blocks: int = 0  # per executor; 0: 4x what an even share of the largest concurrency needs
+    max_num_seqs: int = 512
+    model: Path = DEMO_MODEL_DIR
+    step_transport: str = "unary"
+    routing: str = "prefix-aware"
+    scheduler_log_level: str = "warning"
+    seed: int = 0
+    profile: bool = False
+    profile_at: tuple[int, int] | None = None  # (executors, concurrency); None: the largest
+    profile_s: float = 10.0
+    profile_native: bool = False  # py-spy --native: C frames too (gRPC's Cython, protobuf's upb)
+    switch_interval_ms: float | None = None  # the scheduler's sys.setswitchinterval; None: Python's 5 ms
+    workdir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.executors or min(self.executors) < 1:
+            raise ValueError(f"--executors must be positive counts, got {self.executors}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"--concurrency must be positive counts, got {self.concurrency}")
+        if not 1 <= self.prompt_len[0] <= self.prompt_len[1]:
+            raise ValueError(f"bad --prompt-len range {self.prompt_len}")
+        if not 1 <= self.output_len[0] <= self.output_len[1]:
+            raise ValueError(f"bad --output-len range {self.output_len}")
+        if self.duration_s <= 0 or self.warmup_s < 0:
+            raise ValueError("--duration must be > 0 and --warmup >= 0")
+        if self.max_num_seqs < -(-max(self.concurrency) // min(self.executors)):
+            raise ValueError(
+                f"{max(self.concurrency)} streams over {min(self.executors)} executors exceed "
+                f"--max-num-seqs {self.max_num_seqs} per executor; raise it"
+            )
+
+    @property
+    def blocks_per_executor(self) -> int:
+        if self.num_blocks:
+            return self.num_blocks
+        # NOTE: 4x an even share, so a lane that routing overloads queues on max_num_seqs and
+        # its step time rather than on blocks (a real NPU holds tens of thousands of blocks).
+        per_request = -(-(self.prompt_len[1] + self.output_len[1]) // self.block_size)
+        per_executor = -(-max(self.concurrency) // min(self.executors))
+        return max(1024, 4 * per_executor * per_request) + 1

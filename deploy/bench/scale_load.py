@@ -1,0 +1,103 @@
+"""The scale bench's load: ``concurrency`` `Generate` streams kept running against one scheduler
+from a `grpc.aio` client (closed loop: a finished request is replaced at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from npuserve.deploy.bench.scale_config import STREAMS_PER_CHANNEL, ScaleConfig
+from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+
+
+@dataclass
+class LoadState:
+    """What the streams record; times are `time.perf_counter()`."""
+
+    window: tuple[float, float] = (math.inf, math.inf)
+    stopping: bool = False
+    tokens_in_window: int = 0
+    awaiting_first_token: int = 0  # streams sent that have no token yet
+    awaiting_at_window_end: int = 0
+    first_tokens: list[tuple[float, float]] = field(default_factory=list)  # (arrival, ttft)
+    completions: list[tuple[float, float]] = field(default_factory=list)  # (end, e2e)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def in_window(self, t: float) -> bool:
+        return self.window[0] <= t < self.window[1]
+
+
+class Load:
+    """Keeps ``concurrency`` Generate streams running against one scheduler."""
+
+    def __init__(self, config: ScaleConfig, address: str, vocab_size: int, concurrency: int) -> None:
+        self.config = config
+        self.address = address
+        self.vocab_size = vocab_size
+        self.concurrency = concurrency
+        self.state = LoadState()
+        self._rng = random.Random(f"scale-bench-{config.seed}-{concurrency}")
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        num_channels = max(1, -(-concurrency // STREAMS_PER_CHANNEL))
+        # NOTE: a distinct channel argument per channel keeps gRPC from sharing one connection.
+        self.channels = [
+            grpc.aio.insecure_channel(address, options=[*options, ("npuserve.bench.channel", i)])
+            for i in range(num_channels)
+        ]
+        self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
+
+    def _request(self) -> pb.GenerateRequest:
+        rng, c = self._rng, self.config
+        prompt = rng.choices(range(FIRST_TOKEN_ID, self.vocab_size), k=rng.randint(*c.prompt_len))
+        sampling = pb.SamplingParams(max_tokens=rng.randint(*c.output_len), temperature=0, ignore_eos=True)
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+    async def _stream(self, index: int, delay_s: float) -> None:
+        state, stub = self.state, self.stubs[index % len(self.stubs)]
+        await asyncio.sleep(delay_s)
+        while not state.stopping:
+            request = self._request()
+            sent = time.perf_counter()
+            first = True
+            state.awaiting_first_token += 1
+            try:
+                async for response in stub.Generate(request):
+                    now = time.perf_counter()
+                    num_new = sum(len(c.token_ids) for c in response.completions)
+                    if num_new and first:
+                        first = False
+                        state.awaiting_first_token -= 1
+                        state.first_tokens.append((now, now - sent))
+                    if state.in_window(now):
+                        state.tokens_in_window += num_new
+                end = time.perf_counter()
+                state.completions.append((end, end - sent))
+            except grpc.aio.AioRpcError as exc:
+                if state.stopping:
+                    return
+                state.awaiting_first_token -= first
+                state.errors[exc.code().name] += 1
+                await asyncio.sleep(0.1)
+
+    def start(self, ramp_s: float) -> list[asyncio.Task[None]]:
+        """Starts every stream, spread over ``ramp_s`` so they do not arrive in one burst."""
+        return [
+            asyncio.create_task(self._stream(i, ramp_s * i / self.concurrency))
+            for i in range(self.concurrency)
+        ]
+
+    async def close(self, tasks: list[asyncio.Task[None]]) -> None:
+        self.state.stopping = True
+        for task in tasks:
+            task.cancel()  # cancels the RPC: the scheduler aborts the request
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for channel in self.channels:
+            await channel.close()

@@ -1,0 +1,244 @@
+"""What the scale bench measures in one window: counters before and after (CPU seconds from
+/proc, the scheduler's metrics, the simulated executors' totals), and the `Result` between them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from npuserve.deploy.bench.report import percentile
+from npuserve.deploy.bench.scale_config import CLOCK_TICKS, DRAIN_TIMEOUT_S, ScaleConfig
+from npuserve.deploy.bench.scale_load import Load, LoadState
+from npuserve.deploy.bench.scale_profile import profile_scheduler
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Counters at one moment: CPU seconds, the scheduler's metrics, the executors' totals."""
+
+    time: float
+    scheduler_cpu_s: float
+    executors_cpu_s: float
+    client_cpu_s: float
+    machine_busy_s: float  # every CPU of the machine, every process (from /proc/stat)
+    metrics: dict[str, float]  # the scheduler's, summed over labels
+    sim_time: float
+    sim: dict[str, float]  # the simulated executors' totals, summed over executors
+
+    def delta(self, earlier: Snapshot, metric: str) -> float:
+        return self.metrics.get(metric, 0.0) - earlier.metrics.get(metric, 0.0)
+
+    def mean_ms(self, earlier: Snapshot, histogram: str) -> float | None:
+        """The mean of a histogram's observations between two snapshots, in ms."""
+        count = self.delta(earlier, f"{histogram}_count")
+        return 1e3 * self.delta(earlier, f"{histogram}_sum") / count if count else None
+
+
+@dataclass(slots=True)
+class Result:
+    executors: int
+    concurrency: int
+    window_s: float
+    requests_per_s: float  # completed in the window
+    sustained_requests_per_s: float  # output tokens/s over the mean output length
+    output_tokens_per_s: float
+    steps_per_s: float
+    ideal_steps_per_s: float
+    executor_busy: float  # modelled step time / (executors x window)
+    ideal_output_tokens_per_s: float  # executors never waiting, at the observed batch sizes
+    scheduler_cpu_ms_per_step: float
+    scheduler_cpu_us_per_token: float
+    scheduler_cores: float
+    executors_cores: float
+    client_cores: float
+    mean_step_wall_ms: float  # the scheduler's view: plan sent to result back
+    mean_modelled_step_ms: float
+    seqs_per_step: float
+    tokens_per_step: float
+    executor_overruns: float  # share of steps whose bookkeeping outran the latency model
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    # Inside the engine (request queued -> first token / last token) against the client's view:
+    # the difference is the public gRPC path (accepting the call, streaming the tokens out).
+    engine_ttft_mean_ms: float | None
+    client_ttft_mean_ms: float | None
+    engine_e2e_mean_ms: float | None
+    client_e2e_mean_ms: float | None
+    engine_requests: float  # running + waiting in the engine at the window's end (streams open: concurrency)
+    awaiting_first_token: int  # streams open at the window's end without a token yet
+    other_cores: float  # CPU the rest of the machine used meanwhile (other processes)
+    num_first_tokens: int
+    num_completed: int
+    num_errors: int
+    errors: dict[str, int]  # by status code
+    preemptions: float
+    profile: dict[str, Any] | None = None
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, every thread included (from /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text to {name: value}, summed over labels."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = re.split(r"[{ ]", line, maxsplit=1)[0]
+        values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every CPU of the machine spent busy since boot (/proc/stat: all but idle, iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLOCK_TICKS
+
+
+async def take_snapshot(
+    stub: pb_grpc.SchedulerStub, scheduler_pid: int, executors_pid: int, stats_file: Path
+) -> Snapshot:
+    for attempt in range(3):  # NOTE: a saturated server may cancel calls it has not accepted
+        try:
+            text = (await stub.GetMetrics(pb.GetMetricsRequest(), timeout=30)).text
+            break
+        except grpc.aio.AioRpcError:
+            if attempt == 2:
+                raise
+    stats = json.loads(stats_file.read_text())
+    sim: dict[str, float] = {}
+    for executor in stats["executors"]:
+        for key, value in executor.items():
+            if key != "executor_id":
+                sim[key] = sim.get(key, 0.0) + value
+    return Snapshot(
+        time=time.perf_counter(),
+        scheduler_cpu_s=proc_cpu_seconds(scheduler_pid),
+        executors_cpu_s=proc_cpu_seconds(executors_pid),
+        client_cpu_s=time.process_time(),
+        machine_busy_s=machine_busy_seconds(),
+        metrics=metric_values(text),
+        sim_time=stats["time"],
+        sim=sim,
+    )
+
+
+async def wait_idle(stub: pb_grpc.SchedulerStub, timeout_s: float) -> None:
+    """Until every block pool is idle and consistent (the aborted streams have drained)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check = await stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=30)
+        if check.ok:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the scheduler did not drain: {check.message}")
+        await asyncio.sleep(0.2)
+
+
+async def run_load(
+    config: ScaleConfig,
+    address: str,
+    executors: int,
+    concurrency: int,
+    pids: tuple[int, int],
+    stats_file: Path,
+    vocab_size: int,
+    profile_path: Path | None,
+) -> Result:
+    """One configuration: warm up, measure one window, stop every stream, wait for the drain."""
+    control = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.SchedulerStub(control)
+    load = Load(config, address, vocab_size, concurrency)
+    tasks = load.start(ramp_s=min(2.0, config.warmup_s / 2))
+    profile = None
+    try:
+        await asyncio.sleep(config.warmup_s)
+        before = await take_snapshot(stub, *pids, stats_file)
+        load.state.window = (before.time, before.time + config.duration_s)
+        await asyncio.sleep(max(0.0, load.state.window[1] - time.perf_counter()))
+        await asyncio.sleep(0.3)  # the executors' stats file is rewritten every 0.25 s
+        after = await take_snapshot(stub, *pids, stats_file)
+        load.state.awaiting_at_window_end = load.state.awaiting_first_token
+        if profile_path is not None:
+            # NOTE: after the window, under the same load: sampling slows the scheduler down.
+            profile = await profile_scheduler(pids[0], config, profile_path)
+    finally:
+        await load.close(tasks)
+    await wait_idle(stub, DRAIN_TIMEOUT_S)
+    await control.close()
+    result = summarize(config, executors, concurrency, before, after, load.state)
+    result.profile = profile
+    return result
+
+
+def summarize(
+    config: ScaleConfig, executors: int, concurrency: int, before: Snapshot, after: Snapshot, state: LoadState
+) -> Result:
+    window = state.window[1] - state.window[0]
+    elapsed = after.time - before.time  # a little longer: the last snapshot waits for the stats
+    steps = after.delta(before, "npuserve:step_seconds_count")
+    sim = {key: after.sim[key] - before.sim.get(key, 0.0) for key in after.sim}
+    sim_window = after.sim_time - before.sim_time
+    sim_steps = max(sim["num_steps"], 1.0)
+    modelled = sim["modeled_s"] / sim_steps
+    sampled_per_step = sim["num_sampled"] / sim_steps
+    ttfts = [ttft for arrival, ttft in state.first_tokens if state.in_window(arrival)]
+    e2es = [e2e for end, e2e in state.completions if state.in_window(end)]
+    cores = {
+        name: (getattr(after, f"{name}_cpu_s") - getattr(before, f"{name}_cpu_s")) / elapsed
+        for name in ("scheduler", "executors", "client")
+    }
+    machine = (after.machine_busy_s - before.machine_busy_s) / elapsed
+    generated = after.delta(before, "vllm:generation_tokens_total")
+    scheduler_cpu = cores["scheduler"] * elapsed
+    tokens_per_s = state.tokens_in_window / window
+    return Result(
+        executors=executors,
+        concurrency=concurrency,
+        window_s=window,
+        requests_per_s=len(e2es) / window,
+        sustained_requests_per_s=tokens_per_s / (sum(config.output_len) / 2),
+        output_tokens_per_s=tokens_per_s,
+        steps_per_s=steps / elapsed,
+        ideal_steps_per_s=executors / modelled if modelled else 0.0,
+        executor_busy=sim["modeled_s"] / (executors * sim_window) if sim_window else 0.0,
+        ideal_output_tokens_per_s=executors * sampled_per_step / modelled if modelled else 0.0,
+        scheduler_cpu_ms_per_step=1e3 * scheduler_cpu / steps if steps else math.nan,
+        scheduler_cpu_us_per_token=1e6 * scheduler_cpu / generated if generated else math.nan,
+        scheduler_cores=cores["scheduler"],
+        executors_cores=cores["executors"],
+        client_cores=cores["client"],
+        mean_step_wall_ms=after.mean_ms(before, "npuserve:step_seconds") or 0.0,
+        mean_modelled_step_ms=1e3 * modelled,
+        seqs_per_step=sim["num_seqs"] / sim_steps,
+        tokens_per_step=sim["num_tokens"] / sim_steps,
+        executor_overruns=sim["num_overruns"] / sim_steps,
+        ttft_p50_ms=1e3 * percentile(ttfts, 50) if ttfts else None,
+        ttft_p99_ms=1e3 * percentile(ttfts, 99) if ttfts else None,
+        engine_ttft_mean_ms=after.mean_ms(before, "vllm:time_to_first_token_seconds"),
+        client_ttft_mean_ms=1e3 * sum(ttfts) / len(ttfts) if ttfts else None,
+        engine_e2e_mean_ms=after.mean_ms(before, "vllm:e2e_request_latency_seconds"),
+        client_e2e_mean_ms=1e3 * sum(e2es) / len(e2es) if e2es else None,
+        engine_requests=after.metrics.get("vllm:num_requests_running", 0.0)
+        + after.metrics.get("vllm:num_requests_waiting", 0.0),
+        awaiting_first_token=state.awaiting_at_window_end,
+        other_cores=max(0.0, machine - sum(cores.values())),
+        num_first_tokens=len(ttfts),
+        num_completed=len(e2es),
+        num_errors=sum(state.errors.values()),
+        errors=dict(state.errors),
+        preemptions=after.delta(before, "vllm:num_preemptions_total"),
+    )

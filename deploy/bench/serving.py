@@ -1,0 +1,384 @@
+"""`npuserve bench`: a serving benchmark, in process or through the public gRPC API.
+
+A workload (`workload`) runs against one or more targets (`targets`): the offline engine, or a
+scheduler over gRPC: the one at ``--address``, or one this bench launches with the offline
+engine's configuration (`launched_server`, as `npuserve serve` does, without the gateway) and
+stops after. Every request asks for exactly ``output_len`` tokens (``ignore_eos``), so variants do
+equal work. The summary per variant is `serving_metrics`'; the table, JSON and plot `report`'s.
+This module imports no torch; the offline target and presets load the executor lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from npuserve.deploy.bench import report
+from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
+from npuserve.deploy.bench.targets import BenchError, GrpcTarget, OfflineTarget, Target
+from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.deploy.executor_flags import EXECUTOR
+from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
+from npuserve.deploy.launcher import Launcher, LaunchError, device_env
+from npuserve.deploy.scheduler_flags import SCHEDULER
+
+# The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
+ENGINE_FIELDS = (
+    "device", "dtype", "load_format", "kv_cache_memory_gib", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size",
+)  # fmt: skip
+ENGINE_FLAG_WORDING = {
+    "kv_cache_memory_gib": {"help": "KV cache GiB per executor"},
+    "load_format": {"choices": ["auto", "safetensors", "dummy"]},
+}
+
+
+# -- measurement ------------------------------------------------------------------------------------
+
+
+async def _run_one(
+    target: Target, request: BenchRequest, config: WorkloadConfig, start: float
+) -> RequestRecord:
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    record = RequestRecord(len(request.prompt_token_ids), time.perf_counter())
+    try:
+        seed = config.seed + request.index
+        async for chunk in target.stream(
+            request.prompt_token_ids, config.output_len, config.temperature, seed
+        ):
+            now = time.perf_counter()
+            record.token_times += [now] * chunk.num_tokens
+            if chunk.cached_prompt_tokens is not None:
+                record.cached_prompt_tokens = chunk.cached_prompt_tokens
+        record.end_time = time.perf_counter()
+    except Exception as exc:  # one failed request must not end the run: it is counted
+        record.error = str(exc) or type(exc).__name__
+    return record
+
+
+async def _measure(
+    target: Target,
+    config: WorkloadConfig,
+    requests: Sequence[BenchRequest],
+    warmup: Sequence[BenchRequest],
+    progress: bool,
+) -> BenchSummary:
+    try:
+        await target.open()
+        longest = max(len(r.prompt_token_ids) for r in requests) + config.output_len
+        if longest > target.max_model_len:
+            raise ValueError(
+                f"prompts of up to {longest - config.output_len} tokens plus {config.output_len} output "
+                f"tokens exceed {target.name}'s max_model_len {target.max_model_len}"
+            )
+        if warmup:
+            start = time.perf_counter()
+            short = replace(config, num_requests=len(warmup), output_len=min(4, config.output_len))
+            await asyncio.gather(*(_run_one(target, r, short, start) for r in warmup))
+        with tqdm(
+            total=len(requests), desc=target.name, unit="req", file=sys.stderr, disable=not progress
+        ) as bar:
+            start = time.perf_counter()
+
+            async def tracked(request: BenchRequest) -> RequestRecord:
+                record = await _run_one(target, request, config, start)
+                bar.update(1)
+                return record
+
+            records = await asyncio.gather(*(tracked(r) for r in requests))
+            duration = time.perf_counter() - start
+    finally:
+        await target.close()
+    return summarize(target.name, records, duration)
+
+
+def measure(
+    target: Target,
+    config: WorkloadConfig,
+    requests: Sequence[BenchRequest],
+    warmup: Sequence[BenchRequest] = (),
+    progress: bool = False,
+) -> BenchSummary:
+    """Opens the target, warms it up, runs the workload, closes it, and summarises the run."""
+    return asyncio.run(_measure(target, config, requests, warmup, progress))
+
+
+@dataclass(slots=True, frozen=True)
+class ServerSpec:
+    """What `launched_server` starts: `npuserve executor` and `npuserve scheduler` flags."""
+
+    executor_args: list[str]
+    scheduler_args: list[str]
+    num_executors: int = 1
+    device: str = "auto"
+
+
+@contextlib.contextmanager
+def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]:
+    """Starts executors and a scheduler on loopback, as `npuserve serve` does, and yields the
+    scheduler's gRPC address; stops every process after.
+
+    NOTE: the processes are launched here rather than through `npuserve serve`, which also
+    starts the REST gateway: the benchmark measures the gRPC split alone.
+    """
+    launcher = Launcher()
+    try:
+        executors = [
+            launcher.start(
+                f"executor-{i}",
+                ["executor", *spec.executor_args, "--port", "0"],
+                device_env(spec.device, i, spec.num_executors),
+            )
+            for i in range(spec.num_executors)
+        ]
+        addresses = ",".join(str(r["address"]) for r in launcher.wait_ready(executors, timeout_s))
+        scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
+        (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args)], timeout_s)
+        yield str(info["address"])
+    except LaunchError as exc:
+        raise BenchError(f"the gRPC server did not start: {exc}") from None
+    finally:
+        launcher.stop()
+
+
+# -- variants and the command line ------------------------------------------------------------------
+
+VARIANT_KINDS = ("offline", "grpc", "grpc-unary", "grpc-stream", "caching")
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    name: str
+    kind: str  # "offline" or "grpc"
+    enable_prefix_caching: bool
+    step_transport: str = "unary"
+
+
+def parse_variants(args: argparse.Namespace) -> list[Variant]:
+    """`--mode` (default: grpc with `--address`, else offline) or the `--compare` list, as variants.
+
+    ``grpc`` uses `--step-transport`; ``grpc-unary``/``grpc-stream`` name the transport;
+    ``caching`` is two offline variants, prefix caching on and off.
+    """
+    compare, address = args.compare, args.address
+    names = (
+        [n.strip() for n in compare.split(",")]
+        if compare
+        else [args.mode or ("grpc" if address else "offline")]
+    )
+    caching = args.enable_prefix_caching
+    variants: list[Variant] = []
+    for name in names:
+        if name == "offline":
+            variants.append(Variant("offline", "offline", caching))
+        elif name == "grpc":
+            variants.append(Variant("grpc", "grpc", caching, args.step_transport))
+        elif name in ("grpc-unary", "grpc-stream"):
+            variants.append(Variant(name, "grpc", caching, name.removeprefix("grpc-")))
+        elif name == "caching":
+            variants += [
+                Variant("prefix-cache-on", "offline", True),
+                Variant("prefix-cache-off", "offline", False),
+            ]
+        else:
+            raise ValueError(
+                f"unknown variant {name!r} in --compare (choose from {', '.join(VARIANT_KINDS)})"
+            )
+    if len({v.name for v in variants}) != len(variants):
+        raise ValueError(f"--compare names a variant twice: {compare}")
+    if address and sum(v.kind == "grpc" for v in variants) > 1:
+        raise ValueError("--address serves one gRPC variant; omit it to launch one server per variant")
+    return variants
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `npuserve bench` (engine flags keep `npuserve serve`'s names and defaults)."""
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model",
+        default=str(DEMO_MODEL_DIR),
+        help="a local Hugging Face model directory (default: the bundled stories260K demo model)",
+    )
+    model.add_argument(
+        "--preset", help="a random-weight model (e.g. llama-150m) with a synthetic tokenizer, loaded as dummy"
+    )
+    parser.add_argument(
+        "--address", help="HOST:PORT of a running scheduler (default: launch one, or run offline)"
+    )
+    add_api_key_flag(parser, "present `authorization: Bearer KEY` to the scheduler at --address")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach --address over TLS")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--mode", choices=["offline", "grpc"], help="default: grpc with --address, else offline"
+    )
+    which.add_argument(
+        "--compare", help=f"comma list of variants run on the same workload: {', '.join(VARIANT_KINDS)}"
+    )
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--num-requests", type=int, default=64)
+    workload.add_argument("--prompt-len-min", type=int, default=128)
+    workload.add_argument("--prompt-len-max", type=int, default=512)
+    workload.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
+    workload.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares"
+    )
+    workload.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)"
+    )
+    workload.add_argument("--temperature", type=float, default=0.0)
+    workload.add_argument("--seed", type=int, default=0)
+    engine = parser.add_argument_group("engine (offline, and the gRPC server when launched)")
+    engine.add_argument("--num-executors", type=int, default=1)
+    for name in ENGINE_FIELDS:
+        EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
+    SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
+    SCHEDULER.add(engine, only=["step_transport"])
+    engine.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a launched server")
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--output-json", type=Path, help="write the summaries and ratios here (default: ./bench-results/)"
+    )
+    out.add_argument("--plot", type=Path, help="write a PNG of throughput, TTFT and ITL per variant")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_logging_flags(out, level="warning")
+
+
+def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> ServerSpec:
+    """Executor and scheduler flags equal to the offline engine's configuration."""
+    executor = EXECUTOR.from_args(args, model=model, load_format=load_format)
+    scheduler = SCHEDULER.default(
+        model=model,
+        enable_prefix_caching=variant.enable_prefix_caching,
+        step_transport=variant.step_transport,
+    )
+    return ServerSpec(
+        [*EXECUTOR.to_flags(executor), *logging_flags(args)],
+        [*SCHEDULER.to_flags(scheduler), *logging_flags(args)],
+        args.num_executors,
+        args.device,
+    )
+
+
+def materialise_preset(name: str, directory: Path, seed: int) -> Path:
+    """A random-weight preset's config.json plus a synthetic word-level tokenizer (one word per id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from npuserve.deploy.bench import runner as runner_benchmark  # torch: only for presets
+
+    if name not in runner_benchmark.PRESETS:
+        raise ValueError(f"unknown --preset {name!r} (choose from {', '.join(runner_benchmark.PRESETS)})")
+    runner_benchmark.materialise_preset(name, directory, with_weights=False, seed=seed)
+    vocab_size = _vocab_size(str(directory))
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials)} | {
+        f"t{i}": i for i in range(len(specials), vocab_size)
+    }
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    special_map = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(special_map))
+    return directory
+
+
+def _vocab_size(model: str) -> int:
+    path = Path(model) / "config.json"
+    try:
+        return int(json.loads(path.read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"cannot read vocab_size from {path}: {exc}") from None
+
+
+def _run_variant(
+    variant: Variant,
+    args: argparse.Namespace,
+    model: str,
+    load_format: str,
+    workload: WorkloadConfig,
+    requests: Sequence[BenchRequest],
+) -> BenchSummary:
+    warmup = warmup_requests(workload, _vocab_size(model), args.max_num_batched_tokens)
+    progress = not args.disable_tqdm
+    if variant.kind == "offline":
+        target = OfflineTarget(
+            EXECUTOR.from_args(args, model=model, load_format=load_format),
+            args.num_executors,
+            variant.enable_prefix_caching,
+            variant.name,
+        )
+        return measure(target, workload, requests, warmup, progress)
+    if args.address:
+        tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        target = GrpcTarget(args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca)
+        return measure(target, workload, requests, warmup, progress)
+    with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
+        return measure(GrpcTarget(address, variant.name), workload, requests, warmup, progress)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`npuserve bench`: runs every variant on one workload; prints, writes and plots the results.
+
+    Returns 0, 1 when a variant failed or lost requests, 2 on a usage error.
+    """
+    try:
+        workload = WorkloadConfig(
+            num_requests=args.num_requests,
+            prompt_len_min=args.prompt_len_min,
+            prompt_len_max=args.prompt_len_max,
+            output_len=args.output_len,
+            shared_prefix_len=args.shared_prefix_len,
+            request_rate=args.request_rate,
+            seed=args.seed,
+            temperature=args.temperature,
+        )
+        variants = parse_variants(args)
+    except ValueError as exc:
+        print(f"npuserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    summaries: list[BenchSummary] = []
+    with tempfile.TemporaryDirectory(prefix="npuserve-bench-model-") as scratch:
+        try:
+            if args.preset:
+                model, load_format = str(materialise_preset(args.preset, Path(scratch), args.seed)), "dummy"
+            else:
+                model, load_format = args.model, args.load_format
+            requests = build_workload(workload, _vocab_size(model))
+            print(
+                f"workload: {workload.num_requests} requests, prompts {workload.prompt_len_min}-"
+                f"{workload.prompt_len_max} tokens (shared prefix {workload.shared_prefix_len}), output "
+                f"{workload.output_len}, rate {workload.request_rate} req/s; model {args.preset or model}",
+                flush=True,
+            )
+            for variant in variants:
+                summaries.append(_run_variant(variant, args, model, load_format, workload, requests))
+        except (BenchError, ValueError) as exc:
+            print(f"npuserve bench: error: {exc}", file=sys.stderr)
+            return 1
+    print(report.format_serving_table(summaries))
+    workload_row = {**asdict(workload), "model": args.preset or model}
+    written = report.write_json(
+        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, summaries)
+    )
+    print(f"results: {written}", file=sys.stderr)
+    if args.plot:
+        title = f"{args.preset or Path(model).name}: {workload.num_requests} requests"
+        report.plot_serving(summaries, args.plot, title)
+    failed = [s for s in summaries if s.num_failed]
+    for s in failed:
+        print(
+            f"npuserve bench: {s.variant}: {s.num_failed} requests failed: {s.first_error}", file=sys.stderr
+        )
+    return 1 if failed else 0

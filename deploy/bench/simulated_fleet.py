@@ -1,0 +1,200 @@
+"""Many simulated executors in one process: one gRPC server each, on its own port, to measure
+the scheduler against 16-64 executors on a small machine (`npuserve bench-scale` starts it).
+
+    python -m npuserve.deploy.bench.simulated_fleet --port 0 --count 16 --ready-file ready.json
+
+Each is a `SimulatedRunner` (`npuserve.executor.simulated`, the one fake executor) behind the
+real `start_executor_server`. The ready file holds what the real executor writes (`address`,
+`pid`, `executor_id`, `version`, `info`) for one server, and `addresses` (and `executor_ids`) for
+any count; ``--stats-file`` is rewritten with every runner's step totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from npuserve.deploy.flags import add_logging_flags
+from npuserve.executor.server import STOP_GRACE_S, RunningExecutor, start_executor_server
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
+from npuserve.proto.ready_file import write_ready_file
+
+log = structlog.get_logger(__name__)
+
+
+def start_simulated(
+    config: SimulatedConfig, host: str, port: int, count: int, executor_id: str | None = None
+) -> list[tuple[RunningExecutor, SimulatedRunner]]:
+    """``count`` servers, one runner each, on ports ``port, port+1, ...`` (port 0: free ones)."""
+    started = []
+    try:
+        for index in range(count):
+            runner = SimulatedRunner(config)
+            name = executor_id if count == 1 else (f"{executor_id}-{index}" if executor_id else None)
+            running = start_executor_server(runner, host, port + index if port else 0, name)
+            started.append((running, runner))
+    except Exception:
+        stop_all([r for r, _ in started])
+        raise
+    return started
+
+
+def stop_all(servers: list[RunningExecutor], grace_s: float = STOP_GRACE_S) -> None:
+    """Stops every server at once (`RunningExecutor.stop`, in parallel rather than in turn)."""
+    events = [running.server.stop(grace_s) for running in servers]
+    for running in servers:
+        running.servicer.shut_down()
+    for event in events:
+        event.wait()
+
+
+def ready_payload(servers: list[RunningExecutor]) -> dict[str, Any]:
+    """The ready file: the real executor's fields for one server, plus every address."""
+    first = servers[0]
+    payload: dict[str, Any] = {
+        "addresses": [s.address for s in servers],
+        "executor_ids": [s.executor_id for s in servers],
+        "pid": os.getpid(),
+        "version": first.version,
+        "info": dataclasses.asdict(first.info),
+    }
+    if len(servers) == 1:
+        payload.update(address=first.address, executor_id=first.executor_id)
+    return payload
+
+
+def stats_payload(started: list[tuple[RunningExecutor, SimulatedRunner]]) -> dict[str, Any]:
+    """Every runner's totals, stamped with the system-wide monotonic clock (comparable across
+    processes on one machine)."""
+    return {
+        "time": time.monotonic(),
+        "pid": os.getpid(),
+        "executors": [
+            {"executor_id": r.executor_id, **dataclasses.asdict(runner.stats)} for r, runner in started
+        ],
+    }
+
+
+def serve_simulated(
+    config: SimulatedConfig,
+    host: str,
+    port: int,
+    count: int,
+    ready_file: Path | None,
+    executor_id: str | None = None,
+    stats_file: Path | None = None,
+    stats_interval_s: float = 0.5,
+) -> None:
+    """Serves ``count`` simulated executors until SIGTERM/SIGINT (main thread only); rewrites
+    ``stats_file`` every ``stats_interval_s`` seconds and once more at the end."""
+    started = start_simulated(config, host, port, count, executor_id)
+    servers = [running for running, _ in started]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if ready_file is not None:
+            write_ready_file(ready_file, ready_payload(servers))
+        log.info(
+            "simulated executors serving",
+            count=count,
+            addresses=[s.address for s in servers] if count <= 4 else f"{servers[0].address} ...",
+            latency=dataclasses.asdict(config.latency),
+            num_blocks=config.num_blocks,
+        )
+        while not stop.wait(stats_interval_s if stats_file is not None else None):
+            if stats_file is not None:
+                write_ready_file(stats_file, stats_payload(started))
+    finally:
+        stop_all(servers)
+        if stats_file is not None:
+            write_ready_file(stats_file, stats_payload(started))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("simulated executors stopped", steps=sum(r.stats.num_steps for _, r in started))
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults, latency = SimulatedConfig(), LatencyModel()
+    p = argparse.ArgumentParser(
+        prog="python -m npuserve.deploy.bench.simulated_fleet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="first port (0: free ones)")
+    p.add_argument("--count", type=int, default=1, help="simulated executors in this process")
+    p.add_argument("--ready-file", type=Path, help="write the addresses and handshake here as JSON")
+    p.add_argument("--executor-id", help="id (with --count > 1: prefix of ids); default HOSTNAME:PORT")
+    p.add_argument("--base-ms", type=float, default=latency.base_s * 1e3, help="fixed cost of a step")
+    p.add_argument("--per-token-ms", type=float, default=latency.per_token_s * 1e3)
+    p.add_argument("--per-seq-ms", type=float, default=latency.per_seq_s * 1e3)
+    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument("--eos-token-ids", default=",".join(map(str, defaults.eos_token_ids)), help="comma list")
+    p.add_argument("--eos-after", type=int, help="make every request's N-th output token an EOS")
+    p.add_argument("--model-name", default=defaults.model)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats-file", type=Path, help="rewrite every runner's step totals here as JSON")
+    p.add_argument("--stats-interval", type=float, default=0.5, help="seconds between stats writes")
+    add_logging_flags(p)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
+    return SimulatedConfig(
+        latency=LatencyModel(args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3),
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        vocab_size=args.vocab_size,
+        eos_token_ids=tuple(int(t) for t in args.eos_token_ids.split(",") if t),
+        eos_after=args.eos_after,
+        model=args.model_name,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from npuserve.deploy.logs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_format == "json")
+    try:
+        if args.count < 1:
+            raise ValueError(f"--count must be >= 1, got {args.count}")
+        config = config_from_args(args)
+        serve_simulated(
+            config,
+            args.host,
+            args.port,
+            args.count,
+            args.ready_file,
+            args.executor_id,
+            args.stats_file,
+            args.stats_interval,
+        )
+    except ValueError as exc:  # ConfigError (a busy port) included
+        print(f"npuserve simulated executor: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

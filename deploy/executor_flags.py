@@ -1,0 +1,275 @@
+"""`npuserve executor`'s flags: one table for `ExecutorConfig`, one for the tensor-parallel
+options (`ParallelConfig`), one for the registry (`RegistryConfig`), beside the server's own
+(address, ready file, id, TLS). Flag names follow vLLM's. Torch loads only when a config is built.
+
+    `npuserve executor`  -> add_executor_flags, add_executor_cluster_flags -> run_executor
+    `npuserve serve`, TP ranks, benches, tests -> EXECUTOR.to_flags(config) for the children
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.deploy.flag_table import Flag, FlagTable
+from npuserve.deploy.flags import (
+    add_allow_unauthenticated_flag,
+    add_cluster_token_flag,
+    add_server_tls_flags,
+    cluster_token,
+    server_tls,
+)
+from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
+
+if TYPE_CHECKING:
+    from npuserve.executor.config import ExecutorConfig
+    from npuserve.executor.parallel import ParallelConfig
+    from npuserve.executor.registration import RegistryConfig
+
+TP_RANK_ENV = "NPUSERVE_TP_RANK"
+DEFAULT_TP_CONNECT_TIMEOUT_S = 120.0
+DEVICE_FLAG = re.compile(r"auto|cpu|(cuda|npu)(:\d+)?")
+
+
+def device_flag(text: str) -> str:
+    """An argparse type: auto, cpu, cuda, npu, or cuda:N / npu:N."""
+    value = text.strip().lower()
+    if DEVICE_FLAG.fullmatch(value) is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, cpu, cuda, npu, or npu:N (N a device index)")
+    return value
+
+
+def _executor_config(**fields: Any) -> ExecutorConfig:
+    from npuserve.executor.config import ExecutorConfig
+
+    return ExecutorConfig(**fields)
+
+
+def _parallel_config(**fields: Any) -> ParallelConfig:
+    from npuserve.executor.parallel import ParallelConfig
+
+    return ParallelConfig(**fields)
+
+
+def _registry_config(**fields: Any) -> RegistryConfig:
+    from npuserve.executor.registration import RegistryConfig
+
+    return RegistryConfig(**fields)
+
+
+EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
+    _executor_config,
+    [
+        Flag(
+            "model",
+            "--model",
+            {
+                "default": str(DEMO_MODEL_DIR),
+                "help": "a local Hugging Face model directory (default: the bundled stories260K demo model)",
+            },
+        ),
+        Flag(
+            "device",
+            "--device",
+            {
+                "default": "auto",
+                "type": device_flag,
+                "help": "auto, cpu, cuda, npu, or npu:N (the Nth visible NPU; NPUSERVE_EMULATE_NPU=1 emulates one)",
+            },
+        ),
+        Flag("dtype", "--dtype", {"default": "auto"}),
+        Flag("block_size", "--block-size", {"type": int}),
+        Flag("max_model_len", "--max-model-len", {"type": int}),
+        Flag("max_num_seqs", "--max-num-seqs", {"type": int, "default": 256}),
+        Flag("max_num_batched_tokens", "--max-num-batched-tokens", {"type": int, "default": 8192}),
+        Flag("kv_cache_memory_gib", "--kv-cache-memory", {"type": float, "help": "KV cache size in GiB"}),
+        Flag("gpu_memory_utilization", "--gpu-memory-utilization", {"type": float, "default": 0.9}),
+        Flag("load_format", "--load-format", {"default": "auto"}),
+        Flag("seed", "--seed", {"type": int, "default": 0}),
+        Flag(
+            "warmup",
+            "--warmup",
+            {
+                "action": argparse.BooleanOptionalAction,
+                "default": True,
+                "help": "run warm-up steps before reporting ready (--no-warmup: the first requests run slower)",
+            },
+        ),
+        Flag(
+            "profile_dir",
+            "--profile-dir",
+            {
+                "type": Path,
+                "help": "allow POST /start_profile and /stop_profile; traces are written here (off by default)",
+            },
+        ),
+    ],
+)
+
+# One executor over several devices (`npuserve.executor.parallel`). On one node give only
+# --tensor-parallel-size; across nodes start every rank with --tp-rank and rank 0's
+# --master-addr/--master-port. HCCL_IF_IP, HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
+# HCCL_CONNECT_TIMEOUT, HCCL_BUFFSIZE and ASCEND_RT_VISIBLE_DEVICES pass through.
+PARALLEL: FlagTable[ParallelConfig] = FlagTable(
+    _parallel_config,
+    [
+        Flag(
+            "size",
+            "--tensor-parallel-size",
+            {"type": int, "default": 1, "help": "devices (ranks) one executor spans"},
+        ),
+        Flag(
+            "rank",
+            "--tp-rank",
+            {
+                "type": int,
+                "help": "this process's rank in a group started node by node (default: "
+                f"${TP_RANK_ENV}; omit it to start every rank on this node)",
+            },
+        ),
+        Flag(
+            "master_addr",
+            "--master-addr",
+            {"help": "rank 0's address for the rendezvous (default: $MASTER_ADDR)"},
+        ),
+        Flag(
+            "master_port",
+            "--master-port",
+            {"type": int, "help": "rank 0's rendezvous port (default: $MASTER_PORT)"},
+        ),
+        Flag(
+            "connect_timeout_s",
+            "--tp-connect-timeout",
+            {
+                "type": float,
+                "default": DEFAULT_TP_CONNECT_TIMEOUT_S,
+                "help": "seconds to wait for every rank to join (and for one collective)",
+            },
+        ),
+    ],
+)
+
+REGISTRY: FlagTable[RegistryConfig] = FlagTable(
+    _registry_config,
+    [
+        Flag("url", "--registry", {"help": "redis://HOST:PORT/DB: register this executor there"}),
+        Flag("prefix", "--registry-prefix", {"default": "npuserve", "help": "prefix of the registry keys"}),
+        Flag(
+            "ttl_s",
+            "--registry-ttl",
+            {"type": float, "default": 10.0, "help": "seconds a registration lives without a heartbeat"},
+        ),
+        Flag(
+            "advertise_address",
+            "--advertise-address",
+            {"help": "HOST:PORT the scheduler connects to (default: the bound address)"},
+        ),
+    ],
+)
+
+
+def add_executor_flags(parser: argparse.ArgumentParser) -> None:
+    """The executor's flags (vLLM names), for `npuserve executor` and `npuserve serve`."""
+    EXECUTOR.add(parser, only=["model"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")
+    parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
+    EXECUTOR.add(parser, exclude=["model"])
+    PARALLEL.add(parser)
+    add_cluster_token_flag(parser)
+
+
+def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of an executor that runs on its own in a cluster: registry, TLS, and leave to serve
+    a non-loopback address without a cluster token."""
+    REGISTRY.add(parser)
+    add_server_tls_flags(parser)
+    add_allow_unauthenticated_flag(parser)
+
+
+def serve_parallel_flags(args: argparse.Namespace) -> list[str]:
+    """The group size and timeout `npuserve serve` gives each executor (each is rank 0 of its own
+    group on this node)."""
+    return PARALLEL.to_flags(SimpleNamespace(**PARALLEL.values(args)), only=["size", "connect_timeout_s"])
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """From `PARALLEL`'s flags; the rank and master fall back to the environment. The ranks this
+    process starts get its ``--log-level``/``--log-format``."""
+    values = {**PARALLEL.defaults(), **PARALLEL.values(args)}
+    if values.get("rank") is None and os.environ.get(TP_RANK_ENV):
+        values["rank"] = _env_int(TP_RANK_ENV)
+    if values.get("rank") is not None:  # NOTE: a single-node group ignores MASTER_* (it picks a free port)
+        values["master_addr"] = values.get("master_addr") or os.environ.get("MASTER_ADDR") or None
+        if values.get("master_port") is None:
+            values["master_port"] = _env_int("MASTER_PORT")
+    logging = {name: getattr(args, name, None) for name in ("log_level", "log_format")}
+    worker_flags = tuple(f"--{name.replace('_', '-')}={value}" for name, value in logging.items() if value)
+    return PARALLEL.build(**values, worker_flags=worker_flags)
+
+
+def _env_int(name: str) -> int | None:
+    from npuserve.executor.config import ConfigError
+
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def cluster_from_args(args: argparse.Namespace) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
+    """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
+    from npuserve.executor.config import ConfigError
+
+    try:
+        tls = server_tls(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    registry = None
+    if getattr(args, "registry", None):
+        try:
+            registry = REGISTRY.from_args(args)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    return tls, registry
+
+
+def run_executor(args: argparse.Namespace) -> int:
+    """`npuserve executor`: serves with these flags; 2 (and the message) on a user error."""
+    from npuserve.executor.config import ConfigError
+    from npuserve.executor.platform import PlatformError
+    from npuserve.executor.server import serve_executor
+
+    try:
+        token = cluster_token(args)
+        problem = exposure_problem(
+            args.host, CLUSTER_TOKEN, bool(token), getattr(args, "allow_unauthenticated", False)
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+        tls, registry = cluster_from_args(args)
+        serve_executor(
+            EXECUTOR.from_args(args),
+            args.host,
+            args.port,
+            args.ready_file,
+            args.executor_id,
+            cluster_token=token,
+            tls=tls,
+            registry=registry,
+            parallel=parallel_config_from_args(args),
+        )
+    except (ConfigError, PlatformError) as exc:
+        print(f"npuserve executor: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,146 @@
+"""`npuserve scheduler`'s flags: one table for `SchedulerConfig` (vLLM's names where they mean the
+same thing), read both ways: `npuserve scheduler` parses them, `npuserve serve` and the benches
+write them for the scheduler they start."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.deploy.flag_table import Flag, FlagTable, csv
+from npuserve.deploy.flags import (
+    API_KEY_OPTIONS,
+    CLUSTER_TOKEN_OPTIONS,
+    add_allow_unauthenticated_flag,
+    resolve_api_key,
+    resolve_cluster_token,
+    server_tls,
+)
+from npuserve.scheduler.server import SchedulerConfig
+
+
+def _scheduler_config(
+    executors: tuple[str, ...] | list[str] | None = None,
+    tls_ca: Path | bytes | None = None,
+    cluster_token: str | None = None,
+    api_key: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    **fields: Any,
+) -> SchedulerConfig:
+    """The config; ``--tls-ca`` and ``--tls-cert``/``--tls-key`` are read here (OSError when they
+    cannot be, ValueError when only one of the pair is given) and the secrets fall back to the
+    environment."""
+    return SchedulerConfig(
+        executors=list(executors or ()),
+        tls_ca=tls_ca.read_bytes() if isinstance(tls_ca, Path) else tls_ca,
+        cluster_token=resolve_cluster_token(cluster_token),
+        api_key=resolve_api_key(api_key),
+        tls=tls or server_tls(SimpleNamespace(tls_cert=tls_cert, tls_key=tls_key)),
+        **fields,
+    )
+
+
+SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
+    _scheduler_config,
+    [
+        Flag(
+            "model",
+            "--model",
+            {
+                "default": str(DEMO_MODEL_DIR),
+                "help": "model directory (tokenizer and chat template; default: the bundled stories260K demo model)",
+            },
+        ),
+        Flag(
+            "executors", "--executors", {"type": csv(str), "help": "comma list of HOST:PORT (or --registry)"}
+        ),
+        Flag(
+            "registry",
+            "--registry",
+            {"help": "redis://HOST:PORT/DB: discover the executors registered there"},
+        ),
+        Flag(
+            "registry_prefix",
+            "--registry-prefix",
+            {"default": "npuserve", "help": "prefix of the registry keys"},
+        ),
+        Flag(
+            "connect_timeout_s",
+            "--connect-timeout",
+            {"type": float, "default": 600.0, "help": "seconds to wait for the first executor(s)"},
+        ),
+        # NOTE: the config holds the certificates, not their path: a child gets --tls-ca from its caller.
+        Flag(
+            "tls_ca",
+            "--tls-ca",
+            {"type": Path, "help": "PEM CA certificates: reach executors over TLS"},
+            forward=False,
+        ),
+        # NOTE: the token travels in the environment, not in argv where `ps` shows it.
+        Flag("cluster_token", "--cluster-token", CLUSTER_TOKEN_OPTIONS, forward=False),
+        Flag("api_key", "--api-key", API_KEY_OPTIONS, forward=False),
+        Flag("tls_cert", "--tls-cert", {"type": Path, "help": "PEM certificate chain: serve over TLS"}, forward=False),
+        Flag("tls_key", "--tls-key", {"type": Path, "help": "PEM private key of --tls-cert"}, forward=False),
+        # The serving flags, `npuserve serve`'s too:
+        Flag(
+            "served_model_name",
+            "--served-model-name",
+            {"help": "the name clients use (default: --model as given; stories260K for the demo model)"},
+        ),
+        Flag("chat_template", "--chat-template", {"help": "a Jinja chat template, or a file holding one"}),
+        Flag(
+            "trust_request_chat_template",
+            "--trust-request-chat-template",
+            {"action": "store_true", "help": "render chat templates that clients send (off: such requests are refused)"},
+        ),
+        Flag(
+            "enable_prefix_caching",
+            "--enable-prefix-caching",
+            {
+                "action": argparse.BooleanOptionalAction,
+                "default": True,
+                "help": "share KV blocks of equal prefixes",
+            },
+        ),
+        Flag("routing", "--routing", {"default": "prefix-aware", "choices": ["prefix-aware", "least-load"]}),
+        Flag(
+            "max_queued_requests",
+            "--max-queued-requests",
+            {"type": int, "help": "refuse new requests beyond this many waiting"},
+        ),
+        Flag("step_transport", "--step-transport", {"default": "unary", "choices": ["unary", "stream"]}),
+        Flag(
+            "step_timeout_s",
+            "--step-timeout",
+            {"type": float, "default": 60.0, "help": "seconds an executor may take per step"},
+        ),
+    ],
+)
+CLUSTER_FIELDS = (
+    "model",
+    "executors",
+    "registry",
+    "registry_prefix",
+    "connect_timeout_s",
+    "tls_ca",
+    "cluster_token",
+    "api_key",
+    "tls_cert",
+    "tls_key",
+)
+SERVING_FIELDS = tuple(f.field for f in SCHEDULER.flags if f.field not in CLUSTER_FIELDS)
+
+
+def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    """`npuserve scheduler`'s flags."""
+    SCHEDULER.add(parser, only=CLUSTER_FIELDS)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--ready-file", type=Path)
+    add_allow_unauthenticated_flag(parser)
+    SCHEDULER.add(parser, only=SERVING_FIELDS)

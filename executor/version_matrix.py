@@ -1,0 +1,106 @@
+"""Which CANN releases each torch_npu release is built for: the Ascend version sets, as data.
+
+Torch-free, so `npuserve doctor` can read it without importing torch. Every row names its source.
+CANN, torch and torch_npu are released together; a torch_npu wheel loads only the CANN libraries
+of its own set, and a mismatch is the most common Ascend failure.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# The "昇腾辅助软件" (Ascend auxiliary software) table of the Ascend Extension for PyTorch README
+# (gitcode.com/Ascend/pytorch, README.zh.md, branch v2.9.0): CANN version, torch, torch_npu, branch.
+PTA_README = "Ascend/pytorch README.zh.md, table 昇腾辅助软件"
+# vllm-ascend v0.13.0 (docs and Dockerfile) pairs CANN 8.5.0 + torch 2.8.0 + torch_npu 2.8.0.post2.
+VLLM_ASCEND_0_13 = "vllm-ascend v0.13.0 installation docs"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSet:
+    cann: str
+    torch: str
+    torch_npu: str
+    source: str
+
+
+VERSION_SETS: tuple[VersionSet, ...] = (
+    VersionSet("9.0.0", "2.10.0", "2.10.0", f"{PTA_README} (branch v2.10.0-26.0.0)"),
+    VersionSet("9.0.0", "2.9.0", "2.9.0.post2", f"{PTA_README} (branch v2.9.0-26.0.0)"),
+    VersionSet("8.5.0", "2.9.0", "2.9.0", PTA_README),
+    VersionSet("8.5.0", "2.8.0", "2.8.0.post2", f"{PTA_README}; {VLLM_ASCEND_0_13}"),
+    VersionSet("8.5.0", "2.7.1", "2.7.1.post2", PTA_README),
+    VersionSet("8.5.0", "2.6.0", "2.6.0.post5", PTA_README),
+    VersionSet("8.3.RC1", "2.8.0", "2.8.0", PTA_README),
+    VersionSet("8.3.RC1", "2.7.1", "2.7.1", PTA_README),
+    VersionSet("8.3.RC1", "2.6.0", "2.6.0.post3", PTA_README),
+    VersionSet("8.3.RC1", "2.1.0", "2.1.0.post17", PTA_README),
+    VersionSet("8.2.RC1", "2.6.0", "2.6.0", PTA_README),
+    VersionSet("8.2.RC1", "2.5.1", "2.5.1.post1", PTA_README),
+    VersionSet("8.2.RC1", "2.1.0", "2.1.0.post13", PTA_README),
+    VersionSet("8.1.RC1", "2.5.1", "2.5.1", PTA_README),
+    VersionSet("8.1.RC1", "2.4.0", "2.4.0.post4", PTA_README),
+    VersionSet("8.1.RC1", "2.3.1", "2.3.1.post6", PTA_README),
+    VersionSet("8.1.RC1", "2.1.0", "2.1.0.post12", PTA_README),
+    VersionSet("8.0.0", "2.4.0", "2.4.0.post2", PTA_README),
+    VersionSet("8.0.0", "2.3.1", "2.3.1.post4", PTA_README),
+    VersionSet("8.0.0", "2.1.0", "2.1.0.post10", PTA_README),
+)
+# The set the README names and images ship: vllm-ascend v0.13.0's.
+RECOMMENDED = next(row for row in VERSION_SETS if row.source.endswith(VLLM_ASCEND_0_13))
+
+
+def normalize_cann(version: str) -> str | None:
+    """``8.5.0``, ``CANN-8.3.rc1``, ``8.3.RC1.alpha002`` -> ``8.5.0`` / ``8.3.RC1``; None if unreadable."""
+    match = re.search(r"(\d+)\.(\d+)\.(rc\d+|\d+)", version, re.IGNORECASE)
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return f"{major}.{minor}.{patch.upper()}"
+
+
+def normalize_release(version: str) -> str:
+    """``2.8.0.post2+git1a2b`` -> ``2.8.0.post2``; ``2.8.0+cpu`` -> ``2.8.0``."""
+    return version.strip().removeprefix("v").split("+")[0]
+
+
+def sets_for_torch_npu(torch_npu_version: str) -> list[VersionSet]:
+    release = normalize_release(torch_npu_version)
+    return [row for row in VERSION_SETS if row.torch_npu == release]
+
+
+def cann_problem(torch_npu_version: str, cann_version: str | None) -> str | None:
+    """Why this CANN does not go with this torch_npu, or None when it does (or is not known)."""
+    rows = sets_for_torch_npu(torch_npu_version)
+    if not rows or cann_version is None:
+        return None  # a release the table does not list: nothing to check against
+    cann = normalize_cann(cann_version)
+    supported = sorted({row.cann for row in rows})
+    if cann in supported:
+        return None
+    return (
+        f"CANN {cann_version} is not the CANN torch_npu {normalize_release(torch_npu_version)} is "
+        f"built for ({' or '.join(supported)}; source: {rows[0].source})"
+    )
+
+
+def release(version: str) -> str:
+    """``2.8.0+cpu`` -> ``2.8.0``; ``2.8.0.post2.dev2025`` -> ``2.8.0.post2``; ``8.5.0.B120`` -> ``8.5.0``."""
+    match = re.match(r"\s*(\d+(?:\.\d+)*(?:\.(?:post\d+|RC\d+))?)", version, re.IGNORECASE)
+    return match.group(1) if match else version.strip()
+
+
+def find_set(torch_npu_version: str) -> VersionSet | None:
+    """The known set of this torch_npu release, if any."""
+    wanted = release(torch_npu_version).lower()
+    return next((row for row in VERSION_SETS if row.torch_npu.lower() == wanted), None)
+
+
+def sets_for_cann(cann_version: str) -> list[VersionSet]:
+    wanted = release(cann_version).lower()
+    return [row for row in VERSION_SETS if row.cann.lower() == wanted]
+
+
+def describe(version_set: VersionSet) -> str:
+    return f"CANN {version_set.cann} + torch {version_set.torch} + torch_npu {version_set.torch_npu}"

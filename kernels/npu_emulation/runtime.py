@@ -1,0 +1,222 @@
+"""The emulated machine: ``torch.npu`` (devices, memory, streams) and the ``torch_npu`` module.
+
+`EmulatedMachine` describes the NPUs the emulation pretends to have, read from the environment
+(see `kernels.npu_emulation`). `build_torch_npu` assembles a ``torch_npu`` stand-in module with
+the operators of `ops` and a ``torch.npu`` stand-in; tensors stay on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from npuserve.kernels.npu_emulation import ops
+
+GIB = 1 << 30
+# What `install` puts in sys.modules.
+MODULE_NAMES = (
+    "torch_npu",
+    "torch_npu.npu",
+    "torch_npu.op_plugin",
+    "torch_npu.op_plugin.atb",
+    "torch_npu.op_plugin.atb._atb_ops",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedMachine:
+    count: int = 1  # NPUs in the machine (before ASCEND_RT_VISIBLE_DEVICES)
+    soc_version: int = 223  # torch_npu.npu.get_soc_version(): 220-225 A2, 250-255 A3, 200-205 310P
+    memory_gib: float = 4.0  # HBM per device
+    cann_version: str = "8.5.0"
+    torch_npu_version: str = "2.8.0.post2"
+    nnal_installed: bool = True  # whether libatb.so loads
+
+    @classmethod
+    def from_env(cls) -> EmulatedMachine:
+        env = os.environ
+        default = cls()
+        return cls(
+            count=int(env.get("NPUSERVE_EMULATE_NPU_COUNT", default.count)),
+            soc_version=int(env.get("NPUSERVE_EMULATE_NPU_SOC", default.soc_version)),
+            memory_gib=float(env.get("NPUSERVE_EMULATE_NPU_MEMORY_GIB", default.memory_gib)),
+            cann_version=env.get("NPUSERVE_EMULATE_CANN_VERSION", default.cann_version),
+            torch_npu_version=env.get("NPUSERVE_EMULATE_TORCH_NPU_VERSION", _matching_torch_npu()),
+            nnal_installed=env.get("NPUSERVE_EMULATE_NNAL", "1") != "0",
+        )
+
+    @property
+    def device_name(self) -> str:
+        if 200 <= self.soc_version <= 205:
+            return "Ascend310P3"
+        if 250 <= self.soc_version <= 255:
+            return "Ascend910_9392"
+        return f"Ascend910B{max(1, self.soc_version - 220)}"
+
+
+def _matching_torch_npu() -> str:
+    """The torch_npu release of the installed torch's line, as pip would pair them."""
+    release = torch.__version__.split("+")[0]
+    return f"{release}.post2"
+
+
+def _visible_ids(count: int) -> list[int]:
+    """Physical ids the process sees: ASCEND_RT_VISIBLE_DEVICES, as CANN reads it."""
+    value = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    if value is None:
+        return list(range(count))
+    ids = [int(part) for part in value.split(",") if part.strip()]
+    return [i for i in ids if 0 <= i < count]
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Stream:
+    """A stream on an emulated NPU: work runs on the CPU at once, so there is nothing to wait for."""
+
+    def __init__(self, device: object = None, priority: int = 0) -> None:
+        self.device = device
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream: _Stream) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: _Stream | None = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def build_npu_module(machine: EmulatedMachine) -> ModuleType:
+    """The ``torch.npu`` stand-in: the calls npuserve makes, with torch.cuda's signatures."""
+    npu = ModuleType("torch_npu.npu")
+    state = {"device": 0, "peak": 0}
+
+    def device_count() -> int:
+        return len(_visible_ids(machine.count))
+
+    def _index(device: object = None) -> int:
+        if device is None:
+            return state["device"]
+        index = device if isinstance(device, int) else getattr(device, "index", None)
+        return state["device"] if index is None else int(index)
+
+    def set_device(device: object) -> None:
+        index = _index(device)
+        if not 0 <= index < device_count():
+            raise RuntimeError(f"set_device: invalid device id {index}; {device_count()} NPU(s) visible")
+        state["device"] = index
+
+    def mem_get_info(device: object = None) -> tuple[int, int]:
+        _index(device)
+        total = int(machine.memory_gib * GIB)
+        return max(0, total - _resident_bytes()), total
+
+    def reset_peak_memory_stats(device: object = None) -> None:
+        state["peak"] = 0
+
+    def memory_stats(device: object = None) -> dict[str, int]:
+        return {"allocated_bytes.all.peak": state["peak"], "allocated_bytes.all.current": 0}
+
+    npu.is_available = lambda: device_count() > 0
+    npu.device_count = device_count
+    npu.set_device = set_device
+    npu.current_device = lambda: state["device"]
+    npu.get_device_name = lambda device=None: machine.device_name
+    npu.get_soc_version = lambda: machine.soc_version
+    npu.mem_get_info = mem_get_info
+    npu.reset_peak_memory_stats = reset_peak_memory_stats
+    npu.memory_stats = memory_stats
+    npu.max_memory_allocated = lambda device=None: state["peak"]
+    npu.memory_allocated = lambda device=None: 0
+    npu.synchronize = lambda device=None: None
+    npu.empty_cache = lambda: None
+    npu.manual_seed = lambda seed: None
+    npu.Stream = _Stream
+    npu.Event = _Event
+    npu.current_stream = lambda device=None: _Stream(device)
+    npu.emulated_machine = machine
+    return npu
+
+
+def _atb_ops_module(machine: EmulatedMachine) -> ModuleType:
+    """``torch_npu.op_plugin.atb._atb_ops``: `_register_atb_extensions` raises the OSError the real
+    one raises when libatb.so did not load at import (op-plugin ``op_plugin/python/atb/_atb_ops.py``)."""
+    module = ModuleType("torch_npu.op_plugin.atb._atb_ops")
+
+    def _register_atb_extensions() -> None:
+        if not machine.nnal_installed:
+            raise OSError(
+                2,
+                "Please check that the nnal package is installed. "
+                "Please run 'source set_env.sh' in the NNAL installation path.",
+            )
+
+    module._register_atb_extensions = _register_atb_extensions
+    return module
+
+
+def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
+    """The stand-in ``torch_npu`` and its submodules, keyed by module name (for sys.modules)."""
+    torch_npu = ModuleType("torch_npu")
+    # A spec, so importlib.util.find_spec("torch_npu") finds the stand-in as installed.
+    torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    torch_npu.__version__ = machine.torch_npu_version
+    torch_npu.__npuserve_emulated__ = True
+    npu = build_npu_module(machine)
+    torch_npu.npu = npu
+    torch_npu._npu_reshape_and_cache = ops.reshape_and_cache
+    torch_npu.npu_fused_infer_attention_score = ops.fused_infer_attention_score
+    torch_npu.npu_rms_norm = ops.rms_norm
+    torch_npu.npu_add_rms_norm = ops.add_rms_norm
+    torch_npu.npu_swiglu = ops.swiglu
+    torch_npu._npu_rotary_embedding = ops.RotaryEmbedding()
+    op_plugin = ModuleType("torch_npu.op_plugin")
+    atb = ModuleType("torch_npu.op_plugin.atb")
+    atb_ops = _atb_ops_module(machine)
+    torch_npu.op_plugin, op_plugin.atb, atb._atb_ops = op_plugin, atb, atb_ops
+    modules = {
+        "torch_npu": torch_npu,
+        "torch_npu.npu": npu,
+        "torch_npu.op_plugin": op_plugin,
+        "torch_npu.op_plugin.atb": atb,
+        "torch_npu.op_plugin.atb._atb_ops": atb_ops,
+    }
+    assert tuple(modules) == MODULE_NAMES
+    return modules
+
+
+def install(machine: EmulatedMachine) -> ModuleType:
+    """Puts the stand-in in sys.modules and on torch (``torch.npu``, ``torch.version.cann``), as
+    importing the real torch_npu does; returns the ``torch_npu`` module. Idempotent."""
+    current = sys.modules.get("torch_npu")
+    if current is not None and getattr(current, "__npuserve_emulated__", False):
+        return current
+    modules = build_torch_npu(machine)
+    sys.modules.update(modules)
+    torch.npu = modules["torch_npu.npu"]  # type: ignore[attr-defined]
+    torch.version.cann = machine.cann_version  # type: ignore[attr-defined]
+    return modules["torch_npu"]

@@ -1,0 +1,118 @@
+"""One table per config: the flags a config becomes parse back into the same config, and every
+command's --help still lists every flag of its tables."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+from npuserve.deploy.cli import build_parser
+from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, REGISTRY, parallel_config_from_args
+from npuserve.deploy.flags import CLUSTER_TOKEN_ENV
+from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
+from npuserve.executor.config import ExecutorConfig
+from npuserve.executor.parallel import ParallelConfig
+from npuserve.executor.registration import RegistryConfig
+from npuserve.scheduler.server import SchedulerConfig
+
+
+def parse(command: str, *flags: str):
+    return build_parser().parse_args([command, *flags])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ExecutorConfig(model="/models/m"),
+        ExecutorConfig(
+            model="/models/with space",
+            device="cpu",
+            dtype="bfloat16",
+            block_size=32,
+            max_model_len=1024,
+            max_num_seqs=7,
+            max_num_batched_tokens=999,
+            kv_cache_memory_gib=0.25,
+            gpu_memory_utilization=0.5,
+            load_format="dummy",
+            seed=3,
+        ),
+    ],
+)
+def test_executor_config_round_trips(config: ExecutorConfig) -> None:
+    flags = EXECUTOR.to_flags(config)
+    assert EXECUTOR.from_args(parse("executor", *flags)) == config
+    assert EXECUTOR.from_args(parse("serve", *flags)) == config
+
+
+def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CLUSTER_TOKEN_ENV, raising=False)
+    config = SchedulerConfig(
+        model="/models/m",
+        executors=["10.0.0.1:50061", "10.0.0.2:50061"],
+        served_model_name="mine",
+        chat_template="{{ messages }}",
+        enable_prefix_caching=False,
+        routing="least-load",
+        max_queued_requests=5,
+        step_transport="stream",
+        step_timeout_s=9.5,
+        connect_timeout_s=7.0,
+        registry="redis://redis:6379/1",
+        registry_prefix="other",
+    )
+    flags = SCHEDULER.to_flags(config)
+    assert SCHEDULER.from_args(parse("scheduler", *flags)) == config
+    default = SCHEDULER.default(model="/models/m", executors=["h:1"])
+    assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(default))) == default
+
+
+def test_secrets_stay_out_of_the_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"PEM")
+    args = parse(
+        "scheduler", "--model", "m", "--executors", "h:1", "--cluster-token", "s3cret", "--tls-ca", str(ca)
+    )
+    config = SCHEDULER.from_args(args)
+    assert (config.cluster_token, config.tls_ca) == ("s3cret", b"PEM")
+    flags = SCHEDULER.to_flags(config)
+    assert not any("s3cret" in flag or "tls-ca" in flag for flag in flags)
+    monkeypatch.setenv(CLUSTER_TOKEN_ENV, "from-env")
+    assert SCHEDULER.from_args(parse("scheduler", *flags)).cluster_token == "from-env"
+
+
+def test_parallel_and_registry_configs_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("NPUSERVE_TP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    parallel = ParallelConfig(
+        size=2, rank=1, master_addr="10.0.0.1", master_port=29500, connect_timeout_s=3.0,
+        worker_flags=("--log-level=debug", "--log-format=json"),
+    )  # fmt: skip
+    args = parse("executor", "--model", "m", *PARALLEL.to_flags(parallel), *parallel.worker_flags)
+    assert parallel_config_from_args(args) == parallel
+    registry = RegistryConfig("redis://r:6379/2", "pre", 3.0, "node-3:50061")
+    assert REGISTRY.from_args(parse("executor", "--model", "m", *REGISTRY.to_flags(registry))) == registry
+
+
+def _help(command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse(command, "--help")
+    return out.getvalue()
+
+
+def test_help_lists_every_flag_of_the_tables() -> None:
+    executor, scheduler, serve = _help("executor"), _help("scheduler"), _help("serve")
+    for flag in [*EXECUTOR.flags, *PARALLEL.flags]:
+        assert flag.name in executor and flag.name in serve
+    for flag in REGISTRY.flags:
+        assert flag.name in executor
+    for flag in SCHEDULER.flags:
+        assert flag.name in scheduler
+        if flag.field in SERVING_FIELDS:
+            assert flag.name in serve
+    assert "KV cache size in GiB" in executor and "share KV blocks of equal prefixes" in serve
+    assert "KV cache GiB per executor" in _help("bench")

@@ -1,0 +1,90 @@
+"""The one process launcher: readiness through the ready file, a clear error naming who is not
+ready and how a child ended, SIGTERM then SIGKILL, and no child outliving a killed launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from npuserve.deploy.launcher import Launcher, LaunchError
+
+PYTHON = [sys.executable]
+# Run as `python -c CODE --ready-file PATH`: sys.argv[2] is the ready file.
+READY = (
+    "import os, sys, time; from pathlib import Path; from npuserve.proto.ready_file import write_ready_file; "
+)
+SERVES = READY + "write_ready_file(Path(sys.argv[2]), {'pid': os.getpid()}); time.sleep(60)"
+IGNORES_SIGTERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SERVES
+
+
+def test_ready_children_return_what_they_wrote(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path)
+    children = [launcher.start(f"c{i}", ["-c", SERVES], command=PYTHON) for i in range(2)]
+    try:
+        ready = launcher.wait_ready(children, timeout_s=30)
+        assert [r["pid"] for r in ready] == [c.pid for c in children]
+    finally:
+        codes = launcher.stop(grace_s=5)
+    assert codes == {"c0": -signal.SIGTERM, "c1": -signal.SIGTERM}
+    assert not any(tmp_path.glob("*.ready.json"))
+
+
+def test_not_ready_names_the_child_and_an_exit_shows_its_log(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path)
+    slow = launcher.start("slow", ["-c", "import time; time.sleep(60)"], command=PYTHON)
+    try:
+        with pytest.raises(LaunchError, match=r"not ready after 0 s: slow"):
+            launcher.wait_ready([slow], timeout_s=0.3)
+        failing = "import sys; print('cannot bind the port', file=sys.stderr); sys.exit(3)"
+        launcher.start("broken", ["-c", failing], command=PYTHON, log_path=tmp_path / "broken.log")
+        with pytest.raises(LaunchError) as failure:
+            launcher.wait_ready([slow], timeout_s=30)
+        assert "broken (pid" in str(failure.value) and "exited with code 3" in str(failure.value)
+        assert "cannot bind the port" in str(failure.value)
+    finally:
+        launcher.stop(grace_s=5)
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path)
+    stubborn = launcher.start("stubborn", ["-c", IGNORES_SIGTERM], command=PYTHON)
+    launcher.wait_ready([stubborn], timeout_s=30)
+    assert launcher.stop(grace_s=0.5) == {"stubborn": -signal.SIGKILL}
+
+
+def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    code = (
+        "import sys, time; from pathlib import Path; from npuserve.deploy.launcher import Launcher; "
+        f"launcher = Launcher(Path({str(tmp_path)!r})); "
+        f"child = launcher.start('child', ['-c', {SERVES!r}], command=[sys.executable]); "
+        "launcher.wait_ready([child], 30); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    ready_file = tmp_path / "child.ready.json"
+    try:
+        deadline = time.monotonic() + 30
+        while not ready_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child_pid = int(json.loads(ready_file.read_text())["pid"])
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and os.path.exists(f"/proc/{pid}")

@@ -1,0 +1,174 @@
+"""The real `Engine`, its lanes and their schedulers in this process, over `SimulatedRunner`s
+behind `LocalExecutor` (as `scheduler/server.py` builds it over gRPC clients): no model, no
+network, steps as fast as the bookkeeping allows.
+
+A simulated runner samples a token that depends only on the request id and the position
+(`SimulatedRunner.token_for`), so the tokens a request must stream are known in advance, on
+whichever executor it runs, and after any move between executors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from npuserve.executor.local import LocalExecutor
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
+from npuserve.scheduler.executor_client import ExecutorError
+from npuserve.scheduler.lane import ExecutorLane, StepExecutor
+from npuserve.scheduler.outputs import GenerateOutput
+from npuserve.scheduler.request import SamplingParams
+from npuserve.scheduler.tokenizer import Tokenizer
+
+MODEL = "simulated"
+# Small pools, so that block counts are easy to reason about; no modelled latency.
+SMALL = SimulatedConfig(
+    latency=LatencyModel(0.0, 0.0, 0.0),
+    num_blocks=65,  # 64 usable
+    block_size=4,
+    max_model_len=128,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    vocab_size=512,  # stories260K's tokenizer
+)
+
+
+class ControlledExecutor(LocalExecutor):
+    """A simulated executor whose steps after the first ``pause_at`` wait for `resume` (so a
+    test can act while a request is surely mid-run), and whose steps after the first
+    ``fail_at`` fail with the gRPC status ``code``, as the executor client reports it
+    (UNAVAILABLE: the executor is gone; INTERNAL: this step's requests failed)."""
+
+    def __init__(
+        self,
+        runner: SimulatedRunner,
+        pause_at: int | None = None,
+        fail_at: int | None = None,
+        code: str = "UNAVAILABLE",
+    ) -> None:
+        super().__init__(runner)
+        self.simulated = runner
+        self.pause_at, self.fail_at, self.code = pause_at, fail_at, code
+        self.num_steps = 0
+        self.paused = threading.Event()  # set while a step waits for `resume`
+        self.resume = threading.Event()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.num_steps += 1
+        if self.pause_at is not None and self.num_steps > self.pause_at:
+            self.paused.set()
+            self.resume.wait(timeout=30)
+            self.paused.clear()
+        if self.fail_at is not None and self.num_steps > self.fail_at:
+            raise ExecutorError(self.code, "injected failure")
+        return super().step(plan)
+
+
+@dataclass
+class SimulatedEngine:
+    engine: Engine
+    executors: dict[str, ControlledExecutor]
+    lanes: list[ExecutorLane] = field(default_factory=list)  # every lane started, for the teardown
+
+    def expected_tokens(self, req_id: str, num_prompt: int, num_new: int) -> list[int]:
+        runner = next(iter(self.executors.values())).simulated
+        return [runner.token_for(req_id, num_prompt + i) for i in range(num_new)]
+
+    def sampled_by(self) -> dict[str, int]:
+        """Tokens each executor sampled so far."""
+        return {name: executor.simulated.stats.num_sampled for name, executor in self.executors.items()}
+
+    async def wait_paused(self) -> str:
+        """Until an executor waits in a paused step (its scheduler is then still); its id."""
+        for _ in range(2000):
+            for name, executor in self.executors.items():
+                if executor.paused.is_set():
+                    return name
+            await asyncio.sleep(0.005)
+        raise AssertionError("no executor paused")
+
+    def resume(self) -> None:
+        for executor in self.executors.values():
+            executor.pause_at = None
+            executor.resume.set()
+
+    async def wait_idle(self) -> None:
+        """Until no lane holds a request; lane events sent before are handled by then."""
+        for _ in range(1000):
+            if all(state.num_requests == 0 for state in await self.engine.check_integrity()):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("the lanes did not become idle")
+
+
+@asynccontextmanager
+async def simulated_engine(
+    tokenizer: Tokenizer,
+    num_executors: int = 2,
+    config: SimulatedConfig = SMALL,
+    pause_at: int | None = None,
+    failing: dict[str, tuple[int, str]] | None = None,
+    routing: str = "prefix-aware",
+    max_queued_requests: int | None = None,
+) -> AsyncIterator[SimulatedEngine]:
+    """A started engine over ``num_executors`` simulated executors ``e0, e1, ...``, each pausing
+    after ``pause_at`` steps; ``failing`` maps some of them to (the number of steps they serve,
+    the status code they fail with then). On exit every pool must pass its integrity check with
+    no request left, and every lane is stopped."""
+    failing = failing or {}
+    controlled = {
+        name: ControlledExecutor(SimulatedRunner(config), pause_at, *failing.get(name, (None,)))
+        for name in (f"e{i}" for i in range(num_executors))
+    }
+    executors: list[tuple[str, StepExecutor, ExecutorInfo]] = [
+        (name, executor, executor.info()) for name, executor in controlled.items()
+    ]
+    engine_config = EngineConfig(MODEL, routing=routing, max_queued_requests=max_queued_requests)
+    engine = Engine(engine_config, tokenizer, executors)
+    engine.start()
+    simulated = SimulatedEngine(engine, controlled, list(engine.lanes.values()))
+    try:
+        yield simulated
+        await engine.check_integrity(expect_idle=True)
+    finally:
+        simulated.resume()
+        engine.stop()
+        for lane in simulated.lanes:  # lanes the engine retired meanwhile too
+            lane.stop()
+
+
+@dataclass
+class Collected:
+    """A client request's stream, put together."""
+
+    outputs: list[GenerateOutput]
+    tokens: dict[int, list[int]]  # per choice index
+    text: dict[int, str]
+    finish_reasons: dict[int, str | None]
+
+    @property
+    def last(self) -> GenerateOutput:
+        return self.outputs[-1]
+
+
+def collect_outputs(outputs: list[GenerateOutput]) -> Collected:
+    collected = Collected(outputs, {}, {}, {})
+    for output in outputs:
+        for delta in output.completions:
+            collected.tokens.setdefault(delta.index, []).extend(delta.token_ids)
+            collected.text[delta.index] = collected.text.get(delta.index, "") + delta.text
+            collected.finish_reasons[delta.index] = delta.finish_reason
+    return collected
+
+
+async def generate(
+    engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+) -> Collected:
+    """Streams one request to its end."""
+    stream = engine.generate(PromptInput(token_ids=prompt_ids), params, request_id)
+    return collect_outputs([output async for output in stream])

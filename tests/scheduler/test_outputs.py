@@ -1,0 +1,163 @@
+"""What clients receive: a request's stream of deltas (text, stop strings, siblings, usage), and
+outputs coalesced for a client that reads slower than tokens arrive."""
+
+from __future__ import annotations
+
+import asyncio
+
+from harness.simulated_engine import simulated_engine
+
+from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.scheduler.engine import PromptInput
+from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput, RequestStream, coalesce
+from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.tokenizer import Tokenizer
+
+# "Once upon a time, there was a little girl." in stories260K's vocabulary
+STORY = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 426]
+PROMPT = [1]
+
+
+def make_stream(tokenizer: Tokenizer, params: SamplingParams) -> RequestStream:
+    children = [
+        Request(
+            "r" if params.n == 1 else f"r-{i}",
+            PROMPT,
+            params=child,
+            options=child.to_options((2,)),
+            eos_token_ids=(2,),
+            max_model_len=64,
+            block_size=4,
+        )
+        for i, child in enumerate(
+            [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
+        )
+    ]
+    return RequestStream("r", children, tokenizer, params, PROMPT)
+
+
+def feed(stream: RequestStream, req_id: str, token_id: int, finished: RequestStatus | None = None) -> bool:
+    """One step's token for one sequence, as the engine passes it on."""
+    stream.sequences[req_id].request.append_output(token_id, None)
+    return stream.add_tokens(req_id, [token_id], [None], finished)
+
+
+def drain(stream: RequestStream) -> list[GenerateOutput]:
+    outputs = []
+    while not stream.queue.empty():
+        outputs.append(stream.queue.get_nowait())
+    return outputs
+
+
+def test_deltas_carry_text_the_prompt_first_and_the_usage_last(tokenizer: Tokenizer) -> None:
+    stream = make_stream(tokenizer, SamplingParams(max_tokens=4))
+    for token_id in STORY[:3]:
+        assert not feed(stream, "r", token_id)
+    feed(stream, "r", STORY[3], RequestStatus.FINISHED_LENGTH)
+    outputs = drain(stream)
+    assert [o.completions[0].text for o in outputs] == ["Once", " upon", " a", " time"]
+    assert [o.prompt_token_ids for o in outputs] == [PROMPT, None, None, None]
+    assert [o.finished for o in outputs] == [False, False, False, True] and stream.finished
+    assert [o.completions[0].finish_reason for o in outputs] == [None, None, None, "length"]
+    assert outputs[-1].usage is not None
+    assert (outputs[-1].usage.prompt_tokens, outputs[-1].usage.completion_tokens) == (1, 4)
+    assert all(o.usage is None for o in outputs[:-1])
+    assert not feed(stream, "r", 9)  # a step that ran while the end was on its way: ignored
+    assert stream.queue.empty()
+
+
+def test_a_stop_string_ends_the_output_before_it(tokenizer: Tokenizer) -> None:
+    for include, tail in ((False, ""), (True, "little")):
+        stream = make_stream(tokenizer, SamplingParams(stop=["little"], include_stop_str_in_output=include))
+        stopped = [feed(stream, "r", token_id) for token_id in STORY[:9]]
+        assert stopped == [False] * 8 + [True]  # the engine then stops the request
+        outputs = drain(stream)
+        assert "".join(o.completions[0].text for o in outputs) == "Once upon a time, there was a " + tail
+        last = outputs[-1].completions[0]
+        assert (last.finish_reason, last.stop_reason, outputs[-1].finished) == ("stop", "little", True)
+        assert stream.sequences["r"].request.stop_reason == "little"
+
+
+def test_siblings_finish_apart_and_the_stream_ends_with_the_last(tokenizer: Tokenizer) -> None:
+    stream = make_stream(tokenizer, SamplingParams(n=2, max_tokens=2))
+    feed(stream, "r-0", STORY[0])
+    feed(stream, "r-1", STORY[1])
+    stream.end("r-1", RequestStatus.FINISHED_ERROR, "executor e0 failed")
+    feed(stream, "r-0", STORY[1], RequestStatus.FINISHED_LENGTH)
+    outputs = drain(stream)
+    assert [(o.completions[0].index, o.completions[0].finish_reason, o.finished) for o in outputs] == [
+        (0, None, False),
+        (1, None, False),
+        (1, "error", False),
+        (0, "length", True),
+    ]
+    assert outputs[-1].error == "executor e0 failed"
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    stream.end("r-1", RequestStatus.FINISHED_ABORTED)  # ended already: nothing more is sent
+    assert stream.queue.empty()
+
+
+def test_coalesce_merges_what_waits_per_choice_up_to_the_end(tokenizer: Tokenizer) -> None:
+    stream = make_stream(tokenizer, SamplingParams(n=2, max_tokens=3))
+    for token_id in STORY[:2]:
+        feed(stream, "r-0", token_id)
+        feed(stream, "r-1", token_id)
+    first = stream.queue.get_nowait()
+    merged = coalesce(first, stream.queue)
+    assert merged is first and stream.queue.empty() and not merged.finished
+    assert [(d.index, d.text, d.token_ids) for d in merged.completions] == [
+        (0, "Once upon", STORY[:2]),
+        (1, "Once upon", STORY[:2]),
+    ]
+    assert merged.prompt_token_ids == PROMPT
+
+    feed(stream, "r-0", STORY[2], RequestStatus.FINISHED_LENGTH)
+    feed(stream, "r-1", STORY[2], RequestStatus.FINISHED_LENGTH)
+    last = coalesce(stream.queue.get_nowait(), stream.queue)
+    assert last.finished and last.usage is not None and last.usage.completion_tokens == 6
+    assert [(d.index, d.text, d.finish_reason) for d in last.completions] == [
+        (0, " a", "length"),
+        (1, " a", "length"),
+    ]
+
+
+def test_coalesce_keeps_logprobs_with_their_tokens_and_stops_at_a_finished_output() -> None:
+    def output(index: int, tokens: list[int], finished: bool = False) -> GenerateOutput:
+        logprobs = [TokenLogprobs(-0.5 * t, 1, [t], [-0.5 * t]) for t in tokens]
+        delta = CompletionDelta(index, "x" * len(tokens), tokens, logprobs, "stop" if finished else None)
+        return GenerateOutput("r", [delta], finished=finished)
+
+    queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+    for item in (output(0, [5, 6]), output(0, [7], finished=True), output(0, [8])):
+        queue.put_nowait(item)
+    merged = coalesce(output(0, [4]), queue)
+    (delta,) = merged.completions
+    assert delta.token_ids == [4, 5, 6, 7] and delta.text == "xxxx"
+    assert [lp.top_token_ids for lp in delta.logprobs] == [[4], [5], [6], [7]]
+    assert (delta.finish_reason, merged.finished) == ("stop", True)
+    assert queue.qsize() == 1  # nothing is merged past the end
+
+
+def test_a_slow_reader_gets_one_output_with_everything_that_arrived(tokenizer: Tokenizer) -> None:
+    """Through the engine: a client that reads once after the request has finished gets all the
+    remaining tokens (and their logprobs) in one output, which is the last."""
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=1, pause_at=1) as sim:
+            params = SamplingParams(max_tokens=20, logprobs=2)
+            stream = sim.engine.generate(PromptInput(token_ids=[1, *STORY]), params, "slow")
+            first = await anext(stream)
+            assert len(first.completions[0].token_ids) == 1  # the second step waits
+            sim.resume()
+            await sim.wait_idle()  # every token has arrived by now
+            outputs = [output async for output in stream]
+            assert len(outputs) == 1 and outputs[0].finished
+            tokens = first.completions[0].token_ids + outputs[0].completions[0].token_ids
+            assert tokens == sim.expected_tokens("slow", 1 + len(STORY), 20)
+            (delta,) = outputs[0].completions
+            assert len(delta.logprobs) == len(delta.token_ids) == 19
+            assert [lp.top_token_ids[0] for lp in delta.logprobs] == delta.token_ids
+            assert delta.finish_reason == "length"
+            assert outputs[0].usage is not None and outputs[0].usage.completion_tokens == 20
+
+    asyncio.run(scenario())
