@@ -94,6 +94,11 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
         ),
         Flag("chat_template", "--chat-template", {"help": "a Jinja chat template, or a file holding one"}),
         Flag(
+            "trust_request_chat_template",
+            "--trust-request-chat-template",
+            {"action": "store_true", "help": "render chat templates that clients send (off: such requests are refused)"},
+        ),
+        Flag(
             "enable_prefix_caching",
             "--enable-prefix-caching",
             {

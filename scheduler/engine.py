@@ -10,22 +10,28 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
 from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.chat_template import RenderLimits
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
+from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -71,6 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None  # None: unbounded
+    trust_request_chat_template: bool = False  # render chat templates that clients send
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -94,6 +101,13 @@ class NoExecutorError(RuntimeError):
 
 
 MAX_FAILOVERS = 3  # executors a request may lose before it fails
+# Texts up to this many characters are tokenized on the event loop; longer ones on a thread.
+INLINE_TOKENIZE_CHARS = 512
+TOKENIZE_THREADS = 4
+MODEL_TEMPLATE_WORKERS = 2  # render processes for the model's own chat template
+REQUEST_TEMPLATE_WORKERS = 1  # and for clients' templates (with --trust-request-chat-template)
+# A rendered prompt may be no longer than a text prompt a client can send.
+MAX_RENDERED_CHARS = MAX_API_MESSAGE_BYTES
 
 
 class Engine:
@@ -123,6 +137,13 @@ class Engine:
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[ExecutorLane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
+        # NOTE: tokenizing, rendering and detokenizing long inputs never runs on the event loop,
+        # which must keep answering every other request and dispatching steps meanwhile.
+        self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="npuserve-tokenize")
+        self._model_renders = RenderPool("model", MODEL_TEMPLATE_WORKERS)
+        self._request_renders = (
+            RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
+        )
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -130,10 +151,23 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
+        if self.tokenizer.has_chat_template:
+            self._model_renders.start()
+        if self._request_renders is not None:
+            self._request_renders.start()
+        if self.tokenizer.size_bound is None:
+            log.warning(
+                "this tokenizer may turn any length of text into one token: long prompts are "
+                "tokenized (off the event loop) before their length is checked"
+            )
 
     def stop(self) -> None:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
+        for pool in (self._model_renders, self._request_renders):
+            if pool is not None:
+                pool.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
         for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
@@ -191,27 +225,82 @@ class Engine:
                 f"the model `{model}` does not exist; this server serves `{self.model_name}`"
             )
 
-    def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids; a text that cannot fit the context is refused from its length,
+        before it is tokenized."""
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
             raise InvalidRequestError(
                 "give exactly one of a prompt text, prompt token ids or chat messages", "prompt"
             )
         if prompt.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                prompt.messages, prompt.add_generation_prompt, prompt.chat_template
-            )
+            text = await self._render_chat(prompt)
             # NOTE: chat templates write their own special tokens (BOS included).
-            return self.tokenizer.encode(text, add_special_tokens=bool(prompt.add_special_tokens))
+            return await self._encode(text, bool(prompt.add_special_tokens))
         if prompt.text is not None:
             if not prompt.text:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            add_special = prompt.add_special_tokens is not False
-            return self.tokenizer.encode(prompt.text, add_special_tokens=add_special)
+            return await self._encode(prompt.text, prompt.add_special_tokens is not False)
         token_ids = list(prompt.token_ids or [])
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        self._check_token_ids(token_ids, "prompt token ids", "prompt")
         return token_ids
+
+    def _check_token_ids(self, token_ids: list[int], what: str, field: str) -> None:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            raise InvalidRequestError(f"{what} must be in [0, {self.vocab_size})", field)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """Text of `token_ids` (any number), decoded off the event loop when there are many."""
+        self._check_token_ids(token_ids, "token ids", "token_ids")
+        if len(token_ids) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.decode(token_ids, skip_special_tokens)
+        return await self.off_loop(
+            lambda: self.tokenizer.decode(token_ids, skip_special_tokens, release_gil=True)
+        )
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """Runs CPU-heavy work (tokenizer calls) on the engine's worker threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, work)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_text_fits(text)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens, release_gil=True))
+
+    def _check_text_fits(self, text: str) -> None:
+        """Refuses a text whose length alone shows it holds at least `max_model_len` tokens."""
+        bound = self.tokenizer.size_bound
+        if bound is not None and (at_least := bound.min_tokens(text)) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has at least {at_least} tokens ({len(text)} characters), and at least one "
+                "token must be generated.",
+                "prompt",
+            )
+
+    async def _render_chat(self, prompt: PromptInput) -> str:
+        assert prompt.messages is not None
+        pool = self._model_renders
+        if prompt.chat_template is not None:
+            if self._request_renders is None:
+                raise TokenizerError(
+                    "chat templates sent with a request are off on this server: leave out "
+                    "chat_template to use the model's own (the operator can start the scheduler "
+                    "with --trust-request-chat-template)",
+                    "chat_template",
+                )
+            pool = self._request_renders
+        bound = self.tokenizer.size_bound
+        limits = RenderLimits(
+            max_chars=MAX_RENDERED_CHARS,
+            max_counted_chars=None if bound is None else bound.max_counted_chars(self.max_model_len - 1),
+            uncounted="" if bound is None else bound.uncounted,
+        )
+        job = self.tokenizer.chat_render(
+            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits
+        )
+        return await pool.render(job)
 
     def _check_lengths(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
@@ -231,7 +320,7 @@ class Engine:
                 "max_tokens",
             )
 
-    def add_request(
+    async def add_request(
         self,
         prompt: PromptInput,
         params: SamplingParams,
@@ -242,7 +331,7 @@ class Engine:
         assert self._loop is not None, "Engine.start() was not called"
         self.check_model(model)
         params.validate(self.vocab_size)
-        prompt_ids = self.prompt_token_ids(prompt)
+        prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
         if not self.live_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
@@ -288,7 +377,7 @@ class Engine:
         model: str | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
-        stream = self.add_request(prompt, params, request_id, model)
+        stream = await self.add_request(prompt, params, request_id, model)
         usage = None
         try:
             while True:

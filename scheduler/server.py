@@ -102,12 +102,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.TokenizeResponse:
         async def run() -> pb.TokenizeResponse:
             self.engine.check_model(request.model or None)
-            ids = self.engine.prompt_token_ids(api_codec.prompt_from_proto(request))
+            ids = await self.engine.prompt_token_ids(api_codec.prompt_from_proto(request))
             response = pb.TokenizeResponse(
                 token_ids=ids, count=len(ids), max_model_len=self.engine.max_model_len
             )
             if request.return_token_strs:
-                response.token_strs.extend(self.engine.tokenizer.convert_ids_to_tokens(ids))
+                tokenizer = self.engine.tokenizer
+                response.token_strs.extend(
+                    await self.engine.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
+                )
             return response
 
         return await _guard(context, run)
@@ -117,10 +120,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.DetokenizeResponse:
         async def run() -> pb.DetokenizeResponse:
             self.engine.check_model(request.model or None)
-            ids = list(request.token_ids)
-            if any(not 0 <= t < self.engine.vocab_size for t in ids):
-                raise InvalidRequestError(f"token ids must be in [0, {self.engine.vocab_size})", "token_ids")
-            return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+            text = await self.engine.decode(list(request.token_ids), skip_special_tokens=False)
+            return pb.DetokenizeResponse(text=text)
 
         return await _guard(context, run)
 
@@ -212,6 +213,7 @@ class SchedulerConfig:
     executors: list[str]  # executor addresses (empty: discover them in the registry)
     served_model_name: str | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False  # render chat templates that clients send
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None
@@ -251,6 +253,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
             enable_prefix_caching=config.enable_prefix_caching,
             routing=config.routing,
             max_queued_requests=config.max_queued_requests,
+            trust_request_chat_template=config.trust_request_chat_template,
         ),
         tokenizer,
         executors,

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
+
+from npuserve.scheduler.chat_template import ChatRender, ChatTemplateError, RenderLimits, render
+from npuserve.scheduler.prompt_bound import PromptSizeBound, prompt_size_bound
 
 # The named special tokens, in the order transformers lists them in `all_special_ids`.
 SPECIAL_TOKEN_NAMES = (
@@ -72,6 +71,8 @@ class Tokenizer:
         # it was written for WordPiece and deletes real spaces from BPE output.
         is_bpe = type(backend.model).__name__ == "BPE"
         self._clean_up = clean_up_tokenization_spaces and not is_bpe
+        # None: this tokenizer may turn any length of text into one token (see prompt_bound).
+        self.size_bound: PromptSizeBound | None = prompt_size_bound(json.loads(backend.to_str()))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -115,17 +116,23 @@ class Tokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the post-processor adds bos/eos.
 
-        NOTE: a prompt rendered by a chat template already holds its bos token: encode it with
-        `add_special_tokens=False`, as transformers does.
+        With `release_gil`, other Python threads run meanwhile (for long texts, from a worker
+        thread; it costs a little more). NOTE: a prompt rendered by a chat template already holds
+        its bos token: encode it with `add_special_tokens=False`, as transformers does.
         """
+        if release_gil:  # the batch calls of `tokenizers` release the GIL, the single ones do not
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of `ids`. Ids outside the vocabulary decode to nothing."""
-        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
+        """The text of `ids`. Ids outside the vocabulary decode to nothing. `release_gil`: as in `encode`."""
+        if release_gil:
+            text = self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+        else:
+            text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
@@ -188,8 +195,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        limits: RenderLimits | None = None,
     ) -> str:
-        """Renders `messages` into a prompt string with the model's (or the given) chat template.
+        """Renders `messages` into a prompt string with the model's (or the given) chat template,
+        in this process (the scheduler renders in worker processes: `render_pool`)."""
+        job = self.chat_render(messages, add_generation_prompt, chat_template, limits)
+        try:
+            return render(job)
+        except ChatTemplateError as exc:
+            raise TokenizerError(str(exc), exc.field) from exc
+
+    def chat_render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        limits: RenderLimits | None = None,
+    ) -> ChatRender:
+        """What rendering `messages` takes: checked messages, the template and its variables.
 
         NOTE: a template given here comes from a client, so it is template text only and never
         read as a file path (that would let any client read the scheduler's files).
@@ -197,22 +220,20 @@ class Tokenizer:
         template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise TokenizerError(f"model {self.name} has no chat template; pass --chat-template")
-        normalized = normalize_messages(messages)
-        field = None if chat_template is None else "chat_template"  # the client's own template
-        try:
-            compiled = _compile_template(template)
-        except TokenizerError as exc:
-            raise TokenizerError(str(exc), field) from exc
-        try:
-            return compiled.render(
-                messages=normalized,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-        except Exception as exc:
-            raise TokenizerError(f"the chat template of model {self.name} failed: {exc}", field) from exc
+        variables = {
+            "messages": normalize_messages(messages),
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self.special_tokens,
+        }
+        return ChatRender(
+            template=template,
+            variables=variables,
+            limits=limits or RenderLimits(max_chars=sys.maxsize),
+            field=None if chat_template is None else "chat_template",  # the client's own template
+            model_name=self.name,
+        )
 
 
 # -- loading helpers ------------------------------------------------------------------------------
@@ -331,49 +352,6 @@ def _resolve_template_override(value: str) -> str:
             raise TokenizerError(f"chat template {value!r} is neither a readable file nor a jinja template")
         return path.read_text(encoding="utf-8")
     return value
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # NOTE: jinja's own tojson escapes HTML characters and non-ASCII text; chat templates expect neither.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The sandboxed environment transformers renders chat templates in (templates are untrusted code)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@lru_cache(maxsize=32)
-def _compile_template(template: str) -> jinja2.Template:
-    try:
-        return _jinja_env().from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise TokenizerError(
-            f"the chat template is not valid jinja (line {exc.lineno}: {exc.message})"
-        ) from exc
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

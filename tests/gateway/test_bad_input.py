@@ -163,6 +163,19 @@ def test_prompt_longer_than_the_context_names_both_lengths(http: httpx.Client) -
     assert "512" in error["message"] and "600" in error["message"]
 
 
+def test_request_chat_templates_are_refused_unless_trusted(http: httpx.Client) -> None:
+    body = {"messages": USER, "chat_template": "{{ messages[0].content }}"}
+    for path in (CHAT, "/tokenize"):
+        error = assert_openai_error(http.post(path, json=body), 400, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+    assert http.post("/tokenize", json={"messages": USER}).status_code == 200  # the model's own
+
+
+def test_prompt_that_cannot_fit_is_refused_from_its_size(http: httpx.Client) -> None:
+    error = assert_openai_error(http.post("/tokenize", json={"prompt": "ab " * 20_000}), 400, "prompt")
+    assert "512" in error["message"] and "at least" in error["message"]
+
+
 def test_top_logprobs_over_the_limit_is_named_as_the_client_sent_it(http: httpx.Client) -> None:
     body = {"messages": USER, "logprobs": True, "top_logprobs": 21}
     error = assert_openai_error(http.post(CHAT, json=body), 400, "top_logprobs")

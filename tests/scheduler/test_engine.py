@@ -130,27 +130,27 @@ def test_bad_requests_are_refused_before_anything_is_queued(tokenizer: Tokenizer
         async with simulated_engine(tokenizer, num_executors=1) as sim:
             engine = sim.engine
 
-            def refused(prompt: list[int], field: str, **params: object) -> str:
+            async def refused(prompt: list[int], field: str, **params: object) -> str:
                 with pytest.raises(InvalidRequestError) as error:
-                    engine.add_request(PromptInput(token_ids=prompt), SamplingParams(**params))  # type: ignore[arg-type]
+                    await engine.add_request(PromptInput(token_ids=prompt), SamplingParams(**params))  # type: ignore[arg-type]
                 assert error.value.field == field
                 return str(error.value)
 
-            assert "temperature" in refused(prompt_of(4), "temperature", temperature=-1.0)
-            assert "[0, 512)" in refused([3, 512], "prompt")
-            assert "empty" in refused([], "prompt")
-            assert "128 tokens" in refused(prompt_of(128), "prompt")
-            assert "(120 in the prompt, 9 in the completion)" in refused(
+            assert "temperature" in await refused(prompt_of(4), "temperature", temperature=-1.0)
+            assert "[0, 512)" in await refused([3, 512], "prompt")
+            assert "empty" in await refused([], "prompt")
+            assert "128 tokens" in await refused(prompt_of(128), "prompt")
+            assert "(120 in the prompt, 9 in the completion)" in await refused(
                 prompt_of(120), "max_tokens", max_tokens=9
             )
             with pytest.raises(ModelNotFoundError, match="`other`"):
-                engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), model="other")
+                await engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), model="other")
             with pytest.raises(InvalidRequestError, match="exactly one"):
-                engine.add_request(PromptInput(text="x", token_ids=[3]), SamplingParams())
+                await engine.add_request(PromptInput(text="x", token_ids=[3]), SamplingParams())
 
-            engine.add_request(PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup")
+            await engine.add_request(PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup")
             with pytest.raises(InvalidRequestError) as duplicate:
-                engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), "dup")
+                await engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), "dup")
             assert duplicate.value.field == "request_id"
             assert engine.abort("dup")
             await sim.wait_idle()
@@ -162,7 +162,7 @@ def test_a_full_queue_refuses_new_requests(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=1, max_queued_requests=0) as sim:
             with pytest.raises(QueueFullError, match="--max-queued-requests=0"):
-                sim.engine.add_request(PromptInput(token_ids=[3, 4]), SamplingParams())
+                await sim.engine.add_request(PromptInput(token_ids=[3, 4]), SamplingParams())
             assert sim.engine.num_active_requests == 0
 
     asyncio.run(scenario())
@@ -231,7 +231,7 @@ def test_losing_the_last_executor_fails_requests_and_refuses_new_ones(tokenizer:
             assert result.finish_reasons == {0: "error"}
             assert result.last.error is not None and "no executor is available" in result.last.error
             with pytest.raises(NoExecutorError):
-                sim.engine.add_request(PromptInput(token_ids=[3]), SamplingParams())
+                await sim.engine.add_request(PromptInput(token_ids=[3]), SamplingParams())
             assert not sim.engine.lanes
 
     asyncio.run(scenario())

@@ -1,0 +1,118 @@
+"""`RenderPool`: renders in worker processes; a render past its time is stopped and its worker
+replaced, one past its memory fails inside the template, and other renders go on meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from npuserve.scheduler.chat_template import ChatRender, RenderLimits
+from npuserve.scheduler.render_pool import RenderPool
+from npuserve.scheduler.tokenizer import TokenizerError
+
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+ECHO = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}"
+FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HOG = "{% set s = 'x' * 800000000 %}{{ s | length }}"
+
+
+def job(template: str, max_chars: int = 1 << 20) -> ChatRender:
+    return ChatRender(
+        template=template,
+        variables={"messages": MESSAGES},
+        limits=RenderLimits(max_chars=max_chars),
+        field="chat_template",
+    )
+
+
+def run(coroutine_factory: object) -> object:
+    return asyncio.run(coroutine_factory())  # type: ignore[operator]
+
+
+@asynccontextmanager
+async def started(size: int, **options: float) -> AsyncIterator[RenderPool]:
+    pool = RenderPool("test", size, **options)  # type: ignore[arg-type]
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_renders_in_a_worker_process() -> None:
+    async def main() -> str:
+        async with started(1) as pool:
+            return await pool.render(job(ECHO))
+
+    assert run(main) == "user: Once upon a time"
+
+
+def test_endless_render_is_stopped_its_worker_replaced_and_others_go_on() -> None:
+    async def main() -> str:
+        async with started(2, timeout_s=1.0) as pool:
+            await wait_for_workers(pool, 2)
+            before = pool.worker_pids
+            endless = asyncio.create_task(pool.render(job(FOREVER)))
+            await asyncio.sleep(0.1)
+            assert await pool.render(job(ECHO)) == "user: Once upon a time"  # the other worker, meanwhile
+            with pytest.raises(TokenizerError, match="longer than 1 s") as caught:
+                await endless
+            assert caught.value.field == "chat_template"
+            await wait_for_workers(pool, 2)
+            assert len(pool.worker_pids - before) == 1  # the stopped worker was replaced
+            renders = await asyncio.gather(*(pool.render(job(ECHO)) for _ in range(4)))
+            return renders[-1]
+
+    assert run(main) == "user: Once upon a time"
+
+
+async def wait_for_workers(pool: RenderPool, count: int) -> None:
+    async def started() -> None:
+        while len(pool.worker_pids) < count:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(started(), 60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the address-space limit is Linux's")
+def test_memory_past_the_limit_fails_inside_the_template() -> None:
+    async def main() -> str:
+        async with started(1, memory_bytes=256 << 20) as pool:
+            with pytest.raises(TokenizerError, match="memory") as caught:
+                await pool.render(job(HOG, max_chars=1 << 40))
+            assert caught.value.field == "chat_template"
+            return await pool.render(job(ECHO))  # the worker lives on
+
+    assert run(main) == "user: Once upon a time"
+
+
+def test_a_cancelled_render_leaves_its_worker_usable() -> None:
+    async def main() -> str:
+        async with started(1, timeout_s=1.0) as pool:
+            slow = asyncio.create_task(pool.render(job(FOREVER)))
+            await asyncio.sleep(0.2)
+            slow.cancel()
+            return await pool.render(job(ECHO))  # waits for the stopped render's replacement
+
+    assert run(main) == "user: Once upon a time"
+
+
+def test_a_worker_killed_mid_render_fails_that_render_and_is_replaced() -> None:
+    async def main() -> str:
+        async with started(1, timeout_s=60.0) as pool:
+            await wait_for_workers(pool, 1)
+            (pid,) = pool.worker_pids
+            endless = asyncio.create_task(pool.render(job(FOREVER)))
+            await asyncio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(TokenizerError, match="ended its render process"):
+                await endless
+            return await pool.render(job(ECHO))
+
+    assert run(main) == "user: Once upon a time"
