@@ -9,8 +9,9 @@ parsed flags (`from_args`) and the flags that give another process the same conf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -26,7 +27,7 @@ class Flag:
 
     field: str
     name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     forward: bool = True
 
     @property

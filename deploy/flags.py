@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from npuserve.gateway.server import GatewayConfig
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
-CLUSTER_TOKEN_OPTIONS = {
+CLUSTER_TOKEN_OPTIONS: dict[str, Any] = {
     "help": f"shared secret between the scheduler and its executors (default: ${CLUSTER_TOKEN_ENV})"
 }
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -54,7 +54,7 @@ def add_api_key_flag(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 # The scheduler's --api-key (in its flag table).
-API_KEY_OPTIONS = {
+API_KEY_OPTIONS: dict[str, Any] = {
     "help": f"require `authorization: Bearer KEY` metadata on every call but Health (default: ${API_KEY.env})"
 }
 

@@ -15,6 +15,7 @@ import argparse
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 
 import grpc
 
@@ -23,18 +24,15 @@ PROBE_TIMEOUT_S = 3.0
 
 def _grpc_health(kind: str, address: str, timeout_s: float) -> tuple[bool, str]:
     """(serving, what is wrong) from the Health RPC of an executor or the scheduler."""
-    if kind == "executor":
-        from npuserve.proto import executor_pb2 as pb
-        from npuserve.proto import executor_pb2_grpc as pb_grpc
+    from npuserve.proto import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-        stub_class = pb_grpc.ExecutorStub
-    else:
-        from npuserve.proto import scheduler_pb2 as pb
-        from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-
-        stub_class = pb_grpc.SchedulerStub
     with grpc.insecure_channel(address) as channel:
-        reply = stub_class(channel).Health(pb.HealthRequest(), timeout=timeout_s)
+        if kind == "executor":
+            reply: Any = executor_pb2_grpc.ExecutorStub(channel).Health(
+                executor_pb2.HealthRequest(), timeout=timeout_s
+            )
+        else:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).Health(scheduler_pb2.HealthRequest(), timeout=timeout_s)
     return reply.serving, getattr(reply, "message", "") or "not serving"
 
 

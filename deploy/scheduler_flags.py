@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
@@ -40,7 +39,7 @@ def _scheduler_config(
         tls_ca=tls_ca.read_bytes() if isinstance(tls_ca, Path) else tls_ca,
         cluster_token=resolve_cluster_token(cluster_token),
         api_key=resolve_api_key(api_key),
-        tls=tls or server_tls(SimpleNamespace(tls_cert=tls_cert, tls_key=tls_key)),
+        tls=tls or server_tls(argparse.Namespace(tls_cert=tls_cert, tls_key=tls_key)),
         **fields,
     )
 

@@ -345,7 +345,7 @@ def check_npu_chip() -> None:
     """Refuses chips whose attention kernel npuserve cannot call (only Atlas A2/A3 run it)."""
     npu = getattr(torch, "npu", None)
     get_soc = getattr(npu, "get_soc_version", None)
-    if get_soc is None:
+    if npu is None or get_soc is None:
         return
     soc = int(get_soc())
     if any(low <= soc <= high for low, high in A2_A3_SOC_RANGES):

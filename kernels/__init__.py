@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from npuserve.kernels.backends.base import KernelBackend
@@ -31,7 +33,14 @@ __all__ = [
 ]
 
 
-def get_backend(device: torch.device | str) -> KernelBackend:
+class DeviceKind(Protocol):
+    """Anything with a device ``type`` ("npu", "cuda", "cpu"), such as the executor's target."""
+
+    @property
+    def type(self) -> str: ...
+
+
+def get_backend(device: torch.device | str | DeviceKind) -> KernelBackend:
     """The backend for a device (or a device kind): torch_npu operators on Ascend (emulated ones
     too: the executor passes its target, whose ``type`` is its kind), plain PyTorch elsewhere."""
     kind = device if isinstance(device, str) else device.type

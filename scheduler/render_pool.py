@@ -19,6 +19,7 @@ import resource
 import signal
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -195,6 +196,6 @@ class RenderPool:
             self._idle.put_nowait(worker)
 
     def _background(self, coroutine: object) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

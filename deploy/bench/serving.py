@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -39,7 +40,7 @@ ENGINE_FIELDS = (
     "device", "dtype", "load_format", "kv_cache_memory_gib", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size",
 )  # fmt: skip
-ENGINE_FLAG_WORDING = {
+ENGINE_FLAG_WORDING: dict[str, dict[str, Any]] = {
     "kv_cache_memory_gib": {"help": "KV cache GiB per executor"},
     "load_format": {"choices": ["auto", "safetensors", "dummy"]},
 }
@@ -313,7 +314,7 @@ def _run_variant(
     warmup = warmup_requests(workload, _vocab_size(model), args.max_num_batched_tokens)
     progress = not args.disable_tqdm
     if variant.kind == "offline":
-        target = OfflineTarget(
+        target: Target = OfflineTarget(
             EXECUTOR.from_args(args, model=model, load_format=load_format),
             args.num_executors,
             variant.enable_prefix_caching,

@@ -69,8 +69,8 @@ def _device_memory(device: str, ascend: AscendChecks):
 
         free, total = torch.cuda.mem_get_info(0)
         return DeviceMemory(int(total), int(free), "CUDA device 0 memory")
-    total, free = _host_memory()
-    return DeviceMemory(total, free, "host memory")
+    host_total, host_free = _host_memory()
+    return DeviceMemory(host_total, host_free, "host memory")
 
 
 def _cuda_check() -> Check:

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -141,24 +142,29 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
     def memory_stats(device: object = None) -> dict[str, int]:
         return {"allocated_bytes.all.peak": state["peak"], "allocated_bytes.all.current": 0}
 
-    npu.is_available = lambda: device_count() > 0
-    npu.device_count = device_count
-    npu.set_device = set_device
-    npu.current_device = lambda: state["device"]
-    npu.get_device_name = lambda device=None: machine.device_name
-    npu.get_soc_version = lambda: machine.soc_version
-    npu.mem_get_info = mem_get_info
-    npu.reset_peak_memory_stats = reset_peak_memory_stats
-    npu.memory_stats = memory_stats
-    npu.max_memory_allocated = lambda device=None: state["peak"]
-    npu.memory_allocated = lambda device=None: 0
-    npu.synchronize = lambda device=None: None
-    npu.empty_cache = lambda: None
-    npu.manual_seed = lambda seed: None
-    npu.Stream = _Stream
-    npu.Event = _Event
-    npu.current_stream = lambda device=None: _Stream(device)
-    npu.emulated_machine = machine
+    _install(
+        npu,
+        {
+            "is_available": lambda: device_count() > 0,
+            "device_count": device_count,
+            "set_device": set_device,
+            "current_device": lambda: state["device"],
+            "get_device_name": lambda device=None: machine.device_name,
+            "get_soc_version": lambda: machine.soc_version,
+            "mem_get_info": mem_get_info,
+            "reset_peak_memory_stats": reset_peak_memory_stats,
+            "memory_stats": memory_stats,
+            "max_memory_allocated": lambda device=None: state["peak"],
+            "memory_allocated": lambda device=None: 0,
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+            "manual_seed": lambda seed: None,
+            "Stream": _Stream,
+            "Event": _Event,
+            "current_stream": lambda device=None: _Stream(device),
+            "emulated_machine": machine,
+        },
+    )
     return npu
 
 
@@ -175,8 +181,14 @@ def _atb_ops_module(machine: EmulatedMachine) -> ModuleType:
                 "Please run 'source set_env.sh' in the NNAL installation path.",
             )
 
-    module._register_atb_extensions = _register_atb_extensions
+    _install(module, {"_register_atb_extensions": _register_atb_extensions})
     return module
+
+
+def _install(module: ModuleType, attributes: dict[str, Any]) -> None:
+    """Sets a stand-in module's attributes (modules built at run time have no declared ones)."""
+    for name, value in attributes.items():
+        setattr(module, name, value)
 
 
 def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
@@ -184,20 +196,27 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
     torch_npu = ModuleType("torch_npu")
     # A spec, so importlib.util.find_spec("torch_npu") finds the stand-in as installed.
     torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    torch_npu.__version__ = machine.torch_npu_version
-    torch_npu.__npuserve_emulated__ = True
     npu = build_npu_module(machine)
-    torch_npu.npu = npu
-    torch_npu._npu_reshape_and_cache = ops.reshape_and_cache
-    torch_npu.npu_fused_infer_attention_score = ops.fused_infer_attention_score
-    torch_npu.npu_rms_norm = ops.rms_norm
-    torch_npu.npu_add_rms_norm = ops.add_rms_norm
-    torch_npu.npu_swiglu = ops.swiglu
-    torch_npu._npu_rotary_embedding = ops.RotaryEmbedding()
     op_plugin = ModuleType("torch_npu.op_plugin")
     atb = ModuleType("torch_npu.op_plugin.atb")
     atb_ops = _atb_ops_module(machine)
-    torch_npu.op_plugin, op_plugin.atb, atb._atb_ops = op_plugin, atb, atb_ops
+    _install(
+        torch_npu,
+        {
+            "__version__": machine.torch_npu_version,
+            "__npuserve_emulated__": True,
+            "npu": npu,
+            "_npu_reshape_and_cache": ops.reshape_and_cache,
+            "npu_fused_infer_attention_score": ops.fused_infer_attention_score,
+            "npu_rms_norm": ops.rms_norm,
+            "npu_add_rms_norm": ops.add_rms_norm,
+            "npu_swiglu": ops.swiglu,
+            "_npu_rotary_embedding": ops.RotaryEmbedding(),
+            "op_plugin": op_plugin,
+        },
+    )
+    _install(op_plugin, {"atb": atb})
+    _install(atb, {"_atb_ops": atb_ops})
     modules = {
         "torch_npu": torch_npu,
         "torch_npu.npu": npu,
