@@ -16,6 +16,7 @@ from harness.serve import Served, collect, greedy_request, serve
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import with_bearer
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 from npuserve.proto.error_details import error_field
 
@@ -139,7 +140,9 @@ def assert_invalid(call: Callable[[], object], field: str) -> None:
 
 
 def test_attacks_over_grpc_are_invalid_argument_and_stall_nothing(served: Served) -> None:
-    channel = grpc.insecure_channel(served.address, options=message_size_options(MAX_API_MESSAGE_BYTES))
+    channel = with_bearer(
+        grpc.insecure_channel(served.address, options=message_size_options(MAX_API_MESSAGE_BYTES)), API_KEY
+    )
     stub = pb_grpc.SchedulerStub(channel)
     bomb = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="x")], chat_template=BOMB)
     big = pb.GenerateRequest(text=BIG_PROMPT, sampling=pb.SamplingParams(max_tokens=4))
