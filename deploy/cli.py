@@ -16,7 +16,7 @@ from npuserve.deploy.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuserve.deploy.bench.runner import add_runner_bench_flags
+    from npuserve.deploy.bench.runner_flags import add_runner_bench_flags
     from npuserve.deploy.bench.scale import add_scale_bench_flags
     from npuserve.deploy.bench.serving import add_bench_flags
     from npuserve.deploy.doctor.command import add_doctor_flags
@@ -99,7 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
     num_executors = _num_executors(args)
     launcher = Launcher()
     try:
-        executor_args = [*EXECUTOR.to_flags(EXECUTOR.from_args(args)), *serve_parallel_flags(args)]
+        # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
+        executor_args = [*EXECUTOR.forward(args), *serve_parallel_flags(args)]
         executor_args += [*logging_flags(args), "--port", "0"]
         executors = []
         for index in range(num_executors):

@@ -13,7 +13,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
@@ -197,7 +196,7 @@ def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
 def serve_parallel_flags(args: argparse.Namespace) -> list[str]:
     """The group size and timeout `npuserve serve` gives each executor (each is rank 0 of its own
     group on this node)."""
-    return PARALLEL.to_flags(SimpleNamespace(**PARALLEL.values(args)), only=["size", "connect_timeout_s"])
+    return PARALLEL.forward(args, only=["size", "connect_timeout_s"])
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
 C = TypeVar("C")
@@ -93,6 +94,13 @@ class FlagTable(Generic[C]):
         """The config from parsed flags (flags the parser lacks keep their defaults); ``fields``
         set (or replace) fields beside them."""
         return self.build(**{**self.defaults(), **self.values(args), **fields})
+
+    def forward(
+        self, args: argparse.Namespace, only: Collection[str] | None = None, exclude: Collection[str] = ()
+    ) -> list[str]:
+        """The flags in ``args`` again, for a child process, without building the config (so
+        without importing what it needs: the child validates them)."""
+        return self.to_flags(SimpleNamespace(**{**self.defaults(), **self.values(args)}), only, exclude)
 
     def to_flags(
         self, config: Any, only: Collection[str] | None = None, exclude: Collection[str] = ()

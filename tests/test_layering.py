@@ -32,3 +32,16 @@ def test_scheduler_gateway_and_proto_load_neither_torch_nor_the_executor() -> No
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_command_line_parser_loads_no_torch() -> None:
+    """Every `npuserve` command builds the whole parser: the scheduler and gateway processes must
+    not pay torch's import for it."""
+    code = (
+        "import sys\n"
+        "from npuserve.deploy.cli import build_parser\n"
+        "build_parser().parse_args(['gateway', '--scheduler', '127.0.0.1:1'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -25,8 +25,6 @@ import structlog
 import torch
 
 from npuserve.deploy.bench import report
-from npuserve.deploy.flag_table import csv
-from npuserve.deploy.flags import add_logging_flags
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import PlatformError
@@ -239,23 +237,6 @@ def _load_transformers(model_dir: Path, dtype: str) -> torch.nn.Module:
 
 
 # -- command line -------------------------------------------------------------------------------
-
-
-def add_runner_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a local model directory (default: a random-weight preset)")
-    parser.add_argument("--preset", default="llama-150m", help="random-weight model preset")
-    parser.add_argument("--dtype", type=csv(str), default=("float32", "bfloat16"), help="comma list")
-    parser.add_argument("--batch-sizes", type=csv(int), default=(1, 8, 32), help="comma list")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB")
-    parser.add_argument("--no-compare", action="store_true", help="skip transformers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output-json", type=Path, help="write every case as JSON here (default: ./bench-results/)"
-    )
-    parser.add_argument("--plot", type=Path, help="write a PNG of tokens/s against batch size")
-    add_logging_flags(parser)
 
 
 def run_runner_bench(args: argparse.Namespace) -> int:
