@@ -51,44 +51,27 @@ VERSION_SETS: tuple[VersionSet, ...] = (
 RECOMMENDED = next(row for row in VERSION_SETS if row.source.endswith(VLLM_ASCEND_0_13))
 
 
-def normalize_cann(version: str) -> str | None:
-    """``8.5.0``, ``CANN-8.3.rc1``, ``8.3.RC1.alpha002`` -> ``8.5.0`` / ``8.3.RC1``; None if unreadable."""
-    match = re.search(r"(\d+)\.(\d+)\.(rc\d+|\d+)", version, re.IGNORECASE)
+def release(version: str) -> str:
+    """The release a version string names: ``2.8.0+cpu`` -> ``2.8.0``; ``2.8.0.post2.dev2025`` ->
+    ``2.8.0.post2``; ``CANN-8.3.rc1`` and ``8.3.RC1.alpha002`` -> ``8.3.RC1``; ``8.5.0.B120`` ->
+    ``8.5.0``. Unreadable text comes back stripped."""
+    match = re.search(r"\d+(?:\.\d+)*(?:\.(?:post\d+|rc\d+))?", version, re.IGNORECASE)
     if match is None:
-        return None
-    major, minor, patch = match.groups()
-    return f"{major}.{minor}.{patch.upper()}"
-
-
-def normalize_release(version: str) -> str:
-    """``2.8.0.post2+git1a2b`` -> ``2.8.0.post2``; ``2.8.0+cpu`` -> ``2.8.0``."""
-    return version.strip().removeprefix("v").split("+")[0]
-
-
-def sets_for_torch_npu(torch_npu_version: str) -> list[VersionSet]:
-    release = normalize_release(torch_npu_version)
-    return [row for row in VERSION_SETS if row.torch_npu == release]
+        return version.strip()
+    return re.sub(r"rc(\d+)$", r"RC\1", match.group(0), flags=re.IGNORECASE)
 
 
 def cann_problem(torch_npu_version: str, cann_version: str | None) -> str | None:
     """Why this CANN does not go with this torch_npu, or None when it does (or is not known)."""
-    rows = sets_for_torch_npu(torch_npu_version)
-    if not rows or cann_version is None:
+    known = find_set(torch_npu_version)
+    if known is None or cann_version is None:
         return None  # a release the table does not list: nothing to check against
-    cann = normalize_cann(cann_version)
-    supported = sorted({row.cann for row in rows})
-    if cann in supported:
+    if release(cann_version).lower() == known.cann.lower():
         return None
     return (
-        f"CANN {cann_version} is not the CANN torch_npu {normalize_release(torch_npu_version)} is "
-        f"built for ({' or '.join(supported)}; source: {rows[0].source})"
+        f"CANN {cann_version} is not the CANN torch_npu {release(torch_npu_version)} is "
+        f"built for ({known.cann}; source: {known.source})"
     )
-
-
-def release(version: str) -> str:
-    """``2.8.0+cpu`` -> ``2.8.0``; ``2.8.0.post2.dev2025`` -> ``2.8.0.post2``; ``8.5.0.B120`` -> ``8.5.0``."""
-    match = re.match(r"\s*(\d+(?:\.\d+)*(?:\.(?:post\d+|RC\d+))?)", version, re.IGNORECASE)
-    return match.group(1) if match else version.strip()
 
 
 def find_set(torch_npu_version: str) -> VersionSet | None:
