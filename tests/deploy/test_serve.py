@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from harness.reference import transformers_greedy
+from harness.reference import save_random_llama, transformers_greedy
 from harness.serve import collect, generate_concurrently, greedy_request, serve
 
 from npuserve.proto import scheduler_pb2 as pb
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.slow  # `npuserve serve` in processes of its own
 
 transformers = pytest.importorskip("transformers")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 NUM_STREAMS = 32
 NUM_NEW = 16
 
@@ -31,24 +30,17 @@ NUM_NEW = 16
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
     """A random-weight Llama with the TinyStories tokenizer (vocab 512)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
+    return save_random_llama(
+        tmp_path_factory.mktemp("random-llama"),
+        stories_dir,
+        seed=0,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         initializer_range=0.2,  # spread logits: no argmax ties for float rounding to flip
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    path = tmp_path_factory.mktemp("random-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(stories_dir / name, path / name)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ two-rank tensor-parallel group (gloo standing in for HCCL).
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from harness.reference import save_random_llama
 from harness.serve import generate_concurrently, greedy_request, serve
 from harness.step_driver import DrivenRequest, StepDriver
 
@@ -153,31 +153,22 @@ def test_prefill_logits_within_bfloat16_tolerance(model_dir: Path, device: str) 
 
 # --------------------------------------------------------------------------- npuserve serve
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
     """A head_dim-64 random Llama with the TinyStories tokenizer (vocab 512), for `serve`."""
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
+    return save_random_llama(
+        tmp_path_factory.mktemp("served-llama"),
+        stories_dir,
+        seed=3,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         initializer_range=0.05,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    path = tmp_path_factory.mktemp("served-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (stories_dir / name).exists():
-            shutil.copy(stories_dir / name, path / name)
-    return path
 
 
 @pytest.mark.slow
