@@ -97,24 +97,17 @@ def add_allow_unauthenticated_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# The gateway flags `npuserve serve` forwards to its gateway process (the API key goes by the
-# environment).
-FORWARDED_GATEWAY_FLAGS = (
-    "max_request_bytes",
-    "request_header_timeout",
-    "request_body_timeout",
-    "keep_alive_timeout",
-    "max_connections",
-)
-
-
 def gateway_flags(args: argparse.Namespace) -> list[str]:
-    """The gateway's own flags as given to `npuserve serve`, for its gateway process."""
+    """The gateway's own flags as given to `npuserve serve`, for its gateway process (read off
+    `add_gateway_flags`, so a new gateway flag is forwarded too; the API key goes by the
+    environment)."""
+    own = argparse.ArgumentParser(add_help=False)
+    add_gateway_flags(own, standalone=False)
     out = []
-    for name in FORWARDED_GATEWAY_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            out.append(f"--{name.replace('_', '-')}={value}")
+    for action in own._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest != "api_key" and value is not None:
+            out.append(f"{action.option_strings[0]}={value}")
     return out
 
 
