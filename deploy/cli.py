@@ -185,7 +185,11 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(serve_scheduler(config, args.host, args.port, args.ready_file))
+    asyncio.run(
+        serve_scheduler(
+            config, args.host, args.port, args.ready_file, args.log_level, args.log_format == "json"
+        )
+    )
     return 0
 
 

@@ -35,15 +35,18 @@ from npuserve.scheduler.engine import (
     ProfilingUnavailable,
     QueueFullError,
 )
-from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.executor_client import ClientSpec, ExecutorError
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.request import InvalidRequestError
+from npuserve.scheduler.step_workers import StepWorkerPool
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+
+MAX_DEFAULT_WORKERS = 16
 
 # Client errors and what they become on the wire; anything else is INTERNAL.
 STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -217,6 +220,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None
+    scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     step_transport: str = "unary"  # "unary" or "stream"
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
@@ -229,14 +233,22 @@ class SchedulerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_file: Path | None) -> None:
-    tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
-    client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
+def default_scheduler_workers() -> int:
+    """One worker process per core but one (the front's), at least one, at most 16."""
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
 
-    def make_client(address: str) -> ExecutorClient:
-        return client_class(
-            address, timeout_s=config.step_timeout_s, token=config.cluster_token, tls_ca=config.tls_ca
-        )
+
+async def serve_scheduler(
+    config: SchedulerConfig,
+    host: str,
+    port: int,
+    ready_file: Path | None,
+    log_level: str = "info",
+    json_logs: bool = False,
+) -> None:
+    tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
+    spec = ClientSpec(config.step_transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
+    make_client = spec.connect
 
     membership: StaticMembership | RedisMembership
     if config.registry:
@@ -247,6 +259,14 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
         membership = StaticMembership(make_client, config.executors)
         for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
             membership.joined(address, executor_id)
+    num_workers = (
+        default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
+    )
+    step_workers = (
+        StepWorkerPool(num_workers, spec, config.enable_prefix_caching, log_level, json_logs)
+        if num_workers > 0
+        else None
+    )
     engine = Engine(
         EngineConfig(
             served_model_name=config.served_model_name or default_served_name(config.model),
@@ -257,6 +277,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
         ),
         tokenizer,
         executors,
+        step_workers,
     )
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
@@ -274,6 +295,7 @@ async def serve_scheduler(config: SchedulerConfig, host: str, port: int, ready_f
         "scheduler serving",
         address=address,
         executors=len(executors),
+        scheduler_workers=num_workers,
         model=engine.model_name,
         api_key=bool(config.api_key),
         tls=config.tls is not None,
