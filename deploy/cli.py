@@ -7,7 +7,6 @@ The executor's and the scheduler's flags come from their config tables (`executo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import sys
 from pathlib import Path
@@ -166,6 +165,7 @@ def run_executor(args: argparse.Namespace) -> int:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from npuserve.deploy import event_loop
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler
@@ -185,7 +185,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(
+    event_loop.run(
         serve_scheduler(
             config, args.host, args.port, args.ready_file, args.log_level, args.log_format == "json"
         )

@@ -70,11 +70,9 @@ class GatewayConfig:
 
 def run_gateway(config: GatewayConfig) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
-        return asyncio.run(serve_gateway(config))
-    return uvloop.run(serve_gateway(config))
+    from npuserve.deploy import event_loop
+
+    return event_loop.run(serve_gateway(config))
 
 
 class _Server(uvicorn.Server):
