@@ -31,6 +31,7 @@ from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, apply_report
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
+from npuserve.scheduler.structured import GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -160,6 +161,9 @@ class Engine:
         self._request_renders = (
             RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
         )
+        self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
+        if step_workers is not None:
+            step_workers.grammar_settings = self.grammars.settings
 
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -193,6 +197,7 @@ class Engine:
             if pool is not None:
                 pool.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
@@ -366,6 +371,8 @@ class Engine:
         assert self._loop is not None, "Engine.start() was not called"
         self.check_model(model)
         params.validate(self.vocab_size)
+        so = params.structured_outputs
+        grammar = None if so is None else await self.grammars.compile(so)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
         if not self.live_lanes:
@@ -385,6 +392,7 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
+                grammar=None if grammar is None else grammar.new_state(),
             )
             for i, child_params in enumerate(
                 [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
@@ -578,6 +586,8 @@ class Engine:
             parent = self._parent_of.get(request.req_id)
             if parent is not None and parent in self._streams:  # else: aborted meanwhile
                 by_parent.setdefault(parent, []).append(request)
+            elif request.grammar is not None:
+                request.grammar.release()
         for parent, siblings in by_parent.items():
             stream = self._streams[parent]
             if count:
@@ -587,6 +597,8 @@ class Engine:
                 why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
+                    if request.grammar is not None:
+                        request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
                 if not self.live_lanes and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
@@ -648,6 +660,8 @@ class Engine:
             state = await asyncio.wrap_future(lane.call(partial(_checked_state, expect_idle=expect_idle)))
             state.executor_id = lane.executor_id
             states.append(state)
+        live = self.grammars.num_live_states
+        assert not (expect_idle and live), f"{live} grammar states of finished requests are still held"
         return states
 
     async def start_profile(self) -> list[str]:

@@ -19,8 +19,8 @@ from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, StepStats
 
-# (req_id, new token ids, their logprobs, the finish status's value or None)
-CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None]
+# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None]
 
 
 @dataclass(slots=True)
@@ -69,6 +69,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
                 u.new_token_ids,
                 u.new_logprobs,
                 None if u.finished is None else u.finished.value,
+                None if u.finished is None else u.request.error,
             )
             for u in event.updates
         ],
@@ -89,7 +90,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
     """On the front's event loop: applies a report to the front's copies of the requests and
     returns the event it stands for. Requests the front no longer tracks are skipped."""
     event = LaneEvent(error=report.error, lane_down=report.lane_down, step_seconds=report.step_seconds)
-    for req_id, token_ids, logprobs, finished in report.updates:
+    for req_id, token_ids, logprobs, finished, error in report.updates:
         request = request_of(req_id)
         if request is None:
             continue
@@ -97,6 +98,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
             request.append_output(token_id, token_logprobs)
         status = None if finished is None else RequestStatus(finished)
         request.status = status or RequestStatus.RUNNING
+        request.error = error or request.error
         event.updates.append(RequestUpdate(request, token_ids, logprobs, status))
     for req_id, status_value in report.ended:
         request = request_of(req_id)

@@ -31,6 +31,7 @@ from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport, make_report
+from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +62,15 @@ def send_batches(conn: Connection, outbox: queue.SimpleQueue[Any], on_broken: Ca
 
 
 class StepWorker:
-    def __init__(self, conn: Connection, spec: ClientSpec, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        spec: ClientSpec,
+        enable_prefix_caching: bool,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.conn = conn
+        self.grammars = grammars
         self.spec = spec
         self.enable_prefix_caching = enable_prefix_caching
         self.lanes: dict[str, ExecutorLane] = {}
@@ -107,6 +115,8 @@ class StepWorker:
             if lane is None:  # stopped meanwhile: the front places them again
                 self._report_gone(lane_key, requests)
             else:
+                for request in requests:
+                    self._attach_grammar(request)
                 lane.submit(requests)
         elif lane is None:
             return
@@ -118,6 +128,14 @@ class StepWorker:
             del self.lanes[lane_key]
             lane.stop(STOP_LANE_TIMEOUT_S)
             lane.executor.close()
+
+    def _attach_grammar(self, request: Request) -> None:
+        """A constrained request's matcher, here, at the request's output tokens."""
+        constraint = request.params.structured_outputs
+        if constraint is None or self.grammars is None:
+            return
+        request.grammar = self.grammars.grammar_for(constraint).new_state()
+        request.grammar.sync(request.output_token_ids)
 
     def _add(self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo) -> None:
         client = self.spec.connect(address)
@@ -166,10 +184,16 @@ class StepWorker:
 
 
 def run_step_worker(
-    conn: Connection, spec: ClientSpec, enable_prefix_caching: bool, log_level: str, json_logs: bool
+    conn: Connection,
+    spec: ClientSpec,
+    enable_prefix_caching: bool,
+    log_level: str,
+    json_logs: bool,
+    grammar_settings: GrammarSettings | None,
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
     from npuserve.deploy.logs import configure_logging
 
     configure_logging(log_level, json_logs)
-    StepWorker(conn, spec, enable_prefix_caching).run()
+    grammars = None if grammar_settings is None else GrammarCompiler(*grammar_settings)
+    StepWorker(conn, spec, enable_prefix_caching, grammars).run()

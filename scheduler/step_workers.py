@@ -31,6 +31,7 @@ from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport
 from npuserve.scheduler.step_worker import run_step_worker, send_batches
+from npuserve.scheduler.structured import GrammarSettings
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +109,10 @@ class RemoteLane:
         self.worker.send(("down", self.key, reason))
 
     def submit(self, requests: list[Request]) -> None:
+        for request in requests:  # NOTE: the worker builds and advances its own matcher
+            if request.grammar is not None:
+                request.grammar.release()
+                request.grammar = None
         self.worker.send(("submit", self.key, requests))
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
@@ -144,7 +149,14 @@ class WorkerHandle:
         pool = self.pool
         process = ctx.Process(
             target=run_step_worker,
-            args=(worker_end, pool.spec, pool.enable_prefix_caching, pool.log_level, pool.json_logs),
+            args=(
+                worker_end,
+                pool.spec,
+                pool.enable_prefix_caching,
+                pool.log_level,
+                pool.json_logs,
+                pool.grammar_settings,
+            ),
             name=f"npuserve-{self.name}",
             daemon=True,
         )
@@ -232,6 +244,7 @@ class StepWorkerPool:
         self.log_level = log_level
         self.json_logs = json_logs
         self.workers = [WorkerHandle(i, self) for i in range(count)]
+        self.grammar_settings: GrammarSettings | None = None  # set by the engine before start
         self._lane_keys = itertools.count()
         self.on_reports: Callable[[WorkerHandle, list[LaneReport]], None] = lambda w, r: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None

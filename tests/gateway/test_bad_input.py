@@ -104,7 +104,7 @@ BAD_JSON_REQUESTS = [
     (CHAT, {"messages": USER, "chat_template": "/etc/passwd"}, "chat_template"),
     (CHAT, {"messages": USER, "chat_template": "{% if %}"}, "chat_template"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
