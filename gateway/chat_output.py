@@ -1,0 +1,106 @@
+"""One chat choice's text shaped as OpenAI's assistant message: reasoning split off
+(`--reasoning-parser`), tool calls read from the rest (a tool parser), the remainder as content.
+
+Streamed, each text delta becomes a `delta` object with what became certain (`reasoning_content`,
+`content`, `tool_calls` pieces with their `index`, the id, type and name on a call's first piece);
+whole, the choice's text becomes a `message`. A choice that made calls and stopped by itself
+finishes with `tool_calls`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from npuserve.gateway.reasoning import ThinkTagsParser
+from npuserve.gateway.tool_calls import ToolPlan
+from npuserve.gateway.tool_parsers import ToolCallDelta, ToolParser, merge_calls
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShape:
+    """How a request's choices are read: its tool plan and the server's reasoning parser."""
+
+    tools: ToolPlan
+    reasoning: type[ThinkTagsParser] | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.tools.parser is None and self.reasoning is None
+
+
+class ChoiceOutput:
+    """One choice's parsers, fed its text as it streams."""
+
+    def __init__(self, shape: OutputShape) -> None:
+        self.shape = shape
+        self.reasoning = None if shape.reasoning is None else shape.reasoning()
+        self.tools: ToolParser | None = None if shape.tools.parser is None else shape.tools.parser()
+        self.called = False
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        """The `delta` fields for `text` (and, when `final`, for all that was held back)."""
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text, final)
+            reasoning, content = split.reasoning, split.content
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            parsed = self.tools.feed(content)
+            if final:
+                parsed.extend(self.tools.finish())
+            content, calls = parsed.content, _kept(parsed.calls, self.shape.tools.max_calls)
+            self.called = self.called or bool(calls)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = _call_pieces(calls)
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.called else reason
+
+
+def whole_message(shape: OutputShape, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a whole choice's text, and whether it made tool calls."""
+    message: dict[str, Any] = {"role": "assistant"}
+    content = text
+    if shape.reasoning is not None:
+        split = shape.reasoning.parse(text)
+        message["reasoning_content"] = split.reasoning or None
+        content = split.content
+    if shape.tools.parser is None:
+        message["content"] = content
+        return message, False
+    parsed = shape.tools.parser.parse(content)
+    calls = merge_calls(_kept(parsed.calls, shape.tools.max_calls))
+    message["content"] = parsed.content or (None if calls else "")
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message, bool(calls)
+
+
+def _kept(calls: list[ToolCallDelta], max_calls: int | None) -> list[ToolCallDelta]:
+    return calls if max_calls is None else [c for c in calls if c.index < max_calls]
+
+
+def _call_pieces(calls: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """Streamed `tool_calls` entries; a call's first piece and what follows it in the same
+    delta are sent as one entry."""
+    pieces: list[dict[str, Any]] = []
+    for call in calls:
+        if pieces and pieces[-1]["index"] == call.index and call.id is None:
+            pieces[-1]["function"]["arguments"] += call.arguments
+            continue
+        piece: dict[str, Any] = {"index": call.index, "function": {"arguments": call.arguments}}
+        if call.id is not None:
+            piece.update(id=call.id, type="function")
+            piece["function"]["name"] = call.name
+        pieces.append(piece)
+    return pieces

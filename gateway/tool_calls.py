@@ -1,0 +1,159 @@
+"""OpenAI `tools` and `tool_choice` on chat completions: their checks, what a request's choice
+means for its answer, and the JSON schema that makes the grammar write a tool call.
+
+`none` (the default without tools): the tools reach the chat template, the answer is content.
+`auto` (the default with tools): the model may call; `--tool-call-parser` reads its calls from the
+text, and only with `--enable-auto-tool-choice` (as vLLM). `required` and a named function: the
+answer is constrained to a call by a JSON schema (`tool_call_schema`), so its arguments always
+parse and match the function's parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from npuserve.gateway.errors import bad_request
+from npuserve.gateway.tool_parsers import JsonCallsParser, ToolParser
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` if it is a valid JSON schema of an object, else ValueError saying why."""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"is not a valid JSON schema: {exc.message}") from None
+    if schema.get("type", "object") != "object":
+        raise ValueError("must be the JSON schema of an object (type 'object')")
+    return schema
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any]  # NOTE: required here, so every call can be checked against it
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not FUNCTION_NAME.fullmatch(value):
+            raise ValueError("must be 1 to 64 letters, digits, underscores or dashes")
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_parameters_schema(value)
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def parse_tool_choice(value: Any) -> ToolChoice | None:
+    """`tool_choice` as sent: one of TOOL_CHOICES or {"type": "function", "function": {"name"}}."""
+    if value is None or value in TOOL_CHOICES:
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValueError:
+            pass
+    raise ValueError(
+        'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a request's tools mean for its answer."""
+
+    parser: type[ToolParser] | None = None  # reads calls from the answer; None: all content
+    schema: dict[str, Any] | None = None  # the answer's constraint (required, named)
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false
+
+
+def tool_plan(
+    tools: list[Tool] | None,
+    choice: ToolChoice | None,
+    parallel: bool,
+    auto_parser: type[ToolParser] | None,
+) -> ToolPlan:
+    """The plan for a request; 400 naming `tool_choice` for a choice the tools cannot meet.
+    `auto_parser`: the parser of `--tool-call-parser` when `--enable-auto-tool-choice` is set."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan()
+    if not tools:
+        raise bad_request(f"tool_choice {_choice_text(choice)} needs tools", "tool_choice")
+    max_calls = None if parallel else 1
+    if choice == "auto":
+        if auto_parser is None:
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                'set (tools were given, and tool_choice defaults to "auto"); send tool_choice "none", '
+                '"required" or a named function',
+                "tool_choice",
+            )
+        return ToolPlan(auto_parser, None, max_calls)
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if all(tool.function.name != name for tool in tools):
+            raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return ToolPlan(JsonCallsParser, tool_call_schema(tools, name, parallel), 1)
+    return ToolPlan(JsonCallsParser, tool_call_schema(tools, None, parallel), max_calls)
+
+
+def _choice_text(choice: ToolChoice) -> str:
+    return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
+
+
+def tool_call_schema(tools: list[Tool], name: str | None, parallel: bool) -> dict[str, Any]:
+    """The JSON schema of an answer that is a tool call: for function `name`, the object
+    `{"name": name, "arguments": <its parameters>}`; with no name (`required`), such an object
+    for any of `tools`, or an array of one or more of them when `parallel`."""
+    chosen = [tool.function for tool in tools if name is None or tool.function.name == name]
+    objects = [_call_object(function) for function in chosen]
+    one = objects[0] if len(objects) == 1 else {"anyOf": objects}
+    if name is not None or not parallel:
+        return one
+    return {"type": "array", "items": one, "minItems": 1}
+
+
+def _call_object(function: FunctionDefinition) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [function.name]},
+            "arguments": {**function.parameters, "type": "object"},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
