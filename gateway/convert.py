@@ -21,7 +21,9 @@ from npuserve.gateway.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from npuserve.gateway.structured_outputs import constraint_of
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
 
 # -- what the gateway sees of the scheduler's replies -----------------------------------------------
 
@@ -119,6 +121,9 @@ def _sampling(
     for name, value in optional.items():
         if value is not None:
             setattr(msg, name, value)
+    constraint = constraint_of(req)
+    if constraint is not None:
+        msg.structured_outputs.CopyFrom(constraint.message)
     return msg
 
 
@@ -227,14 +232,25 @@ def health_info(reply: pb.HealthResponse) -> HealthInfo:
 def _params_of_fields(body: BaseModel) -> dict[str, str]:
     """The scheduler's field -> the param `body` sent it as, where the two names differ: the
     inverse of the request mapping above."""
-    if isinstance(body, ChatCompletionRequest):
-        max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+        names = _constraint_param(body)
+        if isinstance(body, ChatCompletionRequest):
+            max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            names |= {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+        return names
     if isinstance(body, TokenizeChatRequest):
         return {"prompt": "messages"}
     if isinstance(body, DetokenizeRequest):
         return {"token_ids": "tokens"}
     return {}
+
+
+def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    try:
+        constraint = constraint_of(body)
+    except APIError:
+        return {}
+    return {} if constraint is None else {STRUCTURED_FIELD: constraint.param}
 
 
 def in_request_terms(error: APIError, body: BaseModel) -> APIError:

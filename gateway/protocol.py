@@ -78,6 +78,15 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[Int32] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
+    # Structured outputs (at most one; see gateway/structured_outputs.py): OpenAI's, then vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: one engine enforces all
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -201,20 +210,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
             raise ValueError("tools are not supported")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return value
 
     @model_validator(mode="after")

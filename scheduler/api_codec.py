@@ -7,7 +7,10 @@ import json
 from typing import Any
 
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
@@ -40,7 +43,24 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in _OPTIONAL_FIELDS:
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_outputs_from_proto(msg.structured_outputs)
     return params
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The constraint a request asks for; InvalidRequestError naming `structured_outputs`."""
+    kind = msg.WhichOneof("kind")
+    compact = msg.compact_whitespace if msg.HasField("compact_whitespace") else True
+    try:
+        if kind is None or (kind == "json_object" and not msg.json_object):
+            raise FieldValueError("structured_outputs sets no constraint", STRUCTURED_FIELD)
+        if kind == "choice":
+            return StructuredOutputs("choice", choices=tuple(msg.choice.choices), compact_whitespace=compact)
+        spec = "" if kind == "json_object" else getattr(msg, kind)
+        return StructuredOutputs(kind, spec, compact_whitespace=compact)
+    except FieldValueError as exc:
+        raise InvalidRequestError(str(exc), STRUCTURED_FIELD) from None
 
 
 def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from npuserve.proto.sampling_ranges import Bounds, FieldValueError, check_options
 from npuserve.proto.step_plan import SamplingOptions, TokenLogprobs
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.block_hash import BlockHash, extend_block_hashes
 
 
@@ -41,6 +42,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrained decoding (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     MAX_N = 128
 
