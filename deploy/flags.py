@@ -106,8 +106,10 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     out = []
     for action in own._actions:
         value = getattr(args, action.dest, None)
-        if action.dest != "api_key" and value is not None:
-            out.append(f"{action.option_strings[0]}={value}")
+        if action.dest == "api_key" or value is None or value is False:
+            continue
+        switch = action.nargs == 0  # store_true: the bare flag
+        out.append(action.option_strings[0] if switch else f"{action.option_strings[0]}={value}")
     return out
 
 
@@ -144,6 +146,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
         default=1000,
         help="open connections beyond which new ones get 503 (stalled clients count until timed out)",
     )
+    _add_chat_parser_flags(parser)
     if standalone:
         parser.add_argument("--served-model-name", help="default: the scheduler's model name")
         parser.add_argument(
@@ -155,10 +158,35 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
         )
 
 
+def _add_chat_parser_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for reading tool calls and reasoning out of chat answers."""
+    from npuserve.gateway.reasoning import REASONING_PARSERS
+    from npuserve.gateway.tool_parsers import TOOL_PARSERS
+
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model may call a tool, and '
+        "--tool-call-parser reads its calls from its text",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3, Hermes), "
+        "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS] array)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's thinking into reasoning_content: qwen3 (<think>...</think>)",
+    )
+
+
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The gateway's settings from `npuserve gateway` flags; the keys may come from the environment
     (the scheduler's key is the API key unless --scheduler-api-key names another)."""
     from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES
+    from npuserve.gateway.chat_output import ParserSettings
     from npuserve.gateway.server import GatewayConfig
 
     key = api_key(args)
@@ -166,6 +194,9 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
     except OSError as exc:
         raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
+    parsers = ParserSettings.from_flags(
+        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+    )
     return GatewayConfig(
         scheduler=args.scheduler,
         host=args.host,
@@ -180,4 +211,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         keep_alive_timeout_s=args.keep_alive_timeout,
         max_connections=args.max_connections,
         ready_file=args.ready_file,
+        parsers=parsers,
     )

@@ -12,9 +12,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from npuserve.gateway.reasoning import ThinkTagsParser
+from npuserve.gateway.reasoning import REASONING_PARSERS, ThinkTagsParser
 from npuserve.gateway.tool_calls import ToolPlan
-from npuserve.gateway.tool_parsers import ToolCallDelta, ToolParser, merge_calls
+from npuserve.gateway.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolParser, merge_calls
+
+
+@dataclass(frozen=True, slots=True)
+class ParserSettings:
+    """The gateway's parsers: `--tool-call-parser` (used for tool_choice `auto` only with
+    `--enable-auto-tool-choice`) and `--reasoning-parser`."""
+
+    auto_tool_parser: type[ToolParser] | None = None
+    reasoning: type[ThinkTagsParser] | None = None
+
+    @classmethod
+    def from_flags(
+        cls, enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None
+    ) -> ParserSettings:
+        """The settings of the flags; ValueError naming the flag for a wrong one."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        auto = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice and tool_call_parser else None
+        return cls(auto, None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser])
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +84,12 @@ class ChoiceOutput:
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.called else reason
+        return finish_reason(reason, self.called)
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that made tool calls and stopped by itself finishes with `tool_calls`."""
+    return "tool_calls" if reason == "stop" and called else reason
 
 
 def whole_message(shape: OutputShape, text: str) -> tuple[dict[str, Any], bool]:

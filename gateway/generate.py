@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from npuserve.gateway.chat_output import ChoiceOutput, OutputShape, whole_message
+from npuserve.gateway.chat_output import finish_reason as chat_finish_reason
 from npuserve.gateway.convert import ChoiceDelta, TokenLogprob, Update, Usage
 from npuserve.gateway.errors import APIError, error_body
 from npuserve.gateway.protocol import SSE_DONE, ChunkEvents, sse_event, usage_dict
@@ -319,8 +320,7 @@ class ChatFormat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
         else:
             message, called = whole_message(self.shape, text)
-            if called and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            finish_reason = chat_finish_reason(finish_reason, called)
         return {
             "index": choice.index,
             "message": message,

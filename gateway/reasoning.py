@@ -59,7 +59,10 @@ class ThinkTagsParser:
             found = self.buffer.find(self.end)
             if found < 0:
                 keep = 0 if final else partial_marker(self.buffer, self.end)
-                out.reasoning, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+                out.reasoning, self.buffer = (
+                    self.buffer[: len(self.buffer) - keep],
+                    self.buffer[len(self.buffer) - keep :],
+                )
                 return out
             out.reasoning, self.buffer = self.buffer[:found], self.buffer[found + len(self.end) :]
             self._at = _At.AFTER

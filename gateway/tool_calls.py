@@ -10,6 +10,7 @@ parse and match the function's parameters.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -76,18 +77,35 @@ class NamedToolChoice(_Model):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments_as_text(cls, value: Any) -> Any:
+        """Arguments sent as an object (not OpenAI's shape, but unambiguous) as its JSON text."""
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+
+
+class MessageToolCall(_Model):
+    """A call in an assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 def parse_tool_choice(value: Any) -> ToolChoice | None:
     """`tool_choice` as sent: one of TOOL_CHOICES or {"type": "function", "function": {"name"}}."""
     if value is None or value in TOOL_CHOICES:
-        return value  # type: ignore[no-any-return]
+        return value
     if isinstance(value, dict):
         try:
             return NamedToolChoice.model_validate(value)
         except ValueError:
             pass
-    raise ValueError(
-        'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
-    )
+    raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +147,11 @@ def tool_plan(
             raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return ToolPlan(JsonCallsParser, tool_call_schema(tools, name, parallel), 1)
     return ToolPlan(JsonCallsParser, tool_call_schema(tools, None, parallel), max_calls)
+
+
+def constrains_output(choice: ToolChoice | None) -> bool:
+    """Whether the choice makes the grammar write a call (`required`, a named function)."""
+    return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
 def _choice_text(choice: ToolChoice) -> str:
