@@ -27,6 +27,7 @@ from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.structured import GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -145,6 +146,7 @@ class Engine:
         self._request_renders = (
             RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
         )
+        self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -169,6 +171,7 @@ class Engine:
             if pool is not None:
                 pool.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
@@ -332,6 +335,8 @@ class Engine:
         assert self._loop is not None, "Engine.start() was not called"
         self.check_model(model)
         params.validate(self.vocab_size)
+        so = params.structured_outputs
+        grammar = None if so is None else await self.grammars.compile(so)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
         if not self.live_lanes:
@@ -351,6 +356,7 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
+                grammar=None if grammar is None else grammar.new_state(),
             )
             for i, child_params in enumerate(
                 [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
@@ -486,6 +492,8 @@ class Engine:
             parent = self._parent_of.get(request.req_id)
             if parent is not None and parent in self._streams:  # else: aborted meanwhile
                 by_parent.setdefault(parent, []).append(request)
+            elif request.grammar is not None:
+                request.grammar.release()
         for parent, siblings in by_parent.items():
             stream = self._streams[parent]
             for request in siblings:
@@ -494,6 +502,8 @@ class Engine:
                 why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
+                    if request.grammar is not None:
+                        request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
                 if not self.live_lanes and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
@@ -555,6 +565,8 @@ class Engine:
             state = await asyncio.wrap_future(lane.call(lambda s: _checked_state(s, expect_idle)))
             state.executor_id = lane.executor_id
             states.append(state)
+        live = self.grammars.num_live_states
+        assert not (expect_idle and live), f"{live} grammar states of finished requests are still held"
         return states
 
     async def start_profile(self) -> list[str]:

@@ -114,6 +114,10 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         )
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (for the grammar engine's own tokenizer)."""
+        return self._backend.to_str()
+
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
