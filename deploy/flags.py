@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
 if TYPE_CHECKING:
+    from npuserve.gateway.chat_output import ParserSettings
     from npuserve.gateway.server import GatewayConfig
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
@@ -182,11 +183,20 @@ def _add_chat_parser_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def chat_parser_settings(args: argparse.Namespace) -> ParserSettings:
+    """The gateway's tool-call and reasoning parsers from its flags; ValueError naming a flag
+    that is wrong (`serve` checks them before it starts any process)."""
+    from npuserve.gateway.chat_output import ParserSettings
+
+    return ParserSettings.from_flags(
+        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+    )
+
+
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The gateway's settings from `npuserve gateway` flags; the keys may come from the environment
     (the scheduler's key is the API key unless --scheduler-api-key names another)."""
     from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES
-    from npuserve.gateway.chat_output import ParserSettings
     from npuserve.gateway.server import GatewayConfig
 
     key = api_key(args)
@@ -194,9 +204,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
     except OSError as exc:
         raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
-    parsers = ParserSettings.from_flags(
-        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
-    )
+    parsers = chat_parser_settings(args)
     return GatewayConfig(
         scheduler=args.scheduler,
         host=args.host,
