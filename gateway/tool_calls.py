@@ -161,22 +161,62 @@ def _choice_text(choice: ToolChoice) -> str:
 def tool_call_schema(tools: list[Tool], name: str | None, parallel: bool) -> dict[str, Any]:
     """The JSON schema of an answer that is a tool call: for function `name`, the object
     `{"name": name, "arguments": <its parameters>}`; with no name (`required`), such an object
-    for any of `tools`, or an array of one or more of them when `parallel`."""
+    for any of `tools`, or an array of one or more of them when `parallel`.
+
+    A parameters schema with references (`$ref`, `$defs`, `definitions`, as pydantic writes
+    them) is moved under the result's `$defs` with its references rewritten, since a `#/...`
+    reference is resolved from the root of the whole schema."""
     chosen = [tool.function for tool in tools if name is None or tool.function.name == name]
-    objects = [_call_object(function) for function in chosen]
+    defs: dict[str, Any] = {}
+    objects = [_call_object(i, function, defs) for i, function in enumerate(chosen)]
     one = objects[0] if len(objects) == 1 else {"anyOf": objects}
-    if name is not None or not parallel:
-        return one
-    return {"type": "array", "items": one, "minItems": 1}
+    schema = one if name is not None or not parallel else {"type": "array", "items": one, "minItems": 1}
+    return {**schema, "$defs": defs} if defs else schema
 
 
-def _call_object(function: FunctionDefinition) -> dict[str, Any]:
+def _call_object(index: int, function: FunctionDefinition, defs: dict[str, Any]) -> dict[str, Any]:
+    parameters = function.parameters
+    if _has_references(parameters):
+        prefix = f"tool{index}"
+        local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+        body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+        defs[prefix] = _rebased({**body, "type": "object"}, prefix)
+        defs.update({f"{prefix}.{key}": _rebased(value, prefix) for key, value in local.items()})
+        arguments: dict[str, Any] = {"$ref": f"#/$defs/{prefix}"}
+    else:
+        arguments = {**parameters, "type": "object"}
     return {
         "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": [function.name]},
-            "arguments": {**function.parameters, "type": "object"},
-        },
+        "properties": {"name": {"type": "string", "enum": [function.name]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _has_references(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        if "$ref" in schema or "$defs" in schema or "definitions" in schema:
+            return True
+        return any(_has_references(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_references(v) for v in schema)
+
+
+def _rebased(schema: Any, prefix: str) -> Any:
+    """`schema` with its local references pointing where `tool_call_schema` moves their targets."""
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, prefix) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = _rebased_pointer(ref[1:], prefix)
+    return out
+
+
+def _rebased_pointer(pointer: str, prefix: str) -> str:
+    for container in ("/$defs/", "/definitions/"):
+        if pointer.startswith(container):
+            name, _, rest = pointer[len(container) :].partition("/")
+            return f"#/$defs/{prefix}.{name}" + (f"/{rest}" if rest else "")
+    return f"#/$defs/{prefix}{pointer.rstrip('/')}"

@@ -222,3 +222,32 @@ def test_the_scheduler_refuses_parameters_that_are_not_a_json_object() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         prompt_from_proto(pb.GenerateRequest(chat=chat_prompt))
     assert caught.value.field == "tools[0].function.parameters"
+
+
+def test_parameters_with_references_keep_them_working_inside_the_call_schema() -> None:
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    parameters = {  # the way pydantic writes models that nest models
+        "type": "object",
+        "properties": {
+            "home": {"$ref": "#/$defs/Address"},
+            "work": {"$ref": "#/definitions/Address"},
+            "also": {"$ref": "#/properties/home"},
+        },
+        "required": ["home"],
+        "$defs": {"Address": address},
+        "definitions": {"Address": address},
+    }
+    tools = [
+        Tool.model_validate({"type": "function", "function": {"name": "move", "parameters": parameters}}),
+        Tool.model_validate(TIME),
+    ]
+    schema = tool_call_schema(tools, None, parallel=False)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    city = {"city": "Oslo"}
+    assert accepts(schema, {"name": "move", "arguments": {"home": city, "work": city, "also": city}})
+    assert not accepts(schema, {"name": "move", "arguments": {"home": {}}})
+    assert not accepts(schema, {"name": "move", "arguments": {"home": city, "work": {"city": 1}}})
+    assert not accepts(schema, {"name": "move", "arguments": {"home": city, "also": {}}})
+    assert accepts(schema, {"name": "get_time", "arguments": {"zone": 3}})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
