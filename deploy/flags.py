@@ -174,7 +174,7 @@ def _add_chat_parser_flags(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3, Hermes), "
-        "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS] array)",
+        "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS] then a JSON array, or name[ARGS]{...})",
     )
     parser.add_argument(
         "--reasoning-parser",

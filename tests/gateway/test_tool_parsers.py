@@ -58,6 +58,13 @@ CASES: list[tuple[str, str, str, Calls]] = [
     ),
     ("mistral", "[TOOL_ CALLS] nothing", "[TOOL_ CALLS] nothing", []),
     (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1]}[TOOL_CALLS]get_time[ARGS]{}',
+        "Sure.",
+        [("get_weather", '{"city": "Paris", "days": [1]}'), ("get_time", "{}")],
+    ),
+    ("mistral", "[TOOL_CALLS]get_time no arguments", "[TOOL_CALLS]get_time no arguments", []),
+    (
         "json",
         '{"name":"f","arguments":{"n":-1.5e3,"b":null,"s":"\\u00e9"}}',
         "",
