@@ -114,7 +114,10 @@ class GrammarState:
         assert self.matcher is not None, "a released grammar state was advanced"
         self.num_accepted += 1
         if self.error is None and not self.matcher.consume_token(token_id):
-            self.error = f"structured_outputs: the sampled token {token_id} breaks the constraint"
+            self.error = (
+                f"structured_outputs: the sampled token {token_id} breaks the constraint "
+                f"({self.matcher.get_error()})"
+            )
 
     @property
     def is_complete(self) -> bool:

@@ -108,7 +108,7 @@ BAD_JSON_REQUESTS = [
         {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
         "tools[0].function.parameters",
     ),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
