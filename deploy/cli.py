@@ -86,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
-    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, gateway_flags, logging_flags
+    from npuserve.deploy.flags import (
+        CLUSTER_TOKEN_ENV,
+        chat_parser_settings,
+        cluster_token,
+        gateway_flags,
+        logging_flags,
+    )
     from npuserve.deploy.launcher import Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.proto.auth import API_KEY
@@ -98,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     num_executors = _num_executors(args)
     launcher = Launcher()
     try:
+        chat_parser_settings(args)  # the gateway's flags that cannot work, refused before any start
         # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
         executor_args = [*EXECUTOR.forward(args), *serve_parallel_flags(args)]
         executor_args += [*logging_flags(args), "--port", "0"]

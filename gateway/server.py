@@ -18,13 +18,14 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import uvicorn
 
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
+from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
 from npuserve.gateway.scheduler_client import SchedulerClient
@@ -52,6 +53,7 @@ class GatewayConfig:
     max_connections: int = 1000
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
+    parsers: ParserSettings = field(default_factory=ParserSettings)  # tool calls, reasoning
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
@@ -109,6 +111,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
         scheduler_api_key=config.scheduler_api_key,
         scheduler_tls_ca=config.scheduler_tls_ca,
         body_timeout_s=config.request_body_timeout_s,
+        parsers=config.parsers,
     )
     try:
         sock = bind_socket(config.host, config.port)

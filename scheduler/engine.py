@@ -103,6 +103,7 @@ class PromptInput:
     add_generation_prompt: bool = True
     chat_template: str | None = None
     add_special_tokens: bool | None = None  # None: True for text, False for chat
+    tools: list[dict[str, object]] | None = None  # the chat template's `tools`
 
 
 class NoExecutorError(RuntimeError):
@@ -338,7 +339,7 @@ class Engine:
             uncounted="" if bound is None else bound.uncounted,
         )
         job = self.tokenizer.chat_render(
-            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits
+            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits, prompt.tools
         )
         return await pool.render(job)
 

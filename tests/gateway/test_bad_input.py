@@ -103,7 +103,11 @@ BAD_JSON_REQUESTS = [
     (CHAT, {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
     (CHAT, {"messages": USER, "chat_template": "/etc/passwd"}, "chat_template"),
     (CHAT, {"messages": USER, "chat_template": "{% if %}"}, "chat_template"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools[0].function.parameters",
+    ),
     (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"messages": []}, "messages"),
