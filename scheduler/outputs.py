@@ -83,10 +83,16 @@ class RequestStream:
         self.index_of = {child.req_id: index for index, child in enumerate(children)}
         self._sent_prompt = False
         self.error: str | None = None
+        self._num_unfinished = len(self.sequences)
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.sequences.values())
+        return self._num_unfinished == 0
+
+    def _mark_finished(self, state: SequenceState) -> None:
+        if not state.finished:
+            state.finished = True
+            self._num_unfinished -= 1
 
     def add_tokens(
         self,
@@ -116,7 +122,8 @@ class RequestStream:
             delta.text += state.detokenizer.flush()
             delta.finish_reason, delta.stop_reason = finished.value, state.request.stop_reason
             self.error = self.error or state.request.error
-        state.finished = delta.finish_reason is not None
+        if delta.finish_reason is not None:
+            self._mark_finished(state)
         self._emit(delta)
         return stopped_by_string
 
@@ -125,7 +132,7 @@ class RequestStream:
         state = self.sequences.get(req_id)
         if state is None or state.finished:
             return
-        state.finished = True
+        self._mark_finished(state)
         self.error = self.error or error
         self._emit(CompletionDelta(self.index_of[req_id], "", [], finish_reason=status.value))
 
@@ -139,7 +146,7 @@ class RequestStream:
         stream raises ``refusal`` (a status for the client, e.g. UNAVAILABLE, not a broken stream)."""
         assert not self.started, "a request that has streamed output ends with `end`"
         for state in self.sequences.values():
-            state.finished = True
+            self._mark_finished(state)
         self.queue.put_nowait(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:

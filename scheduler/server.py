@@ -22,11 +22,11 @@ from npuserve.deploy.demo_model import default_served_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
 from npuserve.proto.error_details import field_status
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.scheduler import api_codec
+from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.engine import (
     Engine,
     EngineConfig,
@@ -282,14 +282,14 @@ async def serve_scheduler(
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
     interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
-    server = grpc.aio.server(options=message_size_options(MAX_API_MESSAGE_BYTES), interceptors=interceptors)
-    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, config.model), server)
-    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    if config.tls is not None:
-        bound = server.add_secure_port(target, grpc.ssl_server_credentials([config.tls]))
-    else:
-        bound = server.add_insecure_port(target)
-    await server.start()
+    servicer = SchedulerServicer(engine, config.model)
+    servers, bound = await start_api_servers(
+        lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
+        interceptors,
+        host,
+        port,
+        config.tls,
+    )
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
     log.info(
         "scheduler serving",
@@ -309,5 +309,5 @@ async def serve_scheduler(
     await stop.wait()
     log.info("scheduler stopping")
     watcher.cancel()
-    await server.stop(grace=5)
+    await stop_api_servers(servers, 5)
     engine.stop()

@@ -1,0 +1,63 @@
+"""The scheduler's public gRPC API: several asyncio gRPC servers on one port.
+
+gRPC's asyncio server takes new calls one at a time, one per turn of the event loop. Under
+thousands of streams a turn of the scheduler's loop is long (it writes every stream's tokens), so
+one server admits too few calls: they wait in gRPC's queue, and past its pending limit gRPC
+cancels them (CANCELLED, before the engine ever sees them). Several servers share the port
+(SO_REUSEPORT: the kernel spreads connections over them), each admitting a call per turn, and
+the pending limits are raised so a burst waits instead of failing: `--max-queued-requests` is
+where npuserve refuses load (RESOURCE_EXHAUSTED), not the transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+
+ACCEPT_SERVERS = 4  # servers sharing the port, so calls are admitted this many per loop turn
+MAX_PENDING_CALLS = 1 << 16  # calls gRPC may hold before the application takes them
+MAX_UNREQUESTED_S = 600  # and how long (the client's deadline still applies)
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    *message_size_options(MAX_API_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 1),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+    ("grpc.server_max_unrequested_time_in_server", MAX_UNREQUESTED_S),
+]
+
+
+def api_target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_api_servers(
+    add_servicer: Callable[[grpc.aio.Server], None],
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+    host: str,
+    port: int,
+    tls: tuple[bytes, bytes] | None,
+    count: int = ACCEPT_SERVERS,
+) -> tuple[list[grpc.aio.Server], int]:
+    """`count` started servers of one servicer on ``host:port`` (0: a free port); returns them
+    and the bound port."""
+    servers: list[grpc.aio.Server] = []
+    bound = port
+    for _ in range(count):
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        add_servicer(server)
+        target = api_target(host, bound)
+        if tls is not None:
+            bound = server.add_secure_port(target, grpc.ssl_server_credentials([tls]))
+        else:
+            bound = server.add_insecure_port(target)
+        await server.start()
+        servers.append(server)
+    return servers, bound
+
+
+async def stop_api_servers(servers: Sequence[grpc.aio.Server], grace_s: float | None) -> None:
+    for server in servers:
+        await server.stop(grace=grace_s)
