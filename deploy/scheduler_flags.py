@@ -129,6 +129,15 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
                 "default: one per core but one, at most 16)",
             },
         ),
+        Flag(
+            "async_scheduling",
+            "--async-scheduling",
+            {
+                "action": "store_true",
+                "help": "schedule and send each step while the executor runs the one before "
+                "(steps go over the streaming transport)",
+            },
+        ),
         Flag("step_transport", "--step-transport", {"default": "unary", "choices": ["unary", "stream"]}),
         Flag(
             "step_timeout_s",

@@ -87,6 +87,7 @@ class EngineConfig:
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None  # None: unbounded
     trust_request_chat_template: bool = False  # render chat templates that clients send
+    async_scheduling: bool = False  # schedule each step while the executor runs the one before
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -231,7 +232,9 @@ class Engine:
             lane = self.step_workers.open_lane(executor_id, executor, info)
         else:
             scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
-            lane = ExecutorLane(executor_id, executor, scheduler, self._on_lane_event)
+            lane = ExecutorLane(
+                executor_id, executor, scheduler, self._on_lane_event, self.config.async_scheduling
+            )
         self.lanes[executor_id] = lane
         lane.start()
         log.info(

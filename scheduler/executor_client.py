@@ -147,8 +147,11 @@ class _StepStream:
             self._responses.put(exc)
         self._responses.put(_END)
 
-    def exchange(self, request: pb.StepRequest, timeout_s: float | None) -> pb.StepResponse:
+    def send(self, request: pb.StepRequest) -> None:
         self._requests.put(request)
+
+    def receive(self, timeout_s: float | None) -> pb.StepResponse:
+        """The next response: they come back in the order the requests went out."""
         try:
             item = self._responses.get(timeout=timeout_s)
         except queue.Empty:
@@ -166,11 +169,28 @@ class _StepStream:
         self._reader.join(timeout=5)
 
 
+class _PendingStep:
+    """A step sent on a stream whose result has not been read yet."""
+
+    def __init__(self, client: StreamingExecutorClient, stream: _StepStream) -> None:
+        self.client = client
+        self.stream = stream
+
+    def result(self) -> StepResult:
+        try:
+            response = self.stream.receive(self.client.timeout_s)
+        except ExecutorError:
+            self.client._close_stream(self.stream)
+            raise
+        return step_codec.result_from_proto(response)
+
+
 class StreamingExecutorClient(ExecutorClient):
     """Steps over one long-lived bidirectional stream, opened on the first step.
 
-    Any failed step closes the stream (the server ends it with the error's status); the next
-    step opens a new one. `timeout_s` bounds each step's wait for its response.
+    Steps may be pipelined (`submit` the next before the last one's `result`): the executor runs
+    them in order. Any failed step closes the stream (the server ends it with the error's status);
+    the next step opens a new one. `timeout_s` bounds each step's wait for its response.
     """
 
     def __init__(
@@ -182,29 +202,31 @@ class StreamingExecutorClient(ExecutorClient):
     ) -> None:
         super().__init__(address, timeout_s, token, tls_ca)
         self._stream: _StepStream | None = None
-        self._lock = threading.Lock()  # one step in flight: responses come back in order
+        self._lock = threading.Lock()
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> _PendingStep:
+        """Sends a step without waiting for its result (read it with ``.result()``, in order)."""
         request = step_codec.plan_to_proto(plan)
         with self._lock:
             if self._stream is None:
                 self._stream = _StepStream(self._stub, self._metadata)
-            try:
-                response = self._stream.exchange(request, self.timeout_s)
-            except ExecutorError:
-                self._close_stream()
-                raise
-        return step_codec.result_from_proto(response)
+            stream = self._stream
+            stream.send(request)
+        return _PendingStep(self, stream)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.submit(plan).result()
 
     def close(self) -> None:
-        with self._lock:
-            self._close_stream()
+        self._close_stream(None)
         super().close()
 
-    def _close_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+    def _close_stream(self, stream: _StepStream | None) -> None:
+        """Closes the open stream (only if it is still ``stream``, when one is given)."""
+        with self._lock:
+            if self._stream is not None and (stream is None or self._stream is stream):
+                self._stream.close()
+                self._stream = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,11 @@ between steps; results leave through the `on_event` callback, called on the lane
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -118,7 +120,10 @@ class ExecutorLane:
         executor: StepExecutor,
         scheduler: Scheduler,
         on_event: Callable[[ExecutorLane, LaneEvent], None],
+        async_scheduling: bool = False,
     ) -> None:
+        """``async_scheduling``: schedule and send each step while the executor runs the one
+        before (only with an executor that pipelines steps: the streaming gRPC client)."""
         self.executor_id = executor_id
         self.executor = executor
         self.scheduler = scheduler
@@ -133,6 +138,9 @@ class ExecutorLane:
         self.queued_blocks = 0
         self._thread = threading.Thread(target=self._run, name=f"lane-{executor_id}", daemon=True)
         self.num_steps = 0
+        self.async_scheduling = async_scheduling and callable(getattr(executor, "submit", None))
+        self._in_flight: deque[InFlightStep] = deque()
+        self._last_landed = 0.0
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -202,7 +210,7 @@ class ExecutorLane:
     def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            if not self.alive or not self.scheduler.has_work():
+            if not self.alive or not (self._in_flight or self.scheduler.has_work()):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -210,6 +218,7 @@ class ExecutorLane:
                 self._step()
             except Exception:  # never let the lane die: fail what is running, keep serving
                 log.exception("lane step crashed", executor=self.executor_id)
+                self._in_flight.clear()
                 ended = self.scheduler.finish_requests(
                     list(self.scheduler.requests), RequestStatus.FINISHED_ERROR
                 )
@@ -252,23 +261,84 @@ class ExecutorLane:
                 if ended:
                     self.on_event(self, LaneEvent(ended=ended))
 
+    # -- steps: scheduled, sent, landed ---------------------------------------------------------
+
     def _step(self) -> None:
-        plan, stats = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+        """One step lands. With async scheduling the next one is scheduled and sent first, so
+        the executor starts on it as soon as this one is done, not after this lane has handled
+        its result (the scheduler counts the tokens in flight: `num_pending_tokens`)."""
+        if not self._in_flight and not self._launch():
             self._wakeup.wait(timeout=0.01)  # nothing fits now (e.g. waiting on a stop to land)
             self._wakeup.clear()
             return
-        start = time.perf_counter()
+        if self.async_scheduling and len(self._in_flight) == 1 and self.scheduler.has_work():
+            self._launch()
+        self._land()
+
+    def _launch(self) -> bool:
+        plan, stats = self.scheduler.schedule()
+        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+            return False
+        pending = (
+            cast(PipelinedExecutor, self.executor).submit(plan)
+            if self.async_scheduling
+            else _Deferred(self.executor, plan)
+        )
+        self._in_flight.append(InFlightStep(plan, stats, pending, time.perf_counter()))
+        return True
+
+    def _land(self) -> None:
+        step = self._in_flight.popleft()
         try:
-            result = self.executor.step(plan)
+            result = step.pending.result()
         except Exception as exc:
             if executor_is_down(exc):
+                self._in_flight.clear()
                 self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
                 return
-            failed = self.scheduler.fail_step(plan)
-            log.error("step failed", executor=self.executor_id, step_id=plan.step_id, error=str(exc))
+            # NOTE: a step sent after the failed one may have been refused with it: fail both.
+            failed_steps = [step, *self._in_flight]
+            self._in_flight.clear()
+            for later in failed_steps[1:]:
+                with contextlib.suppress(Exception):
+                    later.pending.result()
+            failed = [r for s in failed_steps for r in self.scheduler.fail_step(s.plan)]
+            log.error("step failed", executor=self.executor_id, step_id=step.plan.step_id, error=str(exc))
             self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
             return
-        updates = self.scheduler.update_from_output(plan, result)
+        updates = self.scheduler.update_from_output(step.plan, result)
         self.num_steps += 1
-        self.on_event(self, LaneEvent(updates=updates, stats=stats, step_seconds=time.perf_counter() - start))
+        now = time.perf_counter()
+        # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
+        seconds = now - max(step.sent_at, self._last_landed)
+        self._last_landed = now
+        self.on_event(self, LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds))
+
+
+class PendingStep(Protocol):
+    def result(self) -> StepResult: ...
+
+
+class PipelinedExecutor(StepExecutor, Protocol):
+    """An executor that takes the next step before the last one's result is read."""
+
+    def submit(self, plan: StepPlan) -> PendingStep: ...
+
+
+@dataclass(slots=True)
+class _Deferred:
+    """A step of an executor that does not pipeline: it runs when its result is asked for."""
+
+    executor: StepExecutor
+    plan: StepPlan
+
+    def result(self) -> StepResult:
+        return self.executor.step(self.plan)
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    plan: StepPlan
+    stats: StepStats
+    pending: PendingStep
+    sent_at: float

@@ -119,7 +119,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled (the executor will hold them)
+    # Tokens sampled by steps in flight, not known yet (async scheduling: 0 or 1).
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
     num_preemptions: int = 0
     num_failovers: int = 0  # times its executor was lost and it moved to another
@@ -173,6 +175,7 @@ class Request:
         """Back to waiting with nothing computed; the tokens generated so far are kept."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
 
     def check_stop(self) -> RequestStatus | None:
         """Stop rules that need no text: the constraint (complete, or broken), EOS, stop token

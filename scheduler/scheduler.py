@@ -131,19 +131,24 @@ class Scheduler:
         stats = StepStats()
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
+        sampling: list[Request] = []
 
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and not self._may_run_ahead(request):
+                continue  # its in-flight step decides what comes next
+            num_new = min(
+                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget
+            )
             new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
             if new_blocks is None:
                 continue  # the request itself was preempted
             if new_blocks:
                 plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
-            self._grant(request, num_new, plan, stats, scheduled)
+            self._grant(request, num_new, plan, stats, scheduled, sampling)
             budget -= num_new
 
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
@@ -173,22 +178,42 @@ class Scheduler:
                     num_computed_tokens=num_hit_tokens,
                 )
             )
-            self._grant(request, num_new, plan, stats, scheduled)
+            self._grant(request, num_new, plan, stats, scheduled, sampling)
             budget -= num_new
 
         stats.requests = scheduled
-        plan.bitmask = step_bitmask(scheduled, plan.num_scheduled_tokens)
+        plan.bitmask = step_bitmask(sampling)
         return plan, stats
 
+    @staticmethod
+    def _may_run_ahead(request: Request) -> bool:
+        """Whether a request whose last step is still in flight may be scheduled again now: not
+        when it may sample no further token, nor when its grammar must see that token first."""
+        if request.grammar is not None:
+            return False
+        return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
+
     def _grant(
-        self, request: Request, num_new: int, plan: StepPlan, stats: StepStats, scheduled: list[Request]
+        self,
+        request: Request,
+        num_new: int,
+        plan: StepPlan,
+        stats: StepStats,
+        scheduled: list[Request],
+        sampling: list[Request],
     ) -> None:
+        """Puts ``num_new`` tokens of a request in the plan; the executor will hold them."""
         plan.num_scheduled_tokens[request.req_id] = num_new
         stats.num_scheduled_tokens += num_new
         stats.num_prompt_tokens += max(
             0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new)
         )
         scheduled.append(request)
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
+            # NOTE: this step samples the request's next token (its value comes with the result).
+            request.num_pending_tokens += 1
+            sampling.append(request)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan, stats: StepStats
@@ -218,18 +243,16 @@ class Scheduler:
         plan.finished_req_ids.append(request.req_id)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Advances computed tokens, appends sampled tokens, and applies the token stop rules."""
-        for req_id, num_new in plan.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is not None:
-                request.num_computed_tokens += num_new
+        """Appends the sampled tokens and applies the token stop rules (the plan's tokens were
+        counted as computed when it was scheduled)."""
         sampled = []
         for req_id, token_id, logprobs in zip(
             result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted (or preempted) while the step ran
+            request.num_pending_tokens -= 1
             request.append_output(token_id, logprobs)
             sampled.append((request, token_id, logprobs))
         advance_masks(request.grammar for request, _, _ in sampled if request.grammar is not None)

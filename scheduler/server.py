@@ -221,6 +221,7 @@ class SchedulerConfig:
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
+    async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
     step_transport: str = "unary"  # "unary" or "stream"
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
@@ -247,7 +248,9 @@ async def serve_scheduler(
     json_logs: bool = False,
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
-    spec = ClientSpec(config.step_transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
+    # NOTE: pipelined steps need the streaming transport (the executor runs them in order).
+    transport = "stream" if config.async_scheduling else config.step_transport
+    spec = ClientSpec(transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
     make_client = spec.connect
 
     membership: StaticMembership | RedisMembership
@@ -263,7 +266,9 @@ async def serve_scheduler(
         default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
     )
     step_workers = (
-        StepWorkerPool(num_workers, spec, config.enable_prefix_caching, log_level, json_logs)
+        StepWorkerPool(
+            num_workers, spec, config.enable_prefix_caching, log_level, json_logs, config.async_scheduling
+        )
         if num_workers > 0
         else None
     )
@@ -274,6 +279,7 @@ async def serve_scheduler(
             routing=config.routing,
             max_queued_requests=config.max_queued_requests,
             trust_request_chat_template=config.trust_request_chat_template,
+            async_scheduling=config.async_scheduling,
         ),
         tokenizer,
         executors,

@@ -68,8 +68,10 @@ class StepWorker:
         spec: ClientSpec,
         enable_prefix_caching: bool,
         grammars: GrammarCompiler | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.conn = conn
+        self.async_scheduling = async_scheduling
         self.grammars = grammars
         self.spec = spec
         self.enable_prefix_caching = enable_prefix_caching
@@ -146,7 +148,7 @@ class StepWorker:
         def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
             self.outbox.put(make_report(lane_key, lane, event))
 
-        lane = ExecutorLane(executor_id, client, scheduler, on_event)
+        lane = ExecutorLane(executor_id, client, scheduler, on_event, self.async_scheduling)
         self.lanes[lane_key] = lane
         lane.start()
 
@@ -190,10 +192,11 @@ def run_step_worker(
     log_level: str,
     json_logs: bool,
     grammar_settings: GrammarSettings | None,
+    async_scheduling: bool,
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
     from npuserve.deploy.logs import configure_logging
 
     configure_logging(log_level, json_logs)
     grammars = None if grammar_settings is None else GrammarCompiler(*grammar_settings)
-    StepWorker(conn, spec, enable_prefix_caching, grammars).run()
+    StepWorker(conn, spec, enable_prefix_caching, grammars, async_scheduling).run()

@@ -156,6 +156,7 @@ class WorkerHandle:
                 pool.log_level,
                 pool.json_logs,
                 pool.grammar_settings,
+                pool.async_scheduling,
             ),
             name=f"npuserve-{self.name}",
             daemon=True,
@@ -236,6 +237,7 @@ class StepWorkerPool:
         enable_prefix_caching: bool = True,
         log_level: str = "info",
         json_logs: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         if count < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {count}")
@@ -243,6 +245,7 @@ class StepWorkerPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.log_level = log_level
         self.json_logs = json_logs
+        self.async_scheduling = async_scheduling
         self.workers = [WorkerHandle(i, self) for i in range(count)]
         self.grammar_settings: GrammarSettings | None = None  # set by the engine before start
         self._lane_keys = itertools.count()

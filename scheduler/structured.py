@@ -169,16 +169,13 @@ def _fill_masks(states: list[GrammarState]) -> None:
             state.error = f"structured_outputs: the output cannot continue ({why})"
 
 
-def step_bitmask(scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> TokenBitmask | None:
-    """The plan's bitmask: one row per constrained request that samples this step (its scheduled
-    tokens reach its last known token), in batch order; None when there is none."""
+def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:
+    """The plan's bitmask: one row per constrained request among those that sample this step,
+    in batch order; None when there is none."""
     rows = []
-    for request in scheduled:
+    for request in sampling:
         state = request.grammar
-        if (
-            state is None
-            or request.num_computed_tokens + num_scheduled_tokens[request.req_id] < request.num_tokens
-        ):
+        if state is None:
             continue
         if state.num_accepted != request.num_output_tokens:
             state.sync(request.output_token_ids)

@@ -10,8 +10,10 @@ whichever executor it runs, and after any move between executors.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -172,3 +174,46 @@ async def generate(
     """Streams one request to its end."""
     stream = engine.generate(PromptInput(token_ids=prompt_ids), params, request_id)
     return collect_outputs([output async for output in stream])
+
+
+class PipelinedExecutor:
+    """An in-process executor that takes the next step before the last one's result is read
+    (as the streaming gRPC client does): its steps run in order on a thread of their own."""
+
+    def __init__(self, executor: LocalExecutor) -> None:
+        self.executor = executor
+        self._steps: queue.SimpleQueue[tuple[StepPlan, Future[StepResult]]] = queue.SimpleQueue()
+        self.max_queued = 0  # most steps sent and not yet run at once
+        self._queued = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="pipelined-executor", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            plan, future = self._steps.get()
+            try:
+                future.set_result(self.executor.step(plan))
+            except Exception as exc:
+                future.set_exception(exc)
+            with self._lock:
+                self._queued -= 1
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        future: Future[StepResult] = Future()
+        with self._lock:
+            self._queued += 1
+            self.max_queued = max(self.max_queued, self._queued)
+        self._steps.put((plan, future))
+        return future
+
+    def info(self) -> ExecutorInfo:
+        return self.executor.info()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.submit(plan).result()
+
+    def health(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from harness.simulated_engine import SMALL, ControlledExecutor
+from harness.simulated_engine import SMALL, ControlledExecutor, PipelinedExecutor
 
+from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import SimulatedRunner
-from npuserve.scheduler.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -160,3 +161,47 @@ def test_take_down_hands_every_request_back() -> None:
         event = events.until(lambda e: e.lane_down)[-1]
         assert [r.req_id for r in event.evacuated] == ["a"]
         assert (event.error, lane.alive) == ("its registration expired", False)
+
+
+def run_to_completion(
+    executor: StepExecutor, requests: list[Request], async_scheduling: bool
+) -> dict[str, list[int]]:
+    """Every request's tokens, run on one lane (which had to preempt); the pool is intact and
+    idle afterwards."""
+    events = Events()
+    lane = ExecutorLane(
+        "x",
+        executor,
+        Scheduler(SchedulerConfig.for_executor(executor.info())),
+        events.on_event,
+        async_scheduling,
+    )
+    lane.start()
+    tokens: dict[str, list[int]] = {r.req_id: [] for r in requests}
+    finished: set[str] = set()
+    try:
+        lane.submit(requests)
+        while len(finished) < len(requests):
+            event = events.next()
+            assert not event.ended and not event.evacuated
+            for update in event.updates:
+                tokens[update.request.req_id] += update.new_token_ids
+                if update.finished is not None:
+                    finished.add(update.request.req_id)
+        lane.call(lambda s: s.check_integrity(expect_idle=True)).result(timeout=10)
+        assert lane.call(lambda s: s.total_preemptions).result(timeout=10) > 0
+    finally:
+        lane.stop()
+    return tokens
+
+
+def test_async_scheduling_pipelines_steps_and_gives_the_same_tokens_under_preemption() -> None:
+    # 12 requests of 9 + 20 tokens need 96 blocks of 4 at the end: 64 force preemptions.
+    def requests() -> list[Request]:
+        return [make_request(f"r{i}", 9 + i % 3, 20) for i in range(12)]
+
+    sync = run_to_completion(LocalExecutor(SimulatedRunner(SMALL)), requests(), async_scheduling=False)
+    pipelined = PipelinedExecutor(LocalExecutor(SimulatedRunner(SMALL)))
+    assert run_to_completion(pipelined, requests(), async_scheduling=True) == sync
+    assert pipelined.max_queued == 2, "the next step was sent before the last one's result was read"
+    assert all(len(t) == 20 or t[-1] in EOS for t in sync.values())

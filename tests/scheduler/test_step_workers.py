@@ -1,7 +1,8 @@
 """The scheduler with its step loops in worker processes (`--scheduler-workers`).
 
 Unit tests of the report codec and the front's mirror of a worker's prefix cache, then one
-scenario over real processes: two executors on two scheduler workers; 32 concurrent greedy streams
+scenario over real processes: two executors on two scheduler workers, with async scheduling
+(each step sent while the one before runs); 32 concurrent greedy streams
 equal transformers; prefix-aware routing stays exact; a worker SIGKILLed under 32 streams is
 restarted and every stream completes unchanged; every pool is intact and idle afterwards.
 """
@@ -134,7 +135,7 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: 
         ]  # fmt: skip
         addresses = ",".join(e.wait_ready()["address"] for e in executors)
         scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
-                                "--port", "0", "--scheduler-workers", "2", "--log-format", "json")  # fmt: skip
+                                "--port", "0", "--scheduler-workers", "2", "--async-scheduling", "--log-format", "json")  # fmt: skip
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
         first_pids = worker_pids(scheduler)
         assert len(first_pids) == 2, "one worker process per executor here"
