@@ -23,7 +23,7 @@ from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.chat_template import RenderLimits
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
-from npuserve.scheduler.metrics import SchedulerMetrics
+from npuserve.scheduler.metrics import SchedulerMetrics, observe_many
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
 from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -629,8 +629,7 @@ class Engine:
             m.prompt_tokens.inc(event.stats.num_prompt_tokens)
             m.generation_tokens.inc(len(event.updates))
             m.num_preemptions.inc(event.stats.num_preemptions)
-            for _ in event.updates:
-                m.inter_token_latency.observe(event.step_seconds)
+            observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane.executor_id, (0, 0))
         m.prefix_cache_queries.inc(max(0, now_queries - queries))

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import bisect
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``count`` observations of one value (a step's inter-token latency, once per token it
+    produced) at the cost of one: prometheus_client has no batch observe, so this adds to the
+    child's sum and bucket directly (its layout: `_sum`, `_buckets`, `_upper_bounds`)."""
+    if count <= 0:
+        return
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if buckets is None or bounds is None or total is None:  # another layout: one at a time
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect.bisect_left(bounds, value)].inc(count)
 
 
 class SchedulerMetrics:
