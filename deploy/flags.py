@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
 if TYPE_CHECKING:
@@ -180,4 +181,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         keep_alive_timeout_s=args.keep_alive_timeout,
         max_connections=args.max_connections,
         ready_file=args.ready_file,
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
     )

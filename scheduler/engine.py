@@ -178,6 +178,27 @@ class Engine:
     def live_lanes(self) -> list[ExecutorLane]:
         return [lane for lane in self.lanes.values() if lane.alive]
 
+    @property
+    def routable_lanes(self) -> list[ExecutorLane]:
+        """Live lanes that take new requests (a draining executor only finishes its own)."""
+        return [lane for lane in self.lanes.values() if lane.alive and not lane.draining]
+
+    def drain_executor(self, executor_id: str, reason: str) -> None:
+        """Routes no new request to an executor; its requests finish there, then it is removed
+        (a step that fails meanwhile moves them to the others, as for any lost executor)."""
+        lane = self.lanes.get(executor_id)
+        if lane is None or lane.draining:
+            return
+        lane.draining = True
+        log.info("executor draining", executor=executor_id, reason=reason, requests=lane.load)
+        self._remove_if_drained(lane)
+
+    def _remove_if_drained(self, lane: ExecutorLane) -> None:
+        # NOTE: read off the lane thread, as a hint: no new request comes to a draining lane, so
+        # once nothing is queued, held or still to be dropped on the executor, it stays so.
+        if lane.draining and not lane.queued_requests and not lane.scheduler.has_work():
+            self.remove_executor(lane.executor_id, "drained")
+
     def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
         """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""
         if info.block_size != self.block_size or info.vocab_size != self.vocab_size:
@@ -333,13 +354,13 @@ class Engine:
         params.validate(self.vocab_size)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
-        if not self.live_lanes:
+        if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
-        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.live_lanes) >= limit:
+        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.routable_lanes) >= limit:
             raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
         children = [
             Request(
@@ -416,7 +437,7 @@ class Engine:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
-        lane = choose_lane(self.live_lanes, first.block_hashes, num_blocks, self.config.routing)
+        lane = choose_lane(self.routable_lanes, first.block_hashes, num_blocks, self.config.routing)
         for request in siblings:
             self._lane_of[request.req_id] = lane
             self._unstarted[request.req_id] = (lane, num_blocks)
@@ -477,6 +498,8 @@ class Engine:
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
+        if lane.draining and not event.lane_down:
+            self._remove_if_drained(lane)
 
     def _fail_over(self, requests: list[Request], reason: str) -> None:
         """Moves requests of a lost executor to others; each resumes from the tokens it has."""
@@ -489,12 +512,13 @@ class Engine:
             stream = self._streams[parent]
             for request in siblings:
                 request.num_failovers += 1
-            if not self.live_lanes or siblings[0].num_failovers > MAX_FAILOVERS:
-                why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
+            available = bool(self.routable_lanes)
+            if not available or siblings[0].num_failovers > MAX_FAILOVERS:
+                why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
                     self._record_finish(request, "error", time.monotonic())
-                if not self.live_lanes and not stream.started:
+                if not available and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
                     # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
                     stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
@@ -545,6 +569,12 @@ class Engine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def lanes_settled(self) -> bool:
+        """No live lane has a step to send, finished requests' drops included (a hint, read off
+        the lane threads): the executors hold no request of this scheduler."""
+        return not any(lane.scheduler.has_work() for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
         """Every lane's block pool passes its integrity check (run on the lane threads, between

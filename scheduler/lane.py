@@ -80,6 +80,7 @@ class ExecutorLane:
         self._stopping = False
         self.alive = True
         self.down_reason: str | None = None
+        self.draining = False  # set on the event loop: no new requests, its own finish here
         # Placed here but without a token yet; kept by the engine on the event loop thread.
         self.queued_requests = 0
         self.queued_blocks = 0
