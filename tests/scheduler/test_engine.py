@@ -213,6 +213,44 @@ def test_requests_of_a_leaving_executor_move_to_another(tokenizer: Tokenizer) ->
     asyncio.run(scenario())
 
 
+def test_a_draining_executor_finishes_its_requests_takes_no_new_ones_then_leaves(
+    tokenizer: Tokenizer,
+) -> None:
+    """Drained mid-request (its registration marked draining): the request completes there, not
+    moved; new requests go to the other executor; the drained one leaves once it holds nothing.
+    With every executor draining, new requests are refused as unavailable."""
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
+            engine = sim.engine
+            stream = engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
+            outputs = [await anext(stream)]
+            holder = await sim.wait_paused()
+            engine.drain_executor(holder, "its registration is marked draining")
+            assert holder in engine.lanes
+            later = [
+                asyncio.create_task(generate(engine, prompt_of(6, seed), SamplingParams(max_tokens=5)))
+                for seed in range(1, 4)
+            ]
+            sim.resume()
+            outputs += [output async for output in stream]
+            tokens = [t for output in outputs for t in output.completions[0].token_ids]
+            assert tokens == sim.expected_tokens("x", 10, 40)
+            assert all(c.finish_reasons[0] == "length" for c in await asyncio.gather(*later))
+            other = next(name for name in sim.executors if name != holder)
+            assert sim.sampled_by() == {holder: 40, other: 3 * 5}  # x never moved; the rest never came
+            for _ in range(500):
+                if holder not in engine.lanes:
+                    break
+                await asyncio.sleep(0.01)
+            assert list(engine.lanes) == [other]
+            engine.drain_executor(other, "its registration is marked draining")
+            with pytest.raises(NoExecutorError):
+                await engine.add_request(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
+
+    asyncio.run(scenario())
+
+
 def test_a_failed_step_ends_its_requests_with_the_error(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with simulated_engine(tokenizer, 1, failing={"e0": (2, "INTERNAL")}) as sim:
