@@ -3,7 +3,8 @@
 A SIGKILLed executor is restarted on its port after the policy's first backoff while the other
 serves on: the streams in flight complete with the outputs of an undisturbed run (measured first,
 same prompts), and the restarted executor serves again. A SIGKILLed gateway comes back on its port
-and serves the clients that retry. SIGTERM drains: the streams in flight complete in full, a new
+and serves the clients that retry; a SIGKILLed scheduler comes back on its port, the executors
+rejoin it and the gateway reconnects. SIGTERM drains: the streams in flight complete in full, a new
 request gets 503 with Retry-After, and every process exits within --shutdown-timeout.
 
 One `serve` (two executors) is shared by the module; the SIGTERM test ends it, so it comes last.
@@ -183,6 +184,21 @@ def test_a_killed_gateway_restarts_on_its_port_and_serves(served: Served) -> Non
     wait_for(restarted(served, "gateway", pid), "the gateway restarted")
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
     assert_idle_and_intact(served)  # the streams the dead gateway held were aborted
+
+
+def test_a_killed_scheduler_restarts_on_its_port_and_the_gateway_reconnects(served: Served) -> None:
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    undisturbed = completion_text(client, STORY_STARTS[0])
+    pid, _ = serve_child(served.process.pid, "scheduler")  # type: ignore[misc, union-attr]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(restarted(served, "scheduler", pid), "the scheduler restarted")
+    with httpx.Client(base_url=served.url, timeout=10) as http:
+        health = wait_for(
+            lambda: (r := http.get("/health")).status_code == 200 and r.json(), "the gateway serving"
+        )
+    assert health["status"] == "ok" and health["total_executors"] == 2
+    assert completion_text(client, STORY_STARTS[0]) == undisturbed  # executors rejoined afresh
+    assert_idle_and_intact(served)
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_every_process_exits(served: Served) -> None:
