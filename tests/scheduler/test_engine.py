@@ -195,20 +195,35 @@ def test_requests_of_an_unreachable_executor_move_to_another(tokenizer: Tokenize
     asyncio.run(scenario())
 
 
+class MidRun:
+    """Request "x" (10 prompt tokens, 40 new) started, its executor paused inside a step."""
+
+    def __init__(self, sim: SimulatedEngine) -> None:
+        self.sim = sim
+        self.stream = sim.engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
+
+    async def start(self) -> str:
+        """The executor holding "x"."""
+        self.outputs = [await anext(self.stream)]
+        return await self.sim.wait_paused()
+
+    async def finish(self) -> None:
+        """Resumes; "x" streams exactly its tokens to "length"."""
+        self.sim.resume()
+        self.outputs += [output async for output in self.stream]
+        tokens = [t for output in self.outputs for t in output.completions[0].token_ids]
+        assert tokens == self.sim.expected_tokens("x", 10, 40)
+        assert self.outputs[-1].completions[0].finish_reason == "length"
+
+
 def test_requests_of_a_leaving_executor_move_to_another(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
-            engine = sim.engine
-            stream = engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
-            outputs = [await anext(stream)]
-            holder = await sim.wait_paused()
-            engine.remove_executor(holder, "its registration expired")
-            sim.resume()
-            outputs += [output async for output in stream]
-            tokens = [t for output in outputs for t in output.completions[0].token_ids]
-            assert tokens == sim.expected_tokens("x", 10, 40)
-            assert outputs[-1].completions[0].finish_reason == "length"
-            assert holder not in engine.lanes and len(engine.lanes) == 1
+            x = MidRun(sim)
+            holder = await x.start()
+            sim.engine.remove_executor(holder, "its registration expired")
+            await x.finish()
+            assert holder not in sim.engine.lanes and len(sim.engine.lanes) == 1
 
     asyncio.run(scenario())
 
@@ -223,19 +238,15 @@ def test_a_draining_executor_finishes_its_requests_takes_no_new_ones_then_leaves
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
             engine = sim.engine
-            stream = engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
-            outputs = [await anext(stream)]
-            holder = await sim.wait_paused()
+            x = MidRun(sim)
+            holder = await x.start()
             engine.drain_executor(holder, "its registration is marked draining")
             assert holder in engine.lanes
             later = [
                 asyncio.create_task(generate(engine, prompt_of(6, seed), SamplingParams(max_tokens=5)))
                 for seed in range(1, 4)
             ]
-            sim.resume()
-            outputs += [output async for output in stream]
-            tokens = [t for output in outputs for t in output.completions[0].token_ids]
-            assert tokens == sim.expected_tokens("x", 10, 40)
+            await x.finish()
             assert all(c.finish_reasons[0] == "length" for c in await asyncio.gather(*later))
             other = next(name for name in sim.executors if name != holder)
             assert sim.sampled_by() == {holder: 40, other: 3 * 5}  # x never moved; the rest never came
