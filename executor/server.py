@@ -13,8 +13,9 @@ as ConfigError or PlatformError, before anything is served), binds, writes the r
 serves until SIGTERM or SIGINT; with ``--registry`` it registers in Redis meanwhile
 (`registration`). `npuserve executor` runs it (its flags: `npuserve.deploy.executor_flags`).
 
-SIGTERM drains: Health answers not serving, a registered executor marks its record draining (the
-scheduler stops routing new requests to it), and steps go on until the requests it holds are done
+SIGTERM drains: Health answers not serving, every step's answer says it drains and a registered
+executor marks its record draining (the scheduler stops routing new requests to it; `Info`
+refuses a new scheduler), and steps go on until the requests it holds are done
 or ``--shutdown-timeout`` passes (then steps get UNAVAILABLE and the scheduler moves what is left
 to other executors); a second signal stops at once. Each process start has its own
 ``instance_id``: a plan addressed to another instance (a scheduler that handshook with this
@@ -143,6 +144,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return pb.StopProfileResponse(trace_files=[str(f) for f in files])
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
+        if self.draining:  # NOTE: no scheduler may start on an executor that is on its way out
+            raise ExecutorStopping("the executor is draining; it takes no new scheduler")
         return self._info
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
@@ -212,7 +215,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             sample_s=t.sample_s,
             total_s=t.total_s,
         )
-        return step_codec.result_to_proto(result)
+        response = step_codec.result_to_proto(result)
+        response.draining = self.draining
+        return response
 
     def _track(self, plan: StepPlan, failed: bool = False) -> None:
         """Follows which requests the runner holds (a failed step drops the plan's requests)."""

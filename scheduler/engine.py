@@ -498,6 +498,8 @@ class Engine:
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
+        if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
+            self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:
             self._remove_if_drained(lane)
 

@@ -61,6 +61,7 @@ class LaneEvent:
     lane_down: bool = False
     stats: StepStats | None = None
     step_seconds: float = 0.0
+    executor_draining: bool = False  # the executor said so in its step's answer
 
 
 class ExecutorLane:
@@ -197,4 +198,7 @@ class ExecutorLane:
             return
         updates = self.scheduler.update_from_output(plan, result)
         self.num_steps += 1
-        self.on_event(self, LaneEvent(updates=updates, stats=stats, step_seconds=time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.on_event(
+            self, LaneEvent(updates=updates, stats=stats, step_seconds=seconds, executor_draining=result.draining)
+        )

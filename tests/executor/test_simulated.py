@@ -188,7 +188,11 @@ def test_a_draining_executor_is_not_ready_but_steps_until_it_holds_nothing() -> 
             )
             running.servicer.draining = True
             assert not client.health()  # readiness fails
-            client.step(StepPlan(2, num_scheduled_tokens={"a": 1, "b": 5}))  # steps go on
+            with pytest.raises(ExecutorError) as refused:
+                client.info()  # no new scheduler
+            assert refused.value.code == "UNAVAILABLE"
+            result = client.step(StepPlan(2, num_scheduled_tokens={"a": 1, "b": 5}))  # steps go on
+            assert result.draining and result.sampled_req_ids == ["a", "b"]
             assert running.servicer.num_held_requests == 2
             client.step(StepPlan(3, finished_req_ids=["a"], num_scheduled_tokens={"b": 1}))
             assert running.servicer.num_held_requests == 1

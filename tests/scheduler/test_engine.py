@@ -10,7 +10,7 @@ import pytest
 from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
 
 from npuserve.executor.local import LocalExecutor
-from npuserve.executor.simulated import SimulatedRunner
+from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.engine import (
     ModelNotFoundError,
     NoExecutorError,
@@ -202,10 +202,13 @@ class MidRun:
         self.sim = sim
         self.stream = sim.engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
 
-    async def start(self) -> str:
-        """The executor holding "x"."""
+    async def start(self, paused: bool = True) -> str:
+        """Waits for the first output (and the paused step); the executor holding "x"."""
         self.outputs = [await anext(self.stream)]
-        return await self.sim.wait_paused()
+        if paused:
+            return await self.sim.wait_paused()
+        (holder,) = [name for name, sampled in self.sim.sampled_by().items() if sampled]
+        return holder
 
     async def finish(self) -> None:
         """Resumes; "x" streams exactly its tokens to "length"."""
@@ -233,33 +236,55 @@ def test_a_draining_executor_finishes_its_requests_takes_no_new_ones_then_leaves
 ) -> None:
     """Drained mid-request (its registration marked draining): the request completes there, not
     moved; new requests go to the other executor; the drained one leaves once it holds nothing.
-    With every executor draining, new requests are refused as unavailable."""
+    With every executor draining, new requests are unavailable."""
 
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
-            engine = sim.engine
             x = MidRun(sim)
             holder = await x.start()
-            engine.drain_executor(holder, "its registration is marked draining")
-            assert holder in engine.lanes
-            later = [
-                asyncio.create_task(generate(engine, prompt_of(6, seed), SamplingParams(max_tokens=5)))
-                for seed in range(1, 4)
-            ]
-            await x.finish()
-            assert all(c.finish_reasons[0] == "length" for c in await asyncio.gather(*later))
-            other = next(name for name in sim.executors if name != holder)
-            assert sim.sampled_by() == {holder: 40, other: 3 * 5}  # x never moved; the rest never came
-            for _ in range(500):
-                if holder not in engine.lanes:
-                    break
-                await asyncio.sleep(0.01)
-            assert list(engine.lanes) == [other]
-            engine.drain_executor(other, "its registration is marked draining")
-            with pytest.raises(NoExecutorError):
-                await engine.add_request(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
+            sim.engine.drain_executor(holder, "its registration is marked draining")
+            await _only_the_drained_request_runs_there(sim, x, holder)
 
     asyncio.run(scenario())
+
+
+def test_an_executor_that_answers_draining_is_drained(tokenizer: Tokenizer) -> None:
+    """The same when the executor's step answer says it drains (SIGTERM, with --executors)."""
+    slow = dataclasses.replace(SMALL, latency=LatencyModel(0.01, 0.0, 0.0))  # 40 steps: 0.4 s
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=2, config=slow) as sim:
+            x = MidRun(sim)
+            holder = await x.start(paused=False)
+            sim.executors[holder].draining = True
+            for _ in range(100):
+                if sim.engine.lanes[holder].draining:
+                    break
+                await asyncio.sleep(0.005)
+            await _only_the_drained_request_runs_there(sim, x, holder)
+
+    asyncio.run(scenario())
+
+
+async def _only_the_drained_request_runs_there(sim: SimulatedEngine, x: MidRun, holder: str) -> None:
+    engine = sim.engine
+    assert engine.lanes[holder].draining
+    later = [
+        asyncio.create_task(generate(engine, prompt_of(6, seed), SamplingParams(max_tokens=5)))
+        for seed in range(1, 4)
+    ]
+    await x.finish()
+    assert all(c.finish_reasons[0] == "length" for c in await asyncio.gather(*later))
+    other = next(name for name in sim.executors if name != holder)
+    assert sim.sampled_by() == {holder: 40, other: 3 * 5}  # x never moved; the rest never came
+    for _ in range(500):
+        if holder not in engine.lanes:
+            break
+        await asyncio.sleep(0.01)
+    assert list(engine.lanes) == [other]
+    engine.drain_executor(other, "its registration is marked draining")
+    with pytest.raises(NoExecutorError):
+        await engine.add_request(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
 
 
 def test_a_failed_step_ends_its_requests_with_the_error(tokenizer: Tokenizer) -> None:
