@@ -98,8 +98,9 @@ class Supervisor:
         if wait_s is None:
             s.given_up = True
             log.error(
-                f"{s.name} is in a crash loop ({self.policy.describe()}); giving it up",
+                "crash loop: giving the process up",
                 name=s.name,
+                deaths=self.policy.describe(),
                 exit_code=code,
                 restarts=s.history.restarts,
             )
