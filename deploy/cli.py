@@ -7,7 +7,6 @@ The executor's and the scheduler's flags come from their config tables (`executo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import sys
 import urllib.parse
@@ -96,7 +95,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
-    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, gateway_flags, logging_flags
+    from npuserve.deploy.flags import (
+        CLUSTER_TOKEN_ENV,
+        chat_parser_settings,
+        cluster_token,
+        gateway_flags,
+        logging_flags,
+    )
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.deploy.shutdown import Shutdown, shutdown_timeout_flags
@@ -136,6 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return ["gateway", *where, *common, *gateway_flags(args)]
 
     try:
+        chat_parser_settings(args)  # the gateway's flags that cannot work, refused before any start
         executors = []
         for index in range(num_executors):
             env = {**device_env(args.device, index, num_executors, args.tensor_parallel_size), **token_env}
@@ -212,6 +218,7 @@ def run_executor(args: argparse.Namespace) -> int:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from npuserve.deploy import event_loop
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler
@@ -231,7 +238,17 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(serve_scheduler(config, args.host, args.port, args.ready_file, args.shutdown_timeout))
+    event_loop.run(
+        serve_scheduler(
+            config,
+            args.host,
+            args.port,
+            args.ready_file,
+            args.log_level,
+            args.log_format == "json",
+            shutdown_timeout_s=args.shutdown_timeout,
+        )
+    )
     return 0
 
 

@@ -41,7 +41,9 @@ def device_flag(text: str) -> str:
     """An argparse type: auto, cpu, cuda, npu, or cuda:N / npu:N."""
     value = text.strip().lower()
     if DEVICE_FLAG.fullmatch(value) is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, cpu, cuda, npu, or npu:N (N a device index)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose auto, cpu, cuda, npu, or npu:N (N a device index)"
+        )
     return value
 
 

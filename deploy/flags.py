@@ -15,6 +15,7 @@ from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
 if TYPE_CHECKING:
+    from npuserve.gateway.chat_output import ParserSettings
     from npuserve.gateway.server import GatewayConfig
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.env
@@ -107,8 +108,10 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     out = []
     for action in own._actions:
         value = getattr(args, action.dest, None)
-        if action.dest != "api_key" and value is not None:
-            out.append(f"{action.option_strings[0]}={value}")
+        if action.dest == "api_key" or value is None or value is False:
+            continue
+        switch = action.nargs == 0  # store_true: the bare flag
+        out.append(action.option_strings[0] if switch else f"{action.option_strings[0]}={value}")
     return out
 
 
@@ -145,6 +148,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
         default=1000,
         help="open connections beyond which new ones get 503 (stalled clients count until timed out)",
     )
+    _add_chat_parser_flags(parser)
     if standalone:
         parser.add_argument("--served-model-name", help="default: the scheduler's model name")
         parser.add_argument(
@@ -154,6 +158,40 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
         parser.add_argument(
             "--scheduler-tls-ca", type=Path, help="PEM CA certificates: reach the scheduler over TLS"
         )
+
+
+def _add_chat_parser_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for reading tool calls and reasoning out of chat answers."""
+    from npuserve.gateway.reasoning import REASONING_PARSERS
+    from npuserve.gateway.tool_parsers import TOOL_PARSERS
+
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model may call a tool, and '
+        "--tool-call-parser reads its calls from its text",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3, Hermes), "
+        "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS] then a JSON array, or name[ARGS]{...})",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's thinking into reasoning_content: qwen3 (<think>...</think>)",
+    )
+
+
+def chat_parser_settings(args: argparse.Namespace) -> ParserSettings:
+    """The gateway's tool-call and reasoning parsers from its flags; ValueError naming a flag
+    that is wrong (`serve` checks them before it starts any process)."""
+    from npuserve.gateway.chat_output import ParserSettings
+
+    return ParserSettings.from_flags(
+        args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+    )
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -167,6 +205,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls_ca = args.scheduler_tls_ca.read_bytes() if getattr(args, "scheduler_tls_ca", None) else None
     except OSError as exc:
         raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
+    parsers = chat_parser_settings(args)
     return GatewayConfig(
         scheduler=args.scheduler,
         host=args.host,
@@ -181,5 +220,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         keep_alive_timeout_s=args.keep_alive_timeout,
         max_connections=args.max_connections,
         ready_file=args.ready_file,
+        parsers=parsers,
         shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
     )

@@ -32,7 +32,9 @@ def _grpc_health(kind: str, address: str, timeout_s: float) -> tuple[bool, str]:
                 executor_pb2.HealthRequest(), timeout=timeout_s
             )
         else:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).Health(scheduler_pb2.HealthRequest(), timeout=timeout_s)
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).Health(
+                scheduler_pb2.HealthRequest(), timeout=timeout_s
+            )
     return reply.serving, getattr(reply, "message", "") or "not serving"
 
 

@@ -83,7 +83,12 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
         # NOTE: the token travels in the environment, not in argv where `ps` shows it.
         Flag("cluster_token", "--cluster-token", CLUSTER_TOKEN_OPTIONS, forward=False),
         Flag("api_key", "--api-key", API_KEY_OPTIONS, forward=False),
-        Flag("tls_cert", "--tls-cert", {"type": Path, "help": "PEM certificate chain: serve over TLS"}, forward=False),
+        Flag(
+            "tls_cert",
+            "--tls-cert",
+            {"type": Path, "help": "PEM certificate chain: serve over TLS"},
+            forward=False,
+        ),
         Flag("tls_key", "--tls-key", {"type": Path, "help": "PEM private key of --tls-cert"}, forward=False),
         # The serving flags, `npuserve serve`'s too:
         Flag(
@@ -95,7 +100,10 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
         Flag(
             "trust_request_chat_template",
             "--trust-request-chat-template",
-            {"action": "store_true", "help": "render chat templates that clients send (off: such requests are refused)"},
+            {
+                "action": "store_true",
+                "help": "render chat templates that clients send (off: such requests are refused)",
+            },
         ),
         Flag(
             "enable_prefix_caching",
@@ -111,6 +119,15 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             "max_queued_requests",
             "--max-queued-requests",
             {"type": int, "help": "refuse new requests beyond this many waiting"},
+        ),
+        Flag(
+            "scheduler_workers",
+            "--scheduler-workers",
+            {
+                "type": int,
+                "help": "processes that run the executors' step loops (0: threads of the scheduler process; "
+                "default: one per core but one, at most 16)",
+            },
         ),
         Flag("step_transport", "--step-transport", {"default": "unary", "choices": ["unary", "stream"]}),
         Flag(

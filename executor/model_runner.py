@@ -28,9 +28,11 @@ from npuserve.executor.model_loader import load_model
 from npuserve.executor.platform import resolve_dtype, resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
+    AllowedTokens,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    build_allowed_tokens,
     build_sampling_metadata,
 )
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
@@ -39,6 +41,7 @@ from npuserve.proto.step_plan import (
     StepPlan,
     StepResult,
     StepTimings,
+    TokenBitmask,
     TokenLogprobs,
 )
 
@@ -162,15 +165,19 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         sampled_ids = np.zeros(0, dtype=np.int32)
         forwarded = sampled = time.perf_counter()
+        sampled_req_ids = [
+            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
+        ]
+        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         if len(inputs.logits_indices):
             indices = torch.from_numpy(inputs.logits_indices).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
             forwarded = time.perf_counter()
-            output = self.sampler(logits, self._sampling_metadata(inputs))
+            sampling = self._sampling_metadata(inputs)
+            sampling.allowed_tokens = allowed
+            output = self.sampler(logits, sampling)
             sampled_ids = output.token_ids.cpu().numpy().astype(np.int32)
-            result.sampled_req_ids = [
-                r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
-            ]
+            result.sampled_req_ids = sampled_req_ids
             result.sampled_token_ids = sampled_ids.tolist()
             result.logprobs = _logprobs_lists(
                 output, self.batch.sampling.columns["num_logprobs"][inputs.rows[inputs.sample_mask]]
@@ -204,6 +211,23 @@ class ModelRunner:
                 raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
+
+    def _allowed_tokens(
+        self, bitmask: TokenBitmask | None, sampled_req_ids: list[str]
+    ) -> AllowedTokens | None:
+        """The plan's bitmask on the device, its rows placed among the sampled ones; PlanError
+        for a row of a request that does not sample this step, or of the wrong width."""
+        if bitmask is None:
+            return None
+        index_of = {req_id: i for i, req_id in enumerate(sampled_req_ids)}
+        missing = [r for r in bitmask.req_ids if r not in index_of]
+        if missing:
+            raise PlanError(f"a bitmask row for {missing[0]!r}, which samples no token this step")
+        rows = np.array([index_of[r] for r in bitmask.req_ids], dtype=np.int64)
+        try:
+            return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
 
     def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
         """The sampler's inputs for the rows sampled this step."""

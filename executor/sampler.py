@@ -1,4 +1,5 @@
-"""Vectorized token sampler: penalties, min_tokens, temperature, min_p/top_k/top_p, logprobs.
+"""Vectorized token sampler: penalties, min_tokens, structured-output bitmasks, temperature,
+min_p/top_k/top_p, logprobs.
 
 Every step is one pass of batched tensor ops over `[B, V]` logits, with no Python loop over rows
 and no host sync on the sampling path. Random rows draw by inverse CDF with one counter-based
@@ -46,6 +47,14 @@ class MinTokensBlock:
 
 
 @dataclass
+class AllowedTokens:
+    """Structured outputs: the tokens each constrained row may sample (packed bits)."""
+
+    row_ids: torch.Tensor  # [M] int64: the constrained rows among the B sampled ones
+    bitmask: torch.Tensor  # [M, W] int32: bit (t % 32) of word (t // 32) allows token t
+
+
+@dataclass
 class SamplingMetadata:
     """Per-step sampling inputs; rows are the B requests sampled this step."""
 
@@ -60,6 +69,7 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None  # None when no row has a penalty
     min_tokens_block: MinTokensBlock | None  # None when no row is below its min_tokens
     max_top_k: int = 0  # largest active top_k (host-side, so top-k needs no host sync)
+    allowed_tokens: AllowedTokens | None = None  # None when no row is constrained
 
 
 @dataclass
@@ -242,6 +252,33 @@ def apply_min_tokens(logits: torch.Tensor, block: MinTokensBlock) -> torch.Tenso
     return logits.index_put((block.row_ids, block.token_ids), neg_inf)
 
 
+def build_allowed_tokens(
+    row_ids: np.ndarray,  # [M] int64: sampled-row index of each bitmask row
+    words: bytes,  # M rows of W little-endian int32 words
+    vocab_size: int,
+    device: torch.device,
+) -> AllowedTokens:
+    """The device form of a step's bitmask; ValueError when its rows are not W words each."""
+    num_words = (vocab_size + 31) // 32
+    packed = np.frombuffer(words, dtype="<i4")
+    if len(row_ids) == 0 or packed.size != len(row_ids) * num_words:
+        raise ValueError(f"a bitmask of {packed.size} words is not {len(row_ids)} rows of {num_words}")
+    return AllowedTokens(
+        row_ids=torch.as_tensor(row_ids, device=device).long(),
+        bitmask=torch.from_numpy(packed.astype(np.int32).reshape(len(row_ids), num_words)).to(device),
+    )
+
+
+def apply_token_bitmask(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """logits [B, V] -> copy with every token a constrained row's bitmask leaves unset at -inf."""
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    bits = (allowed.bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
+    keep = bits.flatten(1)[:, :vocab_size].bool()  # [M, V]
+    rows = logits.index_select(0, allowed.row_ids).masked_fill_(~keep, float("-inf"))  # [M, V]
+    return logits.index_copy(0, allowed.row_ids, rows)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """logits [B, V], min_p [B] -> logits with tokens whose prob < min_p * max prob at -inf."""
     probs = logits.softmax(dim=-1)  # [B, V]
@@ -302,6 +339,8 @@ class Sampler:
             logits = apply_penalties(logits, metadata.penalties)
         if metadata.min_tokens_block is not None:
             logits = apply_min_tokens(logits, metadata.min_tokens_block)
+        if metadata.allowed_tokens is not None:
+            logits = apply_token_bitmask(logits, metadata.allowed_tokens)
         token_ids = logits.argmax(dim=-1)  # [B], greedy
         if not metadata.all_greedy:
             is_greedy = metadata.temperature == 0  # [B]

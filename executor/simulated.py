@@ -18,6 +18,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request
 from npuserve.proto.step_plan import (
     ExecutorInfo,
@@ -26,6 +28,7 @@ from npuserve.proto.step_plan import (
     StepResult,
     StepTimings,
     TokenLogprobs,
+    bitmask_words,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -227,11 +230,12 @@ class SimulatedRunner:
             if seq_len > state.num_blocks * block_size:
                 raise PlanError("tokens scheduled beyond a request's blocks")
             scheduled.append((req_id, state, seq_len))
+        masks = self._masks(plan, scheduled)
         result = StepResult(step_id=plan.step_id)
         for req_id, state, seq_len in scheduled:
             state.num_computed_tokens = seq_len
             if seq_len == state.num_tokens:
-                token = self._sample(state)
+                token = self._sample(state, masks.get(req_id))
                 result.sampled_req_ids.append(req_id)
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(self._logprobs(state, token))
@@ -259,12 +263,35 @@ class SimulatedRunner:
         c = self.config
         check_block_ids(req_id, block_ids, num_held, c.num_blocks, c.max_blocks_per_req)
 
-    def _sample(self, state: _RequestState) -> int:
+    def _masks(
+        self, plan: StepPlan, scheduled: list[tuple[str, _RequestState, int]]
+    ) -> dict[str, np.ndarray]:
+        """Each constrained request's allowed token ids (structured outputs), as the real runner
+        checks them: rows only for requests that sample, each of the vocabulary's width."""
+        if plan.bitmask is None:
+            return {}
+        sampling = {req_id for req_id, state, seq_len in scheduled if seq_len == state.num_tokens}
+        num_words = bitmask_words(self.config.vocab_size)
+        words = np.frombuffer(plan.bitmask.words, dtype="<i4")
+        if words.size != num_words * len(plan.bitmask.req_ids) or not sampling.issuperset(
+            plan.bitmask.req_ids
+        ):
+            raise PlanError("a bitmask row for a request that does not sample, or of the wrong width")
+        bits = np.unpackbits(words.reshape(-1, num_words).view(np.uint8), axis=1, bitorder="little")
+        return {req_id: np.flatnonzero(row) for req_id, row in zip(plan.bitmask.req_ids, bits, strict=True)}
+
+    def _sample(self, state: _RequestState, allowed: np.ndarray | None = None) -> int:
+        """The simulated token; under a bitmask, that token if allowed, else an allowed one
+        picked by the same hash (so still a function of the request and the position)."""
         c = self.config
         output_index = state.num_tokens - state.num_prompt_tokens + 1  # 1-based
-        if c.eos_after is not None and output_index == c.eos_after:
+        eos_allowed = allowed is None or bool(np.isin(c.eos_token_ids[:1], allowed).all())
+        if c.eos_after is not None and output_index == c.eos_after and eos_allowed:
             return c.eos_token_ids[0]
-        return simulated_token(state.key, state.num_tokens, c.vocab_size, c.eos_token_ids)
+        token = simulated_token(state.key, state.num_tokens, c.vocab_size, c.eos_token_ids)
+        if allowed is None or token in allowed or not len(allowed):
+            return token
+        return int(allowed[simulated_token(state.key, state.num_tokens, len(allowed))])
 
     def _logprobs(self, state: _RequestState, token: int) -> TokenLogprobs | None:
         """A certain token (logprob 0, rank 1) and made-up runners-up, when the request asks."""

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from npuserve.gateway import convert
 from npuserve.gateway.auth import APIKeyMiddleware
+from npuserve.gateway.chat_output import OutputShape, ParserSettings
 from npuserve.gateway.drain import Drain, DrainMiddleware
 from npuserve.gateway.errors import APIError, bad_request, error_body, request_timeout, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
@@ -43,6 +44,7 @@ from npuserve.gateway.protocol import (
     validate,
 )
 from npuserve.gateway.scheduler_client import SchedulerClient
+from npuserve.gateway.tool_calls import tool_plan
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +66,7 @@ class Gateway:
     served_model_name: str | None
     max_request_bytes: int
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    parsers: ParserSettings = field(default_factory=ParserSettings)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _models: list[convert.ModelInfo] = field(default_factory=list)
 
@@ -227,10 +230,11 @@ def _routes(app: FastAPI) -> None:
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
         response_id = f"chatcmpl-{_request_id(request)}"
-        requests = [convert.chat_request(body, response_id, target)]
-        return await _generate(
-            request, gateway, body, requests, ChatFormat(body.logprobs), response_id, model
-        )
+        parsers = gateway.parsers
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, parsers.auto_tool_parser)
+        requests = [convert.chat_request(body, response_id, target, tools)]
+        kind = ChatFormat(body.logprobs, OutputShape(tools, parsers.reasoning))
+        return await _generate(request, gateway, body, requests, kind, response_id, model)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -350,9 +354,11 @@ def create_app(
     scheduler_api_key: str | None = None,
     scheduler_tls_ca: bytes | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    parsers: ParserSettings | None = None,
 ) -> FastAPI:
     """The gateway app; its gRPC channel opens when the app starts (inside the server's loop).
-    `scheduler_api_key` is presented to the scheduler, `scheduler_tls_ca` verifies its TLS."""
+    `scheduler_api_key` is presented to the scheduler, `scheduler_tls_ca` verifies its TLS;
+    `parsers` read tool calls and reasoning out of chat answers."""
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     client = SchedulerClient(scheduler_address, scheduler_api_key, scheduler_tls_ca)
@@ -366,7 +372,9 @@ def create_app(
             await client.close()
 
     app = FastAPI(title="npuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    gateway = Gateway(client, served_model_name, max_request_bytes, body_timeout_s)
+    gateway = Gateway(
+        client, served_model_name, max_request_bytes, body_timeout_s, parsers or ParserSettings()
+    )
     app.state.gateway = gateway
     _routes(app)
     _error_handlers(app)

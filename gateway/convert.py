@@ -8,6 +8,7 @@ field comes back under the name the client sent it as. The calls themselves are 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -21,7 +22,10 @@ from npuserve.gateway.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from npuserve.gateway.structured_outputs import constraint_of
+from npuserve.gateway.tool_calls import Tool, ToolPlan, constrains_output
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
 
 # -- what the gateway sees of the scheduler's replies -----------------------------------------------
 
@@ -120,6 +124,9 @@ def _sampling(
     for name, value in optional.items():
         if value is not None:
             setattr(msg, name, value)
+    constraint = constraint_of(req)
+    if constraint is not None:
+        msg.structured_outputs.CopyFrom(constraint.message)
     return msg
 
 
@@ -145,31 +152,71 @@ def completion_requests(req: CompletionRequest, request_id: str, model: str) -> 
         raise bad_request(f"the request cannot be encoded: {exc}") from None
 
 
-def chat_request(req: ChatCompletionRequest, request_id: str, model: str) -> pb.GenerateRequest:
+def chat_request(
+    req: ChatCompletionRequest, request_id: str, model: str, tools: ToolPlan | None = None
+) -> pb.GenerateRequest:
+    """The scheduler request of a chat completion; `tools`: its tool plan (the constraint that
+    enforces `required` or a named function, and whether its parser needs special tokens)."""
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
         msg = pb.GenerateRequest(
             request_id=request_id,
             model=model,
-            chat=_chat_prompt(req.messages, req.add_generation_prompt, req.chat_template),
+            chat=_chat_prompt(req),
             sampling=_sampling(req, req.completion_limit, logprobs),
             add_special_tokens=req.add_special_tokens,
         )
     except ValueError as exc:
         raise bad_request(f"the request cannot be encoded: {exc}") from None
+    if tools is not None:
+        _apply_tool_plan(msg.sampling, tools, req.skip_special_tokens)
     return msg
 
 
-def _chat_prompt(
-    messages: list[ChatMessage], add_generation_prompt: bool, template: str | None
-) -> pb.ChatPrompt:
+def _apply_tool_plan(sampling: pb.SamplingParams, tools: ToolPlan, skip_special_tokens: bool | None) -> None:
+    if tools.parser is not None and tools.parser.keeps_special_tokens and skip_special_tokens is None:
+        sampling.skip_special_tokens = False  # the parser reads markers that are special tokens
+    if tools.schema is None:
+        return
+    if sampling.HasField("structured_outputs"):
+        raise bad_request(
+            "tool_choice: a required or named tool choice constrains the output already; "
+            "leave out response_format, structured_outputs and guided_*",
+            "tool_choice",
+        )
+    sampling.structured_outputs.json_schema = json.dumps(tools.schema)
+
+
+def _chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest) -> pb.ChatPrompt:
     chat = pb.ChatPrompt(
-        messages=[pb.ChatMessage(role=m.role, content=m.content) for m in messages],
-        add_generation_prompt=add_generation_prompt,
+        messages=[_message(m) for m in req.messages],
+        add_generation_prompt=req.add_generation_prompt,
+        tools=[_tool(t) for t in req.tools or ()],
     )
-    if template is not None:
-        chat.chat_template = template
+    if req.chat_template is not None:
+        chat.chat_template = req.chat_template
     return chat
+
+
+def _message(message: ChatMessage) -> pb.ChatMessage:
+    msg = pb.ChatMessage(role=message.role, content=message.content)
+    if message.name is not None:
+        msg.name = message.name
+    if message.tool_call_id is not None:
+        msg.tool_call_id = message.tool_call_id
+    for call in message.tool_calls or ():
+        function = pb.FunctionCall(name=call.function.name, arguments=call.function.arguments)
+        msg.tool_calls.append(pb.ToolCall(id=call.id, type=call.type, function=function))
+    return msg
+
+
+def _tool(tool: Tool) -> pb.Tool:
+    function = pb.FunctionDefinition(
+        name=tool.function.name, parameters_json=json.dumps(tool.function.parameters, ensure_ascii=False)
+    )
+    if tool.function.description is not None:
+        function.description = tool.function.description
+    return pb.Tool(type=tool.type, function=function)
 
 
 def tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, model: str) -> pb.TokenizeRequest:
@@ -177,7 +224,7 @@ def tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, model
         model=model, add_special_tokens=req.add_special_tokens, return_token_strs=req.return_token_strs
     )
     if isinstance(req, TokenizeChatRequest):
-        msg.chat.CopyFrom(_chat_prompt(req.messages, req.add_generation_prompt, req.chat_template))
+        msg.chat.CopyFrom(_chat_prompt(req))
     else:
         msg.text = req.prompt
     return msg
@@ -228,14 +275,27 @@ def health_info(reply: pb.HealthResponse) -> HealthInfo:
 def _params_of_fields(body: BaseModel) -> dict[str, str]:
     """The scheduler's field -> the param `body` sent it as, where the two names differ: the
     inverse of the request mapping above."""
-    if isinstance(body, ChatCompletionRequest):
-        max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+        names = _constraint_param(body)
+        if isinstance(body, ChatCompletionRequest):
+            max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            names |= {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+        return names
     if isinstance(body, TokenizeChatRequest):
         return {"prompt": "messages"}
     if isinstance(body, DetokenizeRequest):
         return {"token_ids": "tokens"}
     return {}
+
+
+def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    try:
+        constraint = constraint_of(body)
+    except APIError:
+        return {}
+    if isinstance(body, ChatCompletionRequest) and constrains_output(body.tool_choice):
+        return {STRUCTURED_FIELD: "tools"}  # the tool-call schema built from them
+    return {} if constraint is None else {STRUCTURED_FIELD: constraint.param}
 
 
 def in_request_terms(error: APIError, body: BaseModel) -> APIError:

@@ -18,6 +18,8 @@ from typing import Any
 
 import structlog
 
+from npuserve.gateway.chat_output import ChoiceOutput, OutputShape, whole_message
+from npuserve.gateway.chat_output import finish_reason as chat_finish_reason
 from npuserve.gateway.convert import ChoiceDelta, TokenLogprob, Update, Usage
 from npuserve.gateway.errors import APIError, error_body
 from npuserve.gateway.protocol import SSE_DONE, ChunkEvents, sse_event, usage_dict
@@ -265,8 +267,17 @@ class ChatFormat:
     chunk_object = "chat.completion.chunk"
     full_object = "chat.completion"
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, shape: OutputShape | None = None) -> None:
         self.logprobs = logprobs
+        self.shape = None if shape is None or shape.plain else shape
+        self._outputs: dict[int, ChoiceOutput] = {}
+
+    def _output(self, choice: Choice) -> ChoiceOutput | None:
+        if self.shape is None:
+            return None
+        if choice.index not in self._outputs:
+            self._outputs[choice.index] = ChoiceOutput(self.shape)
+        return self._outputs[choice.index]
 
     def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
         choice.started = True
@@ -280,13 +291,20 @@ class ChatFormat:
     def delta_chunk(
         self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None
     ) -> dict[str, Any] | None:
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        output = self._output(choice)
+        finish_reason = delta.finish_reason
+        if output is None:
+            message = {"content": delta.text} if delta.text else {}
+        else:
+            message = output.delta(delta.text, final=finish_reason is not None)
+            finish_reason = output.finish_reason(finish_reason)
+        if not message and not delta.logprobs and finish_reason is None:
             return None
         return {
             "index": choice.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": {"content": [_chat_logprob(e) for e in delta.logprobs]} if self.logprobs else None,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 
@@ -297,11 +315,17 @@ class ChatFormat:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
+        text, finish_reason = "".join(choice.parts), choice.finish_reason
+        if self.shape is None:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+        else:
+            message, called = whole_message(self.shape, text)
+            finish_reason = chat_finish_reason(finish_reason, called)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.parts)},
+            "message": message,
             "logprobs": {"content": [_chat_logprob(e) for e in choice.logprobs]} if self.logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
 

@@ -21,11 +21,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from npuserve.gateway.errors import bad_request, from_validation_error
+from npuserve.gateway.tool_calls import MessageToolCall, Tool, ToolChoice, parse_tool_choice
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
@@ -78,6 +80,15 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[Int32] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
+    # Structured outputs (at most one; see gateway/structured_outputs.py): OpenAI's, then vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: one engine enforces all
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -158,6 +169,24 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]  # as the scheduler accepts
     content: str = ""
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, validate_default=True)
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(
+        cls, value: list[MessageToolCall] | None, info: ValidationInfo
+    ) -> list[MessageToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_results_name_their_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -199,23 +228,14 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: ChatTemplate = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("tools")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return value
+    def _tool_choice(cls, value: Any) -> ToolChoice | None:
+        return parse_tool_choice(value)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -246,6 +266,7 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = False
     chat_template: ChatTemplate = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Request):

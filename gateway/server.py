@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -26,6 +26,7 @@ import uvicorn
 
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
+from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.drain import Drain
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
@@ -54,6 +55,7 @@ class GatewayConfig:
     max_connections: int = 1000
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
+    parsers: ParserSettings = field(default_factory=ParserSettings)  # tool calls, reasoning
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -73,11 +75,9 @@ class GatewayConfig:
 
 def run_gateway(config: GatewayConfig) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
-        return asyncio.run(serve_gateway(config))
-    return uvloop.run(serve_gateway(config))
+    from npuserve.deploy import event_loop
+
+    return event_loop.run(serve_gateway(config))
 
 
 class _Server(uvicorn.Server):
@@ -114,6 +114,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
         scheduler_api_key=config.scheduler_api_key,
         scheduler_tls_ca=config.scheduler_tls_ca,
         body_timeout_s=config.request_body_timeout_s,
+        parsers=config.parsers,
     )
     try:
         sock = bind_socket(config.host, config.port)

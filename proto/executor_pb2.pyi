@@ -95,7 +95,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "executor_instance_id")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class StepRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -111,8 +112,17 @@ class StepRequest(_message.Message):
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     reset: bool
+    bitmask: TokenBitmask
     executor_instance_id: str
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
+
+class TokenBitmask(_message.Message):
+    __slots__ = ("req_ids", "words")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    words: bytes
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., words: _Optional[bytes] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("indices", "logprobs", "ranks", "num_top", "top_token_ids", "top_logprobs")

@@ -19,6 +19,7 @@ from npuserve.proto.step_plan import (
     StepPlan,
     StepResult,
     StepTimings,
+    TokenBitmask,
     TokenLogprobs,
 )
 
@@ -51,6 +52,9 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
     msg.scheduled_req_ids.extend(plan.num_scheduled_tokens.keys())
     msg.num_scheduled_tokens.extend(plan.num_scheduled_tokens.values())
+    if plan.bitmask is not None:
+        msg.bitmask.req_ids.extend(plan.bitmask.req_ids)
+        msg.bitmask.words = plan.bitmask.words
     return msg
 
 
@@ -71,7 +75,22 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         num_scheduled_tokens=num_scheduled_tokens,
         finished_req_ids=msg.finished_req_ids[:],
         reset=msg.reset,
+        bitmask=_bitmask_from_proto(msg, num_scheduled_tokens),
     )
+
+
+def _bitmask_from_proto(msg: pb.StepRequest, scheduled: dict[str, int]) -> TokenBitmask | None:
+    if not msg.HasField("bitmask"):
+        return None
+    req_ids, words = msg.bitmask.req_ids[:], msg.bitmask.words
+    if not req_ids or len(words) % (4 * len(req_ids)):
+        raise CodecError(
+            f"step {msg.step_id}: a bitmask of {len(words)} bytes for {len(req_ids)} requests "
+            "is not one row of int32 words per request"
+        )
+    if len(set(req_ids)) != len(req_ids) or not all(r in scheduled for r in req_ids):
+        raise CodecError(f"step {msg.step_id}: bitmask rows must name distinct scheduled requests")
+    return TokenBitmask(req_ids, words)
 
 
 def _new_request_to_proto(req: NewRequest) -> pb.NewRequest:

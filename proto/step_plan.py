@@ -59,6 +59,23 @@ class CachedRequest:
     new_block_ids: list[int]
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a next-token bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(slots=True)
+class TokenBitmask:
+    """Next-token bitmasks of the constrained requests that sample in one step (structured outputs).
+
+    `words` holds len(req_ids) rows of `bitmask_words(vocab_size)` little-endian int32 words,
+    row after row; bit (t % 32) of word (t // 32) of a row allows token t.
+    """
+
+    req_ids: list[str]
+    words: bytes
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
@@ -70,6 +87,8 @@ class StepPlan:
     finished_req_ids: list[str] = field(default_factory=list)
     # Set on the first step of a scheduler that (re)connects: drop every request held before.
     reset: bool = False
+    # The constrained requests that sample this step, and the tokens each may sample.
+    bitmask: TokenBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

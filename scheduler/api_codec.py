@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import functools
+import json
+from typing import Any
 
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
@@ -38,7 +43,24 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in _OPTIONAL_FIELDS:
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
+    if msg.HasField("structured_outputs"):
+        params.structured_outputs = structured_outputs_from_proto(msg.structured_outputs)
     return params
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The constraint a request asks for; InvalidRequestError naming `structured_outputs`."""
+    kind = msg.WhichOneof("kind")
+    compact = msg.compact_whitespace if msg.HasField("compact_whitespace") else True
+    try:
+        if kind is None or (kind == "json_object" and not msg.json_object):
+            raise FieldValueError("structured_outputs sets no constraint", STRUCTURED_FIELD)
+        if kind == "choice":
+            return StructuredOutputs("choice", choices=tuple(msg.choice.choices), compact_whitespace=compact)
+        spec = "" if kind == "json_object" else getattr(msg, kind)
+        return StructuredOutputs(kind, spec, compact_whitespace=compact)
+    except FieldValueError as exc:
+        raise InvalidRequestError(str(exc), STRUCTURED_FIELD) from None
 
 
 def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
@@ -51,14 +73,60 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
     if which == "chat":
         chat = msg.chat
         return PromptInput(
-            messages=[{"role": m.role, "content": m.content} for m in chat.messages],
+            messages=[_message_from_proto(m) for m in chat.messages],
             add_generation_prompt=chat.add_generation_prompt
             if chat.HasField("add_generation_prompt")
             else True,
             chat_template=chat.chat_template if chat.HasField("chat_template") else None,
             add_special_tokens=add_special,
+            tools=[_tool_from_proto(i, t) for i, t in enumerate(chat.tools)] or None,
         )
     raise InvalidRequestError("the request has no prompt: set text, token_ids or chat", "prompt")
+
+
+def _message_from_proto(msg: pb.ChatMessage) -> dict[str, object]:
+    """A chat message as templates read it (transformers' keys; only the fields that are set)."""
+    message: dict[str, object] = {"role": msg.role, "content": msg.content}
+    if msg.HasField("name"):
+        message["name"] = msg.name
+    if msg.HasField("tool_call_id"):
+        message["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type or "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in msg.tool_calls
+        ]
+    return message
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: the object their JSON text encodes (as
+    transformers and vLLM pass them), else the text as given."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _tool_from_proto(index: int, tool: pb.Tool) -> dict[str, object]:
+    function: dict[str, object] = {"name": tool.function.name}
+    if tool.function.HasField("description"):
+        function["description"] = tool.function.description
+    if tool.function.parameters_json:
+        field = f"tools[{index}].function.parameters"
+        try:
+            parameters = json.loads(tool.function.parameters_json)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError(f"{field} is not valid JSON: {exc}", field) from None
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"{field} must be a JSON object (a JSON schema)", field)
+        function["parameters"] = parameters
+    return {"type": tool.type or "function", "function": function}
 
 
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:

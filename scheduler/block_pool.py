@@ -82,6 +82,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # KV events, when someone mirrors this pool's prefix cache (a scheduler worker reports
+        # them to the front's prefix index): (True, hash) stored, (False, hash) removed.
+        self.events: list[tuple[bool, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,7 +130,8 @@ class BlockPool:
             block.block_hash = block_hash
             # NOTE: two requests may compute the same block concurrently; the first stays the
             # cached copy and the second is an ordinary (uncached) block.
-            self.cached_blocks.setdefault(block_hash, block)
+            if self.cached_blocks.setdefault(block_hash, block) is block and self.events is not None:
+                self.events.append((True, block_hash))
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block; callers pass a request's blocks tail first, so
@@ -148,6 +152,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.events is not None:
+                self.events.append((False, block.block_hash))
         block.block_hash = None
 
     def check_integrity(self, expect_idle: bool = False) -> None:

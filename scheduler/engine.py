@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import structlog
@@ -20,13 +21,17 @@ import structlog
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.chat_template import RenderLimits
-from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
+from npuserve.scheduler.executor_client import ExecutorClient
+from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
 from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.step_frames import LaneReport, apply_report
+from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
+from npuserve.scheduler.structured import GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -45,7 +50,7 @@ class PoolState:
     prefix_cache_hits: int
 
 
-def _checked_state(scheduler: Scheduler, expect_idle: bool) -> PoolState:
+def _checked_state(scheduler: Scheduler, expect_idle: bool = False) -> PoolState:
     scheduler.check_integrity(expect_idle)
     pool = scheduler.kv.pool
     return PoolState(
@@ -57,6 +62,10 @@ def _checked_state(scheduler: Scheduler, expect_idle: bool) -> PoolState:
         prefix_cache_queries=scheduler.kv.stats.queries,
         prefix_cache_hits=scheduler.kv.stats.hits,
     )
+
+
+def _prefix_stats(scheduler: Scheduler) -> tuple[int, int]:
+    return scheduler.kv.stats.queries, scheduler.kv.stats.hits
 
 
 class ModelNotFoundError(LookupError):
@@ -94,6 +103,7 @@ class PromptInput:
     add_generation_prompt: bool = True
     chat_template: str | None = None
     add_special_tokens: bool | None = None  # None: True for text, False for chat
+    tools: list[dict[str, object]] | None = None  # the chat template's `tools`
 
 
 class NoExecutorError(RuntimeError):
@@ -116,7 +126,10 @@ class Engine:
         config: EngineConfig,
         tokenizer: Tokenizer,
         executors: Sequence[tuple[str, StepExecutor, ExecutorInfo]],
+        step_workers: StepWorkerPool | None = None,
     ) -> None:
+        """``step_workers``: run the executors' step loops in these worker processes (their
+        executors must be gRPC clients); None runs them as threads of this process."""
         if not executors:
             raise ValueError("an engine needs at least one executor")
         first = executors[0][2]
@@ -128,14 +141,19 @@ class Engine:
         self.vocab_size = first.vocab_size
         self.eos_token_ids = tuple(first.eos_token_ids) or tokenizer.eos_token_ids
         self.metrics = SchedulerMetrics(self.model_name)
-        self.lanes: dict[str, ExecutorLane] = {}
+        self.lanes: dict[str, Lane] = {}
         self._streams: dict[str, RequestStream] = {}
         self._parent_of: dict[str, str] = {}
-        self._lane_of: dict[str, ExecutorLane] = {}
+        self._lane_of: dict[str, Lane] = {}
+        self.step_workers = step_workers
+        # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
+        self._parked: list[Request] = []
+        self._workers_restarting = 0
+        self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefix_counted: dict[str, tuple[int, int]] = {}
         self._pending = list(executors)
-        self._unstarted: dict[str, tuple[ExecutorLane, int]] = {}  # req_id -> (lane, prompt blocks)
+        self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
         # NOTE: tokenizing, rendering and detokenizing long inputs never runs on the event loop,
         # which must keep answering every other request and dispatching steps meanwhile.
@@ -144,9 +162,21 @@ class Engine:
         self._request_renders = (
             RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
         )
+        self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
+        if step_workers is not None:
+            step_workers.grammar_settings = self.grammars.settings
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        if self.step_workers is not None:
+
+            def on_reports(worker: WorkerHandle, reports: list[LaneReport]) -> None:
+                loop.call_soon_threadsafe(self._on_reports, worker, reports)
+
+            def on_lost(worker: WorkerHandle) -> None:
+                loop.call_soon_threadsafe(self._on_worker_lost, worker)
+
+            self.step_workers.start(on_reports, on_lost)
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []
@@ -168,18 +198,21 @@ class Engine:
             if pool is not None:
                 pool.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         for lane in list(self.lanes.values()):
             lane.stop()
             lane.executor.close()
+        if self.step_workers is not None:
+            self.step_workers.close()
 
     # -- executors joining and leaving (event loop thread) ---------------------------------------
 
     @property
-    def live_lanes(self) -> list[ExecutorLane]:
+    def live_lanes(self) -> list[Lane]:
         return [lane for lane in self.lanes.values() if lane.alive]
 
     @property
-    def routable_lanes(self) -> list[ExecutorLane]:
+    def routable_lanes(self) -> list[Lane]:
         """Live lanes that take new requests (a draining executor only finishes its own)."""
         return [lane for lane in self.lanes.values() if lane.alive and not lane.draining]
 
@@ -193,10 +226,11 @@ class Engine:
         log.info("executor draining", executor=executor_id, reason=reason, requests=lane.load)
         self._remove_if_drained(lane)
 
-    def _remove_if_drained(self, lane: ExecutorLane) -> None:
-        # NOTE: read off the lane thread, as a hint: no new request comes to a draining lane, so
-        # once nothing is queued, held or still to be dropped on the executor, it stays so.
-        if lane.draining and not lane.queued_requests and not lane.scheduler.has_work():
+    def _remove_if_drained(self, lane: Lane) -> None:
+        # NOTE: read off the lane's thread or worker, as a hint: no new request comes to a
+        # draining lane, so once nothing is queued, held or still to be dropped on the executor,
+        # it stays so.
+        if lane.draining and not lane.queued_requests and not lane.has_work:
             self.remove_executor(lane.executor_id, "drained")
 
     def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
@@ -213,8 +247,13 @@ class Engine:
         old = self.lanes.get(executor_id)
         if old is not None:
             self.remove_executor(executor_id, "replaced by a new instance")
-        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
-        lane = ExecutorLane(executor_id, executor, scheduler, self._on_lane_event)
+        lane: Lane
+        if self.step_workers is not None:
+            assert isinstance(executor, ExecutorClient), "worker processes drive remote executors"
+            lane = self.step_workers.open_lane(executor_id, executor, info)
+        else:
+            scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
+            lane = ExecutorLane(executor_id, executor, scheduler, self._on_lane_event)
         self.lanes[executor_id] = lane
         lane.start()
         log.info(
@@ -223,6 +262,9 @@ class Engine:
             num_blocks=info.num_blocks,
             executors=len(self.live_lanes),
         )
+        if self._parked:
+            parked, self._parked = self._parked, []
+            self._fail_over(parked, "a scheduler worker restarted", count=False)
 
     def remove_executor(self, executor_id: str, reason: str) -> None:
         """Stops using an executor; its requests move to the others (the lane reports them)."""
@@ -234,7 +276,7 @@ class Engine:
         # The lane thread reports its requests first; stop it once that report is handled.
         self._loop.call_later(1.0, self._retire, lane)
 
-    def _retire(self, lane: ExecutorLane) -> None:
+    def _retire(self, lane: Lane) -> None:
         lane.stop()
         lane.executor.close()
 
@@ -319,7 +361,7 @@ class Engine:
             uncounted="" if bound is None else bound.uncounted,
         )
         job = self.tokenizer.chat_render(
-            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits
+            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits, prompt.tools
         )
         return await pool.render(job)
 
@@ -352,6 +394,8 @@ class Engine:
         assert self._loop is not None, "Engine.start() was not called"
         self.check_model(model)
         params.validate(self.vocab_size)
+        so = params.structured_outputs
+        grammar = None if so is None else await self.grammars.compile(so)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
         if not self.routable_lanes:
@@ -360,7 +404,7 @@ class Engine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
-        if limit is not None and sum(len(lane.scheduler.waiting) for lane in self.routable_lanes) >= limit:
+        if limit is not None and sum(lane.num_waiting for lane in self.routable_lanes) >= limit:
             raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
         children = [
             Request(
@@ -371,6 +415,7 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
+                grammar=None if grammar is None else grammar.new_state(),
             )
             for i, child_params in enumerate(
                 [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
@@ -433,7 +478,7 @@ class Engine:
         log.info("request aborted", request_id=request_id)
         return True
 
-    def _place(self, siblings: list[Request]) -> ExecutorLane:
+    def _place(self, siblings: list[Request]) -> Lane:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
@@ -466,7 +511,61 @@ class Engine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
-    def _dispatch(self, lane: ExecutorLane, event: LaneEvent) -> None:
+    def _request_of(self, req_id: str) -> Request | None:
+        stream = self._streams.get(self._parent_of.get(req_id, ""))
+        return None if stream is None else stream.sequences[req_id].request
+
+    def _on_reports(self, worker: WorkerHandle, reports: list[LaneReport]) -> None:
+        """A scheduler worker's batch of lane reports (event loop thread)."""
+        for report in reports:
+            lane = worker.lanes.get(report.lane_key)
+            if lane is None:
+                continue  # a lane the front has retired; its requests were placed again
+            lane.absorb(report)
+            self._dispatch(lane, apply_report(report, self._request_of))
+
+    def _on_worker_lost(self, worker: WorkerHandle) -> None:
+        """A scheduler worker died: its lanes' requests move (or wait for its restart), and it
+        is restarted with the same executors, which start clean (the first plan resets them)."""
+        assert self.step_workers is not None
+        lost = list(worker.lanes.values())
+        lost_set = set(lost)
+        for lane in lost:
+            lane.alive = False
+            if self.lanes.get(lane.executor_id) is lane:
+                del self.lanes[lane.executor_id]
+        requests = []
+        for req_id, placed in list(self._lane_of.items()):
+            request = self._request_of(req_id)
+            if placed in lost_set and request is not None and not request.status.is_finished:
+                self._started(req_id)
+                request.reset_for_recompute()
+                requests.append(request)
+        log.error(
+            "scheduler worker lost", worker=worker.index, executors=len(lost), requests_moved=len(requests)
+        )
+        self._workers_restarting += 1
+        self._fail_over(requests, f"scheduler worker {worker.index} died")
+        task = asyncio.get_running_loop().create_task(self._restart_worker(worker, lost))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
+        assert self.step_workers is not None
+        try:
+            await asyncio.to_thread(self.step_workers.restart, worker)
+            for lane in lanes:
+                if lane.executor_id not in self.lanes:
+                    self.add_executor(lane.executor_id, lane.executor, lane.info)
+        except Exception:
+            log.exception("scheduler worker restart failed", worker=worker.index)
+        finally:
+            self._workers_restarting -= 1
+            if self._parked and not self.live_lanes and not self._workers_restarting:
+                parked, self._parked = self._parked, []
+                self._fail_over(parked, "no scheduler worker came back", count=False)
+
+    def _dispatch(self, lane: Lane, event: LaneEvent) -> None:
         now = time.monotonic()
         for update in event.updates:
             request = update.request
@@ -503,22 +602,31 @@ class Engine:
         if lane.draining and not event.lane_down:
             self._remove_if_drained(lane)
 
-    def _fail_over(self, requests: list[Request], reason: str) -> None:
-        """Moves requests of a lost executor to others; each resumes from the tokens it has."""
+    def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
+        """Moves requests of a lost executor to others; each resumes from the tokens it has.
+        While a scheduler worker restarts and no other lane is up, they wait for it."""
+        if requests and not self.live_lanes and self._workers_restarting:
+            self._parked.extend(requests)
+            return
         by_parent: dict[str, list[Request]] = {}
         for request in requests:
             parent = self._parent_of.get(request.req_id)
             if parent is not None and parent in self._streams:  # else: aborted meanwhile
                 by_parent.setdefault(parent, []).append(request)
+            elif request.grammar is not None:
+                request.grammar.release()
         for parent, siblings in by_parent.items():
             stream = self._streams[parent]
-            for request in siblings:
-                request.num_failovers += 1
+            if count:
+                for request in siblings:
+                    request.num_failovers += 1
             available = bool(self.routable_lanes)
             if not available or siblings[0].num_failovers > MAX_FAILOVERS:
                 why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
+                    if request.grammar is not None:
+                        request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
                 if not available and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
@@ -538,7 +646,7 @@ class Engine:
             tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
             self.metrics.time_per_output_token.observe(tpot)
 
-    def _record_step(self, lane: ExecutorLane, event: LaneEvent) -> None:
+    def _record_step(self, lane: Lane, event: LaneEvent) -> None:
         m = self.metrics
         if event.stats is not None:
             m.step_seconds.observe(event.step_seconds)
@@ -547,19 +655,19 @@ class Engine:
             m.num_preemptions.inc(event.stats.num_preemptions)
             for _ in event.updates:
                 m.inter_token_latency.observe(event.step_seconds)
-        stats = lane.scheduler.kv.stats
+        now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane.executor_id, (0, 0))
-        m.prefix_cache_queries.inc(stats.queries - queries)
-        m.prefix_cache_hits.inc(stats.hits - hits)
-        self._prefix_counted[lane.executor_id] = (stats.queries, stats.hits)
+        m.prefix_cache_queries.inc(max(0, now_queries - queries))
+        m.prefix_cache_hits.inc(max(0, now_hits - hits))
+        self._prefix_counted[lane.executor_id] = (now_queries, now_hits)
 
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
         m = self.metrics
         lanes = self.live_lanes
-        m.num_requests_running.set(sum(len(lane.scheduler.running) for lane in lanes))
-        m.num_requests_waiting.set(sum(len(lane.scheduler.waiting) for lane in lanes))
-        m.kv_cache_usage.set(sum(lane.scheduler.kv.usage for lane in lanes) / len(lanes) if lanes else 0.0)
+        m.num_requests_running.set(sum(lane.num_running for lane in lanes))
+        m.num_requests_waiting.set(sum(lane.num_waiting for lane in lanes) + len(self._parked))
+        m.kv_cache_usage.set(sum(lane.kv_usage for lane in lanes) / len(lanes) if lanes else 0.0)
 
     async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
         while True:
@@ -576,16 +684,18 @@ class Engine:
     def lanes_settled(self) -> bool:
         """No live lane has a step to send, finished requests' drops included (a hint, read off
         the lane threads): the executors hold no request of this scheduler."""
-        return not any(lane.scheduler.has_work() for lane in self.live_lanes)
+        return not any(lane.has_work for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
         """Every lane's block pool passes its integrity check (run on the lane threads, between
         steps); raises AssertionError naming the first violation. Returns each pool's state."""
         states = []
         for lane in list(self.lanes.values()):
-            state = await asyncio.wrap_future(lane.call(lambda s: _checked_state(s, expect_idle)))
+            state = await asyncio.wrap_future(lane.call(partial(_checked_state, expect_idle=expect_idle)))
             state.executor_id = lane.executor_id
             states.append(state)
+        live = self.grammars.num_live_states
+        assert not (expect_idle and live), f"{live} grammar states of finished requests are still held"
         return states
 
     async def start_profile(self) -> list[str]:
@@ -601,14 +711,14 @@ class Engine:
         files = await asyncio.gather(*(self._on_executor(lane, "stop_profile") for lane in lanes))
         return {lane.executor_id: list(f) for lane, f in zip(lanes, files, strict=True)}
 
-    def _profiled_lanes(self) -> list[ExecutorLane]:
+    def _profiled_lanes(self) -> list[Lane]:
         lanes = self.live_lanes
         if not lanes:
             raise NoExecutorError("no executor is available to profile")
         return lanes
 
     @staticmethod
-    async def _on_executor(lane: ExecutorLane, method: str) -> Any:
+    async def _on_executor(lane: Lane, method: str) -> Any:
         call = getattr(lane.executor, method, None)
         if call is None:
             raise ProfilingUnavailable(f"executor {lane.executor_id} runs in-process and cannot profile")
@@ -623,6 +733,6 @@ class Engine:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""
         result = {}
         for lane in list(self.lanes.values()):
-            stats = await asyncio.wrap_future(lane.call(lambda s: (s.kv.stats.queries, s.kv.stats.hits)))
+            stats = await asyncio.wrap_future(lane.call(_prefix_stats))
             result[lane.executor_id] = stats
         return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -211,3 +212,17 @@ class StreamingExecutorClient(ExecutorClient):
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """How to reach executors (picklable: scheduler worker processes build their own clients)."""
+
+    step_transport: str = "unary"  # "unary" or "stream"
+    timeout_s: float | None = 60.0
+    token: str | None = None
+    tls_ca: bytes | None = None
+
+    def connect(self, address: str) -> ExecutorClient:
+        kind = StreamingExecutorClient if self.step_transport == "stream" else ExecutorClient
+        return kind(address, timeout_s=self.timeout_s, token=self.token, tls_ca=self.tls_ca)

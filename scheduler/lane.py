@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar, cast
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.block_hash import BlockHash
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, StepStats
 
@@ -62,6 +63,59 @@ class LaneEvent:
     stats: StepStats | None = None
     step_seconds: float = 0.0
     executor_draining: bool = False  # the executor said so in its step's answer
+
+
+class Lane(Protocol):
+    """What the engine and the router use of a lane: an `ExecutorLane` (a thread of this process)
+    or a `RemoteLane` (one in a scheduler worker process, seen through its reports)."""
+
+    executor_id: str
+    alive: bool
+    draining: bool  # set by the engine: no new requests, its own finish here
+    queued_requests: int  # placed here without a token yet (kept by the engine)
+    queued_blocks: int
+
+    @property
+    def executor(self) -> StepExecutor: ...
+
+    @property
+    def load(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def has_work(self) -> bool:
+        """A step to send: requests, or finished ones the executor must still drop."""
+        ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, of them found in the prefix cache)."""
+        ...
+
+    def has_cached(self, block_hash: BlockHash) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+    def take_down(self, reason: str) -> None: ...
+
+    def submit(self, requests: list[Request]) -> None: ...
+
+    def finish(self, req_ids: list[str], status: RequestStatus) -> None: ...
+
+    def call(self, fn: Callable[[Scheduler], T]) -> Future[T]: ...
 
 
 class ExecutorLane:
@@ -119,10 +173,41 @@ class ExecutorLane:
         self._commands.put((kind, payload))
         self._wakeup.set()
 
+    # NOTE: read without locking from the event loop thread: hints for routing and gauges.
+
     @property
     def load(self) -> int:
-        """Requests this lane holds (read without locking: a hint for routing)."""
+        """Requests this lane holds."""
         return self.scheduler.num_unfinished
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_used_blocks(self) -> int:
+        pool = self.scheduler.kv.pool
+        return pool.num_blocks - 1 - pool.num_free_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv.usage
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        stats = self.scheduler.kv.stats
+        return stats.queries, stats.hits
+
+    def has_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.scheduler.kv.pool.cached_blocks
 
     # -- the lane thread ------------------------------------------------------------------------
 

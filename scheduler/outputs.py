@@ -115,6 +115,7 @@ class RequestStream:
         elif finished is not None:
             delta.text += state.detokenizer.flush()
             delta.finish_reason, delta.stop_reason = finished.value, state.request.stop_reason
+            self.error = self.error or state.request.error
         state.finished = delta.finish_reason is not None
         self._emit(delta)
         return stopped_by_string

@@ -5,10 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from npuserve.proto.sampling_ranges import Bounds, FieldValueError, check_options
 from npuserve.proto.step_plan import SamplingOptions, TokenLogprobs
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.block_hash import BlockHash, extend_block_hashes
+
+if TYPE_CHECKING:
+    from npuserve.scheduler.structured import GrammarState
 
 
 class InvalidRequestError(FieldValueError):
@@ -41,6 +46,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrained decoding (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     MAX_N = 128
 
@@ -120,9 +127,18 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs: the matcher of this sequence
+    error: str | None = None  # why the scheduler ended it with FINISHED_ERROR, when it did
 
     def __post_init__(self) -> None:
         extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled for a scheduler worker process without its matcher: the worker builds its own
+        from ``params.structured_outputs`` and the output tokens."""
+        state = dict(self.__dict__)
+        state["grammar"] = None
+        return state
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -148,6 +164,8 @@ class Request:
     def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if (self.num_tokens % self.block_size) == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
@@ -157,7 +175,14 @@ class Request:
         self.num_computed_tokens = 0
 
     def check_stop(self) -> RequestStatus | None:
-        """Stop rules that need no text: EOS, stop token ids, max_tokens, the context length."""
+        """Stop rules that need no text: the constraint (complete, or broken), EOS, stop token
+        ids, max_tokens, the context length."""
+        if self.grammar is not None:
+            if self.grammar.error is not None:
+                self.error = self.grammar.error
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_complete:
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.min_tokens:
             last = self.output_token_ids[-1]
             if last in self.params.stop_token_ids:

@@ -16,32 +16,30 @@ from typing import TYPE_CHECKING
 from npuserve.scheduler.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from npuserve.scheduler.lane import ExecutorLane
+    from npuserve.scheduler.lane import Lane
 
 ROUTING_POLICIES = ("prefix-aware", "least-load")
 
 
-def cached_prefix_blocks(lane: ExecutorLane, block_hashes: Sequence[BlockHash]) -> int:
+def cached_prefix_blocks(lane: Lane, block_hashes: Sequence[BlockHash]) -> int:
     """Leading blocks of the prompt found in the lane's cache (read without locking: a hint)."""
-    cached = lane.scheduler.kv.pool.cached_blocks
     count = 0
     for block_hash in block_hashes:
-        if block_hash not in cached:
+        if not lane.has_cached(block_hash):
             break
         count += 1
     return count
 
 
-def lane_load_blocks(lane: ExecutorLane) -> int:
+def lane_load_blocks(lane: Lane) -> int:
     """Blocks held by the lane's requests plus the prompt blocks of those placed there that
     have not produced a token yet (so a burst of placements spreads out at once)."""
-    pool = lane.scheduler.kv.pool
-    return pool.num_blocks - 1 - pool.num_free_blocks + lane.queued_blocks
+    return lane.num_used_blocks + lane.queued_blocks
 
 
 def choose_lane(
-    lanes: Sequence[ExecutorLane], block_hashes: Sequence[BlockHash], num_prompt_blocks: int, policy: str
-) -> ExecutorLane:
+    lanes: Sequence[Lane], block_hashes: Sequence[BlockHash], num_prompt_blocks: int, policy: str
+) -> Lane:
     if len(lanes) == 1:
         return lanes[0]
     # NOTE: ties go to the lane with fewer queued requests, then to a random one, so equal
@@ -52,7 +50,7 @@ def choose_lane(
             key=lambda lane: (lane.load + lane.queued_requests, lane_load_blocks(lane), random.random()),
         )
 
-    def cost(lane: ExecutorLane) -> tuple[int, int, float]:
+    def cost(lane: Lane) -> tuple[int, int, float]:
         uncached = num_prompt_blocks - cached_prefix_blocks(lane, block_hashes)
         return uncached + lane_load_blocks(lane), lane.queued_requests, random.random()
 

@@ -25,6 +25,7 @@ from npuserve.proto.step_plan import (
 )
 from npuserve.scheduler.kv_cache_manager import KVCacheManager
 from npuserve.scheduler.request import Request, RequestStatus
+from npuserve.scheduler.structured import advance_masks, step_bitmask
 
 
 @dataclass(slots=True)
@@ -115,6 +116,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None:
         request.status = status
+        if request.grammar is not None:
+            request.grammar.release()
         self.kv.free(request, valid=valid)
         del self.requests[request.req_id]
         self._to_drop.append(request.req_id)
@@ -174,6 +177,7 @@ class Scheduler:
             budget -= num_new
 
         stats.requests = scheduled
+        plan.bitmask = step_bitmask(scheduled, plan.num_scheduled_tokens)
         return plan, stats
 
     def _grant(
@@ -219,7 +223,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None:
                 request.num_computed_tokens += num_new
-        updates = []
+        sampled = []
         for req_id, token_id, logprobs in zip(
             result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):
@@ -227,6 +231,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.append_output(token_id, logprobs)
+            sampled.append((request, token_id, logprobs))
+        advance_masks(request.grammar for request, _, _ in sampled if request.grammar is not None)
+        updates = []
+        for request, token_id, logprobs in sampled:
             update = RequestUpdate(request, [token_id], [logprobs], request.check_stop())
             if update.finished is not None:
                 self.running.remove(request)

@@ -40,10 +40,11 @@ from npuserve.scheduler.engine import (
     ProfilingUnavailable,
     QueueFullError,
 )
-from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.executor_client import ClientSpec, ExecutorError
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.request import InvalidRequestError
+from npuserve.scheduler.step_workers import StepWorkerPool
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -56,6 +57,8 @@ INTEGRITY_SETTLE_S = 5.0
 class ShuttingDown(RuntimeError):
     """A new request while the scheduler drains (gRPC UNAVAILABLE, HTTP 503)."""
 
+
+MAX_DEFAULT_WORKERS = 16
 
 # Client errors and what they become on the wire; anything else is INTERNAL.
 STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -249,6 +252,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None
+    scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     step_transport: str = "unary"  # "unary" or "stream"
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
@@ -261,20 +265,23 @@ class SchedulerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def default_scheduler_workers() -> int:
+    """One worker process per core but one (the front's), at least one, at most 16."""
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
+
+
 async def serve_scheduler(
     config: SchedulerConfig,
     host: str,
     port: int,
     ready_file: Path | None,
+    log_level: str = "info",
+    json_logs: bool = False,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
-    client_class = StreamingExecutorClient if config.step_transport == "stream" else ExecutorClient
-
-    def make_client(address: str) -> ExecutorClient:
-        return client_class(
-            address, timeout_s=config.step_timeout_s, token=config.cluster_token, tls_ca=config.tls_ca
-        )
+    spec = ClientSpec(config.step_transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
+    make_client = spec.connect
 
     membership: StaticMembership | RedisMembership
     if config.registry:
@@ -285,6 +292,14 @@ async def serve_scheduler(
         membership = StaticMembership(make_client, config.executors)
         for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
             membership.joined(address, executor_id)
+    num_workers = (
+        default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
+    )
+    step_workers = (
+        StepWorkerPool(num_workers, spec, config.enable_prefix_caching, log_level, json_logs)
+        if num_workers > 0
+        else None
+    )
     engine = Engine(
         EngineConfig(
             served_model_name=config.served_model_name or default_served_name(config.model),
@@ -295,6 +310,7 @@ async def serve_scheduler(
         ),
         tokenizer,
         executors,
+        step_workers,
     )
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
@@ -313,6 +329,7 @@ async def serve_scheduler(
         "scheduler serving",
         address=address,
         executors=len(executors),
+        scheduler_workers=num_workers,
         model=engine.model_name,
         api_key=bool(config.api_key),
         tls=config.tls is not None,

@@ -114,6 +114,10 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         )
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (for the grammar engine's own tokenizer)."""
+        return self._backend.to_str()
+
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
@@ -196,10 +200,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         limits: RenderLimits | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Renders `messages` into a prompt string with the model's (or the given) chat template,
         in this process (the scheduler renders in worker processes: `render_pool`)."""
-        job = self.chat_render(messages, add_generation_prompt, chat_template, limits)
+        job = self.chat_render(messages, add_generation_prompt, chat_template, limits, tools)
         try:
             return render(job)
         except ChatTemplateError as exc:
@@ -211,8 +216,10 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         limits: RenderLimits | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatRender:
-        """What rendering `messages` takes: checked messages, the template and its variables.
+        """What rendering `messages` takes: checked messages, the template and its variables
+        (`tools` as transformers' `apply_chat_template` passes them: None when there are none).
 
         NOTE: a template given here comes from a client, so it is template text only and never
         read as a file path (that would let any client read the scheduler's files).
@@ -222,7 +229,7 @@ class Tokenizer:
             raise TokenizerError(f"model {self.name} has no chat template; pass --chat-template")
         variables = {
             "messages": normalize_messages(messages),
-            "tools": None,
+            "tools": tools or None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self.special_tokens,

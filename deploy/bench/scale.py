@@ -89,6 +89,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         executors=list(addresses),
         step_transport=config.step_transport,
         routing=config.routing,
+        scheduler_workers=config.scheduler_workers,
     )
     return [
         "scheduler",
@@ -275,8 +276,7 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
-    SCHEDULER.add(p, only=["step_transport"])
-    SCHEDULER.add(p, only=["routing"])
+    SCHEDULER.add(p, only=["step_transport", "routing", "scheduler_workers"])
     p.add_argument(
         "--scheduler-log-level", default=d.scheduler_log_level, choices=["debug", "info", "warning"]
     )
@@ -313,6 +313,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             model=args.model,
             step_transport=args.step_transport,
             routing=args.routing,
+            scheduler_workers=args.scheduler_workers,
             scheduler_log_level=args.scheduler_log_level,
             seed=args.seed,
             profile=args.profile,

@@ -34,6 +34,7 @@ class ScaleConfig:
     model: Path = DEMO_MODEL_DIR
     step_transport: str = "unary"
     routing: str = "prefix-aware"
+    scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     scheduler_log_level: str = "warning"
     seed: int = 0
     profile: bool = False

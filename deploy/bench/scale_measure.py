@@ -91,6 +91,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its live child processes (the scheduler's workers)."""
+    total = proc_cpu_seconds(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
 def metric_values(text: str) -> dict[str, float]:
     """Prometheus text to {name: value}, summed over labels."""
     values: dict[str, float] = {}
@@ -126,7 +139,7 @@ async def take_snapshot(
                 sim[key] = sim.get(key, 0.0) + value
     return Snapshot(
         time=time.perf_counter(),
-        scheduler_cpu_s=proc_cpu_seconds(scheduler_pid),
+        scheduler_cpu_s=tree_cpu_seconds(scheduler_pid),
         executors_cpu_s=proc_cpu_seconds(executors_pid),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),

@@ -245,7 +245,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FIELDS:
         EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
     SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
-    SCHEDULER.add(engine, only=["step_transport"])
+    SCHEDULER.add(engine, only=["step_transport", "scheduler_workers"])
     engine.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a launched server")
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -263,6 +263,7 @@ def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant
         model=model,
         enable_prefix_caching=variant.enable_prefix_caching,
         step_transport=variant.step_transport,
+        scheduler_workers=args.scheduler_workers,
     )
     return ServerSpec(
         [*EXECUTOR.to_flags(executor), *logging_flags(args)],

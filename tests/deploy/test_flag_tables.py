@@ -116,3 +116,21 @@ def test_help_lists_every_flag_of_the_tables() -> None:
             assert flag.name in serve
     assert "KV cache size in GiB" in executor and "share KV blocks of equal prefixes" in serve
     assert "KV cache GiB per executor" in _help("bench")
+
+
+def test_serve_forwards_the_gateways_parser_flags_switches_included() -> None:
+    from npuserve.deploy.flags import chat_parser_settings, gateway_flags
+    from npuserve.gateway.reasoning import REASONING_PARSERS
+    from npuserve.gateway.tool_parsers import TOOL_PARSERS
+
+    parser = build_parser()
+    given = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
+    serve = parser.parse_args(["serve", *given])
+    forwarded = gateway_flags(serve)
+    assert "--enable-auto-tool-choice" in forwarded  # a bare switch, not "=True"
+    gateway = parser.parse_args(["gateway", "--scheduler", "127.0.0.1:1", *forwarded])
+    settings = chat_parser_settings(gateway)
+    assert settings.auto_tool_parser is TOOL_PARSERS["mistral"]
+    assert settings.reasoning is REASONING_PARSERS["qwen3"]
+    plain = gateway_flags(parser.parse_args(["serve"]))
+    assert not any("tool" in flag or "reasoning" in flag for flag in plain)

@@ -20,9 +20,11 @@ from npuserve.executor.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    build_allowed_tokens,
     build_sampling_metadata,
     hash_uniform,
 )
+from npuserve.proto.step_plan import bitmask_words
 
 CPU = torch.device("cpu")
 
@@ -394,3 +396,40 @@ def test_metadata_dtypes() -> None:
     assert meta.seeds.dtype == torch.int64 and meta.seeds.item() == -3
     assert meta.positions.dtype == torch.int64
     assert math.isclose(meta.temperature.item(), 1.0)
+
+
+def _bitmask(allowed: list[list[int]], vocab_size: int) -> bytes:
+    """Rows of packed int32 words allowing exactly the given token ids."""
+    bits = np.zeros((len(allowed), bitmask_words(vocab_size) * 32), dtype=np.uint8)
+    for row, ids in enumerate(allowed):
+        bits[row, ids] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view("<i4").tobytes()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bitmask_confines_its_rows_and_leaves_the_others_alone(temperature: float) -> None:
+    """Rows 1 and 3 may sample only their allowed tokens (never the likeliest, which the mask
+    forbids); rows 0 and 2 sample exactly what they sample without any mask."""
+    vocab_size = 70  # not a multiple of 32: the last word is partial
+    generator = torch.Generator().manual_seed(5)
+    allowed = [[3, 40, 69], [7]]
+    for seed in range(20):
+        rows = [
+            Row(torch.randn(vocab_size, generator=generator) * 4, temperature=temperature, seed=seed)
+            for _ in range(4)
+        ]
+        for row, ids in zip((1, 3), allowed, strict=True):
+            rows[row].logits[[i for i in range(vocab_size) if i not in ids][:5]] += 50.0
+        metadata = build(rows)
+        free = Sampler()(torch.stack([r.logits for r in rows]), metadata).token_ids
+        metadata.allowed_tokens = build_allowed_tokens(
+            np.array([1, 3]), _bitmask(allowed, vocab_size), vocab_size, CPU
+        )
+        out = Sampler()(torch.stack([r.logits for r in rows]), metadata).token_ids
+        assert out[1].item() in allowed[0] and out[3].item() == 7
+        assert out[0] == free[0] and out[2] == free[2]
+
+
+def test_a_bitmask_of_the_wrong_width_is_refused() -> None:
+    with pytest.raises(ValueError):
+        build_allowed_tokens(np.array([0]), _bitmask([[1]], 64), 100, CPU)

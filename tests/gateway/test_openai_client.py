@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from harness.serve import Served, serve
+from harness.serve import Served, openai_client, serve_checked
 
 from npuserve.deploy.demo_model import DEMO_MODEL_NAME
 from npuserve.proto import scheduler_pb2 as pb
@@ -31,15 +31,13 @@ ONCE_60 = (
 
 @pytest.fixture(scope="module")
 def served(api_key: str) -> Iterator[Served]:
-    with serve(None, "--kv-cache-memory", "0.02", "--api-key", api_key) as served:
+    with serve_checked(None, "--kv-cache-memory", "0.02", "--api-key", api_key) as served:
         yield served
-        check = served.integrity(expect_idle=True)
-        assert check.ok, check.message
 
 
 @pytest.fixture(scope="module")
-def client(served: Served, api_key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+def client(served: Served) -> openai.OpenAI:
+    return openai_client(served)
 
 
 @pytest.fixture(scope="module")

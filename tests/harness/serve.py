@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -104,15 +105,31 @@ class Served:
 
 
 @contextmanager
+def serve_checked(model: Path | str | None, *flags: str) -> Iterator[Served]:
+    """`serve`, then the block pools' integrity check (idle, every block back) once the caller is
+    done with it."""
+    with serve(model, *flags) as served:
+        yield served
+        check = served.integrity(expect_idle=True)
+        assert check.ok, check.message
+
+
+def openai_client(served: Served) -> Any:
+    """The official client on the gateway of `served`, presenting its API key."""
+    import openai
+
+    key = served.api_key or "none"
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@contextmanager
 def serve(model: Path | str | None, *flags: str, timeout_s: float = 120.0) -> Iterator[Served]:
     """`npuserve serve --model MODEL FLAGS` on free ports (no `--model` when MODEL is None: the
     bundled demo model); on exit, SIGTERM and no orphan left."""
     model_flags = [] if model is None else ["--model", str(model)]
     launcher = Launcher(Path(tempfile.mkdtemp(prefix="npuserve-test-")))
     log_path = launcher.workdir / "serve.log"  # type: ignore[operator]
-    child = launcher.start(
-        "serve", ["serve", *model_flags, "--port", "0", *flags], log_path=log_path
-    )
+    child = launcher.start("serve", ["serve", *model_flags, "--port", "0", *flags], log_path=log_path)
     served = Served("", child.process, log_path=log_path, api_key=flag_value(flags, "--api-key"))
     try:
         try:

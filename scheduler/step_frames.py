@@ -1,0 +1,126 @@
+"""What a scheduler worker process reports to the front, compactly: lane events without the
+request objects, the lane's load after them, and its prefix-cache changes.
+
+A worker owns the `Request` objects its lanes schedule; the front keeps its own copy of each
+(for streams, metrics and fail-over). Reports therefore name requests by id and carry only what
+changed: new tokens, finish statuses, the ids of requests that ended or must move. The front
+applies them to its copies (`apply_report`), which rebuilds the `LaneEvent` the engine handles
+for an in-process lane, so both kinds of lane drive the same engine code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.scheduler.block_hash import BlockHash
+from npuserve.scheduler.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.request import Request, RequestStatus
+from npuserve.scheduler.scheduler import RequestUpdate, StepStats
+
+# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None]
+
+
+@dataclass(slots=True)
+class LaneLoad:
+    """A lane's state after a report (the front's routing and gauges read it)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    has_work: bool = False  # a step to send, drops of finished requests included
+
+
+@dataclass(slots=True)
+class LaneReport:
+    lane_key: str  # the front's name for this lane (an executor may rejoin as a new lane)
+    updates: list[CompactUpdate]
+    ended: list[tuple[str, str]]  # (req_id, status value)
+    evacuated: list[str]
+    error: str | None
+    lane_down: bool
+    stats: tuple[int, int, int] | None  # (preemptions, scheduled tokens, prompt tokens)
+    step_seconds: float
+    load: LaneLoad
+    kv_events: list[tuple[bool, BlockHash]]  # (stored?, block hash), in order
+    executor_draining: bool = False  # the executor's step answer said it drains
+
+
+def lane_load(lane: ExecutorLane) -> LaneLoad:
+    queries, hits = lane.prefix_stats
+    return LaneLoad(
+        lane.num_waiting, lane.num_running, lane.num_used_blocks, lane.kv_usage, queries, hits, lane.has_work
+    )
+
+
+def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneReport:
+    """On the worker's lane thread, right after the event: its compact form and the lane's load."""
+    events = lane.scheduler.kv.pool.events
+    kv_events = list(events) if events else []
+    if events:
+        events.clear()
+    stats = event.stats
+    return LaneReport(
+        lane_key=lane_key,
+        updates=[
+            (
+                u.request.req_id,
+                u.new_token_ids,
+                u.new_logprobs,
+                None if u.finished is None else u.finished.value,
+                None if u.finished is None else u.request.error,
+            )
+            for u in event.updates
+        ],
+        ended=[(r.req_id, r.status.value) for r in event.ended],
+        evacuated=[r.req_id for r in event.evacuated],
+        error=event.error,
+        lane_down=event.lane_down,
+        stats=None
+        if stats is None
+        else (stats.num_preemptions, stats.num_scheduled_tokens, stats.num_prompt_tokens),
+        step_seconds=event.step_seconds,
+        load=lane_load(lane),
+        kv_events=kv_events,
+        executor_draining=event.executor_draining,
+    )
+
+
+def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:
+    """On the front's event loop: applies a report to the front's copies of the requests and
+    returns the event it stands for. Requests the front no longer tracks are skipped."""
+    event = LaneEvent(
+        error=report.error,
+        lane_down=report.lane_down,
+        step_seconds=report.step_seconds,
+        executor_draining=report.executor_draining,
+    )
+    for req_id, token_ids, logprobs, finished, error in report.updates:
+        request = request_of(req_id)
+        if request is None:
+            continue
+        for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
+            request.append_output(token_id, token_logprobs)
+        status = None if finished is None else RequestStatus(finished)
+        request.status = status or RequestStatus.RUNNING
+        request.error = error or request.error
+        event.updates.append(RequestUpdate(request, token_ids, logprobs, status))
+    for req_id, status_value in report.ended:
+        request = request_of(req_id)
+        if request is not None:
+            request.status = RequestStatus(status_value)
+            event.ended.append(request)
+    for req_id in report.evacuated:
+        request = request_of(req_id)
+        if request is not None:
+            request.reset_for_recompute()
+            event.evacuated.append(request)
+    if report.stats is not None:
+        preemptions, scheduled, prompt = report.stats
+        event.stats = StepStats(preemptions, scheduled, prompt)
+    return event

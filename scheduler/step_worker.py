@@ -1,0 +1,201 @@
+"""A scheduler worker process: the step loops of some executors, away from the front's GIL.
+
+The front (the process serving the public API) hands each worker some executors. For each, the
+worker runs an `ExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client for the
+steps) exactly as the front would in-process. The worker never chooses where requests go and
+never talks to clients: it applies the front's commands and reports what every step produced.
+
+Wire, both ways over one `multiprocessing` pipe, each message a list (a batch):
+  front -> worker: ("add", lane_key, executor_id, address, info, instance_id)
+                   | ("submit", lane_key, [Request])
+                   | ("finish", lane_key, [req_id], RequestStatus) | ("down", lane_key, reason)
+                   | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
+  worker -> front: `LaneReport` | ("reply", call_id, ok, value or error text)
+Each side's sender thread sends everything queued since its last send as one message, so a busy
+worker reports many lanes' steps per message.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.executor_client import ClientSpec
+from npuserve.scheduler.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.request import Request
+from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.step_frames import LaneLoad, LaneReport, make_report
+from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
+
+log = structlog.get_logger(__name__)
+
+Message = list[Any]
+STOP_LANE_TIMEOUT_S = 5.0
+
+
+def send_batches(conn: Connection, outbox: queue.SimpleQueue[Any], on_broken: Callable[[], None]) -> None:
+    """Sends whatever the outbox holds, as one message per wake-up; ends on None."""
+    while True:
+        item = outbox.get()
+        batch = [item]
+        while True:
+            try:
+                batch.append(outbox.get_nowait())
+            except queue.Empty:
+                break
+        done = batch[-1] is None
+        batch = [b for b in batch if b is not None]
+        try:
+            if batch:
+                conn.send(batch)
+        except (OSError, ValueError, EOFError):
+            on_broken()
+            return
+        if done:
+            return
+
+
+class StepWorker:
+    def __init__(
+        self,
+        conn: Connection,
+        spec: ClientSpec,
+        enable_prefix_caching: bool,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
+        self.conn = conn
+        self.grammars = grammars
+        self.spec = spec
+        self.enable_prefix_caching = enable_prefix_caching
+        self.lanes: dict[str, ExecutorLane] = {}
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=send_batches, args=(conn, self.outbox, lambda: None), name="worker-send", daemon=True
+        )
+
+    def run(self) -> None:
+        self._sender.start()
+        try:
+            while True:
+                try:
+                    message: Message = self.conn.recv()
+                except (EOFError, OSError):
+                    log.info("the scheduler front is gone; worker exiting")
+                    return
+                for command in message:
+                    if command[0] == "exit":
+                        return
+                    self._apply(command)
+        finally:
+            for lane in self.lanes.values():
+                lane.stop(STOP_LANE_TIMEOUT_S)
+                lane.executor.close()
+            self.outbox.put(None)
+            self._sender.join(STOP_LANE_TIMEOUT_S)
+
+    def _apply(self, command: tuple[Any, ...]) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:])
+            return
+        if kind == "call":
+            _, call_id, lane_key, fn = command
+            self._call(call_id, lane_key, fn)
+            return
+        lane_key = command[1]
+        lane = self.lanes.get(lane_key)
+        if kind == "submit":
+            requests: list[Request] = command[2]
+            if lane is None:  # stopped meanwhile: the front places them again
+                self._report_gone(lane_key, requests)
+            else:
+                for request in requests:
+                    self._attach_grammar(request)
+                lane.submit(requests)
+        elif lane is None:
+            return
+        elif kind == "finish":
+            lane.finish(command[2], command[3])
+        elif kind == "down":
+            lane.take_down(command[2])
+        elif kind == "stop":
+            del self.lanes[lane_key]
+            lane.stop(STOP_LANE_TIMEOUT_S)
+            lane.executor.close()
+
+    def _attach_grammar(self, request: Request) -> None:
+        """A constrained request's matcher, here, at the request's output tokens."""
+        constraint = request.params.structured_outputs
+        if constraint is None or self.grammars is None:
+            return
+        request.grammar = self.grammars.grammar_for(constraint).new_state()
+        request.grammar.sync(request.output_token_ids)
+
+    def _add(self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo, instance_id: str) -> None:
+        client = self.spec.connect(address)
+        # NOTE: the front's handshake named the executor's process: steps go to that one only.
+        client.executor_id, client.instance_id = executor_id, instance_id
+        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.enable_prefix_caching))
+        scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
+
+        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
+            self.outbox.put(make_report(lane_key, lane, event))
+
+        lane = ExecutorLane(executor_id, client, scheduler, on_event)
+        self.lanes[lane_key] = lane
+        lane.start()
+
+    def _report_gone(self, lane_key: str, requests: list[Request]) -> None:
+        self.outbox.put(
+            LaneReport(
+                lane_key=lane_key,
+                updates=[],
+                ended=[],
+                evacuated=[r.req_id for r in requests],
+                error=f"lane {lane_key} left this scheduler worker",
+                lane_down=False,
+                stats=None,
+                step_seconds=0.0,
+                load=LaneLoad(),
+                kv_events=[],
+            )
+        )
+
+    def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
+        lane = self.lanes.get(lane_key)
+        if lane is None:
+            self.outbox.put(("reply", call_id, False, f"error:lane {lane_key} is not in this worker"))
+            return
+
+        def reply(future: Future[object]) -> None:
+            exc = future.exception()
+            if exc is None:
+                self.outbox.put(("reply", call_id, True, future.result()))
+            else:
+                kind = "assertion" if isinstance(exc, AssertionError) else "error"
+                self.outbox.put(("reply", call_id, False, f"{kind}:{exc}"))
+
+        lane.call(fn).add_done_callback(reply)
+
+
+def run_step_worker(
+    conn: Connection,
+    spec: ClientSpec,
+    enable_prefix_caching: bool,
+    log_level: str,
+    json_logs: bool,
+    grammar_settings: GrammarSettings | None,
+) -> None:
+    """The worker process's entry point (spawned by `StepWorkerPool`)."""
+    from npuserve.deploy.logs import configure_logging
+
+    configure_logging(log_level, json_logs)
+    grammars = None if grammar_settings is None else GrammarCompiler(*grammar_settings)
+    StepWorker(conn, spec, enable_prefix_caching, grammars).run()

@@ -1,0 +1,285 @@
+"""The front's side of the scheduler worker processes (`--scheduler-workers`).
+
+`StepWorkerPool` starts the workers (`step_worker`) and spreads executors over them; each
+executor becomes a `RemoteLane`, which the engine and the router use as they use an in-process
+`ExecutorLane`. A remote lane's load and prefix cache are mirrored from the worker's reports
+(KV stored/removed events, in order), so prefix-aware routing stays exact: the front sees every
+block hash an executor holds once the step that registered it has been reported.
+
+Reports reach the event loop one batch at a time (`on_reports`). A worker that dies is reported
+once (`on_lost`); the engine moves its requests and asks the pool to restart it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+import structlog
+
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.block_hash import BlockHash
+from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
+from npuserve.scheduler.request import Request, RequestStatus
+from npuserve.scheduler.scheduler import Scheduler
+from npuserve.scheduler.step_frames import LaneLoad, LaneReport
+from npuserve.scheduler.step_worker import run_step_worker, send_batches
+from npuserve.scheduler.structured import GrammarSettings
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+WORKER_START_TIMEOUT_S = 60.0
+WORKER_EXIT_TIMEOUT_S = 10.0
+
+
+class RemoteLane:
+    """An executor's lane inside a worker process, as the front sees it."""
+
+    def __init__(
+        self, key: str, executor_id: str, executor: ExecutorClient, info: ExecutorInfo, worker: WorkerHandle
+    ) -> None:
+        self.key = key
+        self.executor_id = executor_id
+        self.executor = executor  # the front's own client: health, profiling (steps go from the worker)
+        self.info = info
+        self.worker = worker
+        self.alive = True
+        self.draining = False
+        self.queued_requests = 0
+        self.queued_blocks = 0
+        self.reported = LaneLoad()
+        self.cached: set[BlockHash] = set()
+
+    # -- what the engine and the router read --------------------------------------------------
+
+    @property
+    def load(self) -> int:
+        return self.reported.num_waiting + self.reported.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.reported.num_waiting
+
+    @property
+    def has_work(self) -> bool:
+        return self.reported.has_work
+
+    @property
+    def num_running(self) -> int:
+        return self.reported.num_running
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.reported.num_used_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.reported.kv_usage
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        return self.reported.prefix_queries, self.reported.prefix_hits
+
+    def has_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.cached
+
+    def absorb(self, report: LaneReport) -> None:
+        """Takes a report's load and prefix-cache changes (event loop thread)."""
+        self.reported = report.load
+        for stored, block_hash in report.kv_events:
+            if stored:
+                self.cached.add(block_hash)
+            else:
+                self.cached.discard(block_hash)
+
+    # -- commands to the worker ----------------------------------------------------------------
+
+    def start(self) -> None:
+        add = ("add", self.key, self.executor_id, self.executor.address, self.info, self.executor.instance_id)
+        self.worker.send(add)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.worker.send(("stop", self.key))
+        self.worker.lanes.pop(self.key, None)
+
+    def take_down(self, reason: str) -> None:
+        self.worker.send(("down", self.key, reason))
+
+    def submit(self, requests: list[Request]) -> None:
+        for request in requests:  # NOTE: the worker builds and advances its own matcher
+            if request.grammar is not None:
+                request.grammar.release()
+                request.grammar = None
+        self.worker.send(("submit", self.key, requests))
+
+    def finish(self, req_ids: list[str], status: RequestStatus) -> None:
+        self.worker.send(("finish", self.key, req_ids, status))
+
+    def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
+        """Runs ``fn(scheduler)`` on the worker's lane thread; ``fn`` must pickle (a module-level
+        function or a partial of one)."""
+        return self.worker.call(self.key, fn)
+
+
+class WorkerHandle:
+    """One worker process, its pipe, and the threads that move messages over it."""
+
+    def __init__(self, index: int, pool: StepWorkerPool) -> None:
+        self.index = index
+        self.pool = pool
+        self.lanes: dict[str, RemoteLane] = {}
+        self.process: BaseProcess | None = None
+        self.conn: Connection | None = None
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._calls: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self.closing = False
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return f"scheduler-worker-{self.index}"
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        front_end, worker_end = ctx.Pipe(duplex=True)
+        pool = self.pool
+        process = ctx.Process(
+            target=run_step_worker,
+            args=(
+                worker_end,
+                pool.spec,
+                pool.enable_prefix_caching,
+                pool.log_level,
+                pool.json_logs,
+                pool.grammar_settings,
+            ),
+            name=f"npuserve-{self.name}",
+            daemon=True,
+        )
+        process.start()
+        worker_end.close()
+        self.process, self.conn, self.outbox = process, front_end, queue.SimpleQueue()
+        threading.Thread(
+            target=send_batches,
+            args=(front_end, self.outbox, lambda: None),
+            name=f"{self.name}-send",
+            daemon=True,
+        ).start()
+        threading.Thread(target=self._read, args=(front_end,), name=f"{self.name}-read", daemon=True).start()
+        log.info("scheduler worker started", worker=self.index, pid=process.pid)
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        self.outbox.put(command)
+
+    def call(self, lane_key: str, fn: Callable[[Scheduler], T]) -> Future[T]:
+        future: Future[T] = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self.send(("call", call_id, lane_key, fn))
+        return future
+
+    def _read(self, conn: Connection) -> None:
+        while True:
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                break
+            reports = []
+            for item in batch:
+                if isinstance(item, LaneReport):
+                    reports.append(item)
+                else:
+                    self._resolve(*item[1:])
+            if reports:
+                self.pool.on_reports(self, reports)
+        if conn is not self.conn:
+            return  # an earlier incarnation's pipe
+        for future in self._calls.values():
+            future.set_exception(RuntimeError(f"{self.name} exited"))
+        self._calls.clear()
+        if not self.closing:
+            code = self.process.exitcode if self.process is not None else None
+            log.error("scheduler worker died", worker=self.index, exit_code=code, lanes=len(self.lanes))
+            self.pool.on_lost(self)
+
+    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is None:
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            kind, _, message = str(value).partition(":")
+            future.set_exception(AssertionError(message) if kind == "assertion" else RuntimeError(message))
+
+    def close(self) -> None:
+        self.closing = True
+        self.outbox.put(("exit",))
+        self.outbox.put(None)
+        if self.process is not None:
+            self.process.join(WORKER_EXIT_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+class StepWorkerPool:
+    """The scheduler's worker processes; `open_lane` places an executor on the least-loaded one."""
+
+    def __init__(
+        self,
+        count: int,
+        spec: ClientSpec,
+        enable_prefix_caching: bool = True,
+        log_level: str = "info",
+        json_logs: bool = False,
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {count}")
+        self.spec = spec
+        self.enable_prefix_caching = enable_prefix_caching
+        self.log_level = log_level
+        self.json_logs = json_logs
+        self.workers = [WorkerHandle(i, self) for i in range(count)]
+        self.grammar_settings: GrammarSettings | None = None  # set by the engine before start
+        self._lane_keys = itertools.count()
+        self.on_reports: Callable[[WorkerHandle, list[LaneReport]], None] = lambda w, r: None
+        self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
+
+    def start(
+        self,
+        on_reports: Callable[[WorkerHandle, list[LaneReport]], None],
+        on_lost: Callable[[WorkerHandle], None],
+    ) -> None:
+        """Starts every worker; the callbacks run on the workers' reader threads."""
+        self.on_reports, self.on_lost = on_reports, on_lost
+        for worker in self.workers:
+            worker.start()
+
+    def open_lane(self, executor_id: str, executor: ExecutorClient, info: ExecutorInfo) -> RemoteLane:
+        worker = min(self.workers, key=lambda w: (len(w.lanes), w.index))
+        key = f"{executor_id}#{next(self._lane_keys)}"
+        lane = RemoteLane(key, executor_id, executor, info, worker)
+        worker.lanes[key] = lane
+        return lane
+
+    def restart(self, worker: WorkerHandle) -> None:
+        """Starts a dead worker again, with no lanes (blocking: call off the event loop)."""
+        worker.lanes.clear()
+        worker.restarts += 1
+        if worker.process is not None:
+            worker.process.join(WORKER_EXIT_TIMEOUT_S)
+        worker.start()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()

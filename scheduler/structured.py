@@ -1,0 +1,348 @@
+"""Structured outputs in the scheduler: grammars compiled once and cached, one matcher per request.
+
+The grammar engine is llguidance (vLLM's `guidance` backend), through its numpy API: no torch.
+
+- `GrammarCompiler` turns a request's `StructuredOutputs` into a `Grammar` off the event loop and
+  off the step path, on its own threads (llguidance drops the GIL while it builds), within a time
+  limit: a constraint that does not compile, or not in time, is refused naming
+  `structured_outputs`. Grammars are cached (LRU) under the constraint's canonical key, so a
+  schema that repeats across requests compiles once; each request starts from a copy.
+- `GrammarState` is one sequence's matcher. It accepts each sampled token as the scheduler
+  appends it, and keeps the bitmask of the tokens that may come next (computed after each
+  accepted token, for a whole step's requests at once on llguidance's thread pool). The state
+  always matches the request's output tokens: preemption and fail-over keep those tokens, and
+  `sync` replays or rolls back to any other list of them.
+- `step_bitmask` packs the bitmasks of a step's constrained, sampling requests for the plan.
+
+JSON is compact by default (no whitespace between tokens, "," and ":"), and an object schema
+that does not say otherwise takes no properties beyond its own (`additionalProperties: false`,
+as OpenAI's strict mode requires), so a bounded schema always closes in a bounded number of
+tokens, even on a weak model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+import structlog
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from npuserve.proto.step_plan import TokenBitmask, bitmask_words
+from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
+from npuserve.scheduler.request import InvalidRequestError, Request
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Grammar", "GrammarCompiler", "GrammarSettings", "GrammarState", "advance_masks", "step_bitmask"]
+
+COMPILE_TIMEOUT_S = 5.0
+COMPILE_THREADS = 2
+CACHE_SIZE = 256
+# Resource limits of one grammar (llguidance's own, so a hostile grammar fails rather than runs on).
+_MAX_GRAMMAR_SIZE, _MAX_LEXER_STATES, _INITIAL_LEXER_FUEL = 200_000, 100_000, 1_000_000
+_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_OBJECT = '{"type": "object"}'
+_OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Masks are computed on llguidance's thread pool (Rust threads, no GIL) for batches this large.
+_PARALLEL_ROWS = 4
+
+
+class GrammarTimeout(InvalidRequestError):
+    """A constraint that did not compile within the time limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled constraint: a matcher in its start state, copied for each sequence."""
+
+    constraint: StructuredOutputs
+    template: llguidance.LLMatcher
+    vocab_size: int
+    live: _LiveCount
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self)
+
+
+class _LiveCount:
+    """Matchers alive (not released), for the integrity check: every finished request frees its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self.value += delta
+
+
+class GrammarState:
+    """One sequence's matcher and the bitmask of the tokens it may sample next."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.matcher: llguidance.LLMatcher | None = grammar.template.deep_copy()
+        self.num_accepted = 0
+        self.mask = np.zeros((1, bitmask_words(grammar.vocab_size)), dtype=np.int32)  # [1, W]
+        self.error: str | None = None
+        grammar.live.add(1)
+        _fill_masks([self])
+
+    @property
+    def released(self) -> bool:
+        return self.matcher is None
+
+    def release(self) -> None:
+        """Drops the matcher (idempotent): the request has finished."""
+        if self.matcher is not None:
+            self.matcher = None
+            self.grammar.live.add(-1)
+
+    def accept(self, token_id: int) -> None:
+        """Advances past a sampled token; a token the grammar refuses leaves `error` set.
+        The next mask is computed by `advance_masks`, for the whole step at once."""
+        assert self.matcher is not None, "a released grammar state was advanced"
+        self.num_accepted += 1
+        if self.error is None and not self.matcher.consume_token(token_id):
+            self.error = (
+                f"structured_outputs: the sampled token {token_id} breaks the constraint "
+                f"({self.matcher.get_error()})"
+            )
+
+    @property
+    def is_complete(self) -> bool:
+        """The output matches the whole constraint and nothing may follow."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Brings the matcher to exactly `output_token_ids` (a continuation that lost or replaced
+        tokens): rolls back what it accepted beyond them, or replays the ones it lacks."""
+        assert self.matcher is not None
+        if self.num_accepted > len(output_token_ids):
+            self.matcher.rollback(self.num_accepted - len(output_token_ids))
+            self.num_accepted = len(output_token_ids)
+        for token_id in output_token_ids[self.num_accepted :]:
+            self.accept(token_id)
+        _fill_masks([self])
+
+
+def advance_masks(states: Iterable[GrammarState]) -> None:
+    """Computes the next-token masks of states that just accepted a token; a state no token can
+    continue (no bit set, not even EOS) gets `error`."""
+    _fill_masks([s for s in states if s.matcher is not None and s.error is None])
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def _fill_masks(states: list[GrammarState]) -> None:
+    global _EXECUTOR
+    if not states:
+        return
+    if len(states) >= _PARALLEL_ROWS:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        masks = np.zeros((len(states), states[0].mask.shape[1]), dtype=np.int32)  # [R, W]
+        matchers = [(s.matcher, i) for i, s in enumerate(states) if s.matcher is not None]
+        fill_next_token_bitmask_par(_EXECUTOR, matchers, masks)
+        for i, state in enumerate(states):
+            state.mask[0] = masks[i]
+    else:
+        for state in states:
+            assert state.matcher is not None
+            view = state.mask[0]
+            state.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+    for state in states:
+        if not state.mask.any():
+            assert state.matcher is not None
+            why = state.matcher.get_error() if state.matcher.is_error() else "no token can continue it"
+            state.error = f"structured_outputs: the output cannot continue ({why})"
+
+
+def step_bitmask(scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> TokenBitmask | None:
+    """The plan's bitmask: one row per constrained request that samples this step (its scheduled
+    tokens reach its last known token), in batch order; None when there is none."""
+    rows = []
+    for request in scheduled:
+        state = request.grammar
+        if (
+            state is None
+            or request.num_computed_tokens + num_scheduled_tokens[request.req_id] < request.num_tokens
+        ):
+            continue
+        if state.num_accepted != request.num_output_tokens:
+            state.sync(request.output_token_ids)
+        rows.append((request.req_id, state.mask))
+    if not rows:
+        return None
+    words = np.concatenate([mask for _, mask in rows])  # [R, W] int32
+    return TokenBitmask([req_id for req_id, _ in rows], words.astype("<i4", copy=False).tobytes())
+
+
+# What a GrammarCompiler is built from (a scheduler worker process builds its own).
+GrammarSettings = tuple[str, int, tuple[int, ...]]  # (tokenizer JSON, vocab size, EOS ids)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; an LRU cache of grammars keyed canonically."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        cache_size: int = CACHE_SIZE,
+    ) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self.timeout_s = timeout_s
+        self._cache: OrderedDict[tuple[object, ...], Grammar | InvalidRequestError] = OrderedDict()
+        self._cache_size = cache_size
+        self._inflight: dict[tuple[object, ...], asyncio.Future[Grammar]] = {}
+        self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="npuserve-grammar")
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self.live = _LiveCount()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def settings(self) -> GrammarSettings:
+        return self._tokenizer_json, self.vocab_size, tuple(self._eos)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def grammar_for(self, constraint: StructuredOutputs) -> Grammar:
+        """The grammar of a constraint the front has already compiled once (so it compiles),
+        from the cache or compiled on the calling thread (a scheduler worker's)."""
+        key = constraint.key
+        cached = self._cache.get(key)
+        if isinstance(cached, Grammar):
+            self._cache.move_to_end(key)
+            return cached
+        grammar = self.compile_now(constraint)
+        self._cache[key] = grammar
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return grammar
+
+    @property
+    def num_live_states(self) -> int:
+        return self.live.value
+
+    async def compile(self, constraint: StructuredOutputs) -> Grammar:
+        """The grammar of `constraint`, from the cache or compiled on a grammar thread;
+        InvalidRequestError naming `structured_outputs` when it cannot be compiled in time."""
+        key = constraint.key
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            if isinstance(cached, InvalidRequestError):
+                raise InvalidRequestError(str(cached), cached.field)
+            return cached
+        self.misses += 1
+        future = self._inflight.get(key)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = asyncio.ensure_future(loop.run_in_executor(self._threads, self.compile_now, constraint))
+            self._inflight[key] = future
+            future.add_done_callback(lambda f: self._store(key, f))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("grammar compile timed out", kind=constraint.kind, seconds=self.timeout_s)
+            raise GrammarTimeout(
+                f"structured_outputs: the {constraint.kind} constraint did not compile within "
+                f"{self.timeout_s:g} s; simplify it",
+                FIELD,
+            ) from None
+
+    def _store(self, key: tuple[object, ...], future: asyncio.Future[Grammar]) -> None:
+        self._inflight.pop(key, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None and not isinstance(error, InvalidRequestError):
+            return  # not the constraint's fault: not remembered
+        self._cache[key] = future.result() if error is None else error
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def compile_now(self, constraint: StructuredOutputs) -> Grammar:
+        """Compiles on the calling thread (no cache); InvalidRequestError for a bad constraint."""
+        source = _grammar_source(constraint)
+        limits = llguidance.LLParserLimits(
+            max_grammar_size=_MAX_GRAMMAR_SIZE,
+            max_lexer_states=_MAX_LEXER_STATES,
+            initial_lexer_fuel=_INITIAL_LEXER_FUEL,
+        )
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"structured_outputs: the {constraint.kind} constraint is invalid: {matcher.get_error()}",
+                FIELD,
+            )
+        grammar = Grammar(constraint, matcher, self.vocab_size, self.live)
+        probe = grammar.new_state()  # NOTE: a constraint no token can start is refused up front
+        error = probe.error
+        probe.release()
+        if error is not None:
+            raise InvalidRequestError(f"{error}: no token of this model can start it", FIELD)
+        return grammar
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._tokenizer
+
+
+def _grammar_source(constraint: StructuredOutputs) -> str:
+    """llguidance's grammar text for a constraint; InvalidRequestError where it cannot be one."""
+    options = _COMPACT if constraint.compact_whitespace else _SPACED
+    try:
+        if constraint.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, overrides=options)  # type: ignore[arg-type]
+        if constraint.kind == "json_schema":
+            schema = _closed_objects(json.loads(constraint.spec))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        if constraint.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
+        if constraint.kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
+        is_gbnf = "::=" in constraint.spec
+        return llguidance.grammar_from("gbnf" if is_gbnf else "lark", constraint.spec)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(
+            f"structured_outputs: the {constraint.kind} is invalid: {exc}", FIELD
+        ) from None
+
+
+def _closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that lists its
+    properties and says nothing of others (strict JSON: only the properties it names)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    if "properties" in closed and not any(key in closed for key in _OPEN_OBJECT_KEYS):
+        closed["additionalProperties"] = False
+    return closed

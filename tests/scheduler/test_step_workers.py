@@ -1,0 +1,166 @@
+"""The scheduler with its step loops in worker processes (`--scheduler-workers`).
+
+Unit tests of the report codec and the front's mirror of a worker's prefix cache, then one
+scenario over real processes: two executors on two scheduler workers; 32 concurrent greedy streams
+equal transformers; prefix-aware routing stays exact; a worker SIGKILLed under 32 streams is
+restarted and every stream completes unchanged; every pool is intact and idle afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from harness.cluster import Proc, processes, wait_until
+from harness.pools import check_prefix_routing, idle_pools, pools, random_ids
+from harness.reference import transformers_greedy
+from harness.serve import greedy_request, run_streams
+
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.block_pool import BlockPool
+from npuserve.scheduler.executor_client import ClientSpec
+from npuserve.scheduler.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
+from npuserve.scheduler.step_frames import apply_report, make_report
+from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool
+
+NUM_STREAMS = 32
+NUM_NEW = 40
+
+
+def request(req_id: str, prompt: list[int]) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    return Request(req_id, prompt, params, params.to_options((2,)), (2,), 512, 4)
+
+
+# -- units --------------------------------------------------------------------------------------
+
+
+def test_block_pool_reports_stored_and_removed_hashes_in_order() -> None:
+    pool = BlockPool(4)
+    pool.events = []
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [b"a", b"b"], 0, 2)
+    pool.free_blocks(reversed(blocks))
+    pool.get_new_blocks(3)  # reuses both cached blocks: their hashes leave the cache
+    assert pool.events == [(True, b"a"), (True, b"b"), (False, b"b"), (False, b"a")]
+
+
+def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    scheduler.kv.pool.events = []
+    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    worker_copy, front_copy = request("r1", [1, 5, 6, 7, 8]), request("r1", [1, 5, 6, 7, 8])
+    stopped_worker, stopped_front = request("r2", [1, 9]), request("r2", [1, 9])
+    scheduler.add_request(worker_copy)
+    scheduler.schedule()  # registers the prompt's full block
+    worker_copy.append_output(42, None)
+    event = LaneEvent(
+        updates=[RequestUpdate(worker_copy, [42], [None], None)],
+        ended=[stopped_worker],
+        stats=StepStats(num_preemptions=1, num_scheduled_tokens=5, num_prompt_tokens=5),
+        step_seconds=0.25,
+    )
+    stopped_worker.status = RequestStatus.FINISHED_ABORTED
+    report = make_report("e0#0", lane, event)
+    assert report.load.num_running == 1 and report.load.num_used_blocks == 2
+    assert [stored for stored, _ in report.kv_events] == [True]
+
+    copies = {"r1": front_copy, "r2": stopped_front}
+    rebuilt = apply_report(report, copies.get)
+    assert front_copy.output_token_ids == [42] and front_copy.status == RequestStatus.RUNNING
+    assert [(u.request, u.new_token_ids) for u in rebuilt.updates] == [(front_copy, [42])]
+    assert rebuilt.ended == [stopped_front] and stopped_front.status == RequestStatus.FINISHED_ABORTED
+    assert rebuilt.stats == StepStats(1, 5, 5) and rebuilt.step_seconds == 0.25
+    # Requests the front forgot (a stream that ended meanwhile) are skipped.
+    assert apply_report(report, lambda req_id: None).updates == []
+
+
+def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
+    info = ExecutorInfo(
+        model="m", architecture="LlamaForCausalLM", block_size=4, num_blocks=16, max_model_len=64,
+        max_num_seqs=4, max_num_batched_tokens=64, vocab_size=512, eos_token_ids=[2], dtype="float32",
+        device="cpu",
+    )  # fmt: skip
+    pool = StepWorkerPool(1, ClientSpec())
+    lane = pool.open_lane("e0", None, info)  # type: ignore[arg-type]
+    assert isinstance(lane, RemoteLane) and lane.key.startswith("e0#")
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    scheduler.kv.pool.events = []
+    worker_lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    scheduler.add_request(request("r1", [1, 5, 6, 7, 8, 9, 10, 11, 12]))
+    scheduler.schedule()
+    lane.absorb(make_report(lane.key, worker_lane, LaneEvent()))
+    hashes = scheduler.requests["r1"].block_hashes
+    assert all(lane.has_cached(h) for h in hashes) and lane.num_used_blocks == 3
+    scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+    scheduler.kv.pool.get_new_blocks(15)  # every cached block handed out again
+    lane.absorb(make_report(lane.key, worker_lane, LaneEvent()))
+    assert not any(lane.has_cached(h) for h in hashes)
+
+
+# -- the scheduler over worker processes --------------------------------------------------------
+
+
+def worker_pids(scheduler: Proc) -> dict[int, int]:
+    """Worker index -> pid of its latest start, from the scheduler's log."""
+    started = {}
+    for event in scheduler.events():
+        if event["event"] == "scheduler worker started":
+            started[event["worker"]] = event["pid"]
+    return started
+
+
+@pytest.mark.slow
+def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: Path, tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        [1, *random_ids(int(n), generator)] for n in torch.randint(4, 40, (NUM_STREAMS,), generator=generator)
+    ]
+    expected = transformers_greedy(stories_dir, prompts, NUM_NEW)
+    requests = [greedy_request(p, NUM_NEW) for p in prompts]
+    with processes(tmp_path) as procs:
+        executors = [
+            procs.start(name, "executor", "--model", str(stories_dir), "--port", "0",
+                        "--kv-cache-memory", "0.02", "--executor-id", name)
+            for name in ("e0", "e1")
+        ]  # fmt: skip
+        addresses = ",".join(e.wait_ready()["address"] for e in executors)
+        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
+                                "--port", "0", "--scheduler-workers", "2", "--log-format", "json")  # fmt: skip
+        stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
+        first_pids = worker_pids(scheduler)
+        assert len(first_pids) == 2, "one worker process per executor here"
+
+        # 32 concurrent greedy streams over both workers equal transformers.
+        threads, outputs, reasons = run_streams(stub, requests, None)
+        for thread in threads:
+            thread.join(120)
+        assert reasons == ["length"] * NUM_STREAMS
+        assert outputs == expected
+
+        # Routing sees each worker's prefix cache exactly.
+        check_prefix_routing(stub, ["e0", "e1"], generator)
+
+        # A worker SIGKILLed mid-run: it restarts; its streams resume and complete unchanged.
+        started = threading.Barrier(NUM_STREAMS + 1)
+        threads, outputs, reasons = run_streams(stub, requests, started)
+        busy = pools(stub)
+        assert all(p.num_requests > 0 for p in busy.values())
+        os.kill(first_pids[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        assert reasons == ["length"] * NUM_STREAMS
+        assert outputs == expected
+        wait_until(lambda: worker_pids(scheduler)[0] != first_pids[0], 30, "the worker to restart")
+        wait_until(lambda: set(pools(stub)) == {"e0", "e1"}, 30, "both executors to be served again")
+        final = idle_pools(stub)
+        assert all(p.num_free_blocks == p.num_blocks for p in final.values())
+        assert not [e for e in scheduler.events() if e.get("level") == "error" and "worker" not in e["event"]]

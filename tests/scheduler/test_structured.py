@@ -1,0 +1,176 @@
+"""Structured outputs in the scheduler: grammar compile (cache, errors, time limit), matchers that
+follow their request's tokens (rollback, replay), the bitmask on the step wire, and constrained
+requests over simulated executors through preemption and executor fail-over."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
+
+from npuserve.proto import executor_pb2
+from npuserve.proto.step_codec import CodecError, plan_from_proto, plan_to_proto
+from npuserve.proto.step_plan import StepPlan, TokenBitmask, bitmask_words
+from npuserve.proto.structured_outputs import StructuredOutputs
+from npuserve.scheduler.request import InvalidRequestError, SamplingParams
+from npuserve.scheduler.structured import GrammarCompiler, GrammarTimeout, _closed_objects
+from npuserve.scheduler.tokenizer import Tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+}
+
+
+def _compiler(tokenizer: Tokenizer, timeout_s: float = 5.0) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer.to_json(), 512, tokenizer.eos_token_ids, timeout_s=timeout_s)
+
+
+def _allowed(mask: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+
+
+def test_a_grammar_compiles_once_per_canonical_constraint(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer)
+        first = await compiler.compile(StructuredOutputs.json_schema(SCHEMA))
+        spaced = StructuredOutputs("json_schema", json.dumps(SCHEMA, indent=2))  # same schema
+        assert await compiler.compile(spaced) is first
+        assert (compiler.hits, compiler.misses) == (1, 1)
+        other = await compiler.compile(StructuredOutputs.json_schema(SCHEMA, compact_whitespace=False))
+        assert other is not first and compiler.misses == 2
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputs("json_schema", '{"type": "nope"}'),
+        StructuredOutputs("json_schema", '{"type": "object"'),  # not JSON
+        StructuredOutputs("regex", "(unclosed"),
+        StructuredOutputs("grammar", "start: missing_rule"),
+        StructuredOutputs("grammar", 'root ::= "a" undefined'),  # GBNF
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_refused_naming_the_field(
+    tokenizer: Tokenizer, constraint: StructuredOutputs
+) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer)
+        for _ in range(2):  # the refusal is cached too, and still names the field
+            with pytest.raises(InvalidRequestError) as refused:
+                await compiler.compile(constraint)
+            assert refused.value.field == "structured_outputs"
+            assert constraint.kind in str(refused.value)
+        assert compiler.hits == 1
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_compile_past_the_time_limit_is_refused_then_served_from_the_cache(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer, timeout_s=0.0)
+        constraint = StructuredOutputs("regex", "[a-z]{3,9}-[0-9]{2}")
+        with pytest.raises(GrammarTimeout) as refused:
+            await compiler.compile(constraint)
+        assert refused.value.field == "structured_outputs"
+        for _ in range(400):  # the compile goes on off the loop, and lands in the cache
+            if constraint.key in compiler._cache:
+                break
+            await asyncio.sleep(0.005)
+        assert (await compiler.compile(constraint)).constraint == constraint
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_matcher_rolls_back_and_replays_to_its_request_tokens(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer)
+        grammar = await compiler.compile(StructuredOutputs.json_schema(SCHEMA))
+        text = '{"name":"Lily","age":7,"color":"red"}'
+        tokens = compiler._llg_tokenizer().tokenize_str(text)  # no sentencepiece's leading space
+        state = grammar.new_state()
+        for token in tokens:
+            assert token in _allowed(state.mask)
+            state.accept(token)
+            state.sync(tokens[: state.num_accepted])  # computes the next mask
+        assert state.error is None and state.is_complete
+        state.sync(tokens[:3])  # rolled back: as a fresh matcher fed the same three tokens
+        fresh = grammar.new_state()
+        fresh.sync(tokens[:3])
+        assert np.array_equal(state.mask, fresh.mask) and not state.is_complete
+        for s in (state, fresh):
+            s.release()
+            s.release()  # idempotent
+        assert compiler.num_live_states == 0
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+def test_objects_take_only_their_properties_unless_the_schema_says_otherwise() -> None:
+    closed = _closed_objects({"type": "array", "items": SCHEMA})
+    assert closed["items"]["additionalProperties"] is False
+    open_schema = {**SCHEMA, "additionalProperties": True}
+    assert _closed_objects(open_schema) == open_schema
+
+
+def test_the_bitmask_crosses_the_step_wire_for_scheduled_rows_only() -> None:
+    words = np.arange(2 * bitmask_words(512), dtype="<i4").tobytes()
+    plan = StepPlan(step_id=7, num_scheduled_tokens={"a": 1, "b": 1, "c": 3})
+    plan.bitmask = TokenBitmask(["c", "a"], words)
+    decoded = plan_from_proto(executor_pb2.StepRequest.FromString(plan_to_proto(plan).SerializeToString()))
+    assert decoded.bitmask == plan.bitmask
+    assert plan_from_proto(plan_to_proto(dataclasses.replace(plan, bitmask=None))).bitmask is None
+    for bad in (TokenBitmask(["a", "zz"], words), TokenBitmask(["a", "b"], words[:-2])):
+        with pytest.raises(CodecError):
+            plan_from_proto(plan_to_proto(dataclasses.replace(plan, bitmask=bad)))
+
+
+def _constrained(max_tokens: int = 60) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputs.json_schema(SCHEMA))
+
+
+async def _run_all(sim: SimulatedEngine, ids: list[str]) -> dict[str, tuple[list[int], str | None]]:
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    runs = await asyncio.gather(*(generate(sim.engine, prompt, _constrained(), i) for i in ids))
+    return {i: (run.tokens[0], run.finish_reasons[0]) for i, run in zip(ids, runs, strict=True)}
+
+
+def test_constrained_requests_survive_preemption_and_fail_over(tokenizer: Tokenizer) -> None:
+    """The simulated executors sample inside the bitmask (a function of request and position),
+    so a constrained request's tokens are known from an undisturbed run: with a pool that forces
+    preemption and an executor that goes down mid-run, each request ends with the same tokens,
+    valid JSON, and every pool and grammar state comes back."""
+    ids = [f"so-{i}" for i in range(8)]
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, 1) as sim:
+            undisturbed = await _run_all(sim, ids)
+        for tokens, reason in undisturbed.values():
+            assert reason == "stop"
+            jsonschema.validate(json.loads(tokenizer.decode(tokens, True)), SCHEMA)
+        tight = dataclasses.replace(SMALL, num_blocks=24)  # 8 requests need more: preemption
+        async with simulated_engine(tokenizer, 1, config=tight) as sim:
+            assert await _run_all(sim, ids) == undisturbed
+            assert sim.engine.lanes["e0"].scheduler.total_preemptions > 0
+        async with simulated_engine(tokenizer, 2, failing={"e0": (4, "UNAVAILABLE")}) as sim:
+            assert await _run_all(sim, ids) == undisturbed
+            assert list(sim.engine.lanes) == ["e1"] and sim.sampled_by()["e0"] > 0
+            assert sim.engine.grammars.num_live_states == 0
+
+    asyncio.run(scenario())
