@@ -124,16 +124,20 @@ class Supervisor:
         to the executors. A second signal (``shutdown.now``) passes on at once: each process
         then stops without waiting."""
         log.info("draining", timeout_s=timeout_s)
+        signalled: list[Child] = []
         for roles in (FRONT, ("executor",)):
             children = [s.child for s in self.supervised if s.role in roles and s.child.running]
             for child in children:  # in FRONT's order: the gateway stops admitting first
                 child.process.terminate()
+            signalled += children
             if not self._wait_exit(children, shutdown, timeout_s + EXIT_MARGIN_S):
                 break
         if shutdown.now.is_set():
-            for child in self.launcher.children:
+            log.info("second signal: stopping every process now")
+            for child in signalled:
                 if child.running:
-                    child.process.terminate()  # the second signal of each: stop now
+                    child.process.terminate()  # its second signal: stop now
+            # NOTE: the others never drained; the caller's stop ends them (SIGTERM, then SIGKILL).
 
     def _wait_exit(self, children: Sequence[Child], shutdown: Shutdown, timeout_s: float) -> bool:
         """True when every child ended within ``timeout_s``; False at a second signal or the end."""

@@ -5,10 +5,13 @@ and only the loss of every executor (or of the scheduler) ends serving."""
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from pathlib import Path
 
 from npuserve.deploy.launcher import Launcher
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
+from npuserve.deploy.shutdown import Shutdown
 from npuserve.deploy.supervisor import Role, Supervisor
 
 SHELL = ["sh"]
@@ -93,5 +96,38 @@ def test_the_scheduler_in_a_crash_loop_ends_serving(tmp_path: Path) -> None:
                 clock.now = scheduler.restart_at
                 supervisor.check()
         assert scheduler.given_up and verdict == "the scheduler is in a crash loop"
+    finally:
+        supervisor.launcher.stop(grace_s=1)
+
+
+# Drains (ignores) the first SIGTERM, dies of the second.
+DRAINS_FOREVER = ["-c", "trap 'trap - TERM' TERM; while :; do sleep 0.05; done"]
+
+
+def test_a_second_signal_during_the_drain_stops_every_process_at_once(tmp_path: Path) -> None:
+    supervisor, _ = supervised(
+        tmp_path,
+        {
+            "executor-0": ("executor", DRAINS_FOREVER),
+            "scheduler": ("scheduler", DRAINS_FOREVER),
+            "gateway": ("gateway", DRAINS_FOREVER),
+        },
+    )
+    shutdown = Shutdown()
+    shutdown.on_signal()  # the first: drain
+    try:
+        time.sleep(0.3)  # the shells have set their traps
+        second = threading.Timer(0.5, shutdown.on_signal)  # arrives while the front drains
+        second.start()
+        supervisor.drain(shutdown, timeout_s=60)
+        second.join()
+        codes = supervisor.launcher.stop(grace_s=0.5)  # what serve does next
+        # The gateway and the scheduler died of their second SIGTERM, passed on by the drain; the
+        # executor, never signalled before, drains at the stop's SIGTERM and is killed after 0.5 s.
+        assert codes == {
+            "executor-0": -signal.SIGKILL,
+            "scheduler": -signal.SIGTERM,
+            "gateway": -signal.SIGTERM,
+        }
     finally:
         supervisor.launcher.stop(grace_s=1)
