@@ -19,8 +19,9 @@ from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, StepStats
 
-# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed)
-CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None]
+# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed,
+#  the prompt tokens found in the prefix cache at its first schedule)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None, int]
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
                 u.new_logprobs,
                 None if u.finished is None else u.finished.value,
                 None if u.finished is None else u.request.error,
+                u.request.num_cached_tokens,
             )
             for u in event.updates
         ],
@@ -100,10 +102,12 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         step_seconds=report.step_seconds,
         executor_draining=report.executor_draining,
     )
-    for req_id, token_ids, logprobs, finished, error in report.updates:
+    for req_id, token_ids, logprobs, finished, error, num_cached in report.updates:
         request = request_of(req_id)
         if request is None:
             continue
+        if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
+            request.num_cached_tokens = num_cached
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
             request.append_output(token_id, token_logprobs)
         status = None if finished is None else RequestStatus(finished)
