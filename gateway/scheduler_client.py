@@ -23,6 +23,9 @@ from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, me
 from npuserve.proto.error_details import error_field
 
 SMALL_CALL_TIMEOUT_S = 10.0
+# NOTE: gRPC waits up to 120 s between reconnection attempts by default; a scheduler that
+# `npuserve serve` restarted is back within seconds, and the gateway should notice at once.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 PROFILE_TIMEOUT_S = 600.0  # stopping exports every executor's trace
 # Profiling answers: executors without --profile-dir, and a start/stop out of turn.
 _PROFILE_ERRORS = {
@@ -68,7 +71,7 @@ class SchedulerClient:
         self._stub: pb_grpc.SchedulerStub | None = None
 
     async def open(self) -> None:
-        options = message_size_options(MAX_API_MESSAGE_BYTES)
+        options = [*message_size_options(MAX_API_MESSAGE_BYTES), *RECONNECT_OPTIONS]
         self._channel = aio_client_channel(self.address, options, self._tls_ca)
         self._stub = pb_grpc.SchedulerStub(self._channel)
 

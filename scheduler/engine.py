@@ -212,6 +212,28 @@ class Engine:
     def live_lanes(self) -> list[Lane]:
         return [lane for lane in self.lanes.values() if lane.alive]
 
+    @property
+    def routable_lanes(self) -> list[Lane]:
+        """Live lanes that take new requests (a draining executor only finishes its own)."""
+        return [lane for lane in self.lanes.values() if lane.alive and not lane.draining]
+
+    def drain_executor(self, executor_id: str, reason: str) -> None:
+        """Routes no new request to an executor; its requests finish there, then it is removed
+        (a step that fails meanwhile moves them to the others, as for any lost executor)."""
+        lane = self.lanes.get(executor_id)
+        if lane is None or lane.draining:
+            return
+        lane.draining = True
+        log.info("executor draining", executor=executor_id, reason=reason, requests=lane.load)
+        self._remove_if_drained(lane)
+
+    def _remove_if_drained(self, lane: Lane) -> None:
+        # NOTE: read off the lane's thread or worker, as a hint: no new request comes to a
+        # draining lane, so once nothing is queued, held or still to be dropped on the executor,
+        # it stays so.
+        if lane.draining and not lane.queued_requests and not lane.has_work:
+            self.remove_executor(lane.executor_id, "drained")
+
     def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
         """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""
         if info.block_size != self.block_size or info.vocab_size != self.vocab_size:
@@ -379,13 +401,13 @@ class Engine:
         grammar = None if so is None else await self.grammars.compile(so)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
-        if not self.live_lanes:
+        if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
-        if limit is not None and sum(lane.num_waiting for lane in self.live_lanes) >= limit:
+        if limit is not None and sum(lane.num_waiting for lane in self.routable_lanes) >= limit:
             raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
         children = [
             Request(
@@ -463,7 +485,7 @@ class Engine:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
-        lane = choose_lane(self.live_lanes, first.block_hashes, num_blocks, self.config.routing)
+        lane = choose_lane(self.routable_lanes, first.block_hashes, num_blocks, self.config.routing)
         for request in siblings:
             self._lane_of[request.req_id] = lane
             self._unstarted[request.req_id] = (lane, num_blocks)
@@ -578,6 +600,10 @@ class Engine:
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
+        if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
+            self.drain_executor(lane.executor_id, "the executor is draining")
+        if lane.draining and not event.lane_down:
+            self._remove_if_drained(lane)
 
     def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
         """Moves requests of a lost executor to others; each resumes from the tokens it has.
@@ -597,14 +623,15 @@ class Engine:
             if count:
                 for request in siblings:
                     request.num_failovers += 1
-            if not self.live_lanes or siblings[0].num_failovers > MAX_FAILOVERS:
-                why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
+            available = bool(self.routable_lanes)
+            if not available or siblings[0].num_failovers > MAX_FAILOVERS:
+                why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
                     if request.grammar is not None:
                         request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
-                if not self.live_lanes and not stream.started:
+                if not available and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
                     # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
                     stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
@@ -654,6 +681,12 @@ class Engine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def lanes_settled(self) -> bool:
+        """No live lane has a step to send, finished requests' drops included (a hint, read off
+        the lane threads): the executors hold no request of this scheduler."""
+        return not any(lane.has_work for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
         """Every lane's block pool passes its integrity check (run on the lane threads, between

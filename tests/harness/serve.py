@@ -51,6 +51,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def serve_child(serve_pid: int, name: str) -> tuple[int, Path] | None:
+    """The pid of `npuserve serve`'s living child ``name`` (executor-0, scheduler, gateway) and
+    its ready file, found by the ready file the launcher named after it; None while it is down."""
+    for pid in child_pids(serve_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        ready = next((a for a in argv if a.endswith(f"/{name}.ready.json")), None)
+        if ready is not None and alive(pid):
+            return pid, Path(ready)
+    return None
+
+
 @dataclass
 class Served:
     address: str  # the scheduler's gRPC address

@@ -3,7 +3,8 @@ before any executor), prefix-aware routing across them, a Redis outage (paused, 
 restarted empty) under load that loses no request and drops no executor, an executor that joins
 afterwards, and an executor SIGKILLed mid-run (every stream completes unchanged; its key expires
 and the scheduler drops it). `RedisMembership` on its own, against fake executors: a restarted
-executor (new instance id) is removed and added back, an expired one removed, a lost lane rejoined."""
+executor (new instance id) is removed and added back, an expired one removed, a lost lane
+rejoined, a draining one drained and never admitted again."""
 
 from __future__ import annotations
 
@@ -213,13 +214,16 @@ class FakeEngine:
         self.lanes.pop(executor_id, None)
         self.calls.append(("remove", executor_id))
 
+    def drain_executor(self, executor_id: str, reason: str) -> None:
+        self.calls.append(("drain", executor_id))
+
 
 def test_membership_follows_restarts_expiry_and_lost_lanes() -> None:
     with shared_registry() as registry:
 
-        def register(executor_id: str, instance: str) -> None:
+        def register(executor_id: str, instance: str, draining: bool = False) -> None:
             record = {"address": f"{executor_id}/{instance}", "executor_id": executor_id,
-                      "instance_id": instance, "ttl_s": 0.3}  # fmt: skip
+                      "instance_id": instance, "ttl_s": 0.3} | ({"draining": True} if draining else {})  # fmt: skip
             registry.client.set(registry.key(executor_id), json.dumps(record), ex=30)
 
         async def scenario() -> None:
@@ -247,6 +251,13 @@ def test_membership_follows_restarts_expiry_and_lost_lanes() -> None:
             engine.lanes.pop("a")  # a's lane went down, but it is still registered: probed again
             await until(lambda: "a" in engine.lanes, "the lost lane to rejoin")
             assert engine.calls[-1] == ("add", "a/a2") and set(membership.members) == {"a"}
+            register("a", "a2", draining=True)  # a got SIGTERM: its requests finish, no new ones
+            await until(lambda: ("drain", "a") in engine.calls, "the draining executor")
+            engine.lanes.pop("a")  # drained: the engine removed it, and it is not taken back
+            register("c", "c1", draining=True)  # nor is an executor that drains before it joins
+            await asyncio.sleep(0.3)
+            assert not engine.lanes and not [c for c in engine.calls if c[0] == "add" and c[1] != "a/a2"]
+            assert membership.num_known() == 2  # still registered: a and c
             follow.cancel()
 
         asyncio.run(scenario())
