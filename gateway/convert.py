@@ -266,7 +266,9 @@ def model_infos(reply: pb.ListModelsResponse) -> list[ModelInfo]:
 
 
 def health_info(reply: pb.HealthResponse) -> HealthInfo:
-    return HealthInfo(reply.serving, reply.ready_executors, reply.total_executors, reply.message, reply.degraded)
+    return HealthInfo(
+        reply.serving, reply.ready_executors, reply.total_executors, reply.message, reply.degraded
+    )
 
 
 # -- errors ----------------------------------------------------------------------------------------

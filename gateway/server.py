@@ -135,7 +135,9 @@ async def serve_gateway(config: GatewayConfig) -> int:
     )
     shutdown = Shutdown()
     shutdown.install_on_loop(asyncio.get_running_loop())
-    stopping = asyncio.create_task(_stop_on_signals(server, shutdown, app.state.drain, config.shutdown_timeout_s))
+    stopping = asyncio.create_task(
+        _stop_on_signals(server, shutdown, app.state.drain, config.shutdown_timeout_s)
+    )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
@@ -166,7 +168,9 @@ async def serve_gateway(config: GatewayConfig) -> int:
     return 0
 
 
-async def _stop_on_signals(server: uvicorn.Server, shutdown: Shutdown, drain: Drain, timeout_s: float) -> None:
+async def _stop_on_signals(
+    server: uvicorn.Server, shutdown: Shutdown, drain: Drain, timeout_s: float
+) -> None:
     """At the first signal drains, then stops the server; a second signal stops it at once."""
     shutdown.on_each_signal(lambda: _stop_now(server) if shutdown.now.is_set() else None)
     await shutdown.wait_drain_async()
