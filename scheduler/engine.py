@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.chat_template import RenderLimits
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
-from npuserve.scheduler.metrics import SchedulerMetrics, observe_many
+from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics, observe_many
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
 from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -152,7 +153,9 @@ class Engine:
         self._workers_restarting = 0
         self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._prefix_counted: dict[str, tuple[int, int]] = {}
+        # Per lane (a rejoined executor is a new lane, its pool's counts start at zero again):
+        # the prefix-cache totals already counted.
+        self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
@@ -259,6 +262,7 @@ class Engine:
             )
         self.lanes[executor_id] = lane
         lane.start()
+        self.metrics.executors.joined(executor_id, getattr(executor, "address", None))
         log.info(
             "executor joined",
             executor=executor_id,
@@ -652,16 +656,15 @@ class Engine:
     def _record_step(self, lane: Lane, event: LaneEvent) -> None:
         m = self.metrics
         if event.stats is not None:
-            m.step_seconds.observe(event.step_seconds)
+            m.step(lane.executor_id, event.step_seconds)
             m.prompt_tokens.inc(event.stats.num_prompt_tokens)
             m.generation_tokens.inc(len(event.updates))
             m.num_preemptions.inc(event.stats.num_preemptions)
             observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
         now_queries, now_hits = lane.prefix_stats
-        queries, hits = self._prefix_counted.get(lane.executor_id, (0, 0))
-        m.prefix_cache_queries.inc(max(0, now_queries - queries))
-        m.prefix_cache_hits.inc(max(0, now_hits - hits))
-        self._prefix_counted[lane.executor_id] = (now_queries, now_hits)
+        queries, hits = self._prefix_counted.get(lane, (0, 0))
+        m.prefix_cache(lane.executor_id, max(0, now_queries - queries), max(0, now_hits - hits))
+        self._prefix_counted[lane] = (now_queries, now_hits)
 
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
@@ -670,6 +673,12 @@ class Engine:
         m.num_requests_running.set(sum(lane.num_running for lane in lanes))
         m.num_requests_waiting.set(sum(lane.num_waiting for lane in lanes) + len(self._parked))
         m.kv_cache_usage.set(sum(lane.kv_usage for lane in lanes) / len(lanes) if lanes else 0.0)
+        m.executors.refresh(
+            [
+                ExecutorLoad(lane.executor_id, lane.num_running, lane.num_waiting, lane.kv_usage)
+                for lane in lanes
+            ]
+        )
 
     async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
         while True:
