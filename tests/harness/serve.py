@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -228,3 +228,19 @@ def run_streams(
     if started is not None:
         started.wait(60)
     return threads, outputs, reasons
+
+
+def complete_streams(
+    stub: pb_grpc.SchedulerStub,
+    requests: list[pb.GenerateRequest],
+    disturb: Callable[[], object] | None = None,
+) -> tuple[list[list[int]], list[str]]:
+    """Streams every request to its end, concurrently: (token ids, finish reason) of each.
+    ``disturb`` runs once every stream has its first 4 tokens."""
+    started = None if disturb is None else threading.Barrier(len(requests) + 1)
+    threads, outputs, reasons = run_streams(stub, requests, started)
+    if disturb is not None:
+        disturb()
+    for thread in threads:
+        thread.join(120)
+    return outputs, reasons

@@ -3,13 +3,12 @@ output equals an undisturbed run's, and no streamed token repeats or goes missin
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from harness.serve import greedy_request, npuserve_process, run_streams
+from harness.serve import complete_streams, greedy_request, npuserve_process
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -41,15 +40,9 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
             "scheduler", "--model", model, "--executors", addresses, "--port", "0", "--routing", "least-load"
         ) as (_, scheduler_ready):
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler_ready["address"]))
-            threads, undisturbed, _ = run_streams(stub, requests, None)
-            for thread in threads:
-                thread.join(120)
-
-            barrier = threading.Barrier(NUM_STREAMS + 1)
-            threads, outputs, reasons = run_streams(stub, requests, barrier)
-            first.kill()  # half of the streams lose their executor mid-generation
-            for thread in threads:
-                thread.join(120)
+            undisturbed, _ = complete_streams(stub, requests)
+            # Half of the streams lose their executor mid-generation.
+            outputs, reasons = complete_streams(stub, requests, first.kill)
             assert reasons == ["length"] * NUM_STREAMS
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
             check = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=10)

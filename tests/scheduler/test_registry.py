@@ -24,13 +24,14 @@ from harness.cluster import (
     Proc,
     Processes,
     Registry,
+    events,
     private_redis,
     processes,
     shared_registry,
     wait_until,
 )
-from harness.pools import check_prefix_routing, idle_pools, pools, random_ids
-from harness.serve import collect, greedy_request, run_streams
+from harness.pools import busiest, check_prefix_routing, idle_pools, pools, random_ids
+from harness.serve import collect, complete_streams, greedy_request
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -44,10 +45,6 @@ NUM_NEW = 48
 def start_executor(procs: Processes, model: Path, registry: list[str], name: str) -> Proc:
     return procs.start(name, "executor", "--model", str(model), "--port", "0", "--kv-cache-memory", "0.02",
                        "--executor-id", name, *registry, "--registry-ttl", str(TTL_S))  # fmt: skip
-
-
-def events(scheduler: Proc, name: str) -> list[dict]:
-    return [e for e in scheduler.events() if e["event"].startswith(name)]
 
 
 class Load:
@@ -123,17 +120,15 @@ def survive_sigkill(
     """SIGKILL the busiest executor while 32 greedy streams run: all complete, all unchanged."""
     requests = [greedy_request([1, *random_ids(int(n), generator)], NUM_NEW)
                 for n in torch.randint(4, 40, (NUM_STREAMS,), generator=generator)]  # fmt: skip
-    threads, undisturbed, _ = run_streams(stub, requests, None)
-    for thread in threads:
-        thread.join(120)
-    started = threading.Barrier(NUM_STREAMS + 1)
-    threads, outputs, reasons = run_streams(stub, requests, started)
-    busy = pools(stub)
-    victim = max(busy, key=lambda n: busy[n].num_requests)
-    assert busy[victim].num_requests > 0
-    executors[victim].process.kill()
-    for thread in threads:
-        thread.join(120)
+    undisturbed, _ = complete_streams(stub, requests)
+    victim = ""
+
+    def kill_the_busiest() -> None:
+        nonlocal victim
+        victim = busiest(stub)
+        executors[victim].process.kill()
+
+    outputs, reasons = complete_streams(stub, requests, kill_the_busiest)
     assert reasons == ["length"] * NUM_STREAMS
     assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
     return victim
