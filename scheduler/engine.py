@@ -278,10 +278,10 @@ class Engine:
         lane = self.lanes.pop(executor_id, None)
         if lane is None:
             return
+        # NOTE: the lane is retired once it reports going down, with its requests: a lane busy in
+        # a step reports only when the step ends (up to --step-timeout), and a scheduler worker
+        # drops the reports of a lane already retired.
         lane.take_down(reason)
-        assert self._loop is not None
-        # The lane thread reports its requests first; stop it once that report is handled.
-        self._loop.call_later(1.0, self._retire, lane)
 
     def _retire(self, lane: Lane) -> None:
         lane.stop()
@@ -589,7 +589,8 @@ class Engine:
             elif update.finished is not None:
                 self._record_finish(request, update.finished.value, now)
         if event.lane_down:
-            self.lanes.pop(lane.executor_id, None)
+            if self.lanes.get(lane.executor_id) is lane:  # not the executor's next lane
+                del self.lanes[lane.executor_id]
             assert self._loop is not None
             self._loop.call_later(1.0, self._retire, lane)
         if event.evacuated:

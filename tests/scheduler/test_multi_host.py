@@ -27,7 +27,10 @@ NUM_STREAMS = 16
 NUM_NEW = 32
 EXECUTOR_PORT = 50061  # each host has its own ports
 TTL_S = 2.0  # the registration's lease: a cut host's key is gone this long after its last beat
-STEP_TIMEOUT_S = 3.0  # how long a step to the cut host may hang before its requests move
+# How long a step to the cut host may hang before its requests move. Longer than the lease by
+# more than a second, as in production (10 s and 60 s by default): the scheduler drops the cut
+# executor while its lane still waits in that step, and the lane's requests still move.
+STEP_TIMEOUT_S = 4.0
 
 
 def start_executor(procs: Processes, host: Host, name: str, registry: Registry, token: str) -> None:
