@@ -167,3 +167,31 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.joined("c", "10.0.0.2:50061")
     assert metrics.restarts.labels(MODEL, "c")._value.get() == 1
     assert metrics.restarts.labels(MODEL, "a")._value.get() == 0
+
+
+def test_an_executor_replaced_mid_step_stays_served_and_counts_one_restart(tokenizer: Tokenizer) -> None:
+    """e0 restarts (a new instance registers) while its old lane waits in a step: the new lane
+    serves on, though the old one reports going down afterwards, and e0 is up with one restart."""
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, 2, pause_at=1) as sim:
+            engine = sim.engine
+            params = SamplingParams(max_tokens=12, ignore_eos=True)
+            running = asyncio.ensure_future(generate(engine, prompt(9, 3), params, "r"))
+            holder = await sim.wait_paused()
+            old_lane = engine.lanes[holder]
+            replacement = ControlledExecutor(SimulatedRunner(SMALL))
+            engine.add_executor(holder, replacement, replacement.info())  # the old lane is taken down
+            new_lane = engine.lanes[holder]
+            sim.lanes.append(new_lane)
+            sim.resume()
+            result = await running
+            assert result.tokens[0] == sim.expected_tokens("r", 9, 12)
+            await sim.wait_idle()
+            assert not old_lane.alive and engine.lanes[holder] is new_lane
+            engine.refresh_gauges()
+            found = samples(engine.metrics.render())
+            assert found[("npuserve:executor_up", holder)] == 1
+            assert found[("npuserve:executor_restarts_total", holder)] == 1
+
+    asyncio.run(scenario())
