@@ -102,14 +102,17 @@ def run_scenario(procs: Processes, registry: Registry, hosts_by_name: dict[str, 
     assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
     # Its lease runs out and the scheduler drops it.
     wait_until(lambda: registry.record(cut) is None, TTL_S + 5, "the cut executor's key to expire")
-    left = wait_until(lambda: [e for e in events(scheduler, "executor left") if e["executor"] == cut],
-                      5, "the scheduler to drop the cut executor")  # fmt: skip
+
+    def drops() -> list[dict]:
+        return [e for e in events(scheduler, "executor left") if e["executor"] == cut]
+
+    wait_until(drops, 5, "the scheduler to drop the cut executor")
     assert executor_series(stub, "npuserve:executor_up")[cut] == 0
 
     hosts_by_name[cut].restore()
     wait_until(lambda: registry.record(cut) is not None, 10, "the executor to register again")
     wait_until(lambda: cut in pools(stub), 10, "the executor to be discovered again")
-    assert len(left) == 1  # nothing dropped it again meanwhile
+    assert len(drops()) == 1  # nothing dropped it again meanwhile
     # It serves: the streams again, which the other host no longer takes all of, though it holds
     # their prefixes (routing counts the blocks queued there too).
     before = pools(stub)[cut].prefix_cache_queries
