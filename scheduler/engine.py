@@ -236,6 +236,7 @@ class Engine:
         # it stays so.
         if lane.draining and not lane.queued_requests and not lane.has_work:
             self.remove_executor(lane.executor_id, "drained")
+            self.metrics.executors.left(lane.executor_id)
 
     def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
         """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""

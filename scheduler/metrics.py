@@ -46,7 +46,8 @@ class ExecutorMetrics:
 
     An executor id (or address) that joins again after it was seen counts as a restart. An
     executor missing from a refresh reads as down (executor_up 0, its load 0); DEPARTED_SERIES_TTL_S
-    later every series of it is removed, unless it came back.
+    later every series of it is removed, unless it came back. One that drained (stopped on
+    purpose) loses its series at once: its leaving is no fault to alert on.
 
     Ownership: called on the engine's event loop thread only.
     """
@@ -102,6 +103,15 @@ class ExecutorMetrics:
         if rejoined:
             self.restarts.labels(self.model_name, executor_id).inc()
 
+    def left(self, executor_id: str) -> None:
+        """The executor drained and left."""
+        if self._executors.pop(executor_id, None) is not None:
+            self._remove_series(executor_id)
+
+    def _remove_series(self, executor_id: str) -> None:
+        for metric in self._series:
+            metric.remove(self.model_name, executor_id)
+
     def step(self, executor_id: str, seconds: float) -> None:
         executor = self._executors.get(executor_id)
         if executor is not None:  # else: a late report of an executor whose series are gone
@@ -134,8 +144,7 @@ class ExecutorMetrics:
                     gauge.labels(self.model_name, executor_id).set(0)
             elif now - executor.departed_at >= DEPARTED_SERIES_TTL_S:
                 del self._executors[executor_id]
-                for metric in self._series:
-                    metric.remove(self.model_name, executor_id)
+                self._remove_series(executor_id)
 
 
 def observe_many(histogram: Histogram, value: float, count: int) -> None:

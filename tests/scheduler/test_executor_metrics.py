@@ -195,3 +195,17 @@ def test_an_executor_replaced_mid_step_stays_served_and_counts_one_restart(token
             assert found[("npuserve:executor_restarts_total", holder)] == 1
 
     asyncio.run(scenario())
+
+
+def test_a_drained_executor_leaves_without_reading_as_down(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, 2) as sim:
+            engine = sim.engine
+            engine.drain_executor("e1", "stopped on purpose")  # idle: removed at once
+            assert list(engine.lanes) == ["e0"]
+            engine.refresh_gauges()
+            found = samples(engine.metrics.render())
+            assert not [key for key in found if key[1] == "e1"]
+            assert found[("npuserve:executor_up", "e0")] == 1
+
+    asyncio.run(scenario())
