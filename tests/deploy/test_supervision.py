@@ -33,6 +33,7 @@ from harness.serve import (
     child_pids,
     generate_concurrently,
     greedy_request,
+    labelled_metric,
     run_streams,
     serve,
     serve_child,
@@ -142,6 +143,10 @@ def test_a_killed_executor_restarts_and_its_streams_complete_unchanged(served: S
 
     wait_for(served_there, "a request served by the restarted executor")
     assert_idle_and_intact(served)
+    # The scheduler's metrics count its return as a restart of that executor, and only of it.
+    restarts = labelled_metric(stub, "npuserve:executor_restarts_total")
+    assert restarts[executor_id] >= 1 and sum(restarts.values()) == restarts[executor_id]
+    assert set(labelled_metric(stub, "npuserve:executor_up").values()) == {1.0}
 
 
 def completion_text(client: openai.OpenAI, prompt: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
@@ -120,6 +121,18 @@ def openai_client(served: Served) -> Any:
 
     key = served.api_key or "none"
     return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def labelled_metric(stub: pb_grpc.SchedulerStub, name: str, label: str = "executor") -> dict[str, float]:
+    """One series of the scheduler's metrics (``name`` as exported, e.g. with ``_total``), by the
+    value of its label ``label``."""
+    text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 @contextmanager

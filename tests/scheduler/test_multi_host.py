@@ -16,10 +16,8 @@ import torch
 from harness.cluster import Processes, Registry, events, private_redis, processes, wait_until
 from harness.netns import Host, hosts
 from harness.pools import busiest, idle_pools, pools, random_ids
-from harness.serve import complete_streams, greedy_request
-from prometheus_client.parser import text_string_to_metric_families
+from harness.serve import complete_streams, greedy_request, labelled_metric
 
-from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import CLUSTER_TOKEN
 
@@ -41,17 +39,6 @@ def start_executor(procs: Processes, host: Host, name: str, registry: Registry, 
         "--registry-ttl", str(TTL_S), "--kv-cache-memory", "0.02", "--no-warmup",
         env={CLUSTER_TOKEN.env: token}, prefix=host.command_prefix,
     )  # fmt: skip
-
-
-def executor_series(stub: pb_grpc.SchedulerStub, name: str) -> dict[str, float]:
-    """One `npuserve:executor_*` series of the scheduler's metrics, by executor."""
-    text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
-    return {
-        sample.labels["executor"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 @pytest.mark.slow
@@ -107,7 +94,7 @@ def run_scenario(procs: Processes, registry: Registry, hosts_by_name: dict[str, 
         return [e for e in events(scheduler, "executor left") if e["executor"] == cut]
 
     wait_until(drops, 5, "the scheduler to drop the cut executor")
-    assert executor_series(stub, "npuserve:executor_up")[cut] == 0
+    assert labelled_metric(stub, "npuserve:executor_up")[cut] == 0
 
     hosts_by_name[cut].restore()
     wait_until(lambda: registry.record(cut) is not None, 10, "the executor to register again")
@@ -119,8 +106,8 @@ def run_scenario(procs: Processes, registry: Registry, hosts_by_name: dict[str, 
     outputs, reasons = complete_streams(stub, requests)
     assert outputs == undisturbed and reasons == ["length"] * NUM_STREAMS
     assert pools(stub)[cut].prefix_cache_queries > before
-    assert executor_series(stub, "npuserve:executor_up") == dict.fromkeys(hosts_by_name, 1.0)
-    restarts = executor_series(stub, "npuserve:executor_restarts_total")
+    assert labelled_metric(stub, "npuserve:executor_up") == dict.fromkeys(hosts_by_name, 1.0)
+    restarts = labelled_metric(stub, "npuserve:executor_restarts_total")
     assert restarts == {name: 1.0 if name == cut else 0.0 for name in hosts_by_name}
     final = idle_pools(stub)
     assert set(final) == set(hosts_by_name)
