@@ -71,6 +71,18 @@ def _free_subnets(count: int) -> list[int]:
     return random.sample(free, count)
 
 
+def _link(host: Host) -> None:
+    """The host's veth pair, addressed and up, and a command run inside it."""
+    veth = ["type", "veth", "peer", "name", HOST_INTERFACE, "netns", host.namespace]
+    ip("link", "add", host.link, *veth)
+    ip("addr", "add", f"{host.gateway}/24", "dev", host.link)
+    ip("link", "set", host.link, "up")
+    ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", HOST_INTERFACE)
+    ip("-n", host.namespace, "link", "set", HOST_INTERFACE, "up")
+    ip("-n", host.namespace, "link", "set", "lo", "up")
+    subprocess.run([*host.command_prefix, "true"], capture_output=True, text=True, timeout=10, check=True)
+
+
 @contextmanager
 def hosts(count: int) -> Iterator[list[Host]]:
     """``count`` hosts, removed again at the end (their links with them), even on failure."""
@@ -89,23 +101,10 @@ def hosts(count: int) -> Iterator[list[Host]]:
             if created.returncode != 0:
                 pytest.skip(f"cannot create a network namespace: {created.stderr.strip()}")
             made.append(host)
-            ip(
-                "link",
-                "add",
-                host.link,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                HOST_INTERFACE,
-                "netns",
-                host.namespace,
-            )
-            ip("addr", "add", f"{host.gateway}/24", "dev", host.link)
-            ip("link", "set", host.link, "up")
-            ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", HOST_INTERFACE)
-            ip("-n", host.namespace, "link", "set", HOST_INTERFACE, "up")
-            ip("-n", host.namespace, "link", "set", "lo", "up")
+            try:
+                _link(host)
+            except subprocess.CalledProcessError as exc:
+                pytest.skip(f"cannot link a network namespace: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
         yield made
     finally:
         for host in made:
