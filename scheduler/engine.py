@@ -531,6 +531,7 @@ class Engine:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
             self._dispatch(lane, apply_report(report, self._request_of))
+        worker.send(("ack",))  # NOTE: the worker's lanes wait while too many go unacknowledged
 
     def _on_worker_lost(self, worker: WorkerHandle) -> None:
         """A scheduler worker died: its lanes' requests move (or wait for its restart), and it

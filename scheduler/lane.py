@@ -128,9 +128,12 @@ class ExecutorLane:
         scheduler: Scheduler,
         on_event: Callable[[ExecutorLane, LaneEvent], None],
         async_scheduling: bool = False,
+        may_step: Callable[[], bool] | None = None,
     ) -> None:
         """``async_scheduling``: schedule and send each step while the executor runs the one
-        before (only with an executor that pipelines steps: the streaming gRPC client)."""
+        before (only with an executor that pipelines steps: the streaming gRPC client).
+        ``may_step``: asked before each new step; False holds it back for now (flow control:
+        whoever takes this lane's events is behind)."""
         self.executor_id = executor_id
         self.executor = executor
         self.scheduler = scheduler
@@ -148,6 +151,7 @@ class ExecutorLane:
         self.num_steps = 0
         self.async_scheduling = async_scheduling and callable(getattr(executor, "submit", None))
         self._in_flight: deque[InFlightStep] = deque()
+        self._may_step = may_step or (lambda: True)
         self._last_landed = 0.0
 
     # -- called from any thread -----------------------------------------------------------------
@@ -279,11 +283,19 @@ class ExecutorLane:
         """One step lands. With async scheduling the next one is scheduled and sent first, so
         the executor starts on it as soon as this one is done, not after this lane has handled
         its result (the scheduler counts the tokens in flight: `num_pending_tokens`)."""
-        if not self._in_flight and not self._launch():
-            self._wakeup.wait(timeout=0.01)  # nothing fits now (e.g. waiting on a stop to land)
-            self._wakeup.clear()
-            return
-        if self.async_scheduling and len(self._in_flight) == 1 and self.scheduler.has_work():
+        if not self._in_flight:
+            if not self._may_step():
+                return  # the events' consumer is behind: commands first, then ask again
+            if not self._launch():
+                self._wakeup.wait(timeout=0.01)  # nothing fits now (e.g. waiting on a stop to land)
+                self._wakeup.clear()
+                return
+        if (
+            self.async_scheduling
+            and len(self._in_flight) == 1
+            and self.scheduler.has_work()
+            and self._may_step()
+        ):
             self._launch()
         self._land()
 

@@ -12,7 +12,11 @@ Wire, both ways over one `multiprocessing` pipe, each message a list (a batch):
                    | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
   worker -> front: `LaneReport` | ("reply", call_id, ok, value or error text)
 Each side's sender thread sends everything queued since its last send as one message, so a busy
-worker reports many lanes' steps per message.
+worker reports many lanes' steps per message. The front acknowledges each message of reports once
+it has handled it (("ack",)); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's
+lanes start no new step. That is the flow control between the two: a front that falls behind
+slows the steps down (each then carries more requests) instead of letting reports pile up
+between the processes, unbounded, while its clients wait.
 """
 
 from __future__ import annotations
@@ -38,9 +42,40 @@ log = structlog.get_logger(__name__)
 
 Message = list[Any]
 STOP_LANE_TIMEOUT_S = 5.0
+MAX_UNACKED_REPORTS = 4  # messages of reports the front may hold unhandled before lanes wait
+ROOM_WAIT_S = 0.05  # a lane waiting for room checks its commands this often
 
 
-def send_batches(conn: Connection, outbox: queue.SimpleQueue[Any], on_broken: Callable[[], None]) -> None:
+class ReportWindow:
+    """Messages of reports sent to the front and not acknowledged yet."""
+
+    def __init__(self, limit: int = MAX_UNACKED_REPORTS) -> None:
+        self.limit = limit
+        self._unacked = 0
+        self._changed = threading.Condition()
+
+    def sent(self, batch: list[Any]) -> None:
+        if any(isinstance(item, LaneReport) for item in batch):
+            with self._changed:
+                self._unacked += 1
+
+    def acked(self) -> None:
+        with self._changed:
+            self._unacked = max(0, self._unacked - 1)
+            self._changed.notify_all()
+
+    def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
+        """Waits up to ``timeout_s`` for the front to catch up; whether a lane may step now."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._unacked < self.limit, timeout_s)
+
+
+def send_batches(
+    conn: Connection,
+    outbox: queue.SimpleQueue[Any],
+    on_broken: Callable[[], None],
+    on_sent: Callable[[list[Any]], None] = lambda batch: None,
+) -> None:
     """Sends whatever the outbox holds, as one message per wake-up; ends on None."""
     while True:
         item = outbox.get()
@@ -54,6 +89,7 @@ def send_batches(conn: Connection, outbox: queue.SimpleQueue[Any], on_broken: Ca
         batch = [b for b in batch if b is not None]
         try:
             if batch:
+                on_sent(batch)
                 conn.send(batch)
         except (OSError, ValueError, EOFError):
             on_broken()
@@ -78,8 +114,12 @@ class StepWorker:
         self.enable_prefix_caching = enable_prefix_caching
         self.lanes: dict[str, ExecutorLane] = {}
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.window = ReportWindow()
         self._sender = threading.Thread(
-            target=send_batches, args=(conn, self.outbox, lambda: None), name="worker-send", daemon=True
+            target=send_batches,
+            args=(conn, self.outbox, lambda: None, self.window.sent),
+            name="worker-send",
+            daemon=True,
         )
 
     def run(self) -> None:
@@ -94,6 +134,9 @@ class StepWorker:
                 for command in message:
                     if command[0] == "exit":
                         return
+                    if command[0] == "ack":
+                        self.window.acked()
+                        continue
                     self._apply(command)
         finally:
             for lane in self.lanes.values():
@@ -152,7 +195,9 @@ class StepWorker:
         def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
             self.outbox.put(make_report(lane_key, lane, event))
 
-        lane = ExecutorLane(executor_id, client, scheduler, on_event, self.async_scheduling)
+        lane = ExecutorLane(
+            executor_id, client, scheduler, on_event, self.async_scheduling, may_step=self.window.has_room
+        )
         self.lanes[lane_key] = lane
         lane.start()
 
