@@ -35,9 +35,18 @@ import llguidance
 import numpy as np
 import structlog
 from llguidance.numpy import fill_next_token_bitmask_par
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from npuserve.proto.step_plan import TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
+from npuserve.scheduler.grammar_closing import (
+    CLOSING_SLACK,
+    CLOSING_WINDOW,
+    ByteVocab,
+    closing_path,
+    narrow_to_path,
+)
 from npuserve.scheduler.request import InvalidRequestError, Request
 
 log = structlog.get_logger(__name__)
@@ -69,9 +78,12 @@ class Grammar:
     template: llguidance.LLMatcher
     vocab_size: int
     live: _LiveCount
+    vocab: ByteVocab
 
-    def new_state(self) -> GrammarState:
-        return GrammarState(self)
+    def new_state(self, max_tokens: int | None = None) -> GrammarState:
+        """A matcher for one sequence that may write `max_tokens` tokens (None: no closing
+        before a budget; see `grammar_closing`)."""
+        return GrammarState(self, max_tokens)
 
 
 class _LiveCount:
@@ -89,9 +101,10 @@ class _LiveCount:
 class GrammarState:
     """One sequence's matcher and the bitmask of the tokens it may sample next."""
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
         self.grammar = grammar
         self.matcher: llguidance.LLMatcher | None = grammar.template.deep_copy()
+        self.max_tokens = max_tokens
         self.num_accepted = 0
         self.mask = np.zeros((1, bitmask_words(grammar.vocab_size)), dtype=np.int32)  # [1, W]
         self.error: str | None = None
@@ -163,10 +176,23 @@ def _fill_masks(states: list[GrammarState]) -> None:
             view = state.mask[0]
             state.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
     for state in states:
+        assert state.matcher is not None
         if not state.mask.any():
-            assert state.matcher is not None
             why = state.matcher.get_error() if state.matcher.is_error() else "no token can continue it"
             state.error = f"structured_outputs: the output cannot continue ({why})"
+        elif state.max_tokens is not None:
+            _close_before_budget(state, state.max_tokens - state.num_accepted)
+
+
+def _close_before_budget(state: GrammarState, remaining: int) -> None:
+    """Narrows the mask to the constraint's closing path once that path (plus EOS and slack)
+    fills the tokens the sequence has left."""
+    if remaining > CLOSING_WINDOW:
+        return
+    assert state.matcher is not None
+    path = closing_path(state.matcher, state.grammar.vocab)
+    if path is not None and len(path) + 1 + CLOSING_SLACK >= remaining:
+        narrow_to_path(state.mask[0], path, state.grammar.vocab)
 
 
 def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:
@@ -211,6 +237,7 @@ class GrammarCompiler:
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="npuserve-grammar")
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        self._vocab: ByteVocab | None = None
         self.live = _LiveCount()
         self.hits = 0
         self.misses = 0
@@ -294,7 +321,7 @@ class GrammarCompiler:
                 f"structured_outputs: the {constraint.kind} constraint is invalid: {matcher.get_error()}",
                 FIELD,
             )
-        grammar = Grammar(constraint, matcher, self.vocab_size, self.live)
+        grammar = Grammar(constraint, matcher, self.vocab_size, self.live, self._byte_vocab())
         probe = grammar.new_state()  # NOTE: a constraint no token can start is refused up front
         error = probe.error
         probe.release()
@@ -306,9 +333,49 @@ class GrammarCompiler:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
+                    grammar_tokenizer_json(self._tokenizer_json),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos,
                 )
             return self._tokenizer
+
+    def _byte_vocab(self) -> ByteVocab:
+        tokenizer = self._llg_tokenizer()
+        with self._tokenizer_lock:
+            if self._vocab is None:
+                self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos))
+            return self._vocab
+
+
+_SPACES_PROBE = "  a  b  "
+
+
+def grammar_tokenizer_json(tokenizer_json: str) -> str:
+    """The tokenizer as the grammar engine needs it: one that turns any text into tokens whose
+    bytes are exactly that text. Normalizer steps that drop or merge spaces (llama2.c exports
+    strip leading and trailing spaces and collapse runs of them) go: llguidance tokenizes the
+    bytes a grammar forces (" is " in a regex) to build the mask, and a tokenizer that loses
+    their spaces yields a mask the matcher then refuses. The vocabulary and decoding are kept."""
+    spec = json.loads(tokenizer_json)
+    normalizer = spec.get("normalizer")
+    if not isinstance(normalizer, dict):
+        return tokenizer_json
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    kept = [step for step in steps if not _drops_spaces(step)]
+    if len(kept) == len(steps):
+        return tokenizer_json
+    spec["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
+    return json.dumps(spec)
+
+
+def _drops_spaces(step: dict[str, Any]) -> bool:
+    """Whether a normalizer step leaves fewer spaces (or metaspaces) than the probe holds."""
+    spec = json.loads(BackendTokenizer(models.BPE()).to_str())  # an empty tokenizer, with the step
+    spec["normalizer"] = step
+    normalized = BackendTokenizer.from_str(json.dumps(spec)).normalizer
+    assert normalized is not None
+    out = normalized.normalize_str(_SPACES_PROBE)
+    return out.count(" ") + out.count("\u2581") < _SPACES_PROBE.count(" ")
 
 
 def _grammar_source(constraint: StructuredOutputs) -> str:
