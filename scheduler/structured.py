@@ -40,13 +40,7 @@ from tokenizers import models
 
 from npuserve.proto.step_plan import TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
-from npuserve.scheduler.grammar_closing import (
-    CLOSING_SLACK,
-    CLOSING_WINDOW,
-    ByteVocab,
-    closing_path,
-    narrow_to_path,
-)
+from npuserve.scheduler.grammar_closing import ByteVocab, close_within, narrow_to
 from npuserve.scheduler.request import InvalidRequestError, Request
 
 log = structlog.get_logger(__name__)
@@ -106,6 +100,8 @@ class GrammarState:
         self.matcher: llguidance.LLMatcher | None = grammar.template.deep_copy()
         self.max_tokens = max_tokens
         self.num_accepted = 0
+        # The closing tokens the mask is narrowed to, while the sequence follows them.
+        self.closing: list[int] | None = None
         self.mask = np.zeros((1, bitmask_words(grammar.vocab_size)), dtype=np.int32)  # [1, W]
         self.error: str | None = None
         grammar.live.add(1)
@@ -126,6 +122,7 @@ class GrammarState:
         The next mask is computed by `advance_masks`, for the whole step at once."""
         assert self.matcher is not None, "a released grammar state was advanced"
         self.num_accepted += 1
+        self.closing = self.closing[1:] if self.closing and self.closing[0] == token_id else None
         if self.error is None and not self.matcher.consume_token(token_id):
             self.error = (
                 f"structured_outputs: the sampled token {token_id} breaks the constraint "
@@ -144,6 +141,7 @@ class GrammarState:
         if self.num_accepted > len(output_token_ids):
             self.matcher.rollback(self.num_accepted - len(output_token_ids))
             self.num_accepted = len(output_token_ids)
+            self.closing = None
         for token_id in output_token_ids[self.num_accepted :]:
             self.accept(token_id)
         _fill_masks([self])
@@ -185,14 +183,14 @@ def _fill_masks(states: list[GrammarState]) -> None:
 
 
 def _close_before_budget(state: GrammarState, remaining: int) -> None:
-    """Narrows the mask to the constraint's closing path once that path (plus EOS and slack)
-    fills the tokens the sequence has left."""
-    if remaining > CLOSING_WINDOW:
-        return
+    """Narrows the mask to the constraint's closing path as the budget runs out (see
+    `grammar_closing`); a sequence that follows the path keeps it without a new search (the
+    search from where it is now would find the same rest)."""
     assert state.matcher is not None
-    path = closing_path(state.matcher, state.grammar.vocab)
-    if path is not None and len(path) + 1 + CLOSING_SLACK >= remaining:
-        narrow_to_path(state.mask[0], path, state.grammar.vocab)
+    vocab = state.grammar.vocab
+    if state.closing is not None and narrow_to(state.mask[0], state.closing, vocab):
+        return
+    state.closing = close_within(state.mask[0], state.matcher, vocab, remaining)
 
 
 def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:

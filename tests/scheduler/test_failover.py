@@ -1,23 +1,44 @@
-"""SIGKILL one of two executors while 32 greedy streams run: every request completes, every
-output equals an undisturbed run's, and no streamed token repeats or goes missing."""
+"""SIGKILL one of two executors while 32 greedy streams and 12 JSON-schema constrained ones run:
+every request completes, every output equals an undisturbed run's (the constrained ones still
+valid JSON of their schema: each scheduler worker rebuilds a moved request's matcher from its
+constraint and tokens), and no streamed token repeats or goes missing."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import torch
 from harness.serve import greedy_request, npuserve_process, run_streams
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # executors and a scheduler in processes of their own
 
 NUM_STREAMS = 32
 NUM_NEW = 48
+WORDS = {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 2, "maxItems": 5}
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"words": WORDS}, "required": ["words"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 3, "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["name", "age", "pets"],
+    },
+    {"type": "array", "items": {"type": "object", "properties": {"w": WORDS}, "required": ["w"]}, "minItems": 1},
+]
+NUM_CONSTRAINED = 12
 
 
 def prompts() -> list[list[int]]:
@@ -31,6 +52,10 @@ def prompts() -> list[list[int]]:
 def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
+    schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
+    for prompt, schema in zip(prompts()[:NUM_CONSTRAINED], schemas, strict=True):  # ends when its JSON is whole
+        constraint = pb.StructuredOutputs(json_schema=json.dumps(schema))
+        requests.append(greedy_request(prompt, NUM_NEW, structured_outputs=constraint))
     executor_flags = ("--model", model, "--port", "0", "--kv-cache-memory", "0.02")
     with (
         npuserve_process("executor", *executor_flags) as (first, first_ready),
@@ -44,13 +69,19 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
             threads, undisturbed, _ = run_streams(stub, requests, None)
             for thread in threads:
                 thread.join(120)
+            tokenizer = Tokenizer.from_pretrained(stories_dir)
+            for tokens, schema in zip(undisturbed[NUM_STREAMS:], schemas, strict=True):
+                assert len(tokens) > 8  # still generating when the executor is killed below
+                text = tokenizer.decode(tokens)
+                assert text.endswith(("}", "]")), (len(tokens), text)
+                jsonschema.validate(json.loads(text), schema)
 
-            barrier = threading.Barrier(NUM_STREAMS + 1)
+            barrier = threading.Barrier(len(requests) + 1)
             threads, outputs, reasons = run_streams(stub, requests, barrier)
             first.kill()  # half of the streams lose their executor mid-generation
             for thread in threads:
                 thread.join(120)
-            assert reasons == ["length"] * NUM_STREAMS
+            assert reasons == ["length"] * NUM_STREAMS + ["stop"] * NUM_CONSTRAINED
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
             check = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=10)
             assert check.ok, check.message

@@ -238,6 +238,7 @@ UNBOUNDED = {
     [
         StructuredOutputs("json_object"),
         StructuredOutputs.json_schema(UNBOUNDED),
+        StructuredOutputs.json_schema({"type": "array", "items": UNBOUNDED, "minItems": 1}),
         StructuredOutputs("regex", r"[a-z]+ [a-z]+ [0-9]{3}"),
     ],
 )
