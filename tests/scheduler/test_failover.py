@@ -32,11 +32,20 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "name": {"type": "string", "minLength": 3, "maxLength": 12},
             "age": {"type": "integer", "minimum": 0, "maximum": 99},
-            "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "minItems": 1, "maxItems": 3},
+            "pets": {
+                "type": "array",
+                "items": {"enum": ["cat", "dog", "fish"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
         },
         "required": ["name", "age", "pets"],
     },
-    {"type": "array", "items": {"type": "object", "properties": {"w": WORDS}, "required": ["w"]}, "minItems": 1},
+    {
+        "type": "array",
+        "items": {"type": "object", "properties": {"w": WORDS}, "required": ["w"]},
+        "minItems": 1,
+    },
 ]
 NUM_CONSTRAINED = 12
 
@@ -53,7 +62,9 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
-    for prompt, schema in zip(prompts()[:NUM_CONSTRAINED], schemas, strict=True):  # ends when its JSON is whole
+    for prompt, schema in zip(
+        prompts()[:NUM_CONSTRAINED], schemas, strict=True
+    ):  # ends when its JSON is whole
         constraint = pb.StructuredOutputs(json_schema=json.dumps(schema))
         requests.append(greedy_request(prompt, NUM_NEW, structured_outputs=constraint))
     executor_flags = ("--model", model, "--port", "0", "--kv-cache-memory", "0.02")
