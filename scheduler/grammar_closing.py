@@ -5,13 +5,15 @@ keeps taking members) and stop at `max_tokens` with text that does not parse. Wh
 remaining budget comes near the number of tokens of the shortest way it knows to finish its
 constraint, the scheduler narrows the sequence's mask to that way, one token at a time (and to
 EOS once nothing is left to write), so the output ends complete, with finish reason "stop",
-before the budget is spent. One token can lengthen the way a lot (`,{` in an array of objects
-with required properties), so a little before that, tokens whose first byte would make the way
-longer than what is left are taken out of the mask.
+before the budget is spent. The narrowing starts CLOSING_SLACK tokens early: until then the
+model writes freely, and one token may lengthen the way (`,{` in an array of objects with
+required properties opens all of them); a token that lengthens it by more than the slack can
+still leave an output cut at `max_tokens`.
 
 `closing_path` finds the closing text on a copy of the matcher, one byte at a time: the bytes
 the grammar forces, else the first byte it allows in `CLOSING_ORDER` (a quote ends a string, a
-brace or bracket a container, a zero completes a number); `ByteVocab.tokens_of` writes it with
+brace or bracket a container, a comma moves on to the next required member, a zero completes a
+number); `ByteVocab.tokens_of` writes it with
 the longest tokens that fit. Both are pure functions of the matcher's state, so a sequence
 replayed after preemption or fail-over closes exactly as it would have.
 """
@@ -24,7 +26,6 @@ import llguidance
 import numpy as np
 
 __all__ = [
-    "CLOSING_GUARD",
     "CLOSING_LIMIT",
     "CLOSING_SLACK",
     "CLOSING_WINDOW",
@@ -33,20 +34,15 @@ __all__ = [
     "closing_path",
 ]
 
-# Closing paths are looked for only in a sequence's last CLOSING_WINDOW tokens (it costs a few
-# matcher steps per byte). The mask narrows to the path once its tokens plus EOS plus
-# CLOSING_SLACK (what the rest of one token may add to it) fill what is left; within
-# CLOSING_GUARD tokens before that, first bytes that lengthen the path past it are refused.
+# Closing paths are looked for only in a sequence's last CLOSING_WINDOW tokens (a search costs
+# a few matcher steps per byte), and the mask narrows to the path once its tokens plus EOS plus
+# CLOSING_SLACK (what the model's next tokens may add to it) fill what is left.
 CLOSING_WINDOW = 64
-CLOSING_SLACK = 6
-CLOSING_GUARD = 16
+CLOSING_SLACK = 16
 CLOSING_LIMIT = 512  # bytes: a constraint that does not close by then is left to its budget
 CLOSING_ORDER = (
-    b'"}]0' + bytes(b for b in range(0x20, 0x7F) if b not in b'"}]0') + b"\n" + bytes(range(0x80, 0x100))
+    b'"}],:0' + bytes(b for b in range(0x20, 0x7F) if b not in b'"}],:0') + b"\n" + bytes(range(0x80, 0x100))
 )
-
-# First bytes that may open a structure (letters, digits and multi-byte characters write text).
-_OPENING_BYTES = np.frombuffer(b" !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~", dtype=np.uint8).astype(np.int16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +51,6 @@ class ByteVocab:
 
     by_bytes: dict[bytes, tuple[int, ...]]  # a token's bytes -> the tokens that are exactly them
     byte_tokens: dict[int, int]  # byte value -> a token of that one byte
-    first_bytes: np.ndarray  # [V] int16: each token's first byte; -1 for special and empty ones
     max_token_len: int
     eos_token_ids: tuple[int, ...]
 
@@ -78,32 +73,25 @@ class ByteVocab:
         cls, tokenizer: llguidance.LLTokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
     ) -> ByteVocab:
         by_bytes: dict[bytes, list[int]] = {}
-        first_bytes = np.full(vocab_size, -1, dtype=np.int16)  # [V]
         for token_id in range(min(vocab_size, tokenizer.vocab_size)):
             if tokenizer.is_special_token(token_id):
                 continue
             data = tokenizer.decode_bytes([token_id])
             if data:
                 by_bytes.setdefault(data, []).append(token_id)
-                first_bytes[token_id] = data[0]
         byte_tokens = {data[0]: ids[0] for data, ids in by_bytes.items() if len(data) == 1}
         return cls(
             {data: tuple(ids) for data, ids in by_bytes.items()},
             byte_tokens,
-            first_bytes,
             max((len(data) for data in by_bytes), default=1),
             eos_token_ids,
         )
 
 
-def closing_path(
-    matcher: llguidance.LLMatcher, vocab: ByteVocab, after: int | None = None, limit: int = CLOSING_LIMIT
-) -> bytes | None:
-    """The bytes that bring `matcher` (left unchanged), after the byte `after` when given, to a
-    state where its output is complete; None when none is found within `limit` bytes."""
+def closing_path(matcher: llguidance.LLMatcher, vocab: ByteVocab, limit: int = CLOSING_LIMIT) -> bytes | None:
+    """The bytes that bring `matcher` (left unchanged) to a state where its output is complete;
+    None when none is found within `limit` bytes."""
     probe = matcher.deep_copy()
-    if after is not None and probe.try_consume_tokens([vocab.byte_tokens.get(after, -1)]) != 1:
-        return None
     path = bytearray()
     while len(path) <= limit:
         if probe.is_accepting() or probe.is_stopped():
@@ -128,22 +116,18 @@ def closing_path(
 def close_within(
     mask: np.ndarray, matcher: llguidance.LLMatcher, vocab: ByteVocab, remaining: int
 ) -> list[int] | None:
-    """Narrows `mask` ([W] int32 bits, in place) for a sequence with `remaining` tokens left:
-    to the first token of its closing path when the path (its tokens, EOS and the slack) fills
-    them, else, close to that, keeps out tokens that lengthen the path past them. Returns the
-    closing tokens the mask was narrowed to (None: not narrowed)."""
+    """Narrows `mask` ([W] int32 bits, in place) for a sequence with `remaining` tokens left to
+    the first token of its closing path, when the path (its tokens, EOS and the slack) fills
+    them. Returns the closing tokens the mask was narrowed to (None: not narrowed)."""
     if remaining > CLOSING_WINDOW:
         return None
     path = closing_path(matcher, vocab)
     if path is None:
         return None
     tokens = vocab.tokens_of(path)
-    if len(tokens) + 1 + CLOSING_SLACK >= remaining:
-        return tokens if narrow_to(mask, tokens, vocab) else None
-    if len(tokens) + 1 + CLOSING_SLACK + CLOSING_GUARD >= remaining:
-        # NOTE: after the next token remaining - 1 are left: the path, EOS and the slack fit them.
-        drop_lengthening_tokens(mask, matcher, vocab, tokens, remaining - 2 - CLOSING_SLACK)
-    return None
+    if len(tokens) + 1 + CLOSING_SLACK < remaining:
+        return None
+    return tokens if narrow_to(mask, tokens, vocab) else None
 
 
 def narrow_to(mask: np.ndarray, tokens: list[int], vocab: ByteVocab) -> bool:
@@ -157,33 +141,3 @@ def narrow_to(mask: np.ndarray, tokens: list[int], vocab: ByteVocab) -> bool:
         return False
     mask[:] = narrowed
     return True
-
-
-def drop_lengthening_tokens(
-    mask: np.ndarray, matcher: llguidance.LLMatcher, vocab: ByteVocab, closing: list[int], most: int
-) -> None:
-    """Takes out of `mask` ([W] int32 bits, in place) the tokens whose first byte (punctuation,
-    what opens a structure) leaves a closing path of more than `most` tokens after it (or
-    none); `closing` is the current path's tokens. Left as it is when that would empty it."""
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")  # [W * 32]
-    allowed = np.flatnonzero(bits[: len(vocab.first_bytes)])
-    firsts = vocab.first_bytes[allowed]
-    for byte in np.unique(firsts[np.isin(firsts, _OPENING_BYTES)]).tolist():
-        if len(closing) + 1 <= most and _closes_by(matcher, vocab, byte, closing):
-            continue  # the byte leaves the current path's way out open (string content, mostly)
-        path = closing_path(matcher, vocab, after=byte)
-        if path is None or len(vocab.tokens_of(path)) + 1 > most:
-            bits[allowed[firsts == byte]] = 0
-    if bits.any():
-        mask[:] = np.packbits(bits, bitorder="little").view(np.int32)
-
-
-def _closes_by(matcher: llguidance.LLMatcher, vocab: ByteVocab, byte: int, closing: list[int]) -> bool:
-    """Whether `byte` then the `closing` tokens bring `matcher` to its end."""
-    probe = matcher.deep_copy()
-    tokens = [vocab.byte_tokens.get(byte, -1), *closing]
-    return (
-        -1 not in tokens
-        and probe.try_consume_tokens(tokens) == len(tokens)
-        and (probe.is_accepting() or probe.is_stopped())
-    )

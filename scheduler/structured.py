@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +57,13 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator"
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type": "object"}'
 _OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-# Masks are computed on llguidance's thread pool (Rust threads, no GIL) for batches this large.
+# Masks are computed on llguidance's thread pool (Rust threads, no GIL) only for a batch of at
+# least _PARALLEL_ROWS rows whose masks would take over _PARALLEL_ABOVE_S one after another: the
+# hand-off to the pool costs ~0.1 ms on idle cores and milliseconds on busy ones (an executor's
+# threads beside it), while a row's mask often takes ~10 us (measured in deploy/bench/structured).
 _PARALLEL_ROWS = 4
+_PARALLEL_ABOVE_S = 0.002
+_REMEASURE_EVERY = 64  # calls: one in so many runs row by row, to keep the estimate fresh
 
 
 class GrammarTimeout(InvalidRequestError):
@@ -156,11 +162,29 @@ def advance_masks(states: Iterable[GrammarState]) -> None:
 _EXECUTOR: llguidance.LLExecutor | None = None
 
 
+class _MaskCost:
+    """What one row's mask costs computed alone (a running average, seconds), per process."""
+
+    per_row_s = 0.0
+    calls = 0
+
+    @classmethod
+    def parallel(cls, rows: int) -> bool:
+        cls.calls += 1
+        if rows < _PARALLEL_ROWS or cls.calls % _REMEASURE_EVERY == 0:
+            return False
+        return rows * cls.per_row_s > _PARALLEL_ABOVE_S
+
+    @classmethod
+    def measured(cls, rows: int, seconds: float) -> None:
+        cls.per_row_s = 0.8 * cls.per_row_s + 0.2 * seconds / rows if cls.per_row_s else seconds / rows
+
+
 def _fill_masks(states: list[GrammarState]) -> None:
     global _EXECUTOR
     if not states:
         return
-    if len(states) >= _PARALLEL_ROWS:
+    if _MaskCost.parallel(len(states)):
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
         masks = np.zeros((len(states), states[0].mask.shape[1]), dtype=np.int32)  # [R, W]
@@ -169,10 +193,12 @@ def _fill_masks(states: list[GrammarState]) -> None:
         for i, state in enumerate(states):
             state.mask[0] = masks[i]
     else:
+        start = time.perf_counter()
         for state in states:
             assert state.matcher is not None
             view = state.mask[0]
             state.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+        _MaskCost.measured(len(states), time.perf_counter() - start)
     for state in states:
         assert state.matcher is not None
         if not state.mask.any():

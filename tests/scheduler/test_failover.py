@@ -62,9 +62,7 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
-    for prompt, schema in zip(
-        prompts()[:NUM_CONSTRAINED], schemas, strict=True
-    ):  # ends when its JSON is whole
+    for prompt, schema in zip(prompts()[:NUM_CONSTRAINED], schemas, strict=True):  # end when whole
         constraint = pb.StructuredOutputs(json_schema=json.dumps(schema))
         requests.append(greedy_request(prompt, NUM_NEW, structured_outputs=constraint))
     executor_flags = ("--model", model, "--port", "0", "--kv-cache-memory", "0.02")
@@ -75,7 +73,7 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
         addresses = f"{first_ready['address']},{second_ready['address']}"
         with npuserve_process(
             "scheduler", "--model", model, "--executors", addresses, "--port", "0", "--routing", "least-load"
-        ) as (_, scheduler_ready):
+        ) as (scheduler, scheduler_ready):
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler_ready["address"]))
             threads, undisturbed, _ = run_streams(stub, requests, None)
             for thread in threads:
@@ -88,12 +86,16 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
                 jsonschema.validate(json.loads(text), schema)
 
             barrier = threading.Barrier(len(requests) + 1)
+            for i, request in enumerate(requests[NUM_STREAMS:]):  # named, to find them in the log
+                request.request_id = f"constrained-{i}"
             threads, outputs, reasons = run_streams(stub, requests, barrier)
             first.kill()  # half of the streams lose their executor mid-generation
             for thread in threads:
                 thread.join(120)
             assert reasons == ["length"] * NUM_STREAMS + ["stop"] * NUM_CONSTRAINED
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
+            moved = [line for line in scheduler.log().splitlines() if "requests moved" in line]
+            assert any("constrained-" in line for line in moved), moved  # matchers rebuilt elsewhere
             check = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=10)
             assert check.ok, check.message
             assert (
