@@ -18,8 +18,15 @@ from npuserve.proto import executor_pb2
 from npuserve.proto.step_codec import CodecError, plan_from_proto, plan_to_proto
 from npuserve.proto.step_plan import StepPlan, TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import StructuredOutputs
+from npuserve.scheduler import structured
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
-from npuserve.scheduler.structured import GrammarCompiler, GrammarState, GrammarTimeout, _closed_objects
+from npuserve.scheduler.structured import (
+    GrammarCompiler,
+    GrammarState,
+    GrammarTimeout,
+    _closed_objects,
+    advance_masks,
+)
 from npuserve.scheduler.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -262,4 +269,31 @@ def test_a_wandering_output_still_closes_within_its_budget(
                 json.loads(text)
             state.release()
     assert compiler.num_live_states == 0
+    compiler.close()
+
+
+def test_masks_on_the_thread_pool_equal_those_row_by_row(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's masks go to llguidance's thread pool only when they are slow row by row; both
+    ways give the same masks."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(StructuredOutputs.json_schema(UNBOUNDED))
+    rng = np.random.default_rng(5)
+    rows = [grammar.new_state() for _ in range(8)]
+    twins = [grammar.new_state() for _ in range(8)]
+    for _ in range(12):
+        for row, twin in zip(rows, twins, strict=True):
+            allowed = _allowed(row.mask)
+            token = int(rng.choice(allowed[~np.isin(allowed, tokenizer.eos_token_ids)]))
+            row.accept(token)
+            twin.accept(token)
+        monkeypatch.setattr(structured, "_PARALLEL_ABOVE_S", 0.0)
+        monkeypatch.setattr(structured._MaskCost, "calls", 1)
+        advance_masks(rows)
+        monkeypatch.setattr(structured, "_PARALLEL_ABOVE_S", float("inf"))
+        advance_masks(twins)
+        assert all(np.array_equal(row.mask, twin.mask) for row, twin in zip(rows, twins, strict=True))
+    for state in rows + twins:
+        state.release()
     compiler.close()
