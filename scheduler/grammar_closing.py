@@ -28,6 +28,7 @@ import numpy as np
 __all__ = [
     "CLOSING_LIMIT",
     "CLOSING_SLACK",
+    "CLOSING_STEPS",
     "CLOSING_WINDOW",
     "ByteVocab",
     "close_within",
@@ -39,7 +40,11 @@ __all__ = [
 # CLOSING_SLACK (what the model's next tokens may add to it) fill what is left.
 CLOSING_WINDOW = 64
 CLOSING_SLACK = 16
-CLOSING_LIMIT = 512  # bytes: a constraint that does not close by then is left to its budget
+# A search ends without a path after CLOSING_LIMIT bytes or CLOSING_STEPS tries of a byte (a
+# grammar it cannot close, like the regex `a+b` that it would fill with a's: ~1 ms at most);
+# such a constraint is left to its budget.
+CLOSING_LIMIT = 256
+CLOSING_STEPS = 400
 CLOSING_ORDER = (
     b'"}],:0' + bytes(b for b in range(0x20, 0x7F) if b not in b'"}],:0') + b"\n" + bytes(range(0x80, 0x100))
 )
@@ -88,12 +93,14 @@ class ByteVocab:
         )
 
 
-def closing_path(matcher: llguidance.LLMatcher, vocab: ByteVocab, limit: int = CLOSING_LIMIT) -> bytes | None:
+def closing_path(
+    matcher: llguidance.LLMatcher, vocab: ByteVocab, limit: int = CLOSING_LIMIT, steps: int = CLOSING_STEPS
+) -> bytes | None:
     """The bytes that bring `matcher` (left unchanged) to a state where its output is complete;
-    None when none is found within `limit` bytes."""
+    None when none is found within `limit` bytes and `steps` tries of a byte."""
     probe = matcher.deep_copy()
     path = bytearray()
-    while len(path) <= limit:
+    while len(path) <= limit and steps > 0:
         if probe.is_accepting() or probe.is_stopped():
             return bytes(path)
         forced = probe.compute_ff_bytes()
@@ -102,12 +109,18 @@ def closing_path(matcher: llguidance.LLMatcher, vocab: ByteVocab, limit: int = C
             if -1 in tokens or probe.try_consume_tokens(tokens) != len(tokens):
                 return None
             path += forced
+            steps -= 1
             continue
         for byte in CLOSING_ORDER:
             token = vocab.byte_tokens.get(byte)
-            if token is not None and probe.try_consume_tokens([token]) == 1:
+            if token is None:
+                continue
+            steps -= 1
+            if probe.try_consume_tokens([token]) == 1:
                 path.append(byte)
                 break
+            if steps <= 0:
+                return None
         else:
             return None
     return None
