@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
+import urllib.parse
+from functools import partial
 from pathlib import Path
 
 from npuserve.deploy.logs import configure_logging
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
     from npuserve.deploy.flags import add_gateway_flags, add_logging_flags
     from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS, add_scheduler_flags
+    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
     parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -40,15 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="executor processes, one per device (default: one per visible NPU with --device npu, else 1)",
     )
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    add_shutdown_timeout_flag(serve)
     add_logging_flags(serve)
 
     executor = commands.add_parser("executor", help="one executor: a model on one device, over gRPC")
     add_executor_flags(executor)
     add_executor_cluster_flags(executor)
+    add_shutdown_timeout_flag(executor)
     add_logging_flags(executor)
 
     scheduler = commands.add_parser("scheduler", help="the scheduler, driving running executors")
     add_scheduler_flags(scheduler)
+    add_shutdown_timeout_flag(scheduler)
     add_logging_flags(scheduler)
 
     gateway = commands.add_parser("gateway", help="the OpenAI-compatible REST gateway of a running scheduler")
@@ -57,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--ready-file", type=Path)
     add_gateway_flags(gateway, standalone=True)
+    add_shutdown_timeout_flag(gateway)
     add_logging_flags(gateway)
 
     doctor = commands.add_parser("doctor", help="check the driver, CANN, versions, NPUs and a model")
@@ -85,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
+    drains them in order at SIGTERM/SIGINT."""
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
     from npuserve.deploy.flags import (
         CLUSTER_TOKEN_ENV,
@@ -93,38 +102,66 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_flags,
         logging_flags,
     )
-    from npuserve.deploy.launcher import Launcher, LaunchError, device_env
+    from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
+    from npuserve.deploy.shutdown import Shutdown, shutdown_timeout_flags
+    from npuserve.deploy.supervisor import Supervisor
     from npuserve.proto.auth import API_KEY
     from npuserve.proto.ready_file import write_ready_file
 
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
     token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
+    # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
+    key_env = {API_KEY.env: args.api_key} if args.api_key else {}
     num_executors = _num_executors(args)
+    common = [*logging_flags(args), *shutdown_timeout_flags(args)]
     launcher = Launcher()
+    supervisor = Supervisor(launcher)
+    shutdown = Shutdown()
+    address_of: dict[str, str] = {}  # executor name -> its address (kept across restarts)
+
+    # NOTE: a child restarts on the port it first got: the scheduler reconnects to executors at
+    # their address, and the gateway to the scheduler; clients find the gateway where it was.
+    # Children run in sessions of their own, so a terminal's Ctrl-C reaches only serve, which
+    # drains them in order.
+    # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
+    executor_flags = [*EXECUTOR.forward(args), *serve_parallel_flags(args), *common]
+
+    def executor_args(port: int) -> list[str]:
+        return ["executor", *executor_flags, "--port", str(port)]
+
+    def scheduler_args(port: int) -> list[str]:
+        executors = [address_of[s.name] for s in supervisor.live_executors()]
+        config = SCHEDULER.from_args(args, executors=executors)
+        return ["scheduler", *SCHEDULER.to_flags(config), *common, "--port", str(port)]
+
+    def gateway_args(scheduler: str, port: int) -> list[str]:
+        where = ["--scheduler", scheduler, "--host", args.host, "--port", str(port)]
+        return ["gateway", *where, *common, *gateway_flags(args)]
+
     try:
         chat_parser_settings(args)  # the gateway's flags that cannot work, refused before any start
-        # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
-        executor_args = [*EXECUTOR.forward(args), *serve_parallel_flags(args)]
-        executor_args += [*logging_flags(args), "--port", "0"]
         executors = []
         for index in range(num_executors):
             env = {**device_env(args.device, index, num_executors, args.tensor_parallel_size), **token_env}
-            executors.append(launcher.start(f"executor-{index}", ["executor", *executor_args], env))
+            name = f"executor-{index}"
+            executors.append(launcher.start(name, executor_args(0), env, new_session=True))
         ready = launcher.wait_ready(executors, args.startup_timeout)
-        scheduler_config = SCHEDULER.from_args(args, executors=[str(r["address"]) for r in ready])
-        scheduler_args = ["scheduler", *SCHEDULER.to_flags(scheduler_config), *logging_flags(args)]
-        # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
-        key_env = {API_KEY.env: args.api_key} if args.api_key else {}
+        for child, info in zip(executors, ready, strict=True):
+            address_of[child.name] = str(info["address"])
+            supervisor.watch(child, "executor", partial(executor_args, _port(address_of[child.name])))
         scheduler = launcher.start(
-            "scheduler", [*scheduler_args, "--port", str(args.scheduler_port)], {**token_env, **key_env}
+            "scheduler", scheduler_args(args.scheduler_port), {**token_env, **key_env}, new_session=True
         )
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
-        gateway_args = ["gateway", "--scheduler", str(info["address"]), "--host", args.host]
-        gateway_args += ["--port", str(args.port), *logging_flags(args), *gateway_flags(args)]
-        gateway = launcher.start("gateway", gateway_args, key_env or None)
+        supervisor.watch(scheduler, "scheduler", partial(scheduler_args, _port(str(info["address"]))))
+        gateway = launcher.start(
+            "gateway", gateway_args(str(info["address"]), args.port), key_env or None, new_session=True
+        )
         (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
+        url_port = urllib.parse.urlsplit(str(url_info["url"])).port or args.port
+        supervisor.watch(gateway, "gateway", partial(gateway_args, str(info["address"]), url_port))
         print(
             f"npuserve ready: scheduler gRPC at {info['address']}, OpenAI API at {url_info['url']}, "
             f"model {info['model']}",
@@ -134,12 +171,21 @@ def run_serve(args: argparse.Namespace) -> int:
             write_ready_file(
                 args.ready_file, {"address": info["address"], "url": url_info["url"], "model": info["model"]}
             )
-        return launcher.supervise()
+        shutdown.install()
+        code = supervisor.run(shutdown)
+        if code == 0:
+            supervisor.drain(shutdown, args.shutdown_timeout)
+        return code
     except (LaunchError, ValueError) as exc:
         print(f"npuserve serve: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        launcher.stop()
+        launcher.stop(0.5 if shutdown.now.is_set() else STOP_GRACE_S)
+
+
+def _port(address: str) -> int:
+    """The port of HOST:PORT."""
+    return int(address.rsplit(":", 1)[1])
 
 
 def _num_executors(args: argparse.Namespace) -> int:
@@ -194,7 +240,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
         return 2
     event_loop.run(
         serve_scheduler(
-            config, args.host, args.port, args.ready_file, args.log_level, args.log_format == "json"
+            config,
+            args.host,
+            args.port,
+            args.ready_file,
+            args.log_level,
+            args.log_format == "json",
+            shutdown_timeout_s=args.shutdown_timeout,
         )
     )
     return 0

@@ -24,6 +24,7 @@ from npuserve.deploy.flags import (
     cluster_token,
     server_tls,
 )
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
 if TYPE_CHECKING:
@@ -269,6 +270,7 @@ def run_executor(args: argparse.Namespace) -> int:
             tls=tls,
             registry=registry,
             parallel=parallel_config_from_args(args),
+            shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         )
     except (ConfigError, PlatformError) as exc:
         print(f"npuserve executor: error: {exc}", file=sys.stderr)

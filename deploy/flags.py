@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN
 
 if TYPE_CHECKING:
@@ -220,4 +221,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_connections=args.max_connections,
         ready_file=args.ready_file,
         parsers=parsers,
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
     )

@@ -4,9 +4,10 @@ the tests all launch their children here.
 A child is the same Python running ``npuserve.deploy.cli`` (or another npuserve module) with
 ``--ready-file``: it writes that file (`proto.ready_file`) once it serves, and `wait_ready`
 returns what it wrote, or fails naming every child that is not ready and how each that exited
-did. Children are stopped together (SIGTERM, then SIGKILL after a grace period): on SIGINT/SIGTERM
-of the launcher, when any of them dies, and (Linux) when the launcher itself dies, through the
-parent-death signal. No orphan survives the launcher.
+did. `restart` starts a child again as it was started (or with new arguments). Children are
+stopped together (SIGTERM, then SIGKILL after a grace period), and (Linux) when the launcher
+itself dies, through the parent-death signal. No orphan survives the launcher. `npuserve serve`
+restarts and drains its children through `supervisor`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,17 @@ class LaunchError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """How a child was started, to start it again."""
+
+    args: tuple[str, ...]
+    env: dict[str, str] | None
+    command: tuple[str, ...] | None
+    ready_file: bool
+    new_session: bool
+
+
 @dataclass
 class Child:
     """One started process; its output goes to ``log_path`` (None: the launcher's own)."""
@@ -78,6 +90,11 @@ class Child:
     process: subprocess.Popen[bytes]
     ready_file: Path | None
     log_path: Path | None = None
+    launch: Launch | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
 
     @property
     def pid(self) -> int:
@@ -140,32 +157,45 @@ class Launcher:
         ``ready_file`` is False, ``--ready-file``. ``env`` adds to this process's environment;
         ``log_path`` takes the child's stdout and stderr; ``new_session`` keeps a terminal's
         Ctrl-C from reaching it (the launcher stops it)."""
+        launch = Launch(tuple(args), env, tuple(command) if command else None, ready_file, new_session)
+        child = self._spawn(name, launch, log_path)
+        self.children.append(child)
+        return child
+
+    def restart(self, child: Child, args: Sequence[str] | None = None) -> Child:
+        """Starts a child that ended again, as it was started (``args``: with these arguments
+        instead); the new process takes its place among the children (the log is appended to)."""
+        assert child.launch is not None and not child.running, f"{child.name} still runs"
+        launch = child.launch if args is None else replace(child.launch, args=tuple(args))
+        new = self._spawn(child.name, launch, child.log_path, append_log=True)
+        self.children[self.children.index(child)] = new
+        return new
+
+    def _spawn(self, name: str, launch: Launch, log_path: Path | None, append_log: bool = False) -> Child:
         ready_path = None
-        if ready_file:
+        if launch.ready_file:
             if self.workdir is None:
                 self.workdir = Path(tempfile.mkdtemp(prefix="npuserve-"))
             ready_path = self.workdir / f"{name}.ready.json"
             ready_path.unlink(missing_ok=True)  # from an earlier run in the same workdir
-        argv = [*(command or python_module()), *args]
+        argv = [*(launch.command or python_module()), *launch.args]
         if ready_path is not None:
             argv += ["--ready-file", str(ready_path)]
-        output = log_path.open("wb") if log_path is not None else None
+        output = log_path.open("ab" if append_log else "wb") if log_path is not None else None
         try:
             process = subprocess.Popen(
                 argv,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **(launch.env or {})},
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
-                start_new_session=new_session,
+                start_new_session=launch.new_session,
             )
         finally:
             if output is not None:
                 output.close()
-        child = Child(name, process, ready_path, log_path)
-        self.children.append(child)
         log.info("process started", name=name, pid=process.pid)
-        return child
+        return Child(name, process, ready_path, log_path, launch)
 
     def wait_ready(
         self, children: Sequence[Child], timeout_s: float, watch: Sequence[Child] | None = None
@@ -190,25 +220,6 @@ class Launcher:
     def first_exited(self) -> str | None:
         """How the first child that ended did, or None while all run."""
         return next((report for child in self.children if (report := child.exited()) is not None), None)
-
-    def supervise(self) -> int:
-        """Blocks until a signal asks to stop (returns 0) or a child dies (returns 1)."""
-        stop: dict[str, int | None] = {"signal": None}
-
-        def on_signal(signum: int, _frame: object) -> None:
-            stop["signal"] = signum
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-        while stop["signal"] is None:
-            for child in self.children:
-                code = child.process.poll()
-                if code is not None:
-                    log.error("process exited; stopping the others", name=child.name, exit_code=code)
-                    return 1
-            time.sleep(0.2)
-        log.info("stopping", signal=signal.Signals(stop["signal"]).name)
-        return 0
 
     def wait_exit(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for every child to end on its own; True when all have."""

@@ -3,8 +3,9 @@
 Once the executor serves, it writes ``{prefix}:executor:{executor_id}`` as JSON (where to reach
 it, which process it is, what it serves) with a TTL, and rewrites it every TTL/3. The scheduler
 (`scheduler/registry.py`) reads these keys: a key that expired means the executor is gone, a new
-``instance_id`` under the same key means it restarted with an empty KV cache. A graceful stop
-deletes the key at once.
+``instance_id`` under the same key means it restarted with an empty KV cache. A draining executor
+(SIGTERM) rewrites its record with ``"draining": true`` at once, so the scheduler routes no new
+request to it while its requests finish; its stop then deletes the key.
 
 Redis going away never stops the executor: the heartbeat logs once per outage, retries with a
 capped backoff, and registers again as soon as Redis answers (a restarted Redis has lost the key).
@@ -71,6 +72,7 @@ class ExecutorRegistration:
         self.interval_s = config.ttl_s / 3
         self._redis = client or redis_client(config.url, min(MAX_SOCKET_TIMEOUT_S, self.interval_s))
         self._stop = threading.Event()
+        self._write_lock = threading.Lock()  # the payload and its writes: heartbeat vs drain
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
         self._backoff_s = 0.0
         self._down_since: float | None = None  # monotonic start of the current outage
@@ -81,6 +83,18 @@ class ExecutorRegistration:
     def start(self) -> None:
         """Registers now (on the heartbeat thread, so a slow Redis never delays serving)."""
         self._thread.start()
+
+    def drain(self) -> None:
+        """Marks the record draining, now and in every later heartbeat (best effort)."""
+        with self._write_lock:
+            self.record = {**self.record, "draining": True}
+            self._payload = json.dumps(self.record, sort_keys=True)
+            try:
+                self._redis.set(self.key, self._payload, px=self._ttl_ms)
+            except redis.RedisError as exc:
+                log.warning("could not mark the registration draining", key=self.key, error=str(exc))
+                return
+        log.info("registration marked draining", key=self.key)
 
     def stop(self) -> None:
         """Ends the heartbeat and deletes the key (best effort: a dead Redis lets it expire)."""
@@ -104,7 +118,8 @@ class ExecutorRegistration:
         """One write of the key; returns the seconds until the next."""
         try:
             # NOTE: SET (not EXPIRE) on every beat, so a Redis that lost the key gets it back.
-            self._redis.set(self.key, self._payload, px=self._ttl_ms)
+            with self._write_lock:
+                self._redis.set(self.key, self._payload, px=self._ttl_ms)
         except redis.RedisError as exc:
             self.num_failed_beats += 1
             if self._down_since is None:

@@ -12,6 +12,15 @@ port is TLS. A non-loopback ``--host`` without a token refuses to start (``--all
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
 serves until SIGTERM or SIGINT; with ``--registry`` it registers in Redis meanwhile
 (`registration`). `npuserve executor` runs it (its flags: `npuserve.deploy.executor_flags`).
+
+SIGTERM drains: Health answers not serving, every step's answer says it drains and a registered
+executor marks its record draining (the scheduler stops routing new requests to it; `Info`
+refuses a new scheduler), and steps go on until the requests it holds are done
+or ``--shutdown-timeout`` passes (then steps get UNAVAILABLE and the scheduler moves what is left
+to other executors); a second signal stops at once. Each process start has its own
+``instance_id``: a plan addressed to another instance (a scheduler that handshook with this
+address before a restart) is refused as UNAVAILABLE, so that scheduler reconnects with a fresh
+block pool instead of trusting a KV cache this process never wrote.
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
-import signal
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -31,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import grpc
 import structlog
 
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
@@ -70,6 +80,10 @@ class ExecutorStopping(RuntimeError):
     """A step that arrived after shutdown began (UNAVAILABLE: the executor state is unchanged)."""
 
 
+class ExecutorRestarted(ExecutorStopping):
+    """A plan addressed to an earlier instance of this executor (UNAVAILABLE: reconnect)."""
+
+
 class StepRunner(Protocol):
     """What the server needs of a runner (`ModelRunner` in production)."""
 
@@ -94,9 +108,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self, runner: StepRunner, executor_id: str, version: str, profiler: StepProfiler | None = None
     ) -> None:
         self._runner = runner
+        self.instance_id = uuid.uuid4().hex
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
+        self._info.instance_id = self.instance_id
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
+        self._held: set[str] = set()  # requests whose state this executor holds
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
         self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
         self._step_thread = (
@@ -104,7 +121,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if self._profiler.enabled
             else None
         )
-        self.serving = True
+        self.serving = True  # steps accepted
+        self.draining = False  # Health says not serving, steps go on
 
     def _on_step_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._step_thread is None:
@@ -126,6 +144,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return pb.StopProfileResponse(trace_files=[str(f) for f in files])
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
+        if self.draining:  # NOTE: no scheduler may start on an executor that is on its way out
+            raise ExecutorStopping("the executor is draining; it takes no new scheduler")
         return self._info
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
@@ -143,8 +163,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
-            serving=self.serving, executor_id=self._info.executor_id, last_step_id=self._last_step_id
+            serving=self.serving and not self.draining,
+            executor_id=self._info.executor_id,
+            last_step_id=self._last_step_id,
         )
+
+    @property
+    def num_held_requests(self) -> int:
+        """Requests whose state this executor holds (a drained executor holds none)."""
+        return len(self._held)
 
     def shut_down(self) -> None:
         """Refuses further steps and ends every open stream once the step in flight is done.
@@ -161,11 +188,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._step_thread.shutdown(wait=True)
 
     def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+        if request.executor_instance_id and request.executor_instance_id != self.instance_id:
+            raise ExecutorRestarted(
+                "this executor restarted and holds none of the scheduler's requests; reconnect"
+            )
         plan = step_codec.plan_from_proto(request)
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
-            result = self._on_step_thread(self._runner.execute, plan)
+            try:
+                result = self._on_step_thread(self._runner.execute, plan)
+            except BaseException:
+                self._track(plan, failed=True)
+                raise
+            self._track(plan)
             self._last_step_id = plan.step_id
         t = result.timings
         log.debug(
@@ -179,7 +215,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             sample_s=t.sample_s,
             total_s=t.total_s,
         )
-        return step_codec.result_to_proto(result)
+        response = step_codec.result_to_proto(result)
+        response.draining = self.draining
+        return response
+
+    def _track(self, plan: StepPlan, failed: bool = False) -> None:
+        """Follows which requests the runner holds (a failed step drops the plan's requests)."""
+        if plan.reset:
+            self._held.clear()
+        self._held.difference_update(plan.finished_req_ids)
+        self._held.update(r.req_id for r in plan.new_requests)
+        if failed:
+            self._held.difference_update(plan.num_scheduled_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +417,29 @@ def _advertised(host: str, running: RunningExecutor, registry: RegistryConfig) -
     return running.address
 
 
+def drain_executor(
+    running: RunningExecutor,
+    registration: ExecutorRegistration | None,
+    shutdown: Shutdown,
+    timeout_s: float,
+) -> None:
+    """Readiness off and, when registered, the record marked draining (the scheduler routes no new
+    request here); then steps go on until no request is held, ``timeout_s`` passes or a second
+    signal comes."""
+    servicer = running.servicer
+    servicer.draining = True
+    if registration is not None:
+        registration.drain()
+    log.info("executor draining", requests=servicer.num_held_requests, timeout_s=timeout_s)
+    drained = shutdown.drain_until(lambda: servicer.num_held_requests == 0, timeout_s)
+    log.info(
+        "executor stopping",
+        drained=drained,
+        requests_left=servicer.num_held_requests,
+        second_signal=shutdown.now.is_set(),
+    )
+
+
 def serve_executor(
     config: ExecutorConfig,
     host: str,
@@ -381,10 +451,13 @@ def serve_executor(
     tls: tuple[bytes, bytes] | None = None,
     registry: RegistryConfig | None = None,
     parallel: ParallelConfig | None = None,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
-    """Loads the model, serves it until SIGTERM/SIGINT, then stops gracefully. Main thread only.
+    """Loads the model, serves it until SIGTERM/SIGINT, drains (up to ``shutdown_timeout_s``, or
+    until a second signal), then stops. Main thread only.
 
-    With ``registry`` the executor registers once it serves and deregisters before it stops.
+    With ``registry`` the executor registers once it serves, marks its record draining at the
+    first signal and deregisters before it stops.
     With ``parallel.size > 1`` the runner is a tensor-parallel group (`npuserve.executor.parallel`).
     """
     leader = None
@@ -401,8 +474,8 @@ def serve_executor(
         runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
     )
     registration = None
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    shutdown = Shutdown()
+    restore_signals = shutdown.install()
     try:
         if ready_file is not None:
             write_executor_ready_file(ready_file, running)
@@ -413,6 +486,7 @@ def serve_executor(
                 running.info,
                 running.version,
                 registry.ttl_s,
+                instance_id=running.servicer.instance_id,
             )
             registration = ExecutorRegistration(registry, record)
             registration.start()
@@ -429,14 +503,13 @@ def serve_executor(
             block_size=running.info.block_size,
             tls=tls is not None,
         )
-        stop.wait()
-        log.info("executor stopping", grace_s=STOP_GRACE_S)
+        shutdown.drain.wait()
+        drain_executor(running, registration, shutdown, shutdown_timeout_s)
     finally:
         if registration is not None:
             registration.stop()  # first: the scheduler stops sending work here
-        running.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        running.stop(0.0 if shutdown.now.is_set() else STOP_GRACE_S)
+        restore_signals()
         if leader is not None:
             leader.close()  # stops the other ranks; SystemExit(1) if the group was lost
     log.info("executor stopped")

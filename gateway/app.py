@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from npuserve.gateway import convert
 from npuserve.gateway.auth import APIKeyMiddleware
 from npuserve.gateway.chat_output import OutputShape, ParserSettings
+from npuserve.gateway.drain import Drain, DrainMiddleware
 from npuserve.gateway.errors import APIError, bad_request, error_body, request_timeout, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
 from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
@@ -280,7 +281,12 @@ def _routes(app: FastAPI) -> None:
             raise unavailable(exc.message) from None
         if not info.serving:
             raise unavailable(info.message or "no executor is ready")
-        return _json({"status": "ok", "ready_executors": info.ready_executors})
+        body = {
+            "status": "degraded" if info.degraded else "ok",
+            "ready_executors": info.ready_executors,
+            "total_executors": info.total_executors,
+        }
+        return _json(body | ({"message": info.message} if info.message else {}))
 
     @app.post("/start_profile")
     async def start_profile(request: Request) -> Response:
@@ -374,6 +380,8 @@ def create_app(
     _error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     # NOTE: added last, so it is outermost: refused keys are counted, logged and carry an id too.
     app.add_middleware(ObservabilityMiddleware, metrics=gateway.metrics)
     return app

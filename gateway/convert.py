@@ -84,6 +84,7 @@ class HealthInfo:
     ready_executors: int
     total_executors: int
     message: str = ""
+    degraded: bool = False  # serving on fewer executors than the scheduler knows of
 
 
 @dataclass(slots=True)
@@ -265,7 +266,9 @@ def model_infos(reply: pb.ListModelsResponse) -> list[ModelInfo]:
 
 
 def health_info(reply: pb.HealthResponse) -> HealthInfo:
-    return HealthInfo(reply.serving, reply.ready_executors, reply.total_executors, reply.message)
+    return HealthInfo(
+        reply.serving, reply.ready_executors, reply.total_executors, reply.message, reply.degraded
+    )
 
 
 # -- errors ----------------------------------------------------------------------------------------

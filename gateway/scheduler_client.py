@@ -8,6 +8,7 @@ in the client's).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import grpc
@@ -19,10 +20,19 @@ from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionReq
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import bearer_metadata
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
+from npuserve.proto.channel import (
+    API_SERVERS,
+    CONNECTION_INDEX_OPTION,
+    MAX_API_MESSAGE_BYTES,
+    aio_client_channel,
+    message_size_options,
+)
 from npuserve.proto.error_details import error_field
 
 SMALL_CALL_TIMEOUT_S = 10.0
+# NOTE: gRPC waits up to 120 s between reconnection attempts by default; a scheduler that
+# `npuserve serve` restarted is back within seconds, and the gateway should notice at once.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 PROFILE_TIMEOUT_S = 600.0  # stopping exports every executor's trace
 # Profiling answers: executors without --profile-dir, and a start/stop out of turn.
 _PROFILE_ERRORS = {
@@ -57,34 +67,41 @@ class GenerateCall:
 
 
 class SchedulerClient:
-    """One gRPC channel to the scheduler, opened inside the event loop that uses it; every call
-    presents the API key when one is given."""
+    """gRPC channels to the scheduler, opened inside the event loop that uses them: Generate
+    calls take turns over `API_SERVERS` connections (the scheduler admits calls per connection's
+    server), other calls use the first. Every call presents the API key when one is given."""
 
     def __init__(self, address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> None:
         self.address = address
         self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.SchedulerStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.SchedulerStub] = []
+        self._turn = itertools.count()
 
     async def open(self) -> None:
-        options = message_size_options(MAX_API_MESSAGE_BYTES)
-        self._channel = aio_client_channel(self.address, options, self._tls_ca)
-        self._stub = pb_grpc.SchedulerStub(self._channel)
+        options = [*message_size_options(MAX_API_MESSAGE_BYTES), *RECONNECT_OPTIONS]
+        self._channels = [
+            aio_client_channel(self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca)
+            for i in range(API_SERVERS)
+        ]
+        self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close(grace=None)
-            self._channel = self._stub = None
+        channels, self._channels, self._stubs = self._channels, [], []
+        for channel in channels:
+            await channel.close(grace=None)
 
     @property
     def stub(self) -> pb_grpc.SchedulerStub:
-        assert self._stub is not None, "SchedulerClient.open() was not awaited"
-        return self._stub
+        assert self._stubs, "SchedulerClient.open() was not awaited"
+        return self._stubs[0]
 
     def generate(self, request: pb.GenerateRequest) -> GenerateCall:
+        assert self._stubs, "SchedulerClient.open() was not awaited"
+        stub = self._stubs[next(self._turn) % len(self._stubs)]
         # NOTE: no deadline: a generation lasts as long as it needs; a gone client cancels it.
-        return GenerateCall(self.stub.Generate(request, metadata=self._metadata))
+        return GenerateCall(stub.Generate(request, metadata=self._metadata))
 
     async def _unary(
         self,

@@ -3,9 +3,10 @@
 Start-up: bind the port (0 picks a free one), serve HTTP, wait until the scheduler answers
 Health with a ready executor (until then /health is 503 and generation requests get 503), then
 write the ready file `{"url", "pid", "scheduler"}` atomically; a scheduler that refuses the
-gateway's key ends the start with exit 2. SIGTERM or SIGINT stops accepting connections, lets
-running responses finish for a few seconds, and exits 0. Slow clients and connection floods meet
-the limits of `http_protocol` and the app's body deadline.
+gateway's key ends the start with exit 2. SIGTERM or SIGINT drains (`drain`): new requests get 503
+with Retry-After and /health 503 while the responses in flight run to their end, for up to
+``--shutdown-timeout``; then the gateway stops and exits 0. A second signal stops it at once.
+Slow clients and connection floods meet the limits of `http_protocol` and the app's body deadline.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import sys
 import time
@@ -24,8 +24,10 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.chat_output import ParserSettings
+from npuserve.gateway.drain import Drain
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
 from npuserve.gateway.scheduler_client import SchedulerClient
@@ -54,6 +56,7 @@ class GatewayConfig:
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
     parsers: ParserSettings = field(default_factory=ParserSettings)  # tool calls, reasoning
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
@@ -130,9 +133,11 @@ async def serve_gateway(config: GatewayConfig) -> int:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _stop, server)
+    shutdown = Shutdown()
+    shutdown.install_on_loop(asyncio.get_running_loop())
+    stopping = asyncio.create_task(
+        _stop_on_signals(server, shutdown, app.state.drain, config.shutdown_timeout_s)
+    )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
@@ -158,13 +163,27 @@ async def serve_gateway(config: GatewayConfig) -> int:
     if config.ready_file is not None and not server.should_exit:
         write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
     await serving
+    stopping.cancel()
     log.info("gateway stopped")
     return 0
 
 
-def _stop(server: uvicorn.Server) -> None:
-    log.info("gateway stopping")
+async def _stop_on_signals(
+    server: uvicorn.Server, shutdown: Shutdown, drain: Drain, timeout_s: float
+) -> None:
+    """At the first signal drains, then stops the server; a second signal stops it at once."""
+    shutdown.on_each_signal(lambda: _stop_now(server) if shutdown.now.is_set() else None)
+    await shutdown.wait_drain_async()
+    drain.draining = True
+    log.info("gateway draining", requests=drain.in_flight, timeout_s=timeout_s)
+    drained = await shutdown.drain_until_async(lambda: drain.idle, timeout_s)
+    log.info("gateway stopping", drained=drained, requests_left=drain.in_flight)
     server.should_exit = True
+
+
+def _stop_now(server: uvicorn.Server) -> None:
+    log.info("gateway stopping at once (second signal)")
+    server.should_exit = server.force_exit = True
 
 
 async def _key_refused(client: SchedulerClient) -> str | None:

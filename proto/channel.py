@@ -11,6 +11,13 @@ MAX_STEP_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_API_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+# The scheduler's public API is served by this many gRPC servers sharing one port (each admits
+# one new call per turn of the event loop); a busy client spreads its calls over as many
+# connections (a distinct channel option keeps gRPC from sharing one connection between them).
+API_SERVERS = 4
+CONNECTION_INDEX_OPTION = "npuserve.connection_index"
+
+
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     """Channel and server options that allow messages up to ``max_bytes`` each way."""
     return [

@@ -44,13 +44,19 @@ def redis_client(url: str, timeout_s: float = MAX_SOCKET_TIMEOUT_S) -> redis.Red
 
 
 def registration_record(
-    address: str, executor_id: str, info: ExecutorInfo, version: str, ttl_s: float
+    address: str,
+    executor_id: str,
+    info: ExecutorInfo,
+    version: str,
+    ttl_s: float,
+    instance_id: str | None = None,
 ) -> dict[str, Any]:
-    """What the registry holds for one executor process (``instance_id`` is new at every start)."""
+    """What the registry holds for one executor process (``instance_id`` is new at every start:
+    the executor's own, or a new one). A draining executor's record adds ``"draining": true``."""
     return {
         "address": address,
         "executor_id": executor_id,
-        "instance_id": uuid.uuid4().hex,
+        "instance_id": instance_id or uuid.uuid4().hex,
         "model": info.model,
         "architecture": info.architecture,
         "device": info.device,

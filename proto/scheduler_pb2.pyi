@@ -309,16 +309,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "ready_executors", "total_executors", "message")
+    __slots__ = ("serving", "ready_executors", "total_executors", "message", "degraded")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     READY_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     ready_executors: int
     total_executors: int
     message: str
-    def __init__(self, serving: _Optional[bool] = ..., ready_executors: _Optional[int] = ..., total_executors: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    degraded: bool
+    def __init__(self, serving: _Optional[bool] = ..., ready_executors: _Optional[int] = ..., total_executors: _Optional[int] = ..., message: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class GetMetricsRequest(_message.Message):
     __slots__ = ()

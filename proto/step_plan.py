@@ -120,6 +120,7 @@ class StepResult:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
+    draining: bool = False  # the executor drains: no new requests for it
 
 
 @dataclass(slots=True)

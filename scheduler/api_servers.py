@@ -15,9 +15,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.channel import API_SERVERS, MAX_API_MESSAGE_BYTES, message_size_options
 
-ACCEPT_SERVERS = 4  # servers sharing the port, so calls are admitted this many per loop turn
 MAX_PENDING_CALLS = 1 << 16  # calls gRPC may hold before the application takes them
 MAX_UNREQUESTED_S = 600  # and how long (the client's deadline still applies)
 SERVER_OPTIONS: list[tuple[str, int]] = [
@@ -39,7 +38,7 @@ async def start_api_servers(
     host: str,
     port: int,
     tls: tuple[bytes, bytes] | None,
-    count: int = ACCEPT_SERVERS,
+    count: int = API_SERVERS,
 ) -> tuple[list[grpc.aio.Server], int]:
     """`count` started servers of one servicer on ``host:port`` (0: a free port); returns them
     and the bound port."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.chat_template import RenderLimits
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
-from npuserve.scheduler.metrics import SchedulerMetrics
+from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics, observe_many
 from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
 from npuserve.scheduler.render_pool import RenderPool
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -152,7 +153,9 @@ class Engine:
         self._workers_restarting = 0
         self._background: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._prefix_counted: dict[str, tuple[int, int]] = {}
+        # Per lane (a rejoined executor is a new lane, its pool's counts start at zero again):
+        # the prefix-cache totals already counted.
+        self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
@@ -212,6 +215,29 @@ class Engine:
     def live_lanes(self) -> list[Lane]:
         return [lane for lane in self.lanes.values() if lane.alive]
 
+    @property
+    def routable_lanes(self) -> list[Lane]:
+        """Live lanes that take new requests (a draining executor only finishes its own)."""
+        return [lane for lane in self.lanes.values() if lane.alive and not lane.draining]
+
+    def drain_executor(self, executor_id: str, reason: str) -> None:
+        """Routes no new request to an executor; its requests finish there, then it is removed
+        (a step that fails meanwhile moves them to the others, as for any lost executor)."""
+        lane = self.lanes.get(executor_id)
+        if lane is None or lane.draining:
+            return
+        lane.draining = True
+        log.info("executor draining", executor=executor_id, reason=reason, requests=lane.load)
+        self._remove_if_drained(lane)
+
+    def _remove_if_drained(self, lane: Lane) -> None:
+        # NOTE: read off the lane's thread or worker, as a hint: no new request comes to a
+        # draining lane, so once nothing is queued, held or still to be dropped on the executor,
+        # it stays so.
+        if lane.draining and not lane.queued_requests and not lane.has_work:
+            self.remove_executor(lane.executor_id, "drained")
+            self.metrics.executors.left(lane.executor_id)
+
     def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
         """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""
         if info.block_size != self.block_size or info.vocab_size != self.vocab_size:
@@ -237,6 +263,7 @@ class Engine:
             )
         self.lanes[executor_id] = lane
         lane.start()
+        self.metrics.executors.joined(executor_id, getattr(executor, "address", None))
         log.info(
             "executor joined",
             executor=executor_id,
@@ -252,10 +279,10 @@ class Engine:
         lane = self.lanes.pop(executor_id, None)
         if lane is None:
             return
+        # NOTE: the lane is retired once it reports going down, with its requests: a lane busy in
+        # a step reports only when the step ends (up to --step-timeout), and a scheduler worker
+        # drops the reports of a lane already retired.
         lane.take_down(reason)
-        assert self._loop is not None
-        # The lane thread reports its requests first; stop it once that report is handled.
-        self._loop.call_later(1.0, self._retire, lane)
 
     def _retire(self, lane: Lane) -> None:
         lane.stop()
@@ -379,13 +406,13 @@ class Engine:
         grammar = None if so is None else await self.grammars.compile(so)
         prompt_ids = await self.prompt_token_ids(prompt)
         self._check_lengths(prompt_ids, params)
-        if not self.live_lanes:
+        if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
-        if limit is not None and sum(lane.num_waiting for lane in self.live_lanes) >= limit:
+        if limit is not None and sum(lane.num_waiting for lane in self.routable_lanes) >= limit:
             raise QueueFullError(f"the queue holds --max-queued-requests={limit} requests; retry later")
         children = [
             Request(
@@ -465,7 +492,7 @@ class Engine:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
-        lane = choose_lane(self.live_lanes, first.block_hashes, num_blocks, self.config.routing)
+        lane = choose_lane(self.routable_lanes, first.block_hashes, num_blocks, self.config.routing)
         for request in siblings:
             self._lane_of[request.req_id] = lane
             self._unstarted[request.req_id] = (lane, num_blocks)
@@ -565,7 +592,8 @@ class Engine:
             elif update.finished is not None:
                 self._record_finish(request, update.finished.value, now)
         if event.lane_down:
-            self.lanes.pop(lane.executor_id, None)
+            if self.lanes.get(lane.executor_id) is lane:  # not the executor's next lane
+                del self.lanes[lane.executor_id]
             assert self._loop is not None
             self._loop.call_later(1.0, self._retire, lane)
         if event.evacuated:
@@ -580,6 +608,10 @@ class Engine:
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
+        if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
+            self.drain_executor(lane.executor_id, "the executor is draining")
+        if lane.draining and not event.lane_down:
+            self._remove_if_drained(lane)
 
     def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
         """Moves requests of a lost executor to others; each resumes from the tokens it has.
@@ -599,14 +631,15 @@ class Engine:
             if count:
                 for request in siblings:
                     request.num_failovers += 1
-            if not self.live_lanes or siblings[0].num_failovers > MAX_FAILOVERS:
-                why = "no executor is available" if not self.live_lanes else f"lost {MAX_FAILOVERS} executors"
+            available = bool(self.routable_lanes)
+            if not available or siblings[0].num_failovers > MAX_FAILOVERS:
+                why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
                     request.status = RequestStatus.FINISHED_ERROR
                     if request.grammar is not None:
                         request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
-                if not self.live_lanes and not stream.started:
+                if not available and not stream.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
                     # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
                     stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
@@ -627,17 +660,15 @@ class Engine:
     def _record_step(self, lane: Lane, event: LaneEvent) -> None:
         m = self.metrics
         if event.stats is not None:
-            m.step_seconds.observe(event.step_seconds)
+            m.step(lane.executor_id, event.step_seconds)
             m.prompt_tokens.inc(event.stats.num_prompt_tokens)
             m.generation_tokens.inc(len(event.updates))
             m.num_preemptions.inc(event.stats.num_preemptions)
-            for _ in event.updates:
-                m.inter_token_latency.observe(event.step_seconds)
+            observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
         now_queries, now_hits = lane.prefix_stats
-        queries, hits = self._prefix_counted.get(lane.executor_id, (0, 0))
-        m.prefix_cache_queries.inc(max(0, now_queries - queries))
-        m.prefix_cache_hits.inc(max(0, now_hits - hits))
-        self._prefix_counted[lane.executor_id] = (now_queries, now_hits)
+        queries, hits = self._prefix_counted.get(lane, (0, 0))
+        m.prefix_cache(lane.executor_id, max(0, now_queries - queries), max(0, now_hits - hits))
+        self._prefix_counted[lane] = (now_queries, now_hits)
 
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
@@ -646,6 +677,12 @@ class Engine:
         m.num_requests_running.set(sum(lane.num_running for lane in lanes))
         m.num_requests_waiting.set(sum(lane.num_waiting for lane in lanes) + len(self._parked))
         m.kv_cache_usage.set(sum(lane.kv_usage for lane in lanes) / len(lanes) if lanes else 0.0)
+        m.executors.refresh(
+            [
+                ExecutorLoad(lane.executor_id, lane.num_running, lane.num_waiting, lane.kv_usage)
+                for lane in lanes
+            ]
+        )
 
     async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
         while True:
@@ -657,6 +694,12 @@ class Engine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def lanes_settled(self) -> bool:
+        """No live lane has a step to send, finished requests' drops included (a hint, read off
+        the lane threads): the executors hold no request of this scheduler."""
+        return not any(lane.has_work for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
         """Every lane's block pool passes its integrity check (run on the lane threads, between

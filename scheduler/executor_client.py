@@ -63,15 +63,22 @@ class ExecutorClient:
         # Filled by info(): the executor's identity, next to the capacity handshake.
         self.executor_id: str | None = None
         self.version: str | None = None
+        self.instance_id = ""  # every step is addressed to this process (a restart refuses it)
 
     def info(self) -> ExecutorInfo:
         """The capacity handshake; waits (up to timeout_s) for an executor that is still starting."""
         msg = self._call(self._stub.Info, pb.InfoRequest(), wait_for_ready=True)
-        self.executor_id, self.version = msg.executor_id, msg.version
+        self.executor_id, self.version, self.instance_id = msg.executor_id, msg.version, msg.instance_id
         return step_codec.info_from_proto(msg)
 
+    def step_request(self, plan: StepPlan) -> pb.StepRequest:
+        """The plan, addressed to the executor instance this client handshook with."""
+        request = step_codec.plan_to_proto(plan)
+        request.executor_instance_id = self.instance_id
+        return request
+
     def step(self, plan: StepPlan) -> StepResult:
-        return step_codec.result_from_proto(self._call(self._stub.Step, step_codec.plan_to_proto(plan)))
+        return step_codec.result_from_proto(self._call(self._stub.Step, self.step_request(plan)))
 
     def health(self) -> bool:
         """True when the executor answers and serves; False when it is unreachable or stopping."""
@@ -206,7 +213,7 @@ class StreamingExecutorClient(ExecutorClient):
 
     def submit(self, plan: StepPlan) -> _PendingStep:
         """Sends a step without waiting for its result (read it with ``.result()``, in order)."""
-        request = step_codec.plan_to_proto(plan)
+        request = self.step_request(plan)
         with self._lock:
             if self._stream is None:
                 self._stream = _StepStream(self._stub, self._metadata)

@@ -64,6 +64,7 @@ class LaneEvent:
     lane_down: bool = False
     stats: StepStats | None = None
     step_seconds: float = 0.0
+    executor_draining: bool = False  # the executor said so in its step's answer
 
 
 class Lane(Protocol):
@@ -72,6 +73,7 @@ class Lane(Protocol):
 
     executor_id: str
     alive: bool
+    draining: bool  # set by the engine: no new requests, its own finish here
     queued_requests: int  # placed here without a token yet (kept by the engine)
     queued_blocks: int
 
@@ -83,6 +85,11 @@ class Lane(Protocol):
 
     @property
     def num_waiting(self) -> int: ...
+
+    @property
+    def has_work(self) -> bool:
+        """A step to send: requests, or finished ones the executor must still drop."""
+        ...
 
     @property
     def num_running(self) -> int: ...
@@ -133,6 +140,7 @@ class ExecutorLane:
         self._stopping = False
         self.alive = True
         self.down_reason: str | None = None
+        self.draining = False  # set on the event loop: no new requests, its own finish here
         # Placed here but without a token yet; kept by the engine on the event loop thread.
         self.queued_requests = 0
         self.queued_blocks = 0
@@ -179,6 +187,10 @@ class ExecutorLane:
     def load(self) -> int:
         """Requests this lane holds."""
         return self.scheduler.num_unfinished
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._in_flight) or self.scheduler.has_work()
 
     @property
     def num_waiting(self) -> int:
@@ -312,7 +324,12 @@ class ExecutorLane:
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
         self._last_landed = now
-        self.on_event(self, LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds))
+        self.on_event(
+            self,
+            LaneEvent(
+                updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
+            ),
+        )
 
 
 class PendingStep(Protocol):

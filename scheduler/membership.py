@@ -76,6 +76,10 @@ class StaticMembership:
         self.retry_interval_s = retry_interval_s
         self.executor_of: dict[str, str] = {}  # address -> executor id, once connected
 
+    def num_known(self) -> int:
+        """The executors this scheduler serves on when all are up."""
+        return len(self.addresses)
+
     def joined(self, address: str, executor_id: str) -> None:
         self.executor_of[address] = executor_id
 

@@ -1,11 +1,167 @@
-"""Prometheus metrics of the scheduler, named as vLLM names them so existing dashboards work."""
+"""Prometheus metrics of the scheduler, named as vLLM names them so existing dashboards work.
+
+Besides vLLM's aggregate series, `ExecutorMetrics` keeps npuserve's per-executor ones (label
+`executor`): whether the executor serves, its KV usage, running and waiting requests, step time,
+prefix-cache lookups, and how often it joined again after going down.
+"""
 
 from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+# How long a departed executor's series stay (at executor_up 0, for alerts to see) before they go.
+DEPARTED_SERIES_TTL_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLoad:
+    """One serving executor's load, read off its lane."""
+
+    executor_id: str
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+@dataclass(slots=True)
+class _Executor:
+    """One executor with series: its step-path children (labels() costs a lookup under a lock)
+    and since when it is gone."""
+
+    step_seconds: Histogram
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    departed_at: float | None = None
+
+
+class ExecutorMetrics:
+    """The `npuserve:executor_*` series, labelled by model and executor.
+
+    An executor id (or address) that joins again after it was seen counts as a restart. An
+    executor missing from a refresh reads as down (executor_up 0, its load 0); DEPARTED_SERIES_TTL_S
+    later every series of it is removed, unless it came back. One that drained (stopped on
+    purpose) loses its series at once: its leaving is no fault to alert on.
+
+    Ownership: called on the engine's event loop thread only.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        labels = ["model_name", "executor"]
+        self.model_name = model_name
+        self._clock = clock
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"npuserve:executor_{name}", doc, labels, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"npuserve:executor_{name}", doc, labels, registry=registry)
+
+        self.up = gauge("up", "1 while the scheduler serves on the executor, 0 once it is gone.")
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "The executor's KV-cache usage. 1 means 100 percent usage."
+        )
+        self.num_requests_running = gauge("num_requests_running", "Requests in the executor's batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for the executor.")
+        self.step_seconds = Histogram("npuserve:executor_step_seconds", "Wall time of one step of the executor.",
+                                      labels, buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries on the executor, in tokens."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits on the executor, in tokens.")
+        self.restarts = counter(
+            "restarts", "Times the executor (by id or address) joined again after going down or restarting."
+        )
+        self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting)
+        self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
+                        self.restarts)  # fmt: skip
+        self._executors: dict[str, _Executor] = {}  # those with series
+        self._seen: set[str] = set()  # every executor id and address that ever joined
+
+    def joined(self, executor_id: str, address: str | None = None) -> None:
+        """The executor serves (again, with a fresh block pool)."""
+        names = {executor_id} if address is None else {executor_id, address}
+        rejoined = bool(names & self._seen)
+        self._seen |= names
+        labels = (self.model_name, executor_id)
+        for metric in self._series:  # every series from the start, so a first increase shows
+            metric.labels(*labels)
+        self._executors[executor_id] = _Executor(
+            self.step_seconds.labels(*labels),
+            self.prefix_cache_queries.labels(*labels),
+            self.prefix_cache_hits.labels(*labels),
+        )
+        self.up.labels(*labels).set(1)
+        if rejoined:
+            self.restarts.labels(self.model_name, executor_id).inc()
+
+    def left(self, executor_id: str) -> None:
+        """The executor drained and left."""
+        if self._executors.pop(executor_id, None) is not None:
+            self._remove_series(executor_id)
+
+    def _remove_series(self, executor_id: str) -> None:
+        for metric in self._series:
+            metric.remove(self.model_name, executor_id)
+
+    def step(self, executor_id: str, seconds: float) -> None:
+        executor = self._executors.get(executor_id)
+        if executor is not None:  # else: a late report of an executor whose series are gone
+            executor.step_seconds.observe(seconds)
+
+    def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
+        executor = self._executors.get(executor_id)
+        if executor is not None:
+            executor.prefix_cache_queries.inc(queries)
+            executor.prefix_cache_hits.inc(hits)
+
+    def refresh(self, loads: Iterable[ExecutorLoad]) -> None:
+        """The serving executors' load; every other known executor is down."""
+        now = self._clock()
+        serving = set()
+        for load in loads:
+            if load.executor_id not in self._executors:
+                continue
+            serving.add(load.executor_id)
+            labels = (self.model_name, load.executor_id)
+            self.num_requests_running.labels(*labels).set(load.num_running)
+            self.num_requests_waiting.labels(*labels).set(load.num_waiting)
+            self.kv_cache_usage.labels(*labels).set(load.kv_cache_usage)
+        for executor_id, executor in list(self._executors.items()):
+            if executor_id in serving:
+                executor.departed_at = None
+            elif executor.departed_at is None:
+                executor.departed_at = now
+                for gauge in self._gauges:
+                    gauge.labels(self.model_name, executor_id).set(0)
+            elif now - executor.departed_at >= DEPARTED_SERIES_TTL_S:
+                del self._executors[executor_id]
+                self._remove_series(executor_id)
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``count`` observations of one value (a step's inter-token latency, once per token it
+    produced) at the cost of one: prometheus_client has no batch observe, so this adds to the
+    child's sum and bucket directly (its layout: `_sum`, `_buckets`, `_upper_bounds`)."""
+    if count <= 0:
+        return
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if buckets is None or bounds is None or total is None:  # another layout: one at a time
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect.bisect_left(bounds, value)].inc(count)
 
 
 class SchedulerMetrics:
@@ -51,9 +207,21 @@ class SchedulerMetrics:
             "vllm:e2e_request_latency_seconds", "End-to-end request latency."
         )
         self.step_seconds = histogram("npuserve:step_seconds", "Wall time of one executor step.")
+        self.executors = ExecutorMetrics(r, model_name)
 
     def request_finished(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
+
+    def step(self, executor_id: str, seconds: float) -> None:
+        """One step of an executor."""
+        self.step_seconds.observe(seconds)
+        self.executors.step(executor_id, seconds)
+
+    def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
+        """New prefix-cache lookups of an executor (in prompt tokens, and of them found)."""
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+        self.executors.prefix_cache(executor_id, queries, hits)
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""

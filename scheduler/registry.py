@@ -5,7 +5,9 @@ engine's executors equal to the registered ones: a new registration is handshake
 thread and added; one whose key expired, or whose ``instance_id`` changed (the executor
 restarted, its KV cache is empty), is removed, and a restarted one is added back with a fresh
 block pool. A registered executor whose lane went down (a failed step) is probed again with a
-capped backoff until it answers or its key expires.
+capped backoff until it answers or its key expires. A record marked ``draining`` (the executor got
+SIGTERM) gets no new requests: the engine lets that executor's requests finish, then drops it,
+and a draining executor is never admitted.
 
 Redis going away changes nothing that serves: the executors already known keep serving, the
 outage is logged once, and discovery resumes when Redis answers.
@@ -125,6 +127,10 @@ class RedisMembership:
         self._latest = records
         return records
 
+    def num_known(self) -> int:
+        """The executors registered (draining ones included) or served."""
+        return len(set(self._latest) | set(self.members))
+
     # -- joining ---------------------------------------------------------------------------------
 
     async def _handshake(self, executor_id: str, record: dict[str, Any]) -> Joined | None:
@@ -166,7 +172,7 @@ class RedisMembership:
         deadline = time.monotonic() + timeout_s
         waiting_logged = False
         while True:
-            records = await self.poll() or {}
+            records = {i: r for i, r in (await self.poll() or {}).items() if not r.get("draining")}
             joined = [
                 j
                 for j in await asyncio.gather(*(self._handshake(i, r) for i, r in records.items()))
@@ -214,11 +220,13 @@ class RedisMembership:
                     self._drop(engine, executor_id, "its registration expired")
             elif record["instance_id"] != member.instance_id:
                 self._drop(engine, executor_id, "it restarted (a new instance registered)")
+            elif record.get("draining"):
+                engine.drain_executor(executor_id, "its registration is marked draining")
         if trust_absence:
             for executor_id in set(self._probes) - set(records):
                 del self._probes[executor_id]  # it never joined, and its registration is gone
         for executor_id, record in records.items():
-            if executor_id in self._joining:
+            if executor_id in self._joining or record.get("draining"):
                 continue
             if executor_id in self.members and executor_id in engine.lanes:
                 continue  # serving

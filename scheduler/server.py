@@ -2,13 +2,17 @@
 
 With an API key every call but `Health` must present it (`npuserve.proto.auth`); with a
 certificate and key the API is served over TLS.
+
+`Health` is serving while at least one executor is ready, and degraded while fewer are ready
+than the scheduler knows of. SIGTERM drains: new `Generate` calls get UNAVAILABLE and `Health`
+answers not serving, the streams in flight finish (up to ``--shutdown-timeout``; a second signal
+stops at once), the block pools' integrity is checked and logged, and the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ import grpc
 import structlog
 
 from npuserve.deploy.demo_model import default_served_name
+from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
@@ -45,6 +50,13 @@ from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+SERVER_STOP_GRACE_S = 1.0  # after the drain: for the answers of calls other than Generate
+INTEGRITY_SETTLE_S = 5.0
+
+
+class ShuttingDown(RuntimeError):
+    """A new request while the scheduler drains (gRPC UNAVAILABLE, HTTP 503)."""
+
 
 MAX_DEFAULT_WORKERS = 16
 
@@ -55,6 +67,7 @@ STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (ProfilingUnavailable, grpc.StatusCode.UNIMPLEMENTED),
 ]
 # An executor's answer to a call relayed to it keeps its code (profiling off, already running...).
@@ -73,16 +86,23 @@ def status_of(exc: Exception) -> grpc.StatusCode:
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, model_root: str) -> None:
+    def __init__(
+        self, engine: Engine, model_root: str, known_executors: Callable[[], int] | None = None
+    ) -> None:
         self.engine = engine
         self.model_root = model_root
         self.created = int(time.time())
+        # How many executors the scheduler knows of, ready or not (default: its lanes).
+        self.known_executors = known_executors or (lambda: len(engine.lanes))
+        self.draining = False
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
         try:
+            if self.draining:
+                raise ShuttingDown("the scheduler is shutting down; retry on another")
             outputs = self.engine.generate(
                 api_codec.prompt_from_proto(request),
                 api_codec.sampling_from_proto(request.sampling),
@@ -141,11 +161,23 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         lanes = self.engine.live_lanes
-        total = len(self.engine.lanes)
+        total = max(self.known_executors(), len(self.engine.lanes))
         ready = await asyncio.to_thread(lambda: sum(lane.executor.health() for lane in lanes))
-        message = "" if ready else "no executor is reachable"
+        if self.draining:
+            message = "the scheduler is shutting down"
+        elif not ready:
+            message = "no executor is reachable"
+        elif ready < total:
+            message = f"{total - ready} of {total} executors are not ready"
+        else:
+            message = ""
+        serving = ready > 0 and not self.draining
         return pb.HealthResponse(
-            serving=ready > 0, ready_executors=ready, total_executors=total, message=message
+            serving=serving,
+            ready_executors=ready,
+            total_executors=total,
+            message=message,
+            degraded=serving and ready < total,
         )
 
     async def CheckIntegrity(
@@ -246,6 +278,7 @@ async def serve_scheduler(
     ready_file: Path | None,
     log_level: str = "info",
     json_logs: bool = False,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
     # NOTE: pipelined steps need the streaming transport (the executor runs them in order).
@@ -288,7 +321,7 @@ async def serve_scheduler(
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
     interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
-    servicer = SchedulerServicer(engine, config.model)
+    servicer = SchedulerServicer(engine, config.model, membership.num_known)
     servers, bound = await start_api_servers(
         lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
         interceptors,
@@ -308,12 +341,41 @@ async def serve_scheduler(
     )
     if ready_file is not None:
         write_ready_file(ready_file, {"address": address, "pid": os.getpid(), "model": engine.model_name})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("scheduler stopping")
+    shutdown = Shutdown()
+    shutdown.install_on_loop(asyncio.get_running_loop())
+    await shutdown.wait_drain_async()
+    await drain_scheduler(servicer, shutdown, shutdown_timeout_s)
     watcher.cancel()
-    await stop_api_servers(servers, 5)
+    await stop_api_servers(servers, 0 if shutdown.now.is_set() else SERVER_STOP_GRACE_S)
     engine.stop()
+    log.info("scheduler stopped")
+
+
+async def drain_scheduler(servicer: SchedulerServicer, shutdown: Shutdown, timeout_s: float) -> None:
+    """Refuses new requests and waits for the streams in flight to finish (up to ``timeout_s`` or
+    a second signal); once drained, checks and logs that every block pool is whole and idle."""
+    engine = servicer.engine
+    servicer.draining = True
+    log.info("scheduler draining", requests=engine.num_active_requests, timeout_s=timeout_s)
+    drained = await shutdown.drain_until_async(lambda: engine.num_active_requests == 0, timeout_s)
+    if not drained:
+        log.warning(
+            "scheduler stopping with requests in flight",
+            requests=engine.num_active_requests,
+            second_signal=shutdown.now.is_set(),
+        )
+        return
+    # NOTE: a finished request's blocks come back on its lane thread a moment after its stream
+    # ends, and the executors learn of it in one more step; both are waited for.
+    await shutdown.drain_until_async(lambda: engine.lanes_settled, INTEGRITY_SETTLE_S)
+    deadline = time.monotonic() + INTEGRITY_SETTLE_S
+    while True:
+        try:
+            states = await asyncio.wait_for(engine.check_integrity(expect_idle=True), INTEGRITY_SETTLE_S)
+            break
+        except (AssertionError, asyncio.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                log.error("block pools not intact after the drain", error=str(exc) or type(exc).__name__)
+                return
+            await asyncio.sleep(0.05)
+    log.info("scheduler drained; block pools intact and idle", executors=len(states))

@@ -19,8 +19,9 @@ from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, StepStats
 
-# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed)
-CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None]
+# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed,
+#  the prompt tokens found in the prefix cache at its first schedule)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None, int]
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class LaneLoad:
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    has_work: bool = False  # a step to send, drops of finished requests included
 
 
 @dataclass(slots=True)
@@ -47,11 +49,14 @@ class LaneReport:
     step_seconds: float
     load: LaneLoad
     kv_events: list[tuple[bool, BlockHash]]  # (stored?, block hash), in order
+    executor_draining: bool = False  # the executor's step answer said it drains
 
 
 def lane_load(lane: ExecutorLane) -> LaneLoad:
     queries, hits = lane.prefix_stats
-    return LaneLoad(lane.num_waiting, lane.num_running, lane.num_used_blocks, lane.kv_usage, queries, hits)
+    return LaneLoad(
+        lane.num_waiting, lane.num_running, lane.num_used_blocks, lane.kv_usage, queries, hits, lane.has_work
+    )
 
 
 def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneReport:
@@ -70,6 +75,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
                 u.new_logprobs,
                 None if u.finished is None else u.finished.value,
                 None if u.finished is None else u.request.error,
+                u.request.num_cached_tokens,
             )
             for u in event.updates
         ],
@@ -83,17 +89,25 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
         step_seconds=event.step_seconds,
         load=lane_load(lane),
         kv_events=kv_events,
+        executor_draining=event.executor_draining,
     )
 
 
 def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:
     """On the front's event loop: applies a report to the front's copies of the requests and
     returns the event it stands for. Requests the front no longer tracks are skipped."""
-    event = LaneEvent(error=report.error, lane_down=report.lane_down, step_seconds=report.step_seconds)
-    for req_id, token_ids, logprobs, finished, error in report.updates:
+    event = LaneEvent(
+        error=report.error,
+        lane_down=report.lane_down,
+        step_seconds=report.step_seconds,
+        executor_draining=report.executor_draining,
+    )
+    for req_id, token_ids, logprobs, finished, error, num_cached in report.updates:
         request = request_of(req_id)
         if request is None:
             continue
+        if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
+            request.num_cached_tokens = num_cached
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
             request.append_output(token_id, token_logprobs)
         status = None if finished is None else RequestStatus(finished)

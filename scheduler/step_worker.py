@@ -6,7 +6,8 @@ steps) exactly as the front would in-process. The worker never chooses where req
 never talks to clients: it applies the front's commands and reports what every step produced.
 
 Wire, both ways over one `multiprocessing` pipe, each message a list (a batch):
-  front -> worker: ("add", lane_key, executor_id, address, info) | ("submit", lane_key, [Request])
+  front -> worker: ("add", lane_key, executor_id, address, info, instance_id)
+                   | ("submit", lane_key, [Request])
                    | ("finish", lane_key, [req_id], RequestStatus) | ("down", lane_key, reason)
                    | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
   worker -> front: `LaneReport` | ("reply", call_id, ok, value or error text)
@@ -139,9 +140,12 @@ class StepWorker:
         request.grammar = self.grammars.grammar_for(constraint).new_state(request.max_output_tokens)
         request.grammar.sync(request.output_token_ids)
 
-    def _add(self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo) -> None:
+    def _add(
+        self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo, instance_id: str
+    ) -> None:
         client = self.spec.connect(address)
-        client.executor_id = executor_id
+        # NOTE: the front's handshake named the executor's process: steps go to that one only.
+        client.executor_id, client.instance_id = executor_id, instance_id
         scheduler = Scheduler(SchedulerConfig.for_executor(info, self.enable_prefix_caching))
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 

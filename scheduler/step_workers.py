@@ -53,6 +53,7 @@ class RemoteLane:
         self.info = info
         self.worker = worker
         self.alive = True
+        self.draining = False
         self.queued_requests = 0
         self.queued_blocks = 0
         self.reported = LaneLoad()
@@ -67,6 +68,10 @@ class RemoteLane:
     @property
     def num_waiting(self) -> int:
         return self.reported.num_waiting
+
+    @property
+    def has_work(self) -> bool:
+        return self.reported.has_work
 
     @property
     def num_running(self) -> int:
@@ -99,7 +104,8 @@ class RemoteLane:
     # -- commands to the worker ----------------------------------------------------------------
 
     def start(self) -> None:
-        self.worker.send(("add", self.key, self.executor_id, self.executor.address, self.info))
+        add = ("add", self.key, self.executor_id, self.executor.address, self.info, self.executor.instance_id)
+        self.worker.send(add)
 
     def stop(self, timeout: float = 5.0) -> None:
         self.worker.send(("stop", self.key))

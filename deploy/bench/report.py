@@ -271,6 +271,7 @@ SCALE_COLUMNS: list[tuple[str, str, str]] = [
     ("exec busy", "executor_busy", ".1%"),
     ("sched ms CPU/step", "scheduler_cpu_ms_per_step", ".3f"),
     ("sched us CPU/tok", "scheduler_cpu_us_per_token", ".1f"),
+    ("front us CPU/tok", "front_cpu_us_per_token", ".1f"),
     ("seqs/step", "seqs_per_step", ".1f"),
     ("step wall ms", "mean_step_wall_ms", ".1f"),
     ("TTFT p50 ms", "ttft_p50_ms", ",.0f"),

@@ -16,6 +16,7 @@ from npuserve.deploy.bench.scale_config import STREAMS_PER_CHANNEL, ScaleConfig
 from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Load:
         num_channels = max(1, -(-concurrency // STREAMS_PER_CHANNEL))
         # NOTE: a distinct channel argument per channel keeps gRPC from sharing one connection.
         self.channels = [
-            grpc.aio.insecure_channel(address, options=[*options, ("npuserve.bench.channel", i)])
+            grpc.aio.insecure_channel(address, options=[*options, (CONNECTION_INDEX_OPTION, i)])
             for i in range(num_channels)
         ]
         self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]

@@ -27,7 +27,8 @@ class Snapshot:
     """Counters at one moment: CPU seconds, the scheduler's metrics, the executors' totals."""
 
     time: float
-    scheduler_cpu_s: float
+    scheduler_cpu_s: float  # every scheduler process: the front and its workers
+    front_cpu_s: float  # the front alone (the public API, streams, routing)
     executors_cpu_s: float
     client_cpu_s: float
     machine_busy_s: float  # every CPU of the machine, every process (from /proc/stat)
@@ -58,6 +59,7 @@ class Result:
     ideal_output_tokens_per_s: float  # executors never waiting, at the observed batch sizes
     scheduler_cpu_ms_per_step: float
     scheduler_cpu_us_per_token: float
+    front_cpu_us_per_token: float
     scheduler_cores: float
     executors_cores: float
     client_cores: float
@@ -140,6 +142,7 @@ async def take_snapshot(
     return Snapshot(
         time=time.perf_counter(),
         scheduler_cpu_s=tree_cpu_seconds(scheduler_pid),
+        front_cpu_s=proc_cpu_seconds(scheduler_pid),
         executors_cpu_s=proc_cpu_seconds(executors_pid),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),
@@ -231,6 +234,9 @@ def summarize(
         ideal_output_tokens_per_s=executors * sampled_per_step / modelled if modelled else 0.0,
         scheduler_cpu_ms_per_step=1e3 * scheduler_cpu / steps if steps else math.nan,
         scheduler_cpu_us_per_token=1e6 * scheduler_cpu / generated if generated else math.nan,
+        front_cpu_us_per_token=1e6 * (after.front_cpu_s - before.front_cpu_s) / generated
+        if generated
+        else math.nan,
         scheduler_cores=cores["scheduler"],
         executors_cores=cores["executors"],
         client_cores=cores["client"],

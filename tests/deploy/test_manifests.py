@@ -3,6 +3,7 @@ schemas, and every npuserve command line in them (and in the Dockerfiles) parsed
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +12,6 @@ from harness.deploy_files import (
     COMPOSE,
     DEPLOY,
     DOCKERFILES,
-    DRAIN_S,
     K8S_VAR,
     dockerfile_instructions,
     exec_form,
@@ -150,14 +150,18 @@ def test_every_npuserve_container_has_probes_on_its_health_endpoints(rendered: l
 
 
 def test_termination_grace_covers_the_drain(rendered: list[dict]) -> None:
+    """The preStop pause, then the process's --shutdown-timeout drain, end before the SIGKILL."""
     for workload, container in npuserve_containers(rendered):
+        where = f"{workload['kind']}/{workload['metadata']['name']}"
+        env_names = {e["name"] for e in container.get("env", [])}
+        drain_s = parse_npuserve(expand_k8s_vars(container["args"], env_names, where), where).shutdown_timeout
         spec = workload["spec"]["template"]["spec"]
         pause = 0
         if "lifecycle" in container:
             command = container["lifecycle"]["preStop"]["exec"]["command"]
             assert command[0] == "sleep"
             pause = int(command[1])
-        assert spec["terminationGracePeriodSeconds"] >= pause + DRAIN_S + GRACE_MARGIN_S, workload["metadata"]
+        assert spec["terminationGracePeriodSeconds"] >= pause + drain_s + GRACE_MARGIN_S, where
 
 
 def test_npuserve_pods_run_unprivileged_with_resource_requests(rendered: list[dict]) -> None:
@@ -297,6 +301,8 @@ def test_compose_command_lines_and_health_checks_parse() -> None:
             continue
         args = parse_npuserve(command, f"compose {name}")
         commands.add(args.command)
+        grace = re.fullmatch(r"(\d+)s", service["stop_grace_period"])
+        assert grace is not None and int(grace[1]) >= args.shutdown_timeout + GRACE_MARGIN_S, name
         check = service["healthcheck"]["test"]
         assert check[0] == "CMD"
         probe = parse_probe(check[1:], f"compose {name} healthcheck")

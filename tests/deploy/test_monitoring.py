@@ -1,5 +1,6 @@
 """deploy/grafana and deploy/prometheus: every query parses as PromQL, and every metric the
-dashboard and the alert rules query exists in a live `npuserve serve`'s /metrics."""
+dashboard and the alert rules query exists in a live `npuserve serve`'s /metrics, where the
+per-executor series name every executor the scheduler serves on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from harness.serve import Served
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.deploy.demo_model import DEMO_MODEL_NAME
+from npuserve.proto import scheduler_pb2 as pb
 
 promql = pytest.importorskip("promql_parser")
 
@@ -23,7 +25,17 @@ RULES = DEPLOY / "prometheus" / "rules.yaml"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 PROMETHEUS_OWN = {"up"}  # series Prometheus writes itself for every target
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": "model"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": "model", "$executor": "executor"}
+EXECUTOR_PANELS = (
+    "Executors up",
+    "Executor restarts",
+    "KV cache usage per executor",
+    "Prefix cache hit rate per executor",
+    "Requests per executor",
+    "Step time per executor",
+)
+EXECUTOR_ALERTS = ("NpuserveNoExecutor", "NpuserveExecutorDown", "NpuserveExecutorCrashLoop",
+                   "NpuserveExecutorKVCacheFull")  # fmt: skip
 JOB = "npuserve-gateway"
 
 
@@ -86,6 +98,7 @@ def test_the_dashboard_covers_the_serving_story() -> None:
         "Scheduler queue",
         "Preemptions",
         "HTTP errors",
+        *EXECUTOR_PANELS,
     ):
         assert wanted in titles
     datasource = {"type": "prometheus", "uid": "${datasource}"}
@@ -96,6 +109,11 @@ def test_the_dashboard_covers_the_serving_story() -> None:
         assert set(panel["gridPos"]) == {"h", "w", "x", "y"}
     ttft = next(p for p in panels if p["title"] == "Time to first token")
     assert [t["legendFormat"] for t in ttft["targets"]] == ["p50", "p90", "p99"]
+    for panel in panels:
+        if panel["title"] in EXECUTOR_PANELS:  # one line per executor, narrowed by $executor
+            for target in panel["targets"]:
+                assert "{{executor}}" in target["legendFormat"], panel["title"]
+                assert 'executor=~"$executor"' in target["expr"] and "npuserve:executor_" in target["expr"]
 
 
 def test_alert_rules_are_complete() -> None:
@@ -104,6 +122,11 @@ def test_alert_rules_are_complete() -> None:
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"] and rule["for"]
+    by_name = {r["alert"]: r for r in rules}
+    for name in EXECUTOR_ALERTS:
+        assert "npuserve:executor_" in by_name[name]["expr"]
+        if name != "NpuserveNoExecutor":  # the others name the executor
+            assert "{{ $labels.executor }}" in by_name[name]["annotations"]["summary"]
 
 
 def test_prometheus_job_matches_compose_and_the_cluster() -> None:
@@ -127,9 +150,13 @@ def test_prometheus_job_matches_compose_and_the_cluster() -> None:
     assert source["url"] == "http://prometheus:9090" and "prometheus" in services
 
 
+def exported_samples(text: str) -> list:
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def exported_names(text: str) -> set[str]:
     """Every series name in a Prometheus text exposition (histograms' _bucket/_sum/_count too)."""
-    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {sample.name for sample in exported_samples(text)}
 
 
 def test_every_queried_metric_is_exported_by_a_live_server(served_stories: Served, stories_dir: Path) -> None:
@@ -141,3 +168,27 @@ def test_every_queried_metric_is_exported_by_a_live_server(served_stories: Serve
         exported = exported_names(client.get("/metrics").text)
     missing = sorted(wanted - exported)
     assert not missing, f"queried but not exported: {missing}"
+
+
+def test_per_executor_series_name_every_executor(served_stories: Served) -> None:
+    """`npuserve:executor_*` has one series per executor the scheduler serves on (as
+    CheckIntegrity names them), up at 1; their steps add up to the aggregate's."""
+    check = served_stories.stub().CheckIntegrity(pb.CheckIntegrityRequest(), timeout=10)
+    assert check.ok, check.message
+    executors = {e.executor_id for e in check.executors}
+    assert executors
+    with httpx.Client(base_url=served_stories.url, timeout=60) as client:
+        body = {"model": DEMO_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        samples = exported_samples(client.get("/metrics").text)
+    up = {s.labels["executor"]: s.value for s in samples if s.name == "npuserve:executor_up"}
+    assert up == dict.fromkeys(executors, 1.0)
+    steps = {
+        s.labels["executor"]: s.value for s in samples if s.name == "npuserve:executor_step_seconds_count"
+    }
+    (total,) = [s.value for s in samples if s.name == "npuserve:step_seconds_count"]
+    assert set(steps) == executors and sum(steps.values()) == total > 0
+    restarts = {
+        s.labels["executor"]: s.value for s in samples if s.name == "npuserve:executor_restarts_total"
+    }
+    assert restarts == dict.fromkeys(executors, 0.0)

@@ -158,3 +158,45 @@ def test_steps_take_the_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:
         assert timings is not None and timings.prepare_s + seconds == pytest.approx(decode)
     assert runner.stats.modeled_s == pytest.approx(prefill + 5 * decode)
     assert runner.stats.num_tokens == 120 and runner.stats.num_seqs == 24
+
+
+def test_a_plan_for_an_earlier_instance_of_the_executor_is_unavailable(
+    served: tuple[SimulatedRunner, ExecutorClient],
+) -> None:
+    """A scheduler that handshook before the executor restarted on the same address must not
+    trust the new process with its requests: UNAVAILABLE (it reconnects), the state untouched."""
+    runner, client = served
+    client.info()
+    client.step(StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
+    with ExecutorClient(client.address, timeout_s=10) as stale:
+        stale.info()
+        assert stale.instance_id == client.instance_id != ""
+        stale.instance_id = "an-earlier-instance"
+        with pytest.raises(ExecutorError) as failure:
+            stale.step(StepPlan(2, cached_requests=[CachedRequest("a", [])], num_scheduled_tokens={"a": 1}))
+    assert failure.value.code == "UNAVAILABLE" and "restarted" in failure.value.message
+    assert runner.num_requests == 1 and runner.stats.num_steps == 1
+
+
+def test_a_draining_executor_is_not_ready_but_steps_until_it_holds_nothing() -> None:
+    running = start_executor_server(SimulatedRunner(SMALL), "127.0.0.1", 0, "sim")
+    try:
+        with ExecutorClient(running.address, timeout_s=10) as client:
+            client.info()
+            client.step(
+                StepPlan(1, new_requests=[new("a", [1, 2]), new("b", [3, 4])], num_scheduled_tokens={"a": 5})
+            )
+            running.servicer.draining = True
+            assert not client.health()  # readiness fails
+            with pytest.raises(ExecutorError) as refused:
+                client.info()  # no new scheduler
+            assert refused.value.code == "UNAVAILABLE"
+            result = client.step(StepPlan(2, num_scheduled_tokens={"a": 1, "b": 5}))  # steps go on
+            assert result.draining and result.sampled_req_ids == ["a", "b"]
+            assert running.servicer.num_held_requests == 2
+            client.step(StepPlan(3, finished_req_ids=["a"], num_scheduled_tokens={"b": 1}))
+            assert running.servicer.num_held_requests == 1
+            client.step(StepPlan(4, finished_req_ids=["b"]))
+            assert running.servicer.num_held_requests == 0
+    finally:
+        running.stop(grace_s=0)

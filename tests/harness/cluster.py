@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from npuserve.deploy.launcher import Child, Launcher, LaunchError
+from npuserve.deploy.launcher import Child, Launcher, LaunchError, python_module
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -84,18 +84,24 @@ def shared_registry() -> Iterator[Registry]:
 class PrivateRedis:
     """A `redis-server` of this test's own (no persistence), to kill, restart and pause freely."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self, workdir: Path, bind: Sequence[str] = ("127.0.0.1",), password: str | None = None
+    ) -> None:
         self.port = free_port()
         self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.bind = list(bind)  # the first is where this test connects
+        self.password = password  # required of clients (Redis refuses others off loopback without one)
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}{self.bind[0]}:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 
     def client(self, timeout_s: float = 5.0) -> redis.Redis:
         return redis.Redis.from_url(self.url, decode_responses=True, socket_timeout=timeout_s)
 
     def start(self) -> None:
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--dir", str(self.workdir)]  # fmt: skip
+        command = ["redis-server", "--port", str(self.port), "--bind", *self.bind, "--save", "",
+                   "--appendonly", "no", "--dir", str(self.workdir),
+                   *(["--requirepass", self.password] if self.password else [])]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client(timeout_s=1.0)
 
@@ -121,10 +127,13 @@ class PrivateRedis:
 
 
 @contextmanager
-def private_redis(workdir: Path) -> Iterator[PrivateRedis]:
+def private_redis(
+    workdir: Path, bind: Sequence[str] = ("127.0.0.1",), password: str | None = None
+) -> Iterator[PrivateRedis]:
+    """A private Redis listening on the addresses ``bind``."""
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0:
         pytest.skip("redis-server is not installed")
-    server = PrivateRedis(workdir)
+    server = PrivateRedis(workdir, bind, password)
     server.start()
     try:
         yield server
@@ -184,8 +193,22 @@ class Processes:
         self.workdir = workdir
         self.launcher = Launcher(workdir)
 
-    def start(self, name: str, command: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        child = self.launcher.start(name, [command, *args], env, log_path=self.workdir / f"{name}.log")
+    def start(
+        self,
+        name: str,
+        command: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> Proc:
+        """`npuserve COMMAND ARGS`, run through ``prefix`` (e.g. `ip netns exec NS`) if given."""
+        child = self.launcher.start(
+            name,
+            [command, *args],
+            env,
+            command=[*prefix, *python_module()] if prefix else None,
+            log_path=self.workdir / f"{name}.log",
+        )
         return Proc(self.launcher, child)
 
     def stop_all(self) -> None:
@@ -199,3 +222,8 @@ def processes(workdir: Path) -> Iterator[Processes]:
         yield started
     finally:
         started.stop_all()
+
+
+def events(process: Proc, name: str) -> list[dict]:
+    """The JSON log events of ``process`` whose name starts with ``name``."""
+    return [e for e in process.events() if e["event"].startswith(name)]

@@ -21,7 +21,6 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose.yaml"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
-DRAIN_S = 30  # what SIGTERM gives in-flight requests before a process exits
 K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 

@@ -31,6 +31,14 @@ def idle_pools(stub: pb_grpc.SchedulerStub) -> dict[str, pb.ExecutorPoolState]:
     return {e.executor_id: e for e in response.executors}
 
 
+def busiest(stub: pb_grpc.SchedulerStub) -> str:
+    """The executor that holds the most requests now (it holds some)."""
+    busy = pools(stub)
+    victim = max(busy, key=lambda n: busy[n].num_requests)
+    assert busy[victim].num_requests > 0
+    return victim
+
+
 def check_prefix_routing(stub: pb_grpc.SchedulerStub, names: list[str], generator: torch.Generator) -> None:
     """A prompt sharing 5 full blocks (80 tokens) with an earlier one goes where they are cached."""
     prefix = [1, *random_ids(79, generator)]

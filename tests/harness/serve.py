@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
@@ -49,6 +50,20 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def serve_child(serve_pid: int, name: str) -> tuple[int, Path] | None:
+    """The pid of `npuserve serve`'s living child ``name`` (executor-0, scheduler, gateway) and
+    its ready file, found by the ready file the launcher named after it; None while it is down."""
+    for pid in child_pids(serve_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        ready = next((a for a in argv if a.endswith(f"/{name}.ready.json")), None)
+        if ready is not None and alive(pid):
+            return pid, Path(ready)
+    return None
 
 
 @dataclass
@@ -106,6 +121,18 @@ def openai_client(served: Served) -> Any:
 
     key = served.api_key or "none"
     return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def labelled_metric(stub: pb_grpc.SchedulerStub, name: str, label: str = "executor") -> dict[str, float]:
+    """One series of the scheduler's metrics (``name`` as exported, e.g. with ``_total``), by the
+    value of its label ``label``."""
+    text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 @contextmanager
@@ -214,3 +241,19 @@ def run_streams(
     if started is not None:
         started.wait(60)
     return threads, outputs, reasons
+
+
+def complete_streams(
+    stub: pb_grpc.SchedulerStub,
+    requests: list[pb.GenerateRequest],
+    disturb: Callable[[], object] | None = None,
+) -> tuple[list[list[int]], list[str]]:
+    """Streams every request to its end, concurrently: (token ids, finish reason) of each.
+    ``disturb`` runs once every stream has its first 4 tokens."""
+    started = None if disturb is None else threading.Barrier(len(requests) + 1)
+    threads, outputs, reasons = run_streams(stub, requests, started)
+    if disturb is not None:
+        disturb()
+    for thread in threads:
+        thread.join(120)
+    return outputs, reasons

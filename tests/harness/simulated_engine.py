@@ -59,6 +59,7 @@ class ControlledExecutor(LocalExecutor):
         self.num_steps = 0
         self.paused = threading.Event()  # set while a step waits for `resume`
         self.resume = threading.Event()
+        self.draining = False  # what its step answers say (SIGTERM: no new requests for it)
 
     def step(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1
@@ -68,7 +69,9 @@ class ControlledExecutor(LocalExecutor):
             self.paused.clear()
         if self.fail_at is not None and self.num_steps > self.fail_at:
             raise ExecutorError(self.code, "injected failure")
-        return super().step(plan)
+        result = super().step(plan)
+        result.draining = self.draining
+        return result
 
 
 @dataclass

@@ -92,6 +92,7 @@ def test_result_round_trip_keeps_logprobs_per_token() -> None:
         sampled_token_ids=[4, 11, 0],
         logprobs=[asked, None, only_sampled],
         timings=StepTimings(prepare_s=0.001, forward_s=0.02, sample_s=0.003, total_s=0.025),
+        draining=True,
     )
     assert _wire_result(result) == result
     assert result_to_proto(result).logprobs.indices == [0, 2]  # only the tokens that asked

@@ -10,7 +10,7 @@ import pytest
 from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
 
 from npuserve.executor.local import LocalExecutor
-from npuserve.executor.simulated import SimulatedRunner
+from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.engine import (
     ModelNotFoundError,
     NoExecutorError,
@@ -195,22 +195,96 @@ def test_requests_of_an_unreachable_executor_move_to_another(tokenizer: Tokenize
     asyncio.run(scenario())
 
 
+class MidRun:
+    """Request "x" (10 prompt tokens, 40 new) started, its executor paused inside a step."""
+
+    def __init__(self, sim: SimulatedEngine) -> None:
+        self.sim = sim
+        self.stream = sim.engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
+
+    async def start(self, paused: bool = True) -> str:
+        """Waits for the first output (and the paused step); the executor holding "x"."""
+        self.outputs = [await anext(self.stream)]
+        if paused:
+            return await self.sim.wait_paused()
+        (holder,) = [name for name, sampled in self.sim.sampled_by().items() if sampled]
+        return holder
+
+    async def finish(self) -> None:
+        """Resumes; "x" streams exactly its tokens to "length"."""
+        self.sim.resume()
+        self.outputs += [output async for output in self.stream]
+        tokens = [t for output in self.outputs for t in output.completions[0].token_ids]
+        assert tokens == self.sim.expected_tokens("x", 10, 40)
+        assert self.outputs[-1].completions[0].finish_reason == "length"
+
+
 def test_requests_of_a_leaving_executor_move_to_another(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
-            engine = sim.engine
-            stream = engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
-            outputs = [await anext(stream)]
-            holder = await sim.wait_paused()
-            engine.remove_executor(holder, "its registration expired")
-            sim.resume()
-            outputs += [output async for output in stream]
-            tokens = [t for output in outputs for t in output.completions[0].token_ids]
-            assert tokens == sim.expected_tokens("x", 10, 40)
-            assert outputs[-1].completions[0].finish_reason == "length"
-            assert holder not in engine.lanes and len(engine.lanes) == 1
+            x = MidRun(sim)
+            holder = await x.start()
+            sim.engine.remove_executor(holder, "its registration expired")
+            await x.finish()
+            assert holder not in sim.engine.lanes and len(sim.engine.lanes) == 1
 
     asyncio.run(scenario())
+
+
+def test_a_draining_executor_finishes_its_requests_takes_no_new_ones_then_leaves(
+    tokenizer: Tokenizer,
+) -> None:
+    """Drained mid-request (its registration marked draining): the request completes there, not
+    moved; new requests go to the other executor; the drained one leaves once it holds nothing.
+    With every executor draining, new requests are unavailable."""
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=2, pause_at=2) as sim:
+            x = MidRun(sim)
+            holder = await x.start()
+            sim.engine.drain_executor(holder, "its registration is marked draining")
+            await _only_the_drained_request_runs_there(sim, x, holder)
+
+    asyncio.run(scenario())
+
+
+def test_an_executor_that_answers_draining_is_drained(tokenizer: Tokenizer) -> None:
+    """The same when the executor's step answer says it drains (SIGTERM, with --executors)."""
+    slow = dataclasses.replace(SMALL, latency=LatencyModel(0.01, 0.0, 0.0))  # 40 steps: 0.4 s
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=2, config=slow) as sim:
+            x = MidRun(sim)
+            holder = await x.start(paused=False)
+            sim.executors[holder].draining = True
+            for _ in range(100):
+                if sim.engine.lanes[holder].draining:
+                    break
+                await asyncio.sleep(0.005)
+            await _only_the_drained_request_runs_there(sim, x, holder)
+
+    asyncio.run(scenario())
+
+
+async def _only_the_drained_request_runs_there(sim: SimulatedEngine, x: MidRun, holder: str) -> None:
+    engine = sim.engine
+    assert engine.lanes[holder].draining
+    later = [
+        asyncio.create_task(generate(engine, prompt_of(6, seed), SamplingParams(max_tokens=5)))
+        for seed in range(1, 4)
+    ]
+    await x.finish()
+    assert all(c.finish_reasons[0] == "length" for c in await asyncio.gather(*later))
+    other = next(name for name in sim.executors if name != holder)
+    assert sim.sampled_by() == {holder: 40, other: 3 * 5}  # x never moved; the rest never came
+    for _ in range(500):
+        if holder not in engine.lanes:
+            break
+        await asyncio.sleep(0.01)
+    assert list(engine.lanes) == [other]
+    engine.drain_executor(other, "its registration is marked draining")
+    with pytest.raises(NoExecutorError):
+        await engine.add_request(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
 
 
 def test_a_failed_step_ends_its_requests_with_the_error(tokenizer: Tokenizer) -> None:

@@ -3,7 +3,8 @@ before any executor), prefix-aware routing across them, a Redis outage (paused, 
 restarted empty) under load that loses no request and drops no executor, an executor that joins
 afterwards, and an executor SIGKILLed mid-run (every stream completes unchanged; its key expires
 and the scheduler drops it). `RedisMembership` on its own, against fake executors: a restarted
-executor (new instance id) is removed and added back, an expired one removed, a lost lane rejoined."""
+executor (new instance id) is removed and added back, an expired one removed, a lost lane
+rejoined, a draining one drained and never admitted again."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ from harness.cluster import (
     Proc,
     Processes,
     Registry,
+    events,
     private_redis,
     processes,
     shared_registry,
     wait_until,
 )
-from harness.pools import check_prefix_routing, idle_pools, pools, random_ids
-from harness.serve import collect, greedy_request, run_streams
+from harness.pools import busiest, check_prefix_routing, idle_pools, pools, random_ids
+from harness.serve import collect, complete_streams, greedy_request
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -43,10 +45,6 @@ NUM_NEW = 48
 def start_executor(procs: Processes, model: Path, registry: list[str], name: str) -> Proc:
     return procs.start(name, "executor", "--model", str(model), "--port", "0", "--kv-cache-memory", "0.02",
                        "--executor-id", name, *registry, "--registry-ttl", str(TTL_S))  # fmt: skip
-
-
-def events(scheduler: Proc, name: str) -> list[dict]:
-    return [e for e in scheduler.events() if e["event"].startswith(name)]
 
 
 class Load:
@@ -122,17 +120,15 @@ def survive_sigkill(
     """SIGKILL the busiest executor while 32 greedy streams run: all complete, all unchanged."""
     requests = [greedy_request([1, *random_ids(int(n), generator)], NUM_NEW)
                 for n in torch.randint(4, 40, (NUM_STREAMS,), generator=generator)]  # fmt: skip
-    threads, undisturbed, _ = run_streams(stub, requests, None)
-    for thread in threads:
-        thread.join(120)
-    started = threading.Barrier(NUM_STREAMS + 1)
-    threads, outputs, reasons = run_streams(stub, requests, started)
-    busy = pools(stub)
-    victim = max(busy, key=lambda n: busy[n].num_requests)
-    assert busy[victim].num_requests > 0
-    executors[victim].process.kill()
-    for thread in threads:
-        thread.join(120)
+    undisturbed, _ = complete_streams(stub, requests)
+    victim = ""
+
+    def kill_the_busiest() -> None:
+        nonlocal victim
+        victim = busiest(stub)
+        executors[victim].process.kill()
+
+    outputs, reasons = complete_streams(stub, requests, kill_the_busiest)
     assert reasons == ["length"] * NUM_STREAMS
     assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
     return victim
@@ -213,13 +209,16 @@ class FakeEngine:
         self.lanes.pop(executor_id, None)
         self.calls.append(("remove", executor_id))
 
+    def drain_executor(self, executor_id: str, reason: str) -> None:
+        self.calls.append(("drain", executor_id))
+
 
 def test_membership_follows_restarts_expiry_and_lost_lanes() -> None:
     with shared_registry() as registry:
 
-        def register(executor_id: str, instance: str) -> None:
+        def register(executor_id: str, instance: str, draining: bool = False) -> None:
             record = {"address": f"{executor_id}/{instance}", "executor_id": executor_id,
-                      "instance_id": instance, "ttl_s": 0.3}  # fmt: skip
+                      "instance_id": instance, "ttl_s": 0.3} | ({"draining": True} if draining else {})  # fmt: skip
             registry.client.set(registry.key(executor_id), json.dumps(record), ex=30)
 
         async def scenario() -> None:
@@ -247,6 +246,13 @@ def test_membership_follows_restarts_expiry_and_lost_lanes() -> None:
             engine.lanes.pop("a")  # a's lane went down, but it is still registered: probed again
             await until(lambda: "a" in engine.lanes, "the lost lane to rejoin")
             assert engine.calls[-1] == ("add", "a/a2") and set(membership.members) == {"a"}
+            register("a", "a2", draining=True)  # a got SIGTERM: its requests finish, no new ones
+            await until(lambda: ("drain", "a") in engine.calls, "the draining executor")
+            engine.lanes.pop("a")  # drained: the engine removed it, and it is not taken back
+            register("c", "c1", draining=True)  # nor is an executor that drains before it joins
+            await asyncio.sleep(0.3)
+            assert not engine.lanes and not [c for c in engine.calls if c[0] == "add" and c[1] != "a/a2"]
+            assert membership.num_known() == 2  # still registered: a and c
             follow.cancel()
 
         asyncio.run(scenario())
