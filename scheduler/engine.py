@@ -423,12 +423,14 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
-                grammar=None if grammar is None else grammar.new_state(),
             )
             for i, child_params in enumerate(
                 [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
             )
         ]
+        if grammar is not None:
+            for child in children:
+                child.grammar = grammar.new_state(child.max_output_tokens)
         stream = RequestStream(request_id, children, self.tokenizer, params, prompt_ids)
         self._streams[request_id] = stream
         for child in children:

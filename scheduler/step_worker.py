@@ -180,7 +180,7 @@ class StepWorker:
         constraint = request.params.structured_outputs
         if constraint is None or self.grammars is None:
             return
-        request.grammar = self.grammars.grammar_for(constraint).new_state()
+        request.grammar = self.grammars.grammar_for(constraint).new_state(request.max_output_tokens)
         request.grammar.sync(request.output_token_ids)
 
     def _add(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +36,12 @@ import llguidance
 import numpy as np
 import structlog
 from llguidance.numpy import fill_next_token_bitmask_par
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from npuserve.proto.step_plan import TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
+from npuserve.scheduler.grammar_closing import ByteVocab, close_within, narrow_to
 from npuserve.scheduler.request import InvalidRequestError, Request
 
 log = structlog.get_logger(__name__)
@@ -53,8 +57,13 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator"
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type": "object"}'
 _OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-# Masks are computed on llguidance's thread pool (Rust threads, no GIL) for batches this large.
+# Masks are computed on llguidance's thread pool (Rust threads, no GIL) only for a batch of at
+# least _PARALLEL_ROWS rows whose masks would take over _PARALLEL_ABOVE_S one after another: the
+# hand-off to the pool costs ~0.1 ms on idle cores and milliseconds on busy ones (an executor's
+# threads beside it), while a row's mask often takes ~10 us (measured in deploy/bench/structured).
 _PARALLEL_ROWS = 4
+_PARALLEL_ABOVE_S = 0.002
+_REMEASURE_EVERY = 64  # calls: one in so many runs row by row, to keep the estimate fresh
 
 
 class GrammarTimeout(InvalidRequestError):
@@ -69,9 +78,12 @@ class Grammar:
     template: llguidance.LLMatcher
     vocab_size: int
     live: _LiveCount
+    vocab: ByteVocab
 
-    def new_state(self) -> GrammarState:
-        return GrammarState(self)
+    def new_state(self, max_tokens: int | None = None) -> GrammarState:
+        """A matcher for one sequence that may write `max_tokens` tokens (None: no closing
+        before a budget; see `grammar_closing`)."""
+        return GrammarState(self, max_tokens)
 
 
 class _LiveCount:
@@ -89,10 +101,13 @@ class _LiveCount:
 class GrammarState:
     """One sequence's matcher and the bitmask of the tokens it may sample next."""
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
         self.grammar = grammar
         self.matcher: llguidance.LLMatcher | None = grammar.template.deep_copy()
+        self.max_tokens = max_tokens
         self.num_accepted = 0
+        # The closing tokens the mask is narrowed to, while the sequence follows them.
+        self.closing: list[int] | None = None
         self.mask = np.zeros((1, bitmask_words(grammar.vocab_size)), dtype=np.int32)  # [1, W]
         self.error: str | None = None
         grammar.live.add(1)
@@ -113,6 +128,7 @@ class GrammarState:
         The next mask is computed by `advance_masks`, for the whole step at once."""
         assert self.matcher is not None, "a released grammar state was advanced"
         self.num_accepted += 1
+        self.closing = self.closing[1:] if self.closing and self.closing[0] == token_id else None
         if self.error is None and not self.matcher.consume_token(token_id):
             self.error = (
                 f"structured_outputs: the sampled token {token_id} breaks the constraint "
@@ -131,6 +147,7 @@ class GrammarState:
         if self.num_accepted > len(output_token_ids):
             self.matcher.rollback(self.num_accepted - len(output_token_ids))
             self.num_accepted = len(output_token_ids)
+            self.closing = None
         for token_id in output_token_ids[self.num_accepted :]:
             self.accept(token_id)
         _fill_masks([self])
@@ -145,11 +162,29 @@ def advance_masks(states: Iterable[GrammarState]) -> None:
 _EXECUTOR: llguidance.LLExecutor | None = None
 
 
+class _MaskCost:
+    """What one row's mask costs computed alone (a running average, seconds), per process."""
+
+    per_row_s = 0.0
+    calls = 0
+
+    @classmethod
+    def parallel(cls, rows: int) -> bool:
+        cls.calls += 1
+        if rows < _PARALLEL_ROWS or cls.calls % _REMEASURE_EVERY == 0:
+            return False
+        return rows * cls.per_row_s > _PARALLEL_ABOVE_S
+
+    @classmethod
+    def measured(cls, rows: int, seconds: float) -> None:
+        cls.per_row_s = 0.8 * cls.per_row_s + 0.2 * seconds / rows if cls.per_row_s else seconds / rows
+
+
 def _fill_masks(states: list[GrammarState]) -> None:
     global _EXECUTOR
     if not states:
         return
-    if len(states) >= _PARALLEL_ROWS:
+    if _MaskCost.parallel(len(states)):
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
         masks = np.zeros((len(states), states[0].mask.shape[1]), dtype=np.int32)  # [R, W]
@@ -158,15 +193,30 @@ def _fill_masks(states: list[GrammarState]) -> None:
         for i, state in enumerate(states):
             state.mask[0] = masks[i]
     else:
+        start = time.perf_counter()
         for state in states:
             assert state.matcher is not None
             view = state.mask[0]
             state.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+        _MaskCost.measured(len(states), time.perf_counter() - start)
     for state in states:
+        assert state.matcher is not None
         if not state.mask.any():
-            assert state.matcher is not None
             why = state.matcher.get_error() if state.matcher.is_error() else "no token can continue it"
             state.error = f"structured_outputs: the output cannot continue ({why})"
+        elif state.max_tokens is not None:
+            _close_before_budget(state, state.max_tokens - state.num_accepted)
+
+
+def _close_before_budget(state: GrammarState, remaining: int) -> None:
+    """Narrows the mask to the constraint's closing path as the budget runs out (see
+    `grammar_closing`); a sequence that follows the path keeps it without a new search (the
+    search from where it is now would find the same rest)."""
+    assert state.matcher is not None
+    vocab = state.grammar.vocab
+    if state.closing is not None and narrow_to(state.mask[0], state.closing, vocab):
+        return
+    state.closing = close_within(state.mask[0], state.matcher, vocab, remaining)
 
 
 def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:
@@ -211,6 +261,7 @@ class GrammarCompiler:
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="npuserve-grammar")
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        self._vocab: ByteVocab | None = None
         self.live = _LiveCount()
         self.hits = 0
         self.misses = 0
@@ -294,7 +345,7 @@ class GrammarCompiler:
                 f"structured_outputs: the {constraint.kind} constraint is invalid: {matcher.get_error()}",
                 FIELD,
             )
-        grammar = Grammar(constraint, matcher, self.vocab_size, self.live)
+        grammar = Grammar(constraint, matcher, self.vocab_size, self.live, self._byte_vocab())
         probe = grammar.new_state()  # NOTE: a constraint no token can start is refused up front
         error = probe.error
         probe.release()
@@ -306,9 +357,49 @@ class GrammarCompiler:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
+                    grammar_tokenizer_json(self._tokenizer_json),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos,
                 )
             return self._tokenizer
+
+    def _byte_vocab(self) -> ByteVocab:
+        tokenizer = self._llg_tokenizer()
+        with self._tokenizer_lock:
+            if self._vocab is None:
+                self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos))
+            return self._vocab
+
+
+_SPACES_PROBE = "  a  b  "
+
+
+def grammar_tokenizer_json(tokenizer_json: str) -> str:
+    """The tokenizer as the grammar engine needs it: one that turns any text into tokens whose
+    bytes are exactly that text. Normalizer steps that drop or merge spaces (llama2.c exports
+    strip leading and trailing spaces and collapse runs of them) go: llguidance tokenizes the
+    bytes a grammar forces (" is " in a regex) to build the mask, and a tokenizer that loses
+    their spaces yields a mask the matcher then refuses. The vocabulary and decoding are kept."""
+    spec = json.loads(tokenizer_json)
+    normalizer = spec.get("normalizer")
+    if not isinstance(normalizer, dict):
+        return tokenizer_json
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    kept = [step for step in steps if not _drops_spaces(step)]
+    if len(kept) == len(steps):
+        return tokenizer_json
+    spec["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
+    return json.dumps(spec)
+
+
+def _drops_spaces(step: dict[str, Any]) -> bool:
+    """Whether a normalizer step leaves fewer spaces (or metaspaces) than the probe holds."""
+    spec = json.loads(BackendTokenizer(models.BPE()).to_str())  # an empty tokenizer, with the step
+    spec["normalizer"] = step
+    normalized = BackendTokenizer.from_str(json.dumps(spec)).normalizer
+    assert normalized is not None
+    out = normalized.normalize_str(_SPACES_PROBE)
+    return out.count(" ") + out.count("\u2581") < _SPACES_PROBE.count(" ")
 
 
 def _grammar_source(constraint: StructuredOutputs) -> str:

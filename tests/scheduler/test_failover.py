@@ -1,22 +1,52 @@
-"""SIGKILL one of two executors while 32 greedy streams run: every request completes, every
-output equals an undisturbed run's, and no streamed token repeats or goes missing."""
+"""SIGKILL one of two executors while 32 greedy streams and 12 JSON-schema constrained ones run:
+every request completes, every output equals an undisturbed run's (the constrained ones still
+valid JSON of their schema: each scheduler worker rebuilds a moved request's matcher from its
+constraint and tokens), and no streamed token repeats or goes missing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import torch
 from harness.serve import complete_streams, greedy_request, npuserve_process
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # executors and a scheduler in processes of their own
 
 NUM_STREAMS = 32
 NUM_NEW = 48
+WORDS = {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 2, "maxItems": 5}
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"words": WORDS}, "required": ["words"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 3, "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "pets": {
+                "type": "array",
+                "items": {"enum": ["cat", "dog", "fish"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "required": ["name", "age", "pets"],
+    },
+    {
+        "type": "array",
+        "items": {"type": "object", "properties": {"w": WORDS}, "required": ["w"]},
+        "minItems": 1,
+    },
+]
+NUM_CONSTRAINED = 12
 
 
 def prompts() -> list[list[int]]:
@@ -30,6 +60,10 @@ def prompts() -> list[list[int]]:
 def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
+    schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
+    for prompt, schema in zip(prompts()[:NUM_CONSTRAINED], schemas, strict=True):  # end when whole
+        constraint = pb.StructuredOutputs(json_schema=json.dumps(schema))
+        requests.append(greedy_request(prompt, NUM_NEW, structured_outputs=constraint))
     executor_flags = ("--model", model, "--port", "0", "--kv-cache-memory", "0.02")
     with (
         npuserve_process("executor", *executor_flags) as (first, first_ready),
@@ -38,13 +72,22 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
         addresses = f"{first_ready['address']},{second_ready['address']}"
         with npuserve_process(
             "scheduler", "--model", model, "--executors", addresses, "--port", "0", "--routing", "least-load"
-        ) as (_, scheduler_ready):
+        ) as (scheduler, scheduler_ready):
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler_ready["address"]))
             undisturbed, _ = complete_streams(stub, requests)
+            tokenizer = Tokenizer.from_pretrained(stories_dir)
+            for tokens, schema in zip(undisturbed[NUM_STREAMS:], schemas, strict=True):
+                assert len(tokens) > 8  # still generating when the executor is killed below
+                jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
+
+            for i, request in enumerate(requests[NUM_STREAMS:]):  # named, to find them in the log
+                request.request_id = f"constrained-{i}"
             # Half of the streams lose their executor mid-generation.
             outputs, reasons = complete_streams(stub, requests, first.kill)
-            assert reasons == ["length"] * NUM_STREAMS
+            assert reasons == ["length"] * NUM_STREAMS + ["stop"] * NUM_CONSTRAINED
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
+            moved = [line for line in scheduler.log().splitlines() if "requests moved" in line]
+            assert any("constrained-" in line for line in moved), moved  # matchers rebuilt elsewhere
             check = stub.CheckIntegrity(pb.CheckIntegrityRequest(expect_idle=True), timeout=10)
             assert check.ok, check.message
             assert (

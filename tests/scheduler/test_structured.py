@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -17,8 +18,15 @@ from npuserve.proto import executor_pb2
 from npuserve.proto.step_codec import CodecError, plan_from_proto, plan_to_proto
 from npuserve.proto.step_plan import StepPlan, TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import StructuredOutputs
+from npuserve.scheduler import structured
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
-from npuserve.scheduler.structured import GrammarCompiler, GrammarTimeout, _closed_objects
+from npuserve.scheduler.structured import (
+    GrammarCompiler,
+    GrammarState,
+    GrammarTimeout,
+    _closed_objects,
+    advance_masks,
+)
 from npuserve.scheduler.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -174,3 +182,118 @@ def test_constrained_requests_survive_preemption_and_fail_over(tokenizer: Tokeni
             assert sim.engine.grammars.num_live_states == 0
 
     asyncio.run(scenario())
+
+
+def _walk(
+    state: GrammarState, rng: np.random.Generator, eos: tuple[int, ...], steps: int
+) -> list[int] | None:
+    """Samples uniformly inside the mask until EOS, a complete output or `steps` tokens; the
+    tokens written (None: the budget ran out first). Every token the mask allows must be one the
+    matcher accepts."""
+    tokens: list[int] = []
+    for _ in range(steps):
+        allowed = _allowed(state.mask)
+        assert state.matcher is not None and len(allowed)
+        for token in allowed:
+            probe = state.matcher.deep_copy()
+            assert token in eos or probe.consume_token(int(token)), (tokens, int(token), probe.get_error())
+        token = int(rng.choice(allowed))
+        if token in eos:
+            return tokens
+        tokens.append(token)
+        state.accept(token)
+        state.sync(tokens)  # the next mask
+        assert state.error is None, state.error
+        if state.is_complete:
+            return tokens
+    return None
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"[A-Z][a-z]{2,8} is [0-9]{1,2}\.",
+        r"(yes|no) and (maybe|never)",
+        r"The (cat|dog) sat  on  a [a-z]{1,5}\.",
+        r" [a-z]{2,4} [0-9]",
+    ],
+)
+def test_masks_allow_only_what_the_matcher_accepts_around_spaces(tokenizer: Tokenizer, pattern: str) -> None:
+    """The demo tokenizer's normalizer strips and collapses spaces; the grammar engine gets one
+    that keeps them, so the tokens forced after a space agree with the matcher."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(StructuredOutputs("regex", pattern))
+    rng = np.random.default_rng(7)
+    llg = compiler._llg_tokenizer()
+    for _ in range(6):
+        state = grammar.new_state()
+        tokens = _walk(state, rng, tokenizer.eos_token_ids, 80)
+        assert tokens is not None and re.fullmatch(pattern, llg.decode_str(tokens)), tokens
+        state.release()
+    compiler.close()
+
+
+UNBOUNDED = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "number"}}},
+    "required": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputs("json_object"),
+        StructuredOutputs.json_schema(UNBOUNDED),
+        StructuredOutputs.json_schema({"type": "array", "items": UNBOUNDED, "minItems": 1}),
+        StructuredOutputs("regex", r"[a-z]+ [a-z]+ [0-9]{3}"),
+    ],
+)
+def test_a_wandering_output_still_closes_within_its_budget(
+    tokenizer: Tokenizer, constraint: StructuredOutputs
+) -> None:
+    """Uniform sampling inside the mask never ends a free string by itself; near the budget the
+    mask narrows to the constraint's closing path, so every output is complete within it."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(constraint)
+    rng = np.random.default_rng(3)
+    for budget in (24, 40, 90):
+        for _ in range(4):
+            state = grammar.new_state(budget)
+            tokens = _walk(state, rng, tokenizer.eos_token_ids, budget)
+            assert tokens is not None and len(tokens) < budget
+            text = compiler._llg_tokenizer().decode_str(tokens)
+            if constraint.kind == "regex":
+                assert re.fullmatch(constraint.spec, text)
+            else:
+                json.loads(text)
+            state.release()
+    assert compiler.num_live_states == 0
+    compiler.close()
+
+
+def test_masks_on_the_thread_pool_equal_those_row_by_row(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's masks go to llguidance's thread pool only when they are slow row by row; both
+    ways give the same masks."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(StructuredOutputs.json_schema(UNBOUNDED))
+    rng = np.random.default_rng(5)
+    rows = [grammar.new_state() for _ in range(8)]
+    twins = [grammar.new_state() for _ in range(8)]
+    for _ in range(12):
+        for row, twin in zip(rows, twins, strict=True):
+            allowed = _allowed(row.mask)
+            token = int(rng.choice(allowed[~np.isin(allowed, tokenizer.eos_token_ids)]))
+            row.accept(token)
+            twin.accept(token)
+        monkeypatch.setattr(structured, "_PARALLEL_ABOVE_S", 0.0)
+        monkeypatch.setattr(structured._MaskCost, "calls", 1)
+        advance_masks(rows)
+        monkeypatch.setattr(structured, "_PARALLEL_ABOVE_S", float("inf"))
+        advance_masks(twins)
+        assert all(np.array_equal(row.mask, twin.mask) for row, twin in zip(rows, twins, strict=True))
+    for state in rows + twins:
+        state.release()
+    compiler.close()
