@@ -137,7 +137,8 @@ def survive_sigkill(
 @pytest.mark.slow
 def test_cluster_through_the_registry(stories_dir: Path, tmp_path: Path) -> None:
     """One scenario (processes are slow to start): discovery with the scheduler up first, prefix
-    routing, a Redis outage under load, a late executor, then an executor SIGKILLed mid-run.
+    routing, a Redis outage under load, a late executor, an executor SIGKILLed mid-run, then
+    one drained by SIGTERM under load.
 
     A private Redis, since this test pauses and kills it."""
     with private_redis(tmp_path) as redis_server, processes(tmp_path) as procs:
@@ -170,9 +171,43 @@ def test_cluster_through_the_registry(stories_dir: Path, tmp_path: Path) -> None
             5,
             "the scheduler to drop the executor",
         )
+        survivors = {"e0", "e1", "e2"} - {victim}
+        assert set(idle_pools(stub)) == survivors
+
+        drained = drain_under_load(stub, executors, scheduler, registry, generator)
         final = idle_pools(stub)
-        assert set(final) == {"e0", "e1", "e2"} - {victim}
+        assert set(final) == survivors - {drained}
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())
+
+
+def drain_under_load(
+    stub: pb_grpc.SchedulerStub,
+    executors: dict[str, Proc],
+    scheduler: Proc,
+    registry: Registry,
+    generator: torch.Generator,
+) -> str:
+    """SIGTERM the busiest executor under 16 streams: it deregisters at once (not by its key
+    expiring), the scheduler routes nothing new to it and lets its requests finish there (none
+    moves), every stream completes unchanged, and the executor exits 0."""
+    requests = [greedy_request([1, *random_ids(int(n), generator)], NUM_NEW)
+                for n in torch.randint(4, 40, (16,), generator=generator)]  # fmt: skip
+    undisturbed, _ = complete_streams(stub, requests)
+    moved_before = len(events(scheduler, "requests moved"))
+    drained: list[str] = []
+
+    def sigterm_busiest() -> None:
+        drained.append(busiest(stub))
+        executors[drained[0]].process.terminate()
+
+    outputs, reasons = complete_streams(stub, requests, sigterm_busiest)
+    assert reasons == ["length"] * 16
+    assert outputs == undisturbed
+    assert executors[drained[0]].process.wait(30) == 0
+    assert drained[0] not in registry.executor_ids()
+    assert [e for e in events(scheduler, "executor draining") if e["executor"] == drained[0]]
+    assert len(events(scheduler, "requests moved")) == moved_before, "a draining executor finishes its own"
+    return drained[0]
 
 
 # -- RedisMembership in-process, against fake executors -------------------------------------------
