@@ -1,0 +1,37 @@
+"""`npuserve bench-scale` end to end on a small sweep: simulated executors, a real scheduler with
+its worker process, the closed-loop client; every stream completes without an error and the JSON
+holds one row per configuration with the scheduler's CPU split into front and workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # starts the simulated executors and a scheduler
+
+
+def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    # fmt: off
+    command = [
+        sys.executable, "-m", "npuserve.deploy.bench.scale",
+        "--executors", "1,2", "--concurrency", "8", "--warmup", "1", "--duration", "2",
+        "--prompt-len", "16-32", "--output-len", "8-16", "--block-size", "16", "--max-num-seqs", "16",
+        "--scheduler-workers", "1", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
+    ]
+    # fmt: on
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {(r["executors"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(1, 8), (2, 8)}
+    for row in rows.values():
+        assert row["num_errors"] == 0, row["errors"]
+        assert row["output_tokens_per_s"] > 0 and row["num_completed"] > 0
+        # The whole scheduler (front and worker) costs at least the CPU its front alone does.
+        assert row["scheduler_cpu_us_per_token"] >= row["front_cpu_us_per_token"] > 0
+    assert (tmp_path / "scale.png").stat().st_size > 0
