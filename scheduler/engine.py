@@ -564,6 +564,16 @@ class Engine:
     async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
         assert self.step_workers is not None
         try:
+            # NOTE: serve's restart policy: 1 s, doubling while it keeps dying; a crash loop is given up.
+            delay_s = worker.history.died()
+            if delay_s is None:
+                log.error(
+                    "scheduler worker crash-looping; given up",
+                    worker=worker.index,
+                    deaths=worker.history.policy.describe(),
+                )
+                return
+            await asyncio.sleep(delay_s)
             await asyncio.to_thread(self.step_workers.restart, worker)
             for lane in lanes:
                 if lane.executor_id not in self.lanes:

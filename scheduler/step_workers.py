@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from npuserve.deploy.restart_policy import RestartHistory
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.block_hash import BlockHash
 from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
@@ -143,7 +144,9 @@ class WorkerHandle:
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self.closing = False
+        self.alive = False  # its process runs (False from its death until it is started again)
         self.restarts = 0
+        self.history = RestartHistory()  # its deaths, under serve's restart policy
 
     @property
     def name(self) -> str:
@@ -170,6 +173,7 @@ class WorkerHandle:
         process.start()
         worker_end.close()
         self.process, self.conn, self.outbox = process, front_end, queue.SimpleQueue()
+        self.alive = True
         threading.Thread(
             target=send_batches,
             args=(front_end, self.outbox, lambda: None),
@@ -205,6 +209,7 @@ class WorkerHandle:
                 self.pool.on_reports(self, reports)
         if conn is not self.conn:
             return  # an earlier incarnation's pipe
+        self.alive = False
         for future in self._calls.values():
             future.set_exception(RuntimeError(f"{self.name} exited"))
         self._calls.clear()
@@ -269,7 +274,11 @@ class StepWorkerPool:
             worker.start()
 
     def open_lane(self, executor_id: str, executor: ExecutorClient, info: ExecutorInfo) -> RemoteLane:
-        worker = min(self.workers, key=lambda w: (len(w.lanes), w.index))
+        """A lane on the running worker with the fewest; ValueError while none runs."""
+        running = [w for w in self.workers if w.alive]
+        if not running:
+            raise ValueError("no scheduler worker is running (one is restarting)")
+        worker = min(running, key=lambda w: (len(w.lanes), w.index))
         key = f"{executor_id}#{next(self._lane_keys)}"
         lane = RemoteLane(key, executor_id, executor, info, worker)
         worker.lanes[key] = lane
@@ -282,6 +291,7 @@ class StepWorkerPool:
         if worker.process is not None:
             worker.process.join(WORKER_EXIT_TIMEOUT_S)
         worker.start()
+        worker.history.started()
 
     def close(self) -> None:
         for worker in self.workers:

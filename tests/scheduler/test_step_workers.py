@@ -91,6 +91,9 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
         device="cpu",
     )  # fmt: skip
     pool = StepWorkerPool(1, ClientSpec())
+    with pytest.raises(ValueError, match="no scheduler worker is running"):
+        pool.open_lane("e0", None, info)  # type: ignore[arg-type]
+    pool.workers[0].alive = True  # as if started (no process is needed to mirror reports)
     lane = pool.open_lane("e0", None, info)  # type: ignore[arg-type]
     assert isinstance(lane, RemoteLane) and lane.key.startswith("e0#")
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
