@@ -171,11 +171,20 @@ class Request:
         if (self.num_tokens % self.block_size) == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
+    def add_reported_output(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        """Tokens a scheduler worker sampled, onto the front's copy: no matcher to advance (the
+        worker's has) and no block hashes yet (`reset_for_recompute` extends them if the copy is
+        ever placed again; the worker hashes as it goes)."""
+        self.output_token_ids += token_ids
+        self.output_logprobs += logprobs
+
     def reset_for_recompute(self) -> None:
-        """Back to waiting with nothing computed; the tokens generated so far are kept."""
+        """Back to waiting with nothing computed; the tokens generated so far are kept (and
+        hashed, block by block, for where it is placed next)."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def check_stop(self) -> RequestStatus | None:
         """Stop rules that need no text: the constraint (complete, or broken), EOS, stop token

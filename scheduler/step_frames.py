@@ -108,8 +108,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
             continue
         if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
             request.num_cached_tokens = num_cached
-        for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
-            request.append_output(token_id, token_logprobs)
+        request.add_reported_output(token_ids, logprobs)
         status = None if finished is None else RequestStatus(finished)
         request.status = status or RequestStatus.RUNNING
         request.error = error or request.error
