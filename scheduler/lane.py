@@ -226,7 +226,7 @@ class ExecutorLane:
     def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            if not self.alive or not (self._in_flight or self.scheduler.has_work()):
+            if not self.alive or not self.has_work:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue

@@ -11,7 +11,7 @@ for an in-process lane, so both kinds of lane drive the same engine code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.block_hash import BlockHash
@@ -40,15 +40,15 @@ class LaneLoad:
 @dataclass(slots=True)
 class LaneReport:
     lane_key: str  # the front's name for this lane (an executor may rejoin as a new lane)
-    updates: list[CompactUpdate]
-    ended: list[tuple[str, str]]  # (req_id, status value)
-    evacuated: list[str]
-    error: str | None
-    lane_down: bool
-    stats: tuple[int, int, int] | None  # (preemptions, scheduled tokens, prompt tokens)
-    step_seconds: float
-    load: LaneLoad
-    kv_events: list[tuple[bool, BlockHash]]  # (stored?, block hash), in order
+    updates: list[CompactUpdate] = field(default_factory=list)
+    ended: list[tuple[str, str]] = field(default_factory=list)  # (req_id, status value)
+    evacuated: list[str] = field(default_factory=list)
+    error: str | None = None
+    lane_down: bool = False
+    stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
+    step_seconds: float = 0.0
+    load: LaneLoad = field(default_factory=LaneLoad)
+    kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
     executor_draining: bool = False  # the executor's step answer said it drains
 
 

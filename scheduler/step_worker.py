@@ -35,7 +35,7 @@ from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import LaneLoad, LaneReport, make_report
+from npuserve.scheduler.step_frames import LaneReport, make_report
 from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
@@ -202,20 +202,8 @@ class StepWorker:
         lane.start()
 
     def _report_gone(self, lane_key: str, requests: list[Request]) -> None:
-        self.outbox.put(
-            LaneReport(
-                lane_key=lane_key,
-                updates=[],
-                ended=[],
-                evacuated=[r.req_id for r in requests],
-                error=f"lane {lane_key} left this scheduler worker",
-                lane_down=False,
-                stats=None,
-                step_seconds=0.0,
-                load=LaneLoad(),
-                kv_events=[],
-            )
-        )
+        error = f"lane {lane_key} left this scheduler worker"
+        self.outbox.put(LaneReport(lane_key, evacuated=[r.req_id for r in requests], error=error))
 
     def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
         lane = self.lanes.get(lane_key)

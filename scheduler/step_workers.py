@@ -145,7 +145,6 @@ class WorkerHandle:
         self._call_ids = itertools.count()
         self.closing = False
         self.alive = False  # its process runs (False from its death until it is started again)
-        self.restarts = 0
         self.history = RestartHistory()  # its deaths, under serve's restart policy
 
     @property
@@ -287,7 +286,6 @@ class StepWorkerPool:
     def restart(self, worker: WorkerHandle) -> None:
         """Starts a dead worker again, with no lanes (blocking: call off the event loop)."""
         worker.lanes.clear()
-        worker.restarts += 1
         if worker.process is not None:
             worker.process.join(WORKER_EXIT_TIMEOUT_S)
         worker.start()
