@@ -87,9 +87,14 @@ class Result:
     profile: dict[str, Any] | None = None
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process, every thread included (from /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
@@ -98,11 +103,10 @@ def tree_cpu_seconds(pid: int) -> float:
     total = proc_cpu_seconds(pid)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(_stat_fields(stat)[1]) == pid:
+                total += proc_cpu_seconds(int(stat.parent.name))
         except OSError:
             continue  # gone meanwhile
-        if int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
     return total
 
 
