@@ -282,9 +282,7 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return cached
         grammar = self.compile_now(constraint)
-        self._cache[key] = grammar
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._remember(key, grammar)
         return grammar
 
     @property
@@ -326,7 +324,11 @@ class GrammarCompiler:
         error = future.exception()
         if error is not None and not isinstance(error, InvalidRequestError):
             return  # not the constraint's fault: not remembered
-        self._cache[key] = future.result() if error is None else error
+        self._remember(key, future.result() if error is None else error)
+
+    def _remember(self, key: tuple[object, ...], value: Grammar | InvalidRequestError) -> None:
+        """Caches a compile's outcome as the newest entry, dropping the oldest beyond the size."""
+        self._cache[key] = value
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
