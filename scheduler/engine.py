@@ -678,8 +678,9 @@ class Engine:
             observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane, (0, 0))
-        m.prefix_cache(lane.executor_id, max(0, now_queries - queries), max(0, now_hits - hits))
-        self._prefix_counted[lane] = (now_queries, now_hits)
+        if (now_queries, now_hits) != (queries, hits):  # NOTE: most steps look nothing up
+            m.prefix_cache(lane.executor_id, max(0, now_queries - queries), max(0, now_hits - hits))
+            self._prefix_counted[lane] = (now_queries, now_hits)
 
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
