@@ -18,6 +18,11 @@ API_SERVERS = 4
 CONNECTION_INDEX_OPTION = "npuserve.connection_index"
 
 
+def bind_target(host: str, port: int) -> str:
+    """What a gRPC server binds for ``host`` and ``port`` (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     """Channel and server options that allow messages up to ``max_bytes`` each way."""
     return [

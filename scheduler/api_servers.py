@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from npuserve.proto.channel import API_SERVERS, MAX_API_MESSAGE_BYTES, message_size_options
+from npuserve.proto.channel import API_SERVERS, MAX_API_MESSAGE_BYTES, bind_target, message_size_options
 
 MAX_PENDING_CALLS = 1 << 16  # calls gRPC may hold before the application takes them
 MAX_UNREQUESTED_S = 600  # and how long (the client's deadline still applies)
@@ -26,10 +26,6 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ("grpc.server_max_unrequested_time_in_server", MAX_UNREQUESTED_S),
 ]
-
-
-def api_target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 async def start_api_servers(
@@ -47,7 +43,7 @@ async def start_api_servers(
     for _ in range(count):
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         add_servicer(server)
-        target = api_target(host, bound)
+        target = bind_target(host, bound)
         if tls is not None:
             bound = server.add_secure_port(target, grpc.ssl_server_credentials([tls]))
         else:
