@@ -31,6 +31,7 @@ from npuserve.scheduler.request import InvalidRequestError, Request, RequestStat
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, apply_report
+from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
@@ -167,8 +168,6 @@ class Engine:
             RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
         )
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
-        if step_workers is not None:
-            step_workers.grammar_settings = self.grammars.settings
 
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -180,7 +179,10 @@ class Engine:
             def on_lost(worker: WorkerHandle) -> None:
                 loop.call_soon_threadsafe(self._on_worker_lost, worker)
 
-            self.step_workers.start(on_reports, on_lost)
+            settings = LaneSettings(
+                self.config.enable_prefix_caching, self.config.async_scheduling, self.grammars.settings
+            )
+            self.step_workers.start(settings, on_reports, on_lost)
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []

@@ -298,13 +298,7 @@ async def serve_scheduler(
     num_workers = (
         default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
     )
-    step_workers = (
-        StepWorkerPool(
-            num_workers, spec, config.enable_prefix_caching, log_level, json_logs, config.async_scheduling
-        )
-        if num_workers > 0
-        else None
-    )
+    step_workers = StepWorkerPool(num_workers, spec, log_level, json_logs) if num_workers > 0 else None
     engine = Engine(
         EngineConfig(
             served_model_name=config.served_model_name or default_served_name(config.model),

@@ -25,6 +25,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -98,20 +99,21 @@ def send_batches(
             return
 
 
+@dataclass(frozen=True, slots=True)
+class LaneSettings:
+    """How a worker's lanes schedule: the engine's settings (`EngineConfig`), passed on."""
+
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = False
+    grammar: GrammarSettings | None = None  # to build matchers for constrained requests
+
+
 class StepWorker:
-    def __init__(
-        self,
-        conn: Connection,
-        spec: ClientSpec,
-        enable_prefix_caching: bool,
-        grammars: GrammarCompiler | None = None,
-        async_scheduling: bool = False,
-    ) -> None:
+    def __init__(self, conn: Connection, spec: ClientSpec, settings: LaneSettings) -> None:
         self.conn = conn
-        self.async_scheduling = async_scheduling
-        self.grammars = grammars
+        self.settings = settings
+        self.grammars = None if settings.grammar is None else GrammarCompiler(*settings.grammar)
         self.spec = spec
-        self.enable_prefix_caching = enable_prefix_caching
         self.lanes: dict[str, ExecutorLane] = {}
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.window = ReportWindow()
@@ -189,14 +191,14 @@ class StepWorker:
         client = self.spec.connect(address)
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
         client.executor_id, client.instance_id = executor_id, instance_id
-        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.enable_prefix_caching))
+        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.settings.enable_prefix_caching))
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 
         def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
             self.outbox.put(make_report(lane_key, lane, event))
 
         lane = ExecutorLane(
-            executor_id, client, scheduler, on_event, self.async_scheduling, may_step=self.window.has_room
+            executor_id, client, scheduler, on_event, self.settings.async_scheduling, self.window.has_room
         )
         self.lanes[lane_key] = lane
         lane.start()
@@ -225,15 +227,12 @@ class StepWorker:
 def run_step_worker(
     conn: Connection,
     spec: ClientSpec,
-    enable_prefix_caching: bool,
+    settings: LaneSettings,
     log_level: str,
     json_logs: bool,
-    grammar_settings: GrammarSettings | None,
-    async_scheduling: bool,
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
     from npuserve.deploy.logs import configure_logging
 
     configure_logging(log_level, json_logs)
-    grammars = None if grammar_settings is None else GrammarCompiler(*grammar_settings)
-    StepWorker(conn, spec, enable_prefix_caching, grammars, async_scheduling).run()
+    StepWorker(conn, spec, settings).run()

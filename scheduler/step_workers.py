@@ -31,8 +31,7 @@ from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport
-from npuserve.scheduler.step_worker import run_step_worker, send_batches
-from npuserve.scheduler.structured import GrammarSettings
+from npuserve.scheduler.step_worker import LaneSettings, run_step_worker, send_batches
 
 log = structlog.get_logger(__name__)
 
@@ -160,11 +159,9 @@ class WorkerHandle:
             args=(
                 worker_end,
                 pool.spec,
-                pool.enable_prefix_caching,
+                pool.lane_settings,
                 pool.log_level,
                 pool.json_logs,
-                pool.grammar_settings,
-                pool.async_scheduling,
             ),
             name=f"npuserve-{self.name}",
             daemon=True,
@@ -244,31 +241,29 @@ class StepWorkerPool:
         self,
         count: int,
         spec: ClientSpec,
-        enable_prefix_caching: bool = True,
         log_level: str = "info",
         json_logs: bool = False,
-        async_scheduling: bool = False,
     ) -> None:
         if count < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {count}")
         self.spec = spec
-        self.enable_prefix_caching = enable_prefix_caching
         self.log_level = log_level
         self.json_logs = json_logs
-        self.async_scheduling = async_scheduling
+        self.lane_settings = LaneSettings()  # the engine's, given to `start`
         self.workers = [WorkerHandle(i, self) for i in range(count)]
-        self.grammar_settings: GrammarSettings | None = None  # set by the engine before start
         self._lane_keys = itertools.count()
         self.on_reports: Callable[[WorkerHandle, list[LaneReport]], None] = lambda w, r: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
 
     def start(
         self,
+        settings: LaneSettings,
         on_reports: Callable[[WorkerHandle, list[LaneReport]], None],
         on_lost: Callable[[WorkerHandle], None],
     ) -> None:
-        """Starts every worker; the callbacks run on the workers' reader threads."""
-        self.on_reports, self.on_lost = on_reports, on_lost
+        """Starts every worker with the engine's lane settings; the callbacks run on the
+        workers' reader threads."""
+        self.lane_settings, self.on_reports, self.on_lost = settings, on_reports, on_lost
         for worker in self.workers:
             worker.start()
 
