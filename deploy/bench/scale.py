@@ -177,6 +177,15 @@ def _progress_line(r: Result) -> str:
 # -- what the numbers say -----------------------------------------------------------------------
 
 
+def _saturated(runs: list[Result], along: str) -> Iterator[tuple[Result, Result, float]]:
+    """Neighbouring runs (sorted by ``along``) where the larger one raises tokens/s too little."""
+    runs.sort(key=lambda r: getattr(r, along))
+    for low, high in itertools.pairwise(runs):
+        gain = high.output_tokens_per_s / max(low.output_tokens_per_s, 1e-9)
+        if gain < SATURATED_GAIN:
+            yield low, high, gain
+
+
 def saturation_notes(results: Sequence[Result]) -> list[str]:
     """Where adding executors or load stops raising throughput, or TTFT explodes."""
     notes = []
@@ -186,14 +195,11 @@ def saturation_notes(results: Sequence[Result]) -> list[str]:
         by_n.setdefault(r.executors, []).append(r)
         by_c.setdefault(r.concurrency, []).append(r)
     for n, runs in sorted(by_n.items()):
-        runs.sort(key=lambda r: r.concurrency)
-        for low, high in itertools.pairwise(runs):
-            gain = high.output_tokens_per_s / max(low.output_tokens_per_s, 1e-9)
-            if gain < SATURATED_GAIN:
-                notes.append(
-                    f"{n} executors: {low.concurrency} -> {high.concurrency} streams raises tokens/s only "
-                    f"x{gain:.2f} ({low.output_tokens_per_s:,.0f} -> {high.output_tokens_per_s:,.0f})"
-                )
+        for low, high, gain in _saturated(runs, "concurrency"):
+            notes.append(
+                f"{n} executors: {low.concurrency} -> {high.concurrency} streams raises tokens/s only "
+                f"x{gain:.2f} ({low.output_tokens_per_s:,.0f} -> {high.output_tokens_per_s:,.0f})"
+            )
         base = runs[0].ttft_p99_ms
         for r in runs[1:]:
             if base and r.ttft_p99_ms and r.ttft_p99_ms > TTFT_EXPLODED * base:
@@ -202,20 +208,17 @@ def saturation_notes(results: Sequence[Result]) -> list[str]:
                     f"x{r.ttft_p99_ms / base:.0f} its {base:,.0f} ms at {runs[0].concurrency}"
                 )
     for c, runs in sorted(by_c.items()):
-        runs.sort(key=lambda r: r.executors)
-        for low, high in itertools.pairwise(runs):
-            gain = high.output_tokens_per_s / max(low.output_tokens_per_s, 1e-9)
-            if gain < SATURATED_GAIN:
-                notes.append(
-                    f"{c} streams: {low.executors} -> {high.executors} executors raises tokens/s only x{gain:.2f}"
-                )
+        for low, high, gain in _saturated(runs, "executors"):
+            notes.append(
+                f"{c} streams: {low.executors} -> {high.executors} executors raises tokens/s only x{gain:.2f}"
+            )
     fit = cost_model(results)
     if fit is not None:
         per_step_ms, per_seq_us = fit
         notes.append(
             f"scheduler CPU per step ~ {per_step_ms:.2f} ms + {per_seq_us:.0f} us x sequences in the step "
-            f"(least squares over these runs): one core drives at most ~{1e3 / per_step_ms:,.0f} steps/s, "
-            f"~{1e6 / per_seq_us:,.0f} tokens/s"
+            f"(least squares over these runs, every scheduler process summed): one core's worth drives at "
+            f"most ~{1e3 / per_step_ms:,.0f} steps/s, ~{1e6 / per_seq_us:,.0f} tokens/s"
             if per_step_ms > 0 and per_seq_us > 0
             else f"scheduler CPU per step fit: {per_step_ms:.2f} ms + {per_seq_us:.0f} us x sequences"
         )
