@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from npuserve.proto.kv_layout import cdiv
+
 
 @dataclass(slots=True)
 class SamplingOptions:
@@ -61,7 +63,7 @@ class CachedRequest:
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words in one row of a next-token bitmask over `vocab_size` tokens."""
-    return (vocab_size + 31) // 32
+    return cdiv(vocab_size, 32)
 
 
 @dataclass(slots=True)
