@@ -226,19 +226,19 @@ class ToolParser:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _content_until(self, out: Parsed, marker: str, final: bool) -> bool:
-        """Content up to `marker`; True (and the position past it) once it is found. Text that
-        may be the start of the marker is held back until the final call."""
+    def _content_until(self, out: Parsed, marker: str, final: bool) -> int:
+        """Content up to `marker`; once it is found, where it begins (the position moved past
+        it), else -1. Text that may be the start of the marker is held back until the final call."""
         found = self.buffer.find(marker, self.pos)
         if found >= 0:
             self._content(out, found)
             self.pos = found + len(marker)
-            return True
+            return found
         end = len(self.buffer)
         if not final:
             end -= partial_marker(self.buffer, marker, self.pos)
         self._content(out, end)
-        return False
+        return -1
 
     def _content(self, out: Parsed, end: int) -> None:
         """buffer[pos:end] as content; whitespace right after a call is dropped."""
