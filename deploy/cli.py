@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     from npuserve.deploy.bench.serving import add_bench_flags
     from npuserve.deploy.doctor.command import add_doctor_flags
     from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
-    from npuserve.deploy.flags import add_gateway_flags, add_logging_flags
+    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.gateway_flags import add_gateway_flags
     from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS, add_scheduler_flags
     from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
@@ -95,13 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
-    from npuserve.deploy.flags import (
-        CLUSTER_TOKEN_ENV,
-        chat_parser_settings,
-        cluster_token,
-        gateway_flags,
-        logging_flags,
-    )
+    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags
+    from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.deploy.shutdown import Shutdown, shutdown_timeout_flags
@@ -200,7 +196,7 @@ def _num_executors(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from npuserve.deploy.flags import gateway_config_from_args
+    from npuserve.deploy.gateway_flags import gateway_config_from_args
     from npuserve.gateway.server import run_gateway
 
     try:

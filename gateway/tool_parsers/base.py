@@ -124,8 +124,7 @@ class _CallTracker:
         call (a whole-mode or not-yet-announced one is then left for the caller to treat as
         content)."""
         assert self.scanner.end is not None
-        raw = buffer[self.scanner.begin : self.scanner.end]
-        arguments = _arguments_text(raw)
+        arguments = self._arguments_text(buffer)
         name = self._name(buffer)
         if arguments is None or name is None:
             return self.header_sent  # an announced call stays announced
@@ -137,33 +136,33 @@ class _CallTracker:
             out.calls.append(ToolCallDelta(self.index, arguments))
         return True
 
-
-def _arguments_text(raw: str) -> str | None:
-    """A call object's arguments as JSON text: the object as written, a string's JSON as given,
-    `{}` when missing or null; None when the object or its arguments do not parse."""
-    try:
-        call = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(call, dict):
-        return None
-    key = next((k for k in ARGUMENT_KEYS if k in call), None)
-    value = None if key is None else call[key]
-    if value is None:
-        return "{}"
-    if isinstance(value, str):
+    def _arguments_text(self, buffer: str) -> str | None:
+        """The closed call object's arguments as JSON text: the object as written, a string's
+        JSON as given, `{}` when missing or null; None when the object or its arguments do not
+        parse."""
+        assert self.scanner.end is not None
         try:
-            decoded = json.loads(value)
+            call = json.loads(buffer[self.scanner.begin : self.scanner.end])
         except (ValueError, RecursionError):
             return None
-        return value if isinstance(decoded, dict) else None
-    if not isinstance(value, dict):
-        return None
-    # NOTE: the text as the model wrote it, so the streamed pieces join into exactly this.
-    scanner = ObjectScanner(0)
-    scanner.scan(raw)
-    member = scanner.members[key]  # type: ignore[index]
-    return raw[member.start : member.end]
+        if not isinstance(call, dict):
+            return None
+        key = next((k for k in ARGUMENT_KEYS if k in call), None)
+        value = None if key is None else call[key]
+        if value is None:
+            return "{}"
+        if isinstance(value, str):
+            try:
+                decoded = json.loads(value)
+            except (ValueError, RecursionError):
+                return None
+            return value if isinstance(decoded, dict) else None
+        if not isinstance(value, dict):
+            return None
+        # NOTE: the text as the model wrote it (where the scan found it), so the streamed
+        # pieces join into exactly this.
+        member = self.scanner.members[key]  # type: ignore[index]
+        return buffer[member.start : member.end]
 
 
 class _Seq(Enum):
@@ -226,19 +225,19 @@ class ToolParser:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _content_until(self, out: Parsed, marker: str, final: bool) -> bool:
-        """Content up to `marker`; True (and the position past it) once it is found. Text that
-        may be the start of the marker is held back until the final call."""
+    def _content_until(self, out: Parsed, marker: str, final: bool) -> int:
+        """Content up to `marker`; once it is found, where it begins (the position moved past
+        it), else -1. Text that may be the start of the marker is held back until the final call."""
         found = self.buffer.find(marker, self.pos)
         if found >= 0:
             self._content(out, found)
             self.pos = found + len(marker)
-            return True
+            return found
         end = len(self.buffer)
         if not final:
             end -= partial_marker(self.buffer, marker, self.pos)
         self._content(out, end)
-        return False
+        return -1
 
     def _content(self, out: Parsed, end: int) -> None:
         """buffer[pos:end] as content; whitespace right after a call is dropped."""

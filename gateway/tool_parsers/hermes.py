@@ -27,8 +27,8 @@ class HermesToolParser(ToolParser):
     def _advance(self, out: Parsed, final: bool) -> None:
         while True:
             if self._at is _At.CONTENT:
-                marker_at = self.buffer.find(START, self.pos)
-                if not self._content_until(out, START, final):
+                marker_at = self._content_until(out, START, final)
+                if marker_at < 0:
                     return
                 self._start_call(marker_at)
                 self._at = _At.CALL

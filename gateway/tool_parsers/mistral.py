@@ -36,8 +36,8 @@ class MistralToolParser(ToolParser):
     def _advance(self, out: Parsed, final: bool) -> None:
         while True:
             if self._at in (_At.CONTENT, _At.NEXT):
-                self._call_from = self.buffer.find(MARKER, self.pos)
-                if not self._content_until(out, MARKER, final):
+                self._call_from = self._content_until(out, MARKER, final)
+                if self._call_from < 0:
                     return
                 self._at = _At.MARKED
             if self._at is _At.MARKED:

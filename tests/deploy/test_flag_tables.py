@@ -16,6 +16,7 @@ from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.parallel import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
+from npuserve.proto.auth import API_KEY
 from npuserve.scheduler.server import SchedulerConfig
 
 
@@ -118,8 +119,32 @@ def test_help_lists_every_flag_of_the_tables() -> None:
     assert "KV cache GiB per executor" in _help("bench")
 
 
+def test_gateway_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    from npuserve.deploy.gateway_flags import GATEWAY, gateway_config_from_args
+    from npuserve.gateway.tool_parsers import TOOL_PARSERS
+
+    monkeypatch.delenv(API_KEY.env, raising=False)
+    where = ["--scheduler", "10.0.0.1:50051", "--host", "0.0.0.0", "--port", "8080"]
+    given = [
+        "--max-request-bytes=4096",
+        "--request-header-timeout=2.5",
+        "--keep-alive-timeout=1",
+        "--max-connections=7",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser=hermes",
+        "--served-model-name=mine",
+    ]
+    args = parse("gateway", *where, *given)
+    config = gateway_config_from_args(args)
+    assert (config.max_request_bytes, config.max_connections, config.served_model_name) == (4096, 7, "mine")
+    assert (config.request_header_timeout_s, config.request_body_timeout_s) == (2.5, 30.0)
+    assert config.parsers.auto_tool_parser is TOOL_PARSERS["hermes"] and config.parsers.reasoning is None
+    assert gateway_config_from_args(parse("gateway", *where, *GATEWAY.forward(args))) == config
+    assert "--api-key" in _help("gateway") and "--max-connections" in _help("serve")
+
+
 def test_serve_forwards_the_gateways_parser_flags_switches_included() -> None:
-    from npuserve.deploy.flags import chat_parser_settings, gateway_flags
+    from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.gateway.reasoning import REASONING_PARSERS
     from npuserve.gateway.tool_parsers import TOOL_PARSERS
 
