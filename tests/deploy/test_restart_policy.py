@@ -5,16 +5,9 @@ nothing sleeps)."""
 from __future__ import annotations
 
 import pytest
+from harness.clock import FakeClock
 
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY, RestartHistory, RestartPolicy
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_backoff_doubles_from_one_second_to_its_cap() -> None:
@@ -23,7 +16,7 @@ def test_the_backoff_doubles_from_one_second_to_its_cap() -> None:
 
 
 def test_quick_deaths_back_off_then_a_crash_loop_gives_up() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     history = RestartHistory(DEFAULT_RESTART_POLICY, clock)
     waits = []
     for _ in range(5):
@@ -38,7 +31,7 @@ def test_quick_deaths_back_off_then_a_crash_loop_gives_up() -> None:
 
 
 def test_a_child_that_ran_long_enough_starts_the_backoff_over() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     history = RestartHistory(RestartPolicy(crash_loop_deaths=100), clock)
     for expected in (1, 2, 4):
         clock.now += 1
@@ -52,7 +45,7 @@ def test_a_child_that_ran_long_enough_starts_the_backoff_over() -> None:
 
 
 def test_deaths_spread_wider_than_the_window_never_give_up() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     history = RestartHistory(DEFAULT_RESTART_POLICY, clock)
     for _ in range(20):  # one death every 3 minutes: at most 4 inside any 10 minutes
         clock.now += 180
@@ -61,7 +54,7 @@ def test_deaths_spread_wider_than_the_window_never_give_up() -> None:
 
 
 def test_the_window_counts_deaths_not_restarts() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     policy = RestartPolicy(crash_loop_deaths=3, crash_loop_window_s=60, stable_after_s=1000)
     history = RestartHistory(policy, clock)
     assert history.died() == 1

@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness.clock import FakeClock
+
 from npuserve.deploy.launcher import Launcher
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.deploy.shutdown import Shutdown
@@ -18,13 +20,6 @@ SHELL = ["sh"]
 DIES = ["-c", "exit 3"]
 LIVES = ["-c", "sleep 60"]
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def supervised(tmp_path: Path, children: dict[str, tuple[Role, list[str]]]) -> tuple[Supervisor, FakeClock]:
