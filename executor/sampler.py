@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from npuserve.proto.step_plan import bitmask_words
+
 # NOTE: like vLLM, a temperature this small is treated as greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
 _MASK32 = 0xFFFFFFFF
@@ -259,7 +261,7 @@ def build_allowed_tokens(
     device: torch.device,
 ) -> AllowedTokens:
     """The device form of a step's bitmask; ValueError when its rows are not W words each."""
-    num_words = (vocab_size + 31) // 32
+    num_words = bitmask_words(vocab_size)
     packed = np.frombuffer(words, dtype="<i4")
     if len(row_ids) == 0 or packed.size != len(row_ids) * num_words:
         raise ValueError(f"a bitmask of {packed.size} words is not {len(row_ids)} rows of {num_words}")
