@@ -160,15 +160,16 @@ class ModelRunner:
         self.backend.prepare(metadata)
         input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
+        sampled_req_ids = [
+            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
+        ]
+        # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
+        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         prepared = time.perf_counter()
 
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         sampled_ids = np.zeros(0, dtype=np.int32)
         forwarded = sampled = time.perf_counter()
-        sampled_req_ids = [
-            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
-        ]
-        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         if len(inputs.logits_indices):
             indices = torch.from_numpy(inputs.logits_indices).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
