@@ -35,6 +35,7 @@ from npuserve.executor.sampler import (
     build_allowed_tokens,
     build_sampling_metadata,
 )
+from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
 from npuserve.proto.step_plan import (
     ExecutorInfo,
@@ -220,15 +221,8 @@ class ModelRunner:
         for a row of a request that does not sample this step, or of the wrong width."""
         if bitmask is None:
             return None
-        index_of = {req_id: i for i, req_id in enumerate(sampled_req_ids)}
-        missing = [r for r in bitmask.req_ids if r not in index_of]
-        if missing:
-            raise PlanError(f"a bitmask row for {missing[0]!r}, which samples no token this step")
-        rows = np.array([index_of[r] for r in bitmask.req_ids], dtype=np.int64)
-        try:
-            return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
+        rows = bitmask_rows(bitmask.req_ids, sampled_req_ids)
+        return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
 
     def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
         """The sampler's inputs for the rows sampled this step."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from npuserve.executor import simulated
@@ -23,6 +24,8 @@ from npuserve.proto.step_plan import (
     NewRequest,
     SamplingOptions,
     StepPlan,
+    TokenBitmask,
+    bitmask_words,
 )
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 
@@ -112,6 +115,26 @@ def test_duplicates_and_max_num_seqs_are_refused() -> None:
     runner.execute(StepPlan(3, new_requests=[new("r8", [40, 41])]))
     with pytest.raises(PlanError, match="max_num_seqs"):
         runner.execute(StepPlan(4, new_requests=[new("r9", [30, 31])]))
+
+
+def test_bitmasks_are_checked_as_the_real_runner_checks_them() -> None:
+    """A row for a request that samples nothing, or rows of the wrong width, are refused with
+    `ModelRunner`'s messages; a valid row confines its request to the tokens it allows."""
+    runner = SimulatedRunner(SMALL)
+    vocab_size = runner.info().vocab_size
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+    bits[77] = 1
+    only_77 = np.packbits(bits, bitorder="little").tobytes()
+    chunk = StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 3})
+    chunk.bitmask = TokenBitmask(["a"], only_77)
+    with pytest.raises(PlanError, match="samples no token"):
+        runner.execute(chunk)
+    whole = StepPlan(2, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5})
+    whole.bitmask = TokenBitmask(["a"], only_77[:-4])
+    with pytest.raises(PlanError, match="is not 1 rows of"):
+        runner.execute(whole)
+    whole.step_id, whole.bitmask = 3, TokenBitmask(["a"], only_77)
+    assert runner.execute(whole).sampled_token_ids == [77]
 
 
 def test_tokens_are_deterministic_and_eos_only_when_asked() -> None:
