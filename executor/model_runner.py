@@ -125,6 +125,11 @@ class ModelRunner:
             tensor_parallel_size=self.tp.size,
         )
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds."""
+        return self.batch.num_reqs
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. A repeated step id returns the earlier result (retries are idempotent).

@@ -223,3 +223,20 @@ def test_a_draining_executor_is_not_ready_but_steps_until_it_holds_nothing() -> 
             assert running.servicer.num_held_requests == 0
     finally:
         running.stop(grace_s=0)
+
+
+def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() -> None:
+    """A refused plan drops every request it names, scheduled or not; a drain then waits for
+    none of them."""
+    runner = SimulatedRunner(SMALL)
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+    try:
+        with ExecutorClient(running.address, timeout_s=10) as client:
+            client.info()
+            client.step(StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
+            assert running.servicer.num_held_requests == 1
+            with pytest.raises(ExecutorError, match="already running"):  # "a" again, and "x" unscheduled
+                client.step(StepPlan(2, new_requests=[new("x", [5, 6]), new("a", [7, 8])]))
+            assert runner.num_requests == running.servicer.num_held_requests == 0
+    finally:
+        running.stop(grace_s=0)
