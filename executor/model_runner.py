@@ -25,7 +25,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
-from npuserve.executor.platform import resolve_dtype, resolve_target
+from npuserve.executor.platform import EMULATED_NPU_DEVICE, resolve_dtype, resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     AllowedTokens,
@@ -121,7 +121,7 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             dtype=str(self.dtype).removeprefix("torch."),
-            device="npu (emulated on cpu)" if self.target.emulated else str(self.device),
+            device=EMULATED_NPU_DEVICE if self.target.emulated else str(self.device),
             tensor_parallel_size=self.tp.size,
         )
 
