@@ -25,7 +25,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
-from npuserve.executor.platform import resolve_dtype, resolve_target
+from npuserve.executor.platform import EMULATED_NPU_DEVICE, resolve_dtype, resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     AllowedTokens,
@@ -35,6 +35,7 @@ from npuserve.executor.sampler import (
     build_allowed_tokens,
     build_sampling_metadata,
 )
+from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
 from npuserve.proto.step_plan import (
     ExecutorInfo,
@@ -120,9 +121,14 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             dtype=str(self.dtype).removeprefix("torch."),
-            device="npu (emulated on cpu)" if self.target.emulated else str(self.device),
+            device=EMULATED_NPU_DEVICE if self.target.emulated else str(self.device),
             tensor_parallel_size=self.tp.size,
         )
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds."""
+        return self.batch.num_reqs
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -160,15 +166,16 @@ class ModelRunner:
         self.backend.prepare(metadata)
         input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
+        sampled_req_ids = [
+            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
+        ]
+        # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
+        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         prepared = time.perf_counter()
 
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
         sampled_ids = np.zeros(0, dtype=np.int32)
         forwarded = sampled = time.perf_counter()
-        sampled_req_ids = [
-            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
-        ]
-        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         if len(inputs.logits_indices):
             indices = torch.from_numpy(inputs.logits_indices).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
@@ -219,15 +226,8 @@ class ModelRunner:
         for a row of a request that does not sample this step, or of the wrong width."""
         if bitmask is None:
             return None
-        index_of = {req_id: i for i, req_id in enumerate(sampled_req_ids)}
-        missing = [r for r in bitmask.req_ids if r not in index_of]
-        if missing:
-            raise PlanError(f"a bitmask row for {missing[0]!r}, which samples no token this step")
-        rows = np.array([index_of[r] for r in bitmask.req_ids], dtype=np.int64)
-        try:
-            return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
+        rows = bitmask_rows(bitmask.req_ids, sampled_req_ids)
+        return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
 
     def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
         """The sampler's inputs for the rows sampled this step."""

@@ -344,6 +344,10 @@ class GroupLeader:
     def info(self) -> ExecutorInfo:
         return self.runner.info()
 
+    @property
+    def num_requests(self) -> int:
+        return self.runner.num_requests
+
     def execute(self, plan: StepPlan) -> StepResult:
         with self._lock:
             if self.lost is not None:

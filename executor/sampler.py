@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from npuserve.executor.token_bitmask import bitmask_matrix
+
 # NOTE: like vLLM, a temperature this small is treated as greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
 _MASK32 = 0xFFFFFFFF
@@ -258,14 +260,12 @@ def build_allowed_tokens(
     vocab_size: int,
     device: torch.device,
 ) -> AllowedTokens:
-    """The device form of a step's bitmask; ValueError when its rows are not W words each."""
-    num_words = (vocab_size + 31) // 32
-    packed = np.frombuffer(words, dtype="<i4")
-    if len(row_ids) == 0 or packed.size != len(row_ids) * num_words:
-        raise ValueError(f"a bitmask of {packed.size} words is not {len(row_ids)} rows of {num_words}")
+    """The device form of a step's bitmask; PlanError (a ValueError) when its rows are not W words
+    each."""
+    bitmask = bitmask_matrix(words, len(row_ids), vocab_size)  # [M, W]
     return AllowedTokens(
         row_ids=torch.as_tensor(row_ids, device=device).long(),
-        bitmask=torch.from_numpy(packed.astype(np.int32).reshape(len(row_ids), num_words)).to(device),
+        bitmask=torch.from_numpy(bitmask).to(device),
     )
 
 

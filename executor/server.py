@@ -91,6 +91,11 @@ class StepRunner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds (a failed step drops the plan's requests)."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------
 # The servicer
@@ -113,7 +118,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._info.instance_id = self.instance_id
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
-        self._held: set[str] = set()  # requests whose state this executor holds
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
         self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
         self._step_thread = (
@@ -171,7 +175,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     @property
     def num_held_requests(self) -> int:
         """Requests whose state this executor holds (a drained executor holds none)."""
-        return len(self._held)
+        return self._runner.num_requests
 
     def shut_down(self) -> None:
         """Refuses further steps and ends every open stream once the step in flight is done.
@@ -196,12 +200,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
-            try:
-                result = self._on_step_thread(self._runner.execute, plan)
-            except BaseException:
-                self._track(plan, failed=True)
-                raise
-            self._track(plan)
+            result = self._on_step_thread(self._runner.execute, plan)
             self._last_step_id = plan.step_id
         t = result.timings
         log.debug(
@@ -218,15 +217,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         response = step_codec.result_to_proto(result)
         response.draining = self.draining
         return response
-
-    def _track(self, plan: StepPlan, failed: bool = False) -> None:
-        """Follows which requests the runner holds (a failed step drops the plan's requests)."""
-        if plan.reset:
-            self._held.clear()
-        self._held.difference_update(plan.finished_req_ids)
-        self._held.update(r.req_id for r in plan.new_requests)
-        if failed:
-            self._held.difference_update(plan.num_scheduled_tokens)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
 from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request
 from npuserve.proto.step_plan import (
     ExecutorInfo,
@@ -28,7 +29,6 @@ from npuserve.proto.step_plan import (
     StepResult,
     StepTimings,
     TokenLogprobs,
-    bitmask_words,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -270,15 +270,11 @@ class SimulatedRunner:
         checks them: rows only for requests that sample, each of the vocabulary's width."""
         if plan.bitmask is None:
             return {}
-        sampling = {req_id for req_id, state, seq_len in scheduled if seq_len == state.num_tokens}
-        num_words = bitmask_words(self.config.vocab_size)
-        words = np.frombuffer(plan.bitmask.words, dtype="<i4")
-        if words.size != num_words * len(plan.bitmask.req_ids) or not sampling.issuperset(
-            plan.bitmask.req_ids
-        ):
-            raise PlanError("a bitmask row for a request that does not sample, or of the wrong width")
-        bits = np.unpackbits(words.reshape(-1, num_words).view(np.uint8), axis=1, bitorder="little")
-        return {req_id: np.flatnonzero(row) for req_id, row in zip(plan.bitmask.req_ids, bits, strict=True)}
+        req_ids = plan.bitmask.req_ids
+        bitmask_rows(req_ids, [req_id for req_id, state, seq_len in scheduled if seq_len == state.num_tokens])
+        words = bitmask_matrix(plan.bitmask.words, len(req_ids), self.config.vocab_size)  # [M, W]
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [M, 32 W]
+        return {req_id: np.flatnonzero(row) for req_id, row in zip(req_ids, bits, strict=True)}
 
     def _sample(self, state: _RequestState, allowed: np.ndarray | None = None) -> int:
         """The simulated token; under a bitmask, that token if allowed, else an allowed one

@@ -20,6 +20,8 @@ from typing import Any
 import structlog
 import torch
 
+from npuserve.executor.platform import EMULATED_NPU_DEVICE
+
 log = structlog.get_logger(__name__)
 
 TOP_OPS_ROWS = 40
@@ -70,7 +72,8 @@ class StepProfiler:
 
     def __init__(self, profile_dir: Path | None, device: str, worker_name: str) -> None:
         self.profile_dir = profile_dir
-        self.device_type = device.split(":", 1)[0]  # "npu:0" -> "npu"; "simulated" profiles the host
+        # "npu:0" -> "npu"; an emulated NPU and "simulated" profile the host with torch's profiler
+        self.device_type = "cpu" if device == EMULATED_NPU_DEVICE else device.split(":", 1)[0]
         self.worker_name = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_name)
         self._profile: Any = None
 

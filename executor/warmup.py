@@ -11,8 +11,8 @@ and drop every request at the end, so the runner holds nothing afterwards. Plan 
 read (a request's blocks are written before they are attended to).
 Warm-up step ids are negative: schedulers number their steps from a non-negative start.
 
-On the CPU there is nothing to compile and a big prefill costs seconds, so the warm-up is kept
-small there (`CPU_MAX_PREFILL_TOKENS`, decode batch sizes 1 and ``max_num_seqs`` only): it then
+On the CPU (an emulated NPU too: its operators are plain torch on the CPU) there is nothing to
+compile and a big prefill costs seconds, so the warm-up is kept small there (`CPU_MAX_PREFILL_TOKENS`, decode batch sizes 1 and ``max_num_seqs`` only): it then
 covers the first-call paths without making every start (and every test) seconds slower.
 """
 
@@ -26,6 +26,7 @@ from typing import Protocol
 
 import structlog
 
+from npuserve.executor.platform import EMULATED_NPU_DEVICE
 from npuserve.proto.kv_layout import cdiv
 from npuserve.proto.step_plan import ExecutorInfo, NewRequest, SamplingOptions, StepPlan, StepResult
 
@@ -70,7 +71,7 @@ def largest_prefill(info: ExecutorInfo, max_tokens: int | None = None) -> list[i
 
 def warmup_steps(info: ExecutorInfo) -> list[list[WarmupRequest]]:
     """The requests of each warm-up step: the largest prefill, then one decode per batch size."""
-    on_cpu = info.device == "cpu"
+    on_cpu = info.device in ("cpu", EMULATED_NPU_DEVICE)
     prefill = largest_prefill(info, CPU_MAX_PREFILL_TOKENS if on_cpu else None)
     steps = [[WarmupRequest(n, n) for n in prefill]]
     context = max(1, min(info.block_size, info.max_model_len))  # one block per decode request

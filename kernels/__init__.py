@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from npuserve.kernels.backends.base import KernelBackend
 from npuserve.kernels.layout import (
     NPU_ATTENTION_HEAD_DIMS,
@@ -40,11 +38,10 @@ class DeviceKind(Protocol):
     def type(self) -> str: ...
 
 
-def get_backend(device: torch.device | str | DeviceKind) -> KernelBackend:
-    """The backend for a device (or a device kind): torch_npu operators on Ascend (emulated ones
-    too: the executor passes its target, whose ``type`` is its kind), plain PyTorch elsewhere."""
-    kind = device if isinstance(device, str) else device.type
-    if kind == "npu":
+def get_backend(device: DeviceKind) -> KernelBackend:
+    """The backend for a torch.device or the executor's target: torch_npu operators on Ascend
+    (emulated ones too: a target's ``type`` is its kind), plain PyTorch elsewhere."""
+    if device.type == "npu":
         from npuserve.kernels.backends.npu_backend import NpuBackend
 
         return NpuBackend()

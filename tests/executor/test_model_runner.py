@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from harness.step_driver import DrivenRequest, StepDriver
@@ -19,7 +20,7 @@ from harness.step_driver import DrivenRequest, StepDriver
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan
+from npuserve.proto.step_plan import NewRequest, SamplingOptions, StepPlan, TokenBitmask, bitmask_words
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time"
 GREEDY = SamplingOptions(temperature=0)
@@ -281,6 +282,43 @@ def test_plan_error_also_drops_running_requests_it_names(stories_dir: Path) -> N
     again = DrivenRequest("run", PROMPT, 4, GREEDY)
     driver.run([again])
     assert again.output == greedy_reference(stories_dir, PROMPT, 4)
+
+
+def _allow_only(token: int, vocab_size: int) -> bytes:
+    """One bitmask row of packed int32 words allowing just ``token``."""
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+    bits[token] = 1
+    return np.packbits(bits, bitorder="little").view("<i4").tobytes()
+
+
+def test_bitmask_confines_its_request_and_a_bad_one_is_refused_before_the_forward(stories_dir: Path) -> None:
+    """A bitmask row for a request that samples nothing this step is a PlanError raised before the
+    forward (the KV cache is as it was); a valid row makes the request sample its one allowed
+    token, not the greedy one."""
+    runner = make_runner(stories_dir)
+    vocab_size = runner.model_config.vocab_size
+    greedy = greedy_reference(stories_dir, PROMPT, 1)[0]
+    allowed = 7 if greedy != 7 else 8
+    request = NewRequest("a", list(PROMPT), len(PROMPT), GREEDY, block_ids=[5], num_computed_tokens=0)
+    caches = [cache.clone() for cache in runner.kv_caches]
+    chunk = StepPlan(  # a prefill chunk that stops mid-prompt: it samples no token
+        step_id=0,
+        new_requests=[request],
+        num_scheduled_tokens={"a": 2},
+        bitmask=TokenBitmask(["a"], _allow_only(allowed, vocab_size)),
+    )
+    with pytest.raises(PlanError, match="samples no token"):
+        runner.execute(chunk)
+    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
+    assert runner.batch.num_reqs == 0
+
+    whole = StepPlan(
+        step_id=1,
+        new_requests=[request],
+        num_scheduled_tokens={"a": len(PROMPT)},
+        bitmask=TokenBitmask(["a"], _allow_only(allowed, vocab_size)),
+    )
+    assert runner.execute(whole).sampled_token_ids == [allowed]
 
 
 # ------------------------------------------------------------------------------------ info

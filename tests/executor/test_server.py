@@ -172,6 +172,7 @@ class _FaultyRunner:
 
     def __init__(self, info: ExecutorInfo) -> None:
         self._info = info
+        self.num_requests = 0  # it holds no request state
 
     def info(self) -> ExecutorInfo:
         return self._info

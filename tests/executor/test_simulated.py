@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from npuserve.executor import simulated
@@ -23,6 +24,8 @@ from npuserve.proto.step_plan import (
     NewRequest,
     SamplingOptions,
     StepPlan,
+    TokenBitmask,
+    bitmask_words,
 )
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 
@@ -114,6 +117,26 @@ def test_duplicates_and_max_num_seqs_are_refused() -> None:
         runner.execute(StepPlan(4, new_requests=[new("r9", [30, 31])]))
 
 
+def test_bitmasks_are_checked_as_the_real_runner_checks_them() -> None:
+    """A row for a request that samples nothing, or rows of the wrong width, are refused with
+    `ModelRunner`'s messages; a valid row confines its request to the tokens it allows."""
+    runner = SimulatedRunner(SMALL)
+    vocab_size = runner.info().vocab_size
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+    bits[77] = 1
+    only_77 = np.packbits(bits, bitorder="little").tobytes()
+    chunk = StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 3})
+    chunk.bitmask = TokenBitmask(["a"], only_77)
+    with pytest.raises(PlanError, match="samples no token"):
+        runner.execute(chunk)
+    whole = StepPlan(2, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5})
+    whole.bitmask = TokenBitmask(["a"], only_77[:-4])
+    with pytest.raises(PlanError, match="is not 1 rows of"):
+        runner.execute(whole)
+    whole.step_id, whole.bitmask = 3, TokenBitmask(["a"], only_77)
+    assert runner.execute(whole).sampled_token_ids == [77]
+
+
 def test_tokens_are_deterministic_and_eos_only_when_asked() -> None:
     never = SimulatedRunner(SimulatedConfig(vocab_size=8, eos_token_ids=(2, 5)))
     tokens = [never.token_for(f"req-{i}", p) for i in range(50) for p in range(20)]
@@ -198,5 +221,22 @@ def test_a_draining_executor_is_not_ready_but_steps_until_it_holds_nothing() -> 
             assert running.servicer.num_held_requests == 1
             client.step(StepPlan(4, finished_req_ids=["b"]))
             assert running.servicer.num_held_requests == 0
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() -> None:
+    """A refused plan drops every request it names, scheduled or not; a drain then waits for
+    none of them."""
+    runner = SimulatedRunner(SMALL)
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+    try:
+        with ExecutorClient(running.address, timeout_s=10) as client:
+            client.info()
+            client.step(StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
+            assert running.servicer.num_held_requests == 1
+            with pytest.raises(ExecutorError, match="already running"):  # "a" again, and "x" unscheduled
+                client.step(StepPlan(2, new_requests=[new("x", [5, 6]), new("a", [7, 8])]))
+            assert runner.num_requests == running.servicer.num_held_requests == 0
     finally:
         running.stop(grace_s=0)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.platform import EMULATED_NPU_DEVICE
 from npuserve.executor.warmup import (
     CPU_MAX_PREFILL_TOKENS,
     decode_batch_sizes,
@@ -63,8 +65,10 @@ def test_warmup_work_grows_with_the_log_of_max_num_seqs() -> None:
     assert [sum(r.num_scheduled for r in s) for s in steps[1:]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
-def test_cpu_warmup_is_small() -> None:
-    steps = warmup_steps(info("cpu", max_num_seqs=256, num_blocks=100_000, max_num_batched_tokens=8192))
+@pytest.mark.parametrize("device", ["cpu", EMULATED_NPU_DEVICE])
+def test_cpu_warmup_is_small(device: str) -> None:
+    """An emulated NPU computes on the CPU too: nothing to compile, so the same small warm-up."""
+    steps = warmup_steps(info(device, max_num_seqs=256, num_blocks=100_000, max_num_batched_tokens=8192))
     assert sum(r.num_scheduled for r in steps[0]) == CPU_MAX_PREFILL_TOKENS
     assert [len(s) for s in steps[1:]] == [1, 256]
 
