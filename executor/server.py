@@ -51,7 +51,7 @@ from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
 from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor
-from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, message_size_options
+from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, bind_target, message_size_options
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_codec import CodecError
@@ -363,7 +363,7 @@ def start_executor_server(
 def _bind(
     server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
 ) -> int:
-    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    target = bind_target(host, port)
     cause: RuntimeError | None = None
     try:
         if credentials is not None:
