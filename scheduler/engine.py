@@ -11,34 +11,32 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.chat_template import RenderLimits
+from npuserve.scheduler.client_request import ClientRequest
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics, observe_many
-from npuserve.scheduler.outputs import GenerateOutput, RequestStream, coalesce
-from npuserve.scheduler.render_pool import RenderPool
+from npuserve.scheduler.outputs import GenerateOutput, OutputSink, RequestStream, Usage
+from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, apply_report
 from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
-from npuserve.scheduler.structured import GrammarCompiler
-from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
+from npuserve.scheduler.structured import Grammar, GrammarCompiler
+from npuserve.scheduler.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
+__all__ = ["Engine", "EngineConfig", "ModelNotFoundError", "PoolState", "PromptInput"]
 
 
 @dataclass(slots=True)
@@ -70,10 +68,6 @@ def _prefix_stats(scheduler: Scheduler) -> tuple[int, int]:
     return scheduler.kv.stats.queries, scheduler.kv.stats.hits
 
 
-class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve (gRPC NOT_FOUND, HTTP 404)."""
-
-
 class ProfilingUnavailable(RuntimeError):
     """Profiling asked of an executor that cannot profile (gRPC UNIMPLEMENTED, HTTP 400)."""
 
@@ -96,31 +90,15 @@ class EngineConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
 
 
-@dataclass(slots=True)
-class PromptInput:
-    """Exactly one of text, token ids or chat messages."""
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-    messages: list[dict[str, object]] | None = None
-    add_generation_prompt: bool = True
-    chat_template: str | None = None
-    add_special_tokens: bool | None = None  # None: True for text, False for chat
-    tools: list[dict[str, object]] | None = None  # the chat template's `tools`
-
-
 class NoExecutorError(RuntimeError):
     """No executor is available to serve (gRPC UNAVAILABLE, HTTP 503)."""
 
 
 MAX_FAILOVERS = 3  # executors a request may lose before it fails
-# Texts up to this many characters are tokenized on the event loop; longer ones on a thread.
-INLINE_TOKENIZE_CHARS = 512
-TOKENIZE_THREADS = 4
-MODEL_TEMPLATE_WORKERS = 2  # render processes for the model's own chat template
-REQUEST_TEMPLATE_WORKERS = 1  # and for clients' templates (with --trust-request-chat-template)
-# A rendered prompt may be no longer than a text prompt a client can send.
-MAX_RENDERED_CHARS = MAX_API_MESSAGE_BYTES
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
 
 
 class Engine:
@@ -145,7 +123,7 @@ class Engine:
         self.eos_token_ids = tuple(first.eos_token_ids) or tokenizer.eos_token_ids
         self.metrics = SchedulerMetrics(self.model_name)
         self.lanes: dict[str, Lane] = {}
-        self._streams: dict[str, RequestStream] = {}
+        self._clients: dict[str, ClientRequest] = {}
         self._parent_of: dict[str, str] = {}
         self._lane_of: dict[str, Lane] = {}
         self.step_workers = step_workers
@@ -160,13 +138,8 @@ class Engine:
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
         self._gauge_task: asyncio.Task[None] | None = None
-        # NOTE: tokenizing, rendering and detokenizing long inputs never runs on the event loop,
-        # which must keep answering every other request and dispatching steps meanwhile.
-        self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="npuserve-tokenize")
-        self._model_renders = RenderPool("model", MODEL_TEMPLATE_WORKERS)
-        self._request_renders = (
-            RenderPool("request", REQUEST_TEMPLATE_WORKERS) if config.trust_request_chat_template else None
-        )
+        self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
+        self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
 
     def start(self) -> None:
@@ -187,10 +160,7 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
-        if self.tokenizer.has_chat_template:
-            self._model_renders.start()
-        if self._request_renders is not None:
-            self._request_renders.start()
+        self.prompts.start()
         if self.tokenizer.size_bound is None:
             log.warning(
                 "this tokenizer may turn any length of text into one token: long prompts are "
@@ -200,10 +170,7 @@ class Engine:
     def stop(self) -> None:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
-        for pool in (self._model_renders, self._request_renders):
-            if pool is not None:
-                pool.close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
         self.grammars.close()
         for lane in list(self.lanes.values()):
             lane.stop()
@@ -292,107 +259,6 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise ModelNotFoundError(
-                f"the model `{model}` does not exist; this server serves `{self.model_name}`"
-            )
-
-    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
-        """The prompt's token ids; a text that cannot fit the context is refused from its length,
-        before it is tokenized."""
-        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError(
-                "give exactly one of a prompt text, prompt token ids or chat messages", "prompt"
-            )
-        if prompt.messages is not None:
-            text = await self._render_chat(prompt)
-            # NOTE: chat templates write their own special tokens (BOS included).
-            return await self._encode(text, bool(prompt.add_special_tokens))
-        if prompt.text is not None:
-            if not prompt.text:
-                raise InvalidRequestError("the prompt is empty", "prompt")
-            return await self._encode(prompt.text, prompt.add_special_tokens is not False)
-        token_ids = list(prompt.token_ids or [])
-        self._check_token_ids(token_ids, "prompt token ids", "prompt")
-        return token_ids
-
-    def _check_token_ids(self, token_ids: list[int], what: str, field: str) -> None:
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-            raise InvalidRequestError(f"{what} must be in [0, {self.vocab_size})", field)
-
-    async def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        """Text of `token_ids` (any number), decoded off the event loop when there are many."""
-        self._check_token_ids(token_ids, "token ids", "token_ids")
-        if len(token_ids) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.decode(token_ids, skip_special_tokens)
-        return await self.off_loop(
-            lambda: self.tokenizer.decode(token_ids, skip_special_tokens, release_gil=True)
-        )
-
-    async def off_loop(self, work: Callable[[], T]) -> T:
-        """Runs CPU-heavy work (tokenizer calls) on the engine's worker threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, work)
-
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._check_text_fits(text)
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens)
-        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens, release_gil=True))
-
-    def _check_text_fits(self, text: str) -> None:
-        """Refuses a text whose length alone shows it holds at least `max_model_len` tokens."""
-        bound = self.tokenizer.size_bound
-        if bound is not None and (at_least := bound.min_tokens(text)) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has at least {at_least} tokens ({len(text)} characters), and at least one "
-                "token must be generated.",
-                "prompt",
-            )
-
-    async def _render_chat(self, prompt: PromptInput) -> str:
-        assert prompt.messages is not None
-        pool = self._model_renders
-        if prompt.chat_template is not None:
-            if self._request_renders is None:
-                raise TokenizerError(
-                    "chat templates sent with a request are off on this server: leave out "
-                    "chat_template to use the model's own (the operator can start the scheduler "
-                    "with --trust-request-chat-template)",
-                    "chat_template",
-                )
-            pool = self._request_renders
-        bound = self.tokenizer.size_bound
-        limits = RenderLimits(
-            max_chars=MAX_RENDERED_CHARS,
-            max_counted_chars=None if bound is None else bound.max_counted_chars(self.max_model_len - 1),
-            uncounted="" if bound is None else bound.uncounted,
-        )
-        job = self.tokenizer.chat_render(
-            prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits, prompt.tools
-        )
-        return await pool.render(job)
-
-    def _check_lengths(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {num_prompt} tokens, and at least one token must be generated.",
-                "prompt",
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-
     async def add_request(
         self,
         prompt: PromptInput,
@@ -401,17 +267,41 @@ class Engine:
         model: str | None = None,
     ) -> RequestStream:
         """Validates, tokenizes and queues a request; errors are raised before anything is queued."""
-        assert self._loop is not None, "Engine.start() was not called"
-        self.check_model(model)
-        params.validate(self.vocab_size)
+        self.prompts.check_request(model, params)
+        grammar = await self._compile_grammar(params)
+        prompt_ids = await self.prompts.prompt_token_ids(prompt)
+        self.prompts.check_lengths(prompt_ids, params)
+        request_id = request_id or new_request_id()
+        stream = RequestStream(request_id, self.tokenizer, params, prompt_ids)
+        self.queue_request(request_id, prompt_ids, params, grammar, stream)
+        return stream
+
+    async def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
         so = params.structured_outputs
-        grammar = None if so is None else await self.grammars.compile(so)
-        prompt_ids = await self.prompt_token_ids(prompt)
-        self._check_lengths(prompt_ids, params)
+        return None if so is None else await self.grammars.compile(so)
+
+    async def add_tokenized(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink
+    ) -> None:
+        """Queues a request an API server process has validated and tokenized (its model,
+        sampling parameters and lengths are checked there); errors are raised before anything
+        is queued."""
+        grammar = await self._compile_grammar(params)
+        self.queue_request(request_id, prompt_ids, params, grammar, sink)
+
+    def queue_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        grammar: Grammar | None,
+        sink: OutputSink,
+    ) -> ClientRequest:
+        """Places a checked, tokenized request on an executor; its outputs go to ``sink``."""
+        assert self._loop is not None, "Engine.start() was not called"
         if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
-        if request_id in self._streams:
+        if request_id in self._clients:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         limit = self.config.max_queued_requests
         if limit is not None and sum(lane.num_waiting for lane in self.routable_lanes) >= limit:
@@ -433,8 +323,8 @@ class Engine:
         if grammar is not None:
             for child in children:
                 child.grammar = grammar.new_state(child.max_output_tokens)
-        stream = RequestStream(request_id, children, self.tokenizer, params, prompt_ids)
-        self._streams[request_id] = stream
+        client = ClientRequest(request_id, children, prompt_ids, sink)
+        self._clients[request_id] = client
         for child in children:
             self._parent_of[child.req_id] = request_id
         lane = self._place(children)
@@ -445,7 +335,7 @@ class Engine:
             n=params.n,
             executor=lane.executor_id,
         )
-        return stream
+        return client
 
     async def generate(
         self,
@@ -458,37 +348,32 @@ class Engine:
         stream = await self.add_request(prompt, params, request_id, model)
         usage = None
         try:
-            while True:
-                output = coalesce(await stream.queue.get(), stream.queue)
-                if output.refusal is not None:
-                    raise output.refusal
+            async for output in stream.outputs():
                 usage = output.usage or usage
                 yield output
-                if output.finished:
-                    return
         finally:
             if not stream.finished:
-                self.abort(stream.request_id)
-            self._forget(stream)
-            log.info(
-                "request done",
-                request_id=stream.request_id,
-                finish_reasons=[s.request.status.value for s in stream.sequences.values()],
-                prompt_tokens=len(stream.prompt_token_ids),
-                completion_tokens=usage.completion_tokens if usage else None,
-                cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
-                seconds=round(time.monotonic() - stream.arrival_time, 4),
-            )
+                self.drop(stream.request_id)
+            log_request_done(stream, usage)
 
     def abort(self, request_id: str) -> bool:
-        stream = self._streams.get(request_id)
-        if stream is None:
+        client = self._clients.get(request_id)
+        if client is None:
             return False
-        for req_id, state in stream.sequences.items():
-            if not state.finished:
-                self._lane_of[req_id].finish([req_id], RequestStatus.FINISHED_ABORTED)
+        for child in client.children:
+            if not client.is_finished(child.req_id):
+                self._lane_of[child.req_id].finish([child.req_id], RequestStatus.FINISHED_ABORTED)
         log.info("request aborted", request_id=request_id)
         return True
+
+    def drop(self, request_id: str) -> None:
+        """Aborts a request whose client has gone, and forgets it now (no one reads its end)."""
+        client = self._clients.get(request_id)
+        if client is None or not self.abort(request_id):
+            return
+        for child in client.children:
+            client.mark_finished(child.req_id)
+        self._forget_if_finished(client)
 
     def _place(self, siblings: list[Request]) -> Lane:
         """Routes requests of one client request (siblings stay together) to a live executor."""
@@ -511,11 +396,13 @@ class Engine:
             lane.queued_requests -= 1
             lane.queued_blocks -= num_blocks
 
-    def _forget(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.request_id, None)
-        for req_id in stream.sequences:
-            self._parent_of.pop(req_id, None)
-            self._lane_of.pop(req_id, None)
+    def _forget_if_finished(self, client: ClientRequest) -> None:
+        if not client.finished or self._clients.get(client.request_id) is not client:
+            return
+        del self._clients[client.request_id]
+        for child in client.children:
+            self._parent_of.pop(child.req_id, None)
+            self._lane_of.pop(child.req_id, None)
 
     # -- lane events (lane threads -> event loop) ------------------------------------------------
 
@@ -523,9 +410,12 @@ class Engine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
+    def _client_of(self, req_id: str) -> ClientRequest | None:
+        return self._clients.get(self._parent_of.get(req_id, ""))
+
     def _request_of(self, req_id: str) -> Request | None:
-        stream = self._streams.get(self._parent_of.get(req_id, ""))
-        return None if stream is None else stream.sequences[req_id].request
+        client = self._client_of(req_id)
+        return None if client is None else client.request(req_id)
 
     def _on_reports(self, worker: WorkerHandle, reports: list[LaneReport]) -> None:
         """A scheduler worker's batch of lane reports (event loop thread)."""
@@ -592,18 +482,19 @@ class Engine:
         now = time.monotonic()
         for update in event.updates:
             request = update.request
-            stream = self._streams.get(self._parent_of.get(request.req_id, ""))
-            if stream is None:
+            client = self._client_of(request.req_id)
+            if client is None:
                 continue
             self._started(request.req_id)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - request.arrival_time)
-            if stream.add_tokens(request.req_id, update.new_token_ids, update.new_logprobs, update.finished):
-                lane.finish([request.req_id], RequestStatus.FINISHED_STOPPED)
-                self._record_finish(request, "stop", now)
+            stop = client.deliver(request, update.new_token_ids, update.new_logprobs, update.finished)
+            if stop is not None:
+                self._stop_by_string(lane, request, stop, now)
             elif update.finished is not None:
                 self._record_finish(request, update.finished.value, now)
+            self._forget_if_finished(client)
         if event.lane_down:
             if self.lanes.get(lane.executor_id) is lane:  # not the executor's next lane
                 del self.lanes[lane.executor_id]
@@ -615,9 +506,10 @@ class Engine:
             self._fail_over(event.evacuated, event.error or "executor lost")
         for request in event.ended:
             self._started(request.req_id)
-            stream = self._streams.get(self._parent_of.get(request.req_id, ""))
-            if stream is not None:
-                stream.end(request.req_id, request.status, event.error)
+            client = self._client_of(request.req_id)
+            if client is not None:
+                client.end(request, request.status, event.error)
+                self._forget_if_finished(client)
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
         self._record_step(lane, event)
@@ -625,6 +517,22 @@ class Engine:
             self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:
             self._remove_if_drained(lane)
+
+    def _stop_by_string(self, lane: Lane, request: Request, stop: str, now: float) -> None:
+        """A stop string ended a sequence: the executor stops computing it."""
+        request.stop_reason = stop
+        lane.finish([request.req_id], RequestStatus.FINISHED_STOPPED)
+        self._record_finish(request, "stop", now)
+
+    def stopped_by_string(self, request_id: str, index: int, stop: str) -> None:
+        """An API server process found a stop string in a sequence's text."""
+        client = self._clients.get(request_id)
+        if client is None or index >= len(client.children):
+            return
+        request = client.children[index]
+        if client.mark_finished(request.req_id):
+            self._stop_by_string(self._lane_of[request.req_id], request, stop, time.monotonic())
+            self._forget_if_finished(client)
 
     def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
         """Moves requests of a lost executor to others; each resumes from the tokens it has.
@@ -635,12 +543,12 @@ class Engine:
         by_parent: dict[str, list[Request]] = {}
         for request in requests:
             parent = self._parent_of.get(request.req_id)
-            if parent is not None and parent in self._streams:  # else: aborted meanwhile
+            if parent is not None and parent in self._clients:  # else: aborted meanwhile
                 by_parent.setdefault(parent, []).append(request)
             elif request.grammar is not None:
                 request.grammar.release()
         for parent, siblings in by_parent.items():
-            stream = self._streams[parent]
+            client = self._clients[parent]
             if count:
                 for request in siblings:
                     request.num_failovers += 1
@@ -652,13 +560,14 @@ class Engine:
                     if request.grammar is not None:
                         request.grammar.release()
                     self._record_finish(request, "error", time.monotonic())
-                if not available and not stream.started:
+                if not available and not client.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
                     # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
-                    stream.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
-                    continue
-                for request in siblings:
-                    stream.end(request.req_id, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
+                    client.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
+                else:
+                    for request in siblings:
+                        client.end(request, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
+                self._forget_if_finished(client)
                 continue
             lane = self._place(siblings)
             log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)
@@ -707,7 +616,7 @@ class Engine:
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._streams)
+        return len(self._clients)
 
     @property
     def lanes_settled(self) -> bool:
@@ -765,3 +674,15 @@ class Engine:
             stats = await asyncio.wrap_future(lane.call(_prefix_stats))
             result[lane.executor_id] = stats
         return result
+
+
+def log_request_done(stream: RequestStream, usage: Usage | None) -> None:
+    log.info(
+        "request done",
+        request_id=stream.request_id,
+        finish_reasons=stream.finish_reasons,
+        prompt_tokens=len(stream.prompt_token_ids),
+        completion_tokens=usage.completion_tokens if usage else None,
+        cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
+        seconds=round(time.monotonic() - stream.arrival_time, 4),
+    )

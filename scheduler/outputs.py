@@ -1,19 +1,23 @@
 """What clients receive: incremental completion deltas, turned from token ids into text.
 
 A `RequestStream` belongs to one client request (with ``n`` sibling sequences). It runs on the
-event loop, off the lane threads' critical path: detokenization and stop strings happen here,
-while the executors compute the next step.
+event loop of the process that serves the client's stream, off the step path: detokenization and
+stop strings happen here, while the executors compute the next step. The engine feeds it
+`SequenceUpdate`s through an `OutputSink`: the stream itself, or a relay to the API server process
+that holds the stream (`api_relay`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.detokenizer import IncrementalDetokenizer
-from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.request import SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 
 
@@ -45,20 +49,53 @@ class GenerateOutput:
     refusal: Exception | None = None  # the request ended before its first output: raise this
 
 
+class SequenceUpdate(NamedTuple):
+    """What a step (or an end outside a step) did to one sequence, as its client stream needs it.
+
+    A plain tuple: it crosses from the core to an API server process in batches (pickled)."""
+
+    choice: int  # the sequence's index among the request's n
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    finished: str | None  # the finish reason (a `RequestStatus` value) when it ended here
+    stop_reason: int | str | None
+    error: str | None
+    num_output_tokens: int  # the sequence's output so far, this update's tokens included
+    num_cached_tokens: int
+
+
+class OutputSink(Protocol):
+    """Where the engine sends a client request's sequence updates."""
+
+    def add(self, update: SequenceUpdate) -> str | None:
+        """New tokens (and perhaps the end) of one sequence; returns the stop string that ended
+        it here, if one did (the engine then stops computing it)."""
+        ...
+
+    def end(self, update: SequenceUpdate) -> None:
+        """A sequence ended outside a step (aborted, or its executor failed)."""
+        ...
+
+    def refuse(self, refusal: Exception) -> None:
+        """The request ends before anything was sent: its stream raises ``refusal``."""
+        ...
+
+
 @dataclass(slots=True)
 class SequenceState:
-    request: Request
     detokenizer: IncrementalDetokenizer
     finished: bool = False
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class RequestStream:
-    """Collects a client request's sibling sequences into one stream of `GenerateOutput`."""
+    """Collects a client request's ``n`` sibling sequences into one stream of `GenerateOutput`:
+    detokenization and stop strings happen here, where the client's stream is served."""
 
     def __init__(
         self,
         request_id: str,
-        children: list[Request],
         tokenizer: Tokenizer,
         params: SamplingParams,
         prompt_token_ids: list[int],
@@ -67,9 +104,8 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
         self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        self.sequences = {
-            child.req_id: SequenceState(
-                child,
+        self.sequences = [
+            SequenceState(
                 IncrementalDetokenizer(
                     tokenizer,
                     prompt_token_ids,
@@ -78,63 +114,62 @@ class RequestStream:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 ),
             )
-            for child in children
-        }
-        self.index_of = {child.req_id: index for index, child in enumerate(children)}
+            for _ in range(params.n)
+        ]
+        self.finish_reasons: list[str | None] = [None] * params.n
         self._sent_prompt = False
         self.error: str | None = None
-        self._num_unfinished = len(self.sequences)
+        self._num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
         return self._num_unfinished == 0
 
-    def _mark_finished(self, state: SequenceState) -> None:
+    def _mark_finished(self, index: int, reason: str) -> None:
+        state = self.sequences[index]
         if not state.finished:
             state.finished = True
+            self.finish_reasons[index] = reason
             self._num_unfinished -= 1
 
-    def add_tokens(
-        self,
-        req_id: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs | None],
-        finished: RequestStatus | None,
-    ) -> bool:
-        """Streams new tokens of one sequence; returns True if a stop string ended it here
-        (the caller then tells the scheduler to stop computing it)."""
-        state = self.sequences[req_id]
-        if state.finished:
-            return False  # a step that ran while its stop was on the way
-        update = state.detokenizer.update(token_ids)
-        kept = update.num_tokens_kept  # tokens after a stop string are not part of the output
-        delta = CompletionDelta(
-            self.index_of[req_id],
-            update.text,
-            token_ids[:kept],
-            [lp for lp in logprobs[:kept] if lp is not None],
-        )
-        stopped_by_string = update.stop_str is not None
-        if stopped_by_string:
-            delta.finish_reason, delta.stop_reason = "stop", update.stop_str
-            state.request.stop_reason = update.stop_str
-        elif finished is not None:
-            delta.text += state.detokenizer.flush()
-            delta.finish_reason, delta.stop_reason = finished.value, state.request.stop_reason
-            self.error = self.error or state.request.error
-        if delta.finish_reason is not None:
-            self._mark_finished(state)
-        self._emit(delta)
-        return stopped_by_string
+    def _count(self, state: SequenceState, update: SequenceUpdate) -> None:
+        state.num_output_tokens = update.num_output_tokens
+        state.num_cached_tokens = update.num_cached_tokens
 
-    def end(self, req_id: str, status: RequestStatus, error: str | None = None) -> None:
-        """A sequence ended outside a step (aborted, or its executor failed)."""
-        state = self.sequences.get(req_id)
-        if state is None or state.finished:
+    def add(self, update: SequenceUpdate) -> str | None:
+        state = self.sequences[update.choice]
+        if state.finished:
+            return None  # a step that ran while its stop was on the way
+        self._count(state, update)
+        token_ids = update.token_ids
+        result = state.detokenizer.update(token_ids)
+        kept = result.num_tokens_kept  # tokens after a stop string are not part of the output
+        delta = CompletionDelta(
+            update.choice,
+            result.text,
+            token_ids[:kept],
+            [lp for lp in update.logprobs[:kept] if lp is not None],
+        )
+        if result.stop_str is not None:
+            delta.finish_reason, delta.stop_reason = "stop", result.stop_str
+        elif update.finished is not None:
+            delta.text += state.detokenizer.flush()
+            delta.finish_reason, delta.stop_reason = update.finished, update.stop_reason
+            self.error = self.error or update.error
+        if delta.finish_reason is not None:
+            self._mark_finished(update.choice, delta.finish_reason)
+        self._emit(delta)
+        return result.stop_str
+
+    def end(self, update: SequenceUpdate) -> None:
+        state = self.sequences[update.choice]
+        if state.finished:
             return
-        self._mark_finished(state)
-        self.error = self.error or error
-        self._emit(CompletionDelta(self.index_of[req_id], "", [], finish_reason=status.value))
+        self._count(state, update)
+        reason = update.finished or "abort"
+        self._mark_finished(update.choice, reason)
+        self.error = self.error or update.error
+        self._emit(CompletionDelta(update.choice, "", [], finish_reason=reason))
 
     @property
     def started(self) -> bool:
@@ -145,8 +180,8 @@ class RequestStream:
         """Ends a request that has sent nothing yet as if it had been refused on arrival: its
         stream raises ``refusal`` (a status for the client, e.g. UNAVAILABLE, not a broken stream)."""
         assert not self.started, "a request that has streamed output ends with `end`"
-        for state in self.sequences.values():
-            self._mark_finished(state)
+        for index in range(len(self.sequences)):
+            self._mark_finished(index, "abort")
         self.queue.put_nowait(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:
@@ -157,12 +192,21 @@ class RequestStream:
             output.finished, output.error = True, self.error
             output.usage = Usage(
                 prompt_tokens=len(self.prompt_token_ids),
-                completion_tokens=sum(s.request.num_output_tokens for s in self.sequences.values()),
-                cached_prompt_tokens=max(
-                    0, max(s.request.num_cached_tokens for s in self.sequences.values())
-                ),
+                completion_tokens=sum(s.num_output_tokens for s in self.sequences),
+                cached_prompt_tokens=max(0, max(s.num_cached_tokens for s in self.sequences)),
             )
         self.queue.put_nowait(output)
+
+    async def outputs(self) -> AsyncIterator[GenerateOutput]:
+        """The client's outputs, each merging what waited behind it, up to the last; raises the
+        refusal of a request refused before it started."""
+        while True:
+            output = coalesce(await self.queue.get(), self.queue)
+            if output.refusal is not None:
+                raise output.refusal
+            yield output
+            if output.finished:
+                return
 
 
 def coalesce(output: GenerateOutput, queue: asyncio.Queue[GenerateOutput]) -> GenerateOutput:

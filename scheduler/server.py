@@ -90,6 +90,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, engine: Engine, model_root: str, known_executors: Callable[[], int] | None = None
     ) -> None:
         self.engine = engine
+        self.prompts = engine.prompts
         self.model_root = model_root
         self.created = int(time.time())
         # How many executors the scheduler knows of, ready or not (default: its lanes).
@@ -113,7 +114,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             # status rather than a broken stream; a cancelled client cancels this coroutine,
             # and leaving `generate` aborts the request.
             async for output in outputs:
-                yield api_codec.output_to_proto(output, self.engine.tokenizer, request.sampling.return_prompt)
+                yield api_codec.output_to_proto(
+                    output, self.prompts.tokenizer, request.sampling.return_prompt
+                )
         except Exception as exc:
             await _abort(context, exc)
 
@@ -124,15 +127,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         async def run() -> pb.TokenizeResponse:
-            self.engine.check_model(request.model or None)
-            ids = await self.engine.prompt_token_ids(api_codec.prompt_from_proto(request))
-            response = pb.TokenizeResponse(
-                token_ids=ids, count=len(ids), max_model_len=self.engine.max_model_len
-            )
+            prompts = self.prompts
+            prompts.check_model(request.model or None)
+            ids = await prompts.prompt_token_ids(api_codec.prompt_from_proto(request))
+            response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=prompts.max_model_len)
             if request.return_token_strs:
-                tokenizer = self.engine.tokenizer
+                tokenizer = prompts.tokenizer
                 response.token_strs.extend(
-                    await self.engine.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
+                    await prompts.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
                 )
             return response
 
@@ -142,8 +144,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         async def run() -> pb.DetokenizeResponse:
-            self.engine.check_model(request.model or None)
-            text = await self.engine.decode(list(request.token_ids), skip_special_tokens=False)
+            self.prompts.check_model(request.model or None)
+            text = await self.prompts.decode(list(request.token_ids), skip_special_tokens=False)
             return pb.DetokenizeResponse(text=text)
 
         return await _guard(context, run)

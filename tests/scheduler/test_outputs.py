@@ -9,8 +9,14 @@ from harness.simulated_engine import simulated_engine
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.engine import PromptInput
-from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput, RequestStream, coalesce
-from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.outputs import (
+    CompletionDelta,
+    GenerateOutput,
+    RequestStream,
+    SequenceUpdate,
+    coalesce,
+)
+from npuserve.scheduler.request import RequestStatus, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 
 # "Once upon a time, there was a little girl." in stories260K's vocabulary
@@ -19,27 +25,16 @@ PROMPT = [1]
 
 
 def make_stream(tokenizer: Tokenizer, params: SamplingParams) -> RequestStream:
-    children = [
-        Request(
-            "r" if params.n == 1 else f"r-{i}",
-            PROMPT,
-            params=child,
-            options=child.to_options((2,)),
-            eos_token_ids=(2,),
-            max_model_len=64,
-            block_size=4,
-        )
-        for i, child in enumerate(
-            [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
-        )
-    ]
-    return RequestStream("r", children, tokenizer, params, PROMPT)
+    return RequestStream("r", tokenizer, params, PROMPT)
 
 
-def feed(stream: RequestStream, req_id: str, token_id: int, finished: RequestStatus | None = None) -> bool:
+def feed(
+    stream: RequestStream, choice: int, token_id: int, finished: RequestStatus | None = None
+) -> str | None:
     """One step's token for one sequence, as the engine passes it on."""
-    stream.sequences[req_id].request.append_output(token_id, None)
-    return stream.add_tokens(req_id, [token_id], [None], finished)
+    status = None if finished is None else finished.value
+    num_output = stream.sequences[choice].num_output_tokens + 1
+    return stream.add(SequenceUpdate(choice, [token_id], [None], status, None, None, num_output, 0))
 
 
 def drain(stream: RequestStream) -> list[GenerateOutput]:
@@ -52,8 +47,8 @@ def drain(stream: RequestStream) -> list[GenerateOutput]:
 def test_deltas_carry_text_the_prompt_first_and_the_usage_last(tokenizer: Tokenizer) -> None:
     stream = make_stream(tokenizer, SamplingParams(max_tokens=4))
     for token_id in STORY[:3]:
-        assert not feed(stream, "r", token_id)
-    feed(stream, "r", STORY[3], RequestStatus.FINISHED_LENGTH)
+        assert feed(stream, 0, token_id) is None
+    feed(stream, 0, STORY[3], RequestStatus.FINISHED_LENGTH)
     outputs = drain(stream)
     assert [o.completions[0].text for o in outputs] == ["Once", " upon", " a", " time"]
     assert [o.prompt_token_ids for o in outputs] == [PROMPT, None, None, None]
@@ -62,28 +57,27 @@ def test_deltas_carry_text_the_prompt_first_and_the_usage_last(tokenizer: Tokeni
     assert outputs[-1].usage is not None
     assert (outputs[-1].usage.prompt_tokens, outputs[-1].usage.completion_tokens) == (1, 4)
     assert all(o.usage is None for o in outputs[:-1])
-    assert not feed(stream, "r", 9)  # a step that ran while the end was on its way: ignored
+    assert feed(stream, 0, 9) is None  # a step that ran while the end was on its way: ignored
     assert stream.queue.empty()
 
 
 def test_a_stop_string_ends_the_output_before_it(tokenizer: Tokenizer) -> None:
     for include, tail in ((False, ""), (True, "little")):
         stream = make_stream(tokenizer, SamplingParams(stop=["little"], include_stop_str_in_output=include))
-        stopped = [feed(stream, "r", token_id) for token_id in STORY[:9]]
-        assert stopped == [False] * 8 + [True]  # the engine then stops the request
+        stopped = [feed(stream, 0, token_id) for token_id in STORY[:9]]
+        assert stopped == [None] * 8 + ["little"]  # the engine then stops the request
         outputs = drain(stream)
         assert "".join(o.completions[0].text for o in outputs) == "Once upon a time, there was a " + tail
         last = outputs[-1].completions[0]
         assert (last.finish_reason, last.stop_reason, outputs[-1].finished) == ("stop", "little", True)
-        assert stream.sequences["r"].request.stop_reason == "little"
 
 
 def test_siblings_finish_apart_and_the_stream_ends_with_the_last(tokenizer: Tokenizer) -> None:
     stream = make_stream(tokenizer, SamplingParams(n=2, max_tokens=2))
-    feed(stream, "r-0", STORY[0])
-    feed(stream, "r-1", STORY[1])
-    stream.end("r-1", RequestStatus.FINISHED_ERROR, "executor e0 failed")
-    feed(stream, "r-0", STORY[1], RequestStatus.FINISHED_LENGTH)
+    feed(stream, 0, STORY[0])
+    feed(stream, 1, STORY[1])
+    stream.end(SequenceUpdate(1, [], [], "error", None, "executor e0 failed", 1, 0))
+    feed(stream, 0, STORY[1], RequestStatus.FINISHED_LENGTH)
     outputs = drain(stream)
     assert [(o.completions[0].index, o.completions[0].finish_reason, o.finished) for o in outputs] == [
         (0, None, False),
@@ -93,15 +87,15 @@ def test_siblings_finish_apart_and_the_stream_ends_with_the_last(tokenizer: Toke
     ]
     assert outputs[-1].error == "executor e0 failed"
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
-    stream.end("r-1", RequestStatus.FINISHED_ABORTED)  # ended already: nothing more is sent
+    stream.end(SequenceUpdate(1, [], [], "abort", None, None, 1, 0))  # ended already: nothing more is sent
     assert stream.queue.empty()
 
 
 def test_coalesce_merges_what_waits_per_choice_up_to_the_end(tokenizer: Tokenizer) -> None:
     stream = make_stream(tokenizer, SamplingParams(n=2, max_tokens=3))
     for token_id in STORY[:2]:
-        feed(stream, "r-0", token_id)
-        feed(stream, "r-1", token_id)
+        feed(stream, 0, token_id)
+        feed(stream, 1, token_id)
     first = stream.queue.get_nowait()
     merged = coalesce(first, stream.queue)
     assert merged is first and stream.queue.empty() and not merged.finished
@@ -111,8 +105,8 @@ def test_coalesce_merges_what_waits_per_choice_up_to_the_end(tokenizer: Tokenize
     ]
     assert merged.prompt_token_ids == PROMPT
 
-    feed(stream, "r-0", STORY[2], RequestStatus.FINISHED_LENGTH)
-    feed(stream, "r-1", STORY[2], RequestStatus.FINISHED_LENGTH)
+    feed(stream, 0, STORY[2], RequestStatus.FINISHED_LENGTH)
+    feed(stream, 1, STORY[2], RequestStatus.FINISHED_LENGTH)
     last = coalesce(stream.queue.get_nowait(), stream.queue)
     assert last.finished and last.usage is not None and last.usage.completion_tokens == 6
     assert [(d.index, d.text, d.finish_reason) for d in last.completions] == [
