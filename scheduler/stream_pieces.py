@@ -1,0 +1,101 @@
+"""The text a token adds to a stream, for tokenizers whose decoder lets it be known in advance.
+
+`IncrementalDetokenizer` decodes a window of recent ids for every token. For most tokens that is not
+needed: with the decoders of sentencepiece models (Llama, Mistral, Gemma: Replace '▁' -> ' ',
+ByteFallback, Fuse, Strip, or Metaspace) and of byte-level BPE models (GPT-2, Llama 3, Qwen), a *plain*
+token `t` appended to ids whose text is non-empty always adds the same text, its piece:
+
+    decode(ids + [t]) == decode(ids) + piece(t)    whenever decode(ids) != ""
+
+A plain token is one of the model's own vocabulary (not an added or special token), not a byte-fallback
+token ('<0xE4>': bytes join their neighbours), whose piece is non-empty and holds no U+FFFD (so its
+bytes are whole UTF-8 characters, which never merge with the bytes before them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# (piece: the text the token adds after non-empty text, alone: decode([token]))
+StreamPiece = tuple[str, str]
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
+    """Whether `decoder` (tokenizer.json's "decoder") gives every plain token a fixed piece.
+
+    Decoders first transform each token on its own, then some join the tokens into one text
+    (Fuse, ByteLevel). A per-token step is always safe; on the joined text only steps that cannot
+    reach across a token boundary are: Replace of a single character and Strip of the text's
+    start (the text before the token is non-empty, so the token is never at the start).
+    """
+    if decoder is None:
+        return False  # the tokens are joined with spaces
+    joined = False
+    for step in _steps(decoder):
+        kind = step.get("type")
+        if kind in ("Fuse", "ByteLevel") and not joined:
+            joined = True
+        elif kind == "Replace":
+            pattern = step.get("pattern") or {}
+            if joined and len(pattern.get("String") or "") != 1:
+                return False
+        elif kind == "Strip":
+            if joined and step.get("stop") != 0:
+                return False
+        elif kind not in ("ByteFallback", "Metaspace") or joined:
+            # NOTE: ByteFallback joins only byte tokens (never plain); Metaspace treats only the
+            # first token differently, and a plain token follows non-empty text.
+            return False
+    return True
+
+
+def _steps(decoder: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if decoder.get("type") == "Sequence":
+        for step in decoder.get("decoders") or []:
+            yield from _steps(step)
+    else:
+        yield decoder
+
+
+def is_byte_token(token: str) -> bool:
+    """A byte-fallback token such as '<0xE4>'."""
+    return len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
+class StreamPieces(dict[int, "StreamPiece | None"]):
+    """Token id -> its `StreamPiece`, or None for a token that is not plain; filled on first use.
+
+    Shared by every request of a process: a lookup is one dict access.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        token_of: Callable[[int], str | None],
+        added_ids: set[int],
+        anchor: int,
+    ) -> None:
+        super().__init__()
+        self._decode = decode
+        self._token_of = token_of
+        self._added_ids = added_ids
+        self._anchor = anchor
+        self._anchor_text = decode([anchor])
+
+    def __missing__(self, token_id: int) -> StreamPiece | None:
+        piece = self._piece(token_id)
+        if piece is not None or self._token_of(token_id) is not None:
+            self[token_id] = piece  # ids outside the vocabulary are not kept
+        return piece
+
+    def _piece(self, token_id: int) -> StreamPiece | None:
+        token = self._token_of(token_id)
+        if token is None or token_id in self._added_ids or is_byte_token(token):
+            return None
+        piece = self._decode([self._anchor, token_id])[len(self._anchor_text) :]
+        if not piece or REPLACEMENT_CHAR in piece:
+            return None
+        return piece, self._decode([token_id])
