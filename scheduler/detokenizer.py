@@ -191,8 +191,9 @@ class IncrementalDetokenizer:
         if not delta:
             return False
         # Only a stop string ending in `delta` is new; it starts at most len(stop)-1 chars before it.
-        search_from = max(0, len(self._pending) - self.hold_back)
-        self._pending = pending = self._pending + delta
+        pending = self._pending
+        search_from = len(pending) - self.hold_back if len(pending) > self.hold_back else 0
+        self._pending = pending = pending + delta
         index, stop_str = -1, None  # the earliest stop string, the first listed on a tie
         for candidate in self.stop:
             found = pending.find(candidate, search_from)
@@ -211,6 +212,11 @@ class IncrementalDetokenizer:
 
     def _release(self, keep: int) -> str:
         """Takes the unsent text except its last `keep` characters."""
-        cut = max(0, len(self._pending) - keep)
-        text, self._pending = self._pending[:cut], self._pending[cut:]
-        return text
+        pending = self._pending
+        if len(pending) <= keep:
+            return ""
+        if not keep:
+            self._pending = ""
+            return pending
+        self._pending = pending[-keep:]
+        return pending[:-keep]

@@ -98,4 +98,5 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
         piece = self._decode([self._anchor, token_id])[len(self._anchor_text) :]
         if not piece or REPLACEMENT_CHAR in piece:
             return None
-        return piece, self._decode([token_id])
+        alone = self._decode([token_id])
+        return piece, piece if alone == piece else alone  # NOTE: one string kept where they agree
