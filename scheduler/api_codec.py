@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
-
-from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from typing import TYPE_CHECKING, Any
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto.sampling_ranges import FieldValueError
@@ -17,6 +15,9 @@ from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 _OPTIONAL_FIELDS = (
     "n",
@@ -132,9 +133,9 @@ def _tool_from_proto(index: int, tool: pb.Tool) -> dict[str, object]:
 
 
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
-    # NOTE: runs for every token of every stream. Messages are filled in place (`add`), and only
-    # the fields that differ from their defaults are set: building sub-messages and copying them
-    # in costs about twice as much.
+    # NOTE: runs for every token of every stream. Sub-messages are filled in place (`add`) rather
+    # than built and copied in, and a mid-stream token sets only its index, text and id: about
+    # 1.5x cheaper.
     msg = pb.GenerateResponse(request_id=output.request_id)
     completions = msg.completions
     for delta in output.completions:
