@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from npuserve.scheduler.stream_pieces import StreamPieces
+from npuserve.scheduler.stream_pieces import HOLD, StreamPieces
 from npuserve.scheduler.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -40,6 +40,11 @@ class DetokenizerUpdate(NamedTuple):
 
 
 NO_UPDATE = DetokenizerUpdate("", None, 0)
+
+
+def _ends_whole(text: str) -> bool:
+    """Whether text is non-empty and ends on a whole character (see `stream_pieces`)."""
+    return bool(text) and not text.endswith(REPLACEMENT_CHAR)
 
 
 class IncrementalDetokenizer:
@@ -75,7 +80,8 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, checked for stop strings, not yet sent
         # NOTE: a stand-in tokenizer with only `decode` (tests) decodes every token.
         self._pieces: StreamPieces | None = getattr(tokenizer, "stream_pieces", None)
-        # The window is all emitted and its text non-empty: a plain token adds its piece.
+        # The window is all emitted, its text non-empty and not ending in U+FFFD: a token with a
+        # stream piece adds that piece.
         self._steady = False
         self._stop_str: str | None = None
         self._finished = False
@@ -134,7 +140,7 @@ class IncrementalDetokenizer:
         self._ids = prompt[start:]
         self._read_offset = self._complete_chars_end(self._ids)
         self._prefix_text = self._decode(self._ids[: self._read_offset])
-        self._steady = self._read_offset == len(self._ids) and bool(self._prefix_text)
+        self._steady = self._read_offset == len(self._ids) and _ends_whole(self._prefix_text)
 
     def _complete_chars_end(self, ids: list[int]) -> int:
         """How many of `ids` end on a whole character: a prompt's trailing partial bytes count as output."""
@@ -157,6 +163,9 @@ class IncrementalDetokenizer:
         if piece is None:
             return self._decode_step(force=False)
         # What `_decode_step` does, its decodes known in advance.
+        if piece is HOLD:
+            self._steady = False
+            return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         delta, self._prefix_text = piece
         self._steady = bool(self._prefix_text)
@@ -176,7 +185,7 @@ class IncrementalDetokenizer:
         # The ids just read become the next window's already-emitted part.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset :])
-        self._steady = bool(self._prefix_text)
+        self._steady = _ends_whole(self._prefix_text)
         return delta
 
     def _compact(self) -> None:

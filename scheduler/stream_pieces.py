@@ -10,17 +10,26 @@ token `t` appended to ids whose text is non-empty always adds the same text, its
 A plain token is one of the model's own vocabulary (not an added or special token), not a byte-fallback
 token ('<0xE4>': bytes join their neighbours), whose piece is non-empty and holds no U+FFFD (so its
 bytes are whole UTF-8 characters, which never merge with the bytes before them).
+
+With the sentencepiece decoder ('▁' -> ' ', ByteFallback, Fuse, Strip) byte tokens are known too,
+after text that does not end in U+FFFD (so its last bytes are whole characters): an ASCII byte is
+plain, and any other byte leaves the text ending inside a character or on an invalid byte, which
+decodes to a trailing U+FFFD (`HOLD`: the detokenizer waits).
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Callable, Iterator
 from typing import Any
 
-# (piece: the text the token adds after non-empty text, alone: decode([token]))
+# (piece: the text the token adds after non-empty text, alone: decode([token]), which never ends
+# in U+FFFD)
 StreamPiece = tuple[str, str]
 
 REPLACEMENT_CHAR = "\ufffd"
+# A byte that leaves the text ending in U+FFFD: nothing is emitted until more ids come.
+HOLD: StreamPiece = ("", "")
 
 
 def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
@@ -52,6 +61,29 @@ def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
     return True
 
 
+def has_known_bytes(decoder: dict[str, Any] | None) -> bool:
+    """Whether byte-fallback tokens have known pieces (see the module's doc): ByteFallback after
+    nothing but Replace '▁', straight into Fuse, then only steps that keep a trailing U+FFFD."""
+    if decoder is None or not has_fixed_pieces(decoder):
+        return False
+    steps = list(_steps(decoder))
+    kinds = [step.get("type") for step in steps]
+    if "ByteFallback" not in kinds:
+        return False
+    at = kinds.index("ByteFallback")
+    # NOTE: has_fixed_pieces leaves only Replace of one character and Strip of the start after Fuse.
+    return (
+        kinds[at + 1 : at + 2] == ["Fuse"]
+        and all(step.get("type") == "Replace" and _pattern(step) == "▁" for step in steps[:at])
+        and all(REPLACEMENT_CHAR not in (step.get("content"), _pattern(step)) for step in steps[at + 2 :])
+    )
+
+
+def _pattern(step: dict[str, Any]) -> str | None:
+    pattern = step.get("pattern") or {}
+    return pattern.get("String")
+
+
 def _steps(decoder: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if decoder.get("type") == "Sequence":
         for step in decoder.get("decoders") or []:
@@ -63,6 +95,14 @@ def _steps(decoder: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def is_byte_token(token: str) -> bool:
     """A byte-fallback token such as '<0xE4>'."""
     return len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
+def byte_value(token: str) -> int | None:
+    """The byte of a byte-fallback token, or None."""
+    digits = token[3:5]
+    if not is_byte_token(token) or any(c not in string.hexdigits for c in digits):
+        return None
+    return int(digits, 16)
 
 
 class StreamPieces(dict[int, "StreamPiece | None"]):
@@ -77,6 +117,7 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
         token_of: Callable[[int], str | None],
         added_ids: set[int],
         anchor: int,
+        known_bytes: bool = False,
     ) -> None:
         super().__init__()
         self._decode = decode
@@ -84,6 +125,7 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
         self._added_ids = added_ids
         self._anchor = anchor
         self._anchor_text = decode([anchor])
+        self._known_bytes = known_bytes
 
     def __missing__(self, token_id: int) -> StreamPiece | None:
         piece = self._piece(token_id)
@@ -93,10 +135,16 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
 
     def _piece(self, token_id: int) -> StreamPiece | None:
         token = self._token_of(token_id)
-        if token is None or token_id in self._added_ids or is_byte_token(token):
+        if token is None or token_id in self._added_ids:
             return None
+        if is_byte_token(token):
+            value = byte_value(token) if self._known_bytes else None
+            if value is None:
+                return None
+            if value >= 0x80:
+                return HOLD
         piece = self._decode([self._anchor, token_id])[len(self._anchor_text) :]
-        if not piece or REPLACEMENT_CHAR in piece:
-            return None
         alone = self._decode([token_id])
+        if not piece or REPLACEMENT_CHAR in piece or alone.endswith(REPLACEMENT_CHAR):
+            return None
         return piece, piece if alone == piece else alone  # NOTE: one string kept where they agree

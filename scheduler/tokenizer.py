@@ -20,7 +20,7 @@ from tokenizers import processors
 
 from npuserve.scheduler.chat_template import ChatRender, ChatTemplateError, RenderLimits, render
 from npuserve.scheduler.prompt_bound import PromptSizeBound, prompt_size_bound
-from npuserve.scheduler.stream_pieces import StreamPieces, has_fixed_pieces
+from npuserve.scheduler.stream_pieces import StreamPieces, has_fixed_pieces, has_known_bytes
 
 # The named special tokens, in the order transformers lists them in `all_special_ids`.
 SPECIAL_TOKEN_NAMES = (
@@ -151,7 +151,9 @@ class Tokenizer:
         if not anchor or not self._backend.decode(anchor):
             return None
         added = set(self._backend.get_added_tokens_decoder())
-        return StreamPieces(self._backend.decode, self._backend.id_to_token, added, anchor[0])
+        return StreamPieces(
+            self._backend.decode, self._backend.id_to_token, added, anchor[0], has_known_bytes(decoder)
+        )
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of `ids` (e.g. '▁the', '<0xE4>')."""

@@ -14,9 +14,13 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from npuserve.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from npuserve.scheduler.stream_pieces import has_fixed_pieces
+from npuserve.scheduler.stream_pieces import HOLD, has_fixed_pieces, has_known_bytes
 from npuserve.scheduler.tokenizer import Tokenizer
 
+BYTE_ID_OFFSET = 3  # '<0x00>' is id 3 in stories260K
+REPLACE_SPACE = {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}
+REPLACE_FFFD = {"type": "Replace", "pattern": {"String": "\ufffd"}, "content": "?"}
+STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
 TEXTS = [
     'Once upon a time there was a little girl named Lily. She said: "Hi!"\n\n',
     "Ünïcödé tëxt, 東京 and emoji 😀🎉 too; naïve café 한국어 Жж €5.",
@@ -113,36 +117,72 @@ def test_fast_path_streams_what_decoding_does(tok: Tokenizer) -> None:
         assert fast == slow, f"trial {trial}"
 
 
-def test_piece_follows_any_text(tok: Tokenizer) -> None:
-    """decode(ids + [t]) == decode(ids) + piece(t) whenever decode(ids) is non-empty."""
+def test_pieces_follow_any_whole_text(tok: Tokenizer) -> None:
+    """After text that is non-empty and ends on a whole character, decode(ids + [t]) is
+    decode(ids) + piece(t), or ends in U+FFFD for a byte that `HOLD`s."""
     pieces = tok.stream_pieces
     assert pieces is not None
     rng = random.Random(1)
-    plain = [t for t in range(tok.vocab_size) if pieces[t] is not None]
-    assert len(plain) > 40
-    for _ in range(300):
+    known = [t for t in range(tok.vocab_size) if pieces[t] is not None]
+    assert len(known) > 40
+    checked = 0
+    for _ in range(400):
         ids = random_ids(rng, tok, rng.randint(1, 6))
         skip = rng.random() < 0.5
         text = tok.decode(ids, skip_special_tokens=skip)
-        if not text:
+        if not text or text.endswith("\ufffd"):
             continue
-        token = rng.choice(plain)
-        piece, alone = pieces[token]  # type: ignore[misc]
-        assert tok.decode([*ids, token], skip_special_tokens=skip) == text + piece
-        assert alone == tok.decode([token])
+        token = rng.choice(known)
+        after = tok.decode([*ids, token], skip_special_tokens=skip)
+        if pieces[token] is HOLD:
+            assert after.endswith("\ufffd")
+        else:
+            piece, alone = pieces[token]  # type: ignore[misc]
+            assert after == text + piece
+            assert alone == tok.decode([token])
+        checked += 1
+    assert checked > 200
 
 
-def test_tokens_that_are_never_plain(stories_dir: Path) -> None:
+def test_pieces_of_the_demo_model(stories_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(stories_dir)
     pieces = tok.stream_pieces
     assert pieces is not None
-    byte_token = tok.encode("😀", add_special_tokens=False)[-4]
-    assert tok.convert_ids_to_tokens([byte_token]) == ["<0xF0>"]
-    for token_id in (0, 1, 2, byte_token, tok.vocab_size):  # special, byte, outside the vocabulary
+    for token_id in (0, 1, 2, tok.vocab_size):  # special, outside the vocabulary
         assert pieces[token_id] is None
     assert tok.vocab_size not in pieces  # ids outside the vocabulary are not kept
-    word = tok.encode("time", add_special_tokens=False)[0]
-    assert pieces[word] == (" time", "time")
+    assert pieces[tok.encode("time", add_special_tokens=False)[0]] == (" time", "time")
+    emoji = tok.encode("😀", add_special_tokens=False)[-4:]
+    assert tok.convert_ids_to_tokens(emoji[:1]) == ["<0xF0>"]
+    assert all(pieces[byte] is HOLD for byte in emoji)  # ends inside a character or on a bad byte
+    assert pieces[BYTE_ID_OFFSET + ord("A")] == ("A", "A")
+    assert pieces[BYTE_ID_OFFSET + ord(" ")] == (" ", "")  # alone, the leading space is stripped
+
+
+def test_bytes_of_other_decoders_are_decoded() -> None:
+    """Metaspace after ByteFallback: byte tokens have no pieces (the detokenizer decodes them)."""
+    tok = metaspace_byte_fallback()
+    pieces = tok.stream_pieces
+    assert pieces is not None
+    first_byte = tok.vocab_size - 257
+    assert tok.convert_ids_to_tokens([first_byte, first_byte + 255]) == ["<0x00>", "<0xFF>"]
+    assert all(pieces[t] is None for t in range(first_byte, first_byte + 256))
+
+
+@pytest.mark.parametrize(
+    ("decoder", "known"),
+    [
+        ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}, True),
+        ({"type": "Sequence", "decoders": [REPLACE_SPACE, {"type": "ByteFallback"}, {"type": "Fuse"}, STRIP]}, True),
+        ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Metaspace"}]}, False),
+        ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, REPLACE_SPACE, {"type": "Fuse"}]}, False),
+        ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, REPLACE_FFFD]}, False),
+        ({"type": "ByteLevel"}, False),
+    ],
+)  # fmt: skip
+def test_which_decoders_know_bytes(decoder: dict[str, Any], known: bool) -> None:
+    assert has_fixed_pieces(decoder)
+    assert has_known_bytes(decoder) == known
 
 
 @pytest.mark.parametrize(
