@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from npuserve.scheduler.stream_pieces import HOLD, StreamPieces
+from npuserve.scheduler.stream_pieces import StreamPiece, StreamPieces, continues_utf8, utf8_length
 from npuserve.scheduler.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -83,6 +83,8 @@ class IncrementalDetokenizer:
         # The window is all emitted, its text non-empty and not ending in U+FFFD: a token with a
         # stream piece adds that piece.
         self._steady = False
+        # The bytes of a character begun right after whole text, held (byte-fallback tokens).
+        self._char: bytearray | None = None
         self._stop_str: str | None = None
         self._finished = False
         self._prime(list(prompt_token_ids))
@@ -159,17 +161,38 @@ class IncrementalDetokenizer:
         """Adds one id to the window; returns the text it adds (see `_decode_step`)."""
         self._ids.append(token_id)
         pieces = self._pieces
-        piece = pieces[token_id] if self._steady and pieces is not None else None
-        if piece is None:
+        if self._steady and pieces is not None:
+            piece = pieces[token_id]
+            if isinstance(piece, tuple):
+                # What `_decode_step` does, its decodes known in advance.
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                delta, self._prefix_text = piece
+                self._steady = bool(self._prefix_text)
+                return delta
+            if piece is not None:  # a byte that leaves the text inside a character, or bad
+                self._steady = False
+                self._char = bytearray((piece,)) if utf8_length(piece) else None
+                return ""
+        elif self._char is not None and pieces is not None:
+            return self._continue_char(self._char, pieces[token_id])
+        return self._decode_step(force=False)
+
+    def _continue_char(self, char: bytearray, piece: StreamPiece | int | None) -> str:
+        """Holds the bytes of a character begun after whole text until it is whole, then emits it
+        as `_decode_step` would; anything else is decoded."""
+        self._char = None
+        if not isinstance(piece, int) or not continues_utf8(char, piece):
             return self._decode_step(force=False)
-        # What `_decode_step` does, its decodes known in advance.
-        if piece is HOLD:
-            self._steady = False
+        char.append(piece)
+        if len(char) < utf8_length(char[0]):
+            self._char = char
             return ""
+        text = char.decode()
+        if text == REPLACEMENT_CHAR:  # NOTE: U+FFFD itself makes `_decode_step` wait for more
+            return self._decode_step(force=False)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        delta, self._prefix_text = piece
-        self._steady = bool(self._prefix_text)
-        return delta
+        self._prefix_text, self._steady = text, True
+        return text
 
     def _decode_step(self, force: bool) -> str:
         """The text the unread ids add, or "" while they end inside a character (unless `force`).

@@ -11,10 +11,11 @@ A plain token is one of the model's own vocabulary (not an added or special toke
 token ('<0xE4>': bytes join their neighbours), whose piece is non-empty and holds no U+FFFD (so its
 bytes are whole UTF-8 characters, which never merge with the bytes before them).
 
-With the sentencepiece decoder ('▁' -> ' ', ByteFallback, Fuse, Strip) byte tokens are known too,
-after text that does not end in U+FFFD (so its last bytes are whole characters): an ASCII byte is
-plain, and any other byte leaves the text ending inside a character or on an invalid byte, which
-decodes to a trailing U+FFFD (`HOLD`: the detokenizer waits).
+With the sentencepiece decoder ('▁' -> ' ', ByteFallback, Fuse, Strip ' ') byte tokens are known
+too, after text that does not end in U+FFFD (so its last bytes are whole characters): an ASCII byte
+is plain, and any other byte leaves the text ending inside a character or on an invalid byte, which
+decodes to a trailing U+FFFD. Its entry is the byte's value: the detokenizer holds it, and the
+bytes that follow, until they make a whole character (`utf8_length`, `continues_utf8`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any
 StreamPiece = tuple[str, str]
 
 REPLACEMENT_CHAR = "\ufffd"
-# A byte that leaves the text ending in U+FFFD: nothing is emitted until more ids come.
-HOLD: StreamPiece = ("", "")
+# The second byte's range after these UTF-8 lead bytes (RFC 3629: no overlong forms, no
+# surrogates, nothing above U+10FFFF); every other continuation byte is 0x80..0xBF.
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
 def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
@@ -63,7 +65,7 @@ def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
 
 def has_known_bytes(decoder: dict[str, Any] | None) -> bool:
     """Whether byte-fallback tokens have known pieces (see the module's doc): ByteFallback after
-    nothing but Replace '▁', straight into Fuse, then only steps that keep a trailing U+FFFD."""
+    nothing but Replace '▁', straight into Fuse, then at most Strip ' ' of the start."""
     if decoder is None or not has_fixed_pieces(decoder):
         return False
     steps = list(_steps(decoder))
@@ -75,8 +77,23 @@ def has_known_bytes(decoder: dict[str, Any] | None) -> bool:
     return (
         kinds[at + 1 : at + 2] == ["Fuse"]
         and all(step.get("type") == "Replace" and _pattern(step) == "▁" for step in steps[:at])
-        and all(REPLACEMENT_CHAR not in (step.get("content"), _pattern(step)) for step in steps[at + 2 :])
+        and all(step.get("type") == "Strip" and step.get("content") == " " for step in steps[at + 2 :])
     )
+
+
+def utf8_length(lead: int) -> int:
+    """The length of the UTF-8 character that byte `lead` begins; 0 when it begins none."""
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    return 4 if 0xF0 <= lead <= 0xF4 else 0
+
+
+def continues_utf8(head: bytes | bytearray, byte: int) -> bool:
+    """Whether `byte` may follow `head`, the first bytes of an unfinished UTF-8 character."""
+    low, high = _SECOND_BYTE.get(head[0], (0x80, 0xBF)) if len(head) == 1 else (0x80, 0xBF)
+    return low <= byte <= high
 
 
 def _pattern(step: dict[str, Any]) -> str | None:
@@ -105,8 +122,9 @@ def byte_value(token: str) -> int | None:
     return int(digits, 16)
 
 
-class StreamPieces(dict[int, "StreamPiece | None"]):
-    """Token id -> its `StreamPiece`, or None for a token that is not plain; filled on first use.
+class StreamPieces(dict[int, "StreamPiece | int | None"]):
+    """Token id -> its `StreamPiece`, the byte of a non-ASCII byte token (with `known_bytes`), or
+    None for a token that must be decoded in context; filled on first use.
 
     Shared by every request of a process: a lookup is one dict access.
     """
@@ -127,13 +145,13 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
         self._anchor_text = decode([anchor])
         self._known_bytes = known_bytes
 
-    def __missing__(self, token_id: int) -> StreamPiece | None:
+    def __missing__(self, token_id: int) -> StreamPiece | int | None:
         piece = self._piece(token_id)
         if piece is not None or self._token_of(token_id) is not None:
             self[token_id] = piece  # ids outside the vocabulary are not kept
         return piece
 
-    def _piece(self, token_id: int) -> StreamPiece | None:
+    def _piece(self, token_id: int) -> StreamPiece | int | None:
         token = self._token_of(token_id)
         if token is None or token_id in self._added_ids:
             return None
@@ -142,7 +160,7 @@ class StreamPieces(dict[int, "StreamPiece | None"]):
             if value is None:
                 return None
             if value >= 0x80:
-                return HOLD
+                return value
         piece = self._decode([self._anchor, token_id])[len(self._anchor_text) :]
         alone = self._decode([token_id])
         if not piece or REPLACEMENT_CHAR in piece or alone.endswith(REPLACEMENT_CHAR):

@@ -14,13 +14,14 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from npuserve.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from npuserve.scheduler.stream_pieces import HOLD, has_fixed_pieces, has_known_bytes
+from npuserve.scheduler.stream_pieces import continues_utf8, has_fixed_pieces, has_known_bytes, utf8_length
 from npuserve.scheduler.tokenizer import Tokenizer
 
 BYTE_ID_OFFSET = 3  # '<0x00>' is id 3 in stories260K
 REPLACE_SPACE = {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}
 REPLACE_FFFD = {"type": "Replace", "pattern": {"String": "\ufffd"}, "content": "?"}
 STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+STRIP_E = {"type": "Strip", "content": "é", "start": 1, "stop": 0}
 TEXTS = [
     'Once upon a time there was a little girl named Lily. She said: "Hi!"\n\n',
     "Ünïcödé tëxt, 東京 and emoji 😀🎉 too; naïve café 한국어 Жж €5.",
@@ -119,7 +120,7 @@ def test_fast_path_streams_what_decoding_does(tok: Tokenizer) -> None:
 
 def test_pieces_follow_any_whole_text(tok: Tokenizer) -> None:
     """After text that is non-empty and ends on a whole character, decode(ids + [t]) is
-    decode(ids) + piece(t), or ends in U+FFFD for a byte that `HOLD`s."""
+    decode(ids) + piece(t), or ends in U+FFFD for a non-ASCII byte."""
     pieces = tok.stream_pieces
     assert pieces is not None
     rng = random.Random(1)
@@ -134,7 +135,7 @@ def test_pieces_follow_any_whole_text(tok: Tokenizer) -> None:
             continue
         token = rng.choice(known)
         after = tok.decode([*ids, token], skip_special_tokens=skip)
-        if pieces[token] is HOLD:
+        if isinstance(pieces[token], int):  # a byte: the text ends inside a character, or bad
             assert after.endswith("\ufffd")
         else:
             piece, alone = pieces[token]  # type: ignore[misc]
@@ -154,7 +155,7 @@ def test_pieces_of_the_demo_model(stories_dir: Path) -> None:
     assert pieces[tok.encode("time", add_special_tokens=False)[0]] == (" time", "time")
     emoji = tok.encode("😀", add_special_tokens=False)[-4:]
     assert tok.convert_ids_to_tokens(emoji[:1]) == ["<0xF0>"]
-    assert all(pieces[byte] is HOLD for byte in emoji)  # ends inside a character or on a bad byte
+    assert [pieces[byte] for byte in emoji] == list("😀".encode())  # held until the character is whole
     assert pieces[BYTE_ID_OFFSET + ord("A")] == ("A", "A")
     assert pieces[BYTE_ID_OFFSET + ord(" ")] == (" ", "")  # alone, the leading space is stripped
 
@@ -177,6 +178,7 @@ def test_bytes_of_other_decoders_are_decoded() -> None:
         ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Metaspace"}]}, False),
         ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, REPLACE_SPACE, {"type": "Fuse"}]}, False),
         ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, REPLACE_FFFD]}, False),
+        ({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, STRIP_E]}, False),
         ({"type": "ByteLevel"}, False),
     ],
 )  # fmt: skip
@@ -207,3 +209,27 @@ def test_cleanup_of_spaces_has_no_pieces() -> None:
     assert Tokenizer(backend, name="w", special_tokens={}).stream_pieces is not None
     cleaned = Tokenizer(backend, name="w", special_tokens={}, clean_up_tokenization_spaces=True)
     assert cleaned.stream_pieces is None
+
+
+def test_utf8_prefixes_match_the_codec() -> None:
+    """`utf8_length` and `continues_utf8` accept exactly the starts of valid UTF-8 characters."""
+    for lead in range(256):
+        length = utf8_length(lead)
+        starts = [n for n in (2, 3, 4) for b in range(0x80, 0xC0) if completes(bytes([lead, b]), n)]
+        assert length == (starts[0] if starts else 0), hex(lead)
+        if not length:
+            continue
+        for second in range(256):
+            head = bytes([lead, second])
+            assert continues_utf8(head[:1], second) == completes(head, length), head
+    for head in ("中".encode()[:2], "😀".encode()[:2], "😀".encode()[:3]):
+        assert [continues_utf8(head, b) for b in (0x7F, 0x80, 0xBF, 0xC0)] == [False, True, True, False]
+
+
+def completes(head: bytes, length: int) -> bool:
+    """Whether continuation bytes after `head` make one valid character of `length` bytes (all
+    bytes after the second may be any of 0x80..0xBF)."""
+    try:
+        return len((head + b"\x80" * (length - len(head))).decode()) == 1
+    except UnicodeDecodeError:
+        return False
