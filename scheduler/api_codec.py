@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto.sampling_ranges import FieldValueError
@@ -15,6 +15,9 @@ from npuserve.scheduler.engine import PoolState, PromptInput
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 _OPTIONAL_FIELDS = (
     "n",
@@ -130,41 +133,62 @@ def _tool_from_proto(index: int, tool: pb.Tool) -> dict[str, object]:
 
 
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
+    # NOTE: runs for every token of every stream. Sub-messages are filled in place (`add`) rather
+    # than built and copied in, and a mid-stream token sets only its index, text and id: about
+    # 1.5x cheaper.
     msg = pb.GenerateResponse(request_id=output.request_id)
+    completions = msg.completions
     for delta in output.completions:
-        msg.completions.append(_completion_to_proto(delta, tokenizer, output.error))
+        _add_completion(completions, delta, tokenizer, output.error)
     if return_prompt and output.prompt_token_ids is not None:
         msg.prompt.token_ids.extend(output.prompt_token_ids)
         msg.prompt.text = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
     if output.usage is not None:
-        usage = output.usage
-        msg.usage.prompt_tokens = usage.prompt_tokens
-        msg.usage.completion_tokens = usage.completion_tokens
-        msg.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+        usage, usage_msg = output.usage, msg.usage
+        usage_msg.prompt_tokens = usage.prompt_tokens
+        usage_msg.completion_tokens = usage.completion_tokens
+        usage_msg.cached_prompt_tokens = usage.cached_prompt_tokens
     return msg
 
 
-def _completion_to_proto(delta: CompletionDelta, tokenizer: Tokenizer, error: str | None) -> pb.Completion:
-    msg = pb.Completion(index=delta.index, text=delta.text, token_ids=delta.token_ids)
-    msg.finish_reason = delta.finish_reason or ""
-    if delta.finish_reason == "error" and error:
-        msg.error_message = error
+def _add_completion(
+    completions: RepeatedCompositeFieldContainer[pb.Completion],
+    delta: CompletionDelta,
+    tokenizer: Tokenizer,
+    error: str | None,
+) -> None:
+    msg = completions.add(index=delta.index, text=delta.text)
+    token_ids = delta.token_ids
+    if len(token_ids) == 1:
+        msg.token_ids.append(token_ids[0])  # the usual single token: cheaper than extend
+    elif token_ids:
+        msg.token_ids.extend(token_ids)
+    if delta.finish_reason:
+        msg.finish_reason = delta.finish_reason
+        if delta.finish_reason == "error" and error:
+            msg.error_message = error
     if isinstance(delta.stop_reason, str):
         msg.stop_string = delta.stop_reason
     elif isinstance(delta.stop_reason, int):
         msg.stop_token_id = delta.stop_reason
-    for token_id, logprobs in zip(delta.token_ids, delta.logprobs, strict=False):
-        msg.logprobs.append(_logprob_to_proto(token_id, logprobs, tokenizer))
-    return msg
+    if delta.logprobs:
+        logprobs = msg.logprobs
+        for token_id, lp in zip(token_ids, delta.logprobs, strict=False):
+            _add_logprob(logprobs, token_id, lp, tokenizer)
 
 
-def _logprob_to_proto(token_id: int, lp: TokenLogprobs, tokenizer: Tokenizer) -> pb.TokenLogprob:
-    msg = pb.TokenLogprob(
+def _add_logprob(
+    logprobs: RepeatedCompositeFieldContainer[pb.TokenLogprob],
+    token_id: int,
+    lp: TokenLogprobs,
+    tokenizer: Tokenizer,
+) -> None:
+    msg = logprobs.add(
         token_id=token_id, logprob=lp.logprob, rank=lp.rank, token=_token_text(tokenizer, token_id)
     )
+    top = msg.top
     for top_id, top_lp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
-        msg.top.append(pb.TopLogprob(token_id=top_id, logprob=top_lp, token=_token_text(tokenizer, top_id)))
-    return msg
+        top.add(token_id=top_id, logprob=top_lp, token=_token_text(tokenizer, top_id))
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -4,14 +4,17 @@ Decoding token by token is not decoding each token alone: a character may span s
 tokens ('<0xF0>' '<0x9F>' '<0x98>' '<0x80>' is one emoji) and a sentencepiece '▁' turns into a space
 only after another piece. `IncrementalDetokenizer` therefore decodes a small window of recent ids
 (`prefix_offset` .. end) and emits what the newest ids add to the text of the window's already-emitted
-part (`prefix_offset` .. `read_offset`), as vLLM and TGI do.
+part (`prefix_offset` .. `read_offset`), as vLLM and TGI do. Most tokens skip the decoding: when
+the window's ids are all emitted and its text is non-empty, a plain token adds its known piece
+(`stream_pieces`), exactly the text the window's decoding would add.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
+from npuserve.scheduler.stream_pieces import StreamPiece, StreamPieces, continues_utf8, utf8_length
 from npuserve.scheduler.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -23,8 +26,7 @@ MAX_PARTIAL_CHAR_TOKENS = 3
 COMPACT_AFTER_TOKENS = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class DetokenizerUpdate:
+class DetokenizerUpdate(NamedTuple):
     """What one `update` adds to a request's output.
 
     `text`: new text, safe to stream now. `stop_str`: the stop string that ended the output, or None.
@@ -35,6 +37,14 @@ class DetokenizerUpdate:
     text: str
     stop_str: str | None
     num_tokens_kept: int
+
+
+NO_UPDATE = DetokenizerUpdate("", None, 0)
+
+
+def _ends_whole(text: str) -> bool:
+    """Whether text is non-empty and ends on a whole character (see `stream_pieces`)."""
+    return bool(text) and not text.endswith(REPLACEMENT_CHAR)
 
 
 class IncrementalDetokenizer:
@@ -68,6 +78,13 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._prefix_text = ""
         self._pending = ""  # decoded, checked for stop strings, not yet sent
+        # NOTE: a stand-in tokenizer with only `decode` (tests) decodes every token.
+        self._pieces: StreamPieces | None = getattr(tokenizer, "stream_pieces", None)
+        # The window is all emitted, its text non-empty and not ending in U+FFFD: a token with a
+        # stream piece adds that piece.
+        self._steady = False
+        # The bytes of a character begun right after whole text, held (byte-fallback tokens).
+        self._char: bytearray | None = None
         self._stop_str: str | None = None
         self._finished = False
         self._prime(list(prompt_token_ids))
@@ -85,20 +102,26 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Adds generated ids; returns the text that may be streamed now."""
         if self._finished:
-            return DetokenizerUpdate("", None, 0)
-        for i, token_id in enumerate(new_token_ids):
-            self._ids.append(token_id)
-            if self._add_text(self._decode_step(force=False)):
-                return self._stopped(i + 1)
-        self._compact()
-        return DetokenizerUpdate(self._release(self.hold_back), None, len(new_token_ids))
+            return NO_UPDATE
+        if self.stop:
+            for i, token_id in enumerate(new_token_ids):
+                if self._add_text(self._next_text(token_id)):
+                    return self._stopped(i + 1)
+            text = self._release(self.hold_back)
+        else:  # nothing is held back: the text goes out as it comes
+            text = "".join([self._next_text(token_id) for token_id in new_token_ids])
+        if self._prefix_offset >= COMPACT_AFTER_TOKENS:
+            self._compact()
+        return DetokenizerUpdate(text, None, len(new_token_ids))
 
     def flush(self) -> str:
         """Ends the output (eos, length limit, abort) and returns every character still held back."""
         if self._finished:
             return ""
         self._finished = True
-        stopped = self._add_text(self._decode_step(force=True))
+        # NOTE: with every id emitted the window's text is the emitted text: nothing to add.
+        unread = self._read_offset < len(self._ids)
+        stopped = unread and self._add_text(self._decode_step(force=True))
         if stopped:
             return self._stopped(0).text
         return self._release(0)
@@ -119,6 +142,7 @@ class IncrementalDetokenizer:
         self._ids = prompt[start:]
         self._read_offset = self._complete_chars_end(self._ids)
         self._prefix_text = self._decode(self._ids[: self._read_offset])
+        self._steady = self._read_offset == len(self._ids) and _ends_whole(self._prefix_text)
 
     def _complete_chars_end(self, ids: list[int]) -> int:
         """How many of `ids` end on a whole character: a prompt's trailing partial bytes count as output."""
@@ -133,6 +157,43 @@ class IncrementalDetokenizer:
         text = self._decode(ids)
         return not text or text.startswith(REPLACEMENT_CHAR)
 
+    def _next_text(self, token_id: int) -> str:
+        """Adds one id to the window; returns the text it adds (see `_decode_step`)."""
+        self._ids.append(token_id)
+        pieces = self._pieces
+        if self._steady and pieces is not None:
+            piece = pieces[token_id]
+            if isinstance(piece, tuple):
+                # What `_decode_step` does, its decodes known in advance.
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                delta, self._prefix_text = piece
+                self._steady = bool(self._prefix_text)
+                return delta
+            if piece is not None:  # a byte that leaves the text inside a character, or bad
+                self._steady = False
+                self._char = bytearray((piece,)) if utf8_length(piece) else None
+                return ""
+        elif self._char is not None and pieces is not None:
+            return self._continue_char(self._char, pieces[token_id])
+        return self._decode_step(force=False)
+
+    def _continue_char(self, char: bytearray, piece: StreamPiece | int | None) -> str:
+        """Holds the bytes of a character begun after whole text until it is whole, then emits it
+        as `_decode_step` would; anything else is decoded."""
+        self._char = None
+        if not isinstance(piece, int) or not continues_utf8(char, piece):
+            return self._decode_step(force=False)
+        char.append(piece)
+        if len(char) < utf8_length(char[0]):
+            self._char = char
+            return ""
+        text = char.decode()
+        if text == REPLACEMENT_CHAR:  # NOTE: U+FFFD itself makes `_decode_step` wait for more
+            return self._decode_step(force=False)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text, self._steady = text, True
+        return text
+
     def _decode_step(self, force: bool) -> str:
         """The text the unread ids add, or "" while they end inside a character (unless `force`).
 
@@ -141,18 +202,19 @@ class IncrementalDetokenizer:
         window = self._ids[self._prefix_offset :]
         text = self._decode(window)
         if not force and (len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR)):
+            self._steady = False  # ids are left unread
             return ""
         delta = text[len(self._prefix_text) :]
         # The ids just read become the next window's already-emitted part.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset :])
+        self._steady = _ends_whole(self._prefix_text)
         return delta
 
     def _compact(self) -> None:
-        if self._prefix_offset >= COMPACT_AFTER_TOKENS:
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+        del self._ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
 
     # -- stop strings -------------------------------------------------------------------------
 
@@ -161,16 +223,18 @@ class IncrementalDetokenizer:
         if not delta:
             return False
         # Only a stop string ending in `delta` is new; it starts at most len(stop)-1 chars before it.
-        search_from = max(0, len(self._pending) - self.hold_back)
-        self._pending += delta
-        if not self.stop:
+        pending = self._pending
+        search_from = len(pending) - self.hold_back if len(pending) > self.hold_back else 0
+        self._pending = pending = pending + delta
+        index, stop_str = -1, None  # the earliest stop string, the first listed on a tie
+        for candidate in self.stop:
+            found = pending.find(candidate, search_from)
+            if found >= 0 and (stop_str is None or found < index):
+                index, stop_str = found, candidate
+        if stop_str is None:
             return False
-        found = [(i, s) for s in self.stop if (i := self._pending.find(s, search_from)) >= 0]
-        if not found:
-            return False
-        index, stop_str = min(found, key=lambda hit: hit[0])
         end = index + len(stop_str) if self.include_stop_str_in_output else index
-        self._pending = self._pending[:end]
+        self._pending = pending[:end]
         self._stop_str = stop_str
         return True
 
@@ -180,6 +244,11 @@ class IncrementalDetokenizer:
 
     def _release(self, keep: int) -> str:
         """Takes the unsent text except its last `keep` characters."""
-        cut = max(0, len(self._pending) - keep)
-        text, self._pending = self._pending[:cut], self._pending[cut:]
-        return text
+        pending = self._pending
+        if len(pending) <= keep:
+            return ""
+        if not keep:
+            self._pending = ""
+            return pending
+        self._pending = pending[-keep:]
+        return pending[:-keep]

@@ -20,6 +20,7 @@ from tokenizers import processors
 
 from npuserve.scheduler.chat_template import ChatRender, ChatTemplateError, RenderLimits, render
 from npuserve.scheduler.prompt_bound import PromptSizeBound, prompt_size_bound
+from npuserve.scheduler.stream_pieces import StreamPieces, has_fixed_pieces, has_known_bytes
 
 # The named special tokens, in the order transformers lists them in `all_special_ids`.
 SPECIAL_TOKEN_NAMES = (
@@ -71,8 +72,11 @@ class Tokenizer:
         # it was written for WordPiece and deletes real spaces from BPE output.
         is_bpe = type(backend.model).__name__ == "BPE"
         self._clean_up = clean_up_tokenization_spaces and not is_bpe
+        data = json.loads(backend.to_str())
         # None: this tokenizer may turn any length of text into one token (see prompt_bound).
-        self.size_bound: PromptSizeBound | None = prompt_size_bound(json.loads(backend.to_str()))
+        self.size_bound: PromptSizeBound | None = prompt_size_bound(data)
+        # None: a token's text in a stream is known only by decoding it in context.
+        self.stream_pieces: StreamPieces | None = self._stream_pieces(data.get("decoder"))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -133,11 +137,23 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, release_gil: bool = False) -> str:
         """The text of `ids`. Ids outside the vocabulary decode to nothing. `release_gil`: as in `encode`."""
+        id_list = ids if isinstance(ids, list) else list(ids)
         if release_gil:
-            text = self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+            text = self._backend.decode_batch([id_list], skip_special_tokens=skip_special_tokens)[0]
         else:
-            text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            text = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
+
+    def _stream_pieces(self, decoder: dict[str, Any] | None) -> StreamPieces | None:
+        if self._clean_up or not has_fixed_pieces(decoder):
+            return None  # NOTE: the cleanup (" ." -> ".") reaches across tokens
+        anchor = self._backend.encode("a", add_special_tokens=False).ids[-1:]
+        if not anchor or not self._backend.decode(anchor):
+            return None
+        added = set(self._backend.get_added_tokens_decoder())
+        return StreamPieces(
+            self._backend.decode, self._backend.id_to_token, added, anchor[0], has_known_bytes(decoder)
+        )
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of `ids` (e.g. '▁the', '<0xE4>')."""
