@@ -139,11 +139,11 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            if request.num_pending_tokens and not self._may_run_ahead(request):
+            num_pending = request.num_pending_tokens
+            if num_pending and not self._may_run_ahead(request):
                 continue  # its in-flight step decides what comes next
-            num_new = min(
-                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget
-            )
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
             if not kv.fits_held_blocks(request, num_new):  # NOTE: most decode steps fit
                 new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
                 if new_blocks is None:
@@ -248,7 +248,7 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Appends the sampled tokens and applies the token stop rules (the plan's tokens were
         counted as computed when it was scheduled)."""
-        sampled = []
+        updates = []
         constrained = []
         requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id, logprobs in zip(
@@ -259,18 +259,16 @@ class Scheduler:
                 continue  # aborted (or preempted) while the step ran
             request.num_pending_tokens -= 1
             request.append_output(token_id, logprobs)
-            sampled.append((request, token_id, logprobs))
+            updates.append(RequestUpdate(request, [token_id], [logprobs]))
             if request.grammar is not None:
                 constrained.append(request.grammar)
-        if constrained:
+        if constrained:  # NOTE: the stop rules read the masks: all of them advance first
             advance_masks(constrained)
-        updates = []
         finished = []
-        for request, token_id, logprobs in sampled:
-            update = RequestUpdate(request, [token_id], [logprobs], request.check_stop())
+        for update in updates:
+            update.finished = update.request.check_stop()
             if update.finished is not None:
                 finished.append(update)
-            updates.append(update)
         if finished:
             self._finish_running(finished)
         return updates
