@@ -276,8 +276,8 @@ class Scheduler:
     def _finish_running(self, finished: list[RequestUpdate]) -> None:
         """Ends running requests that a step finished (their stop rules say so)."""
         # NOTE: one pass over `running` for all of them, not a list.remove each.
-        ended = {id(update.request) for update in finished}
-        self.running[:] = [r for r in self.running if id(r) not in ended]
+        ended = {update.request for update in finished}
+        self.running[:] = [r for r in self.running if r not in ended]
         for update in finished:
             assert update.finished is not None
             self._finish(update.request, update.finished)

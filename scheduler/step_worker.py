@@ -68,7 +68,9 @@ class ReportWindow:
     def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
         """Waits up to ``timeout_s`` for the front to catch up; whether a lane may step now."""
         if self._unacked < self.limit:
-            return True  # NOTE: the common case, without the lock (a racing read is as good)
+            # NOTE: the common case, without the lock. The window is a soft bound anyway (lanes
+            # that pass it at once all step); a read racing an ack just takes the lock below.
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: self._unacked < self.limit, timeout_s)
 
