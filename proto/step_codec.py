@@ -44,14 +44,21 @@ class CodecError(ValueError):
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
-    msg = pb.StepRequest(step_id=plan.step_id, finished_req_ids=plan.finished_req_ids, reset=plan.reset)
-    msg.new_requests.extend(_new_request_to_proto(req) for req in plan.new_requests)
-    msg.cached_requests.extend(
-        pb.CachedRequest(req_id=req.req_id, new_block_ids=req.new_block_ids) for req in plan.cached_requests
+    msg = pb.StepRequest(
+        step_id=plan.step_id,
+        finished_req_ids=plan.finished_req_ids,
+        reset=plan.reset,
+        # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
+        scheduled_req_ids=plan.num_scheduled_tokens.keys(),
+        num_scheduled_tokens=plan.num_scheduled_tokens.values(),
     )
-    # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
-    msg.scheduled_req_ids.extend(plan.num_scheduled_tokens.keys())
-    msg.num_scheduled_tokens.extend(plan.num_scheduled_tokens.values())
+    if plan.new_requests:  # NOTE: most steps carry neither kind (cheaper than an empty extend)
+        msg.new_requests.extend(_new_request_to_proto(req) for req in plan.new_requests)
+    if plan.cached_requests:
+        msg.cached_requests.extend(
+            pb.CachedRequest(req_id=req.req_id, new_block_ids=req.new_block_ids)
+            for req in plan.cached_requests
+        )
     if plan.bitmask is not None:
         msg.bitmask.req_ids.extend(plan.bitmask.req_ids)
         msg.bitmask.words = plan.bitmask.words

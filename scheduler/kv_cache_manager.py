@@ -89,6 +89,17 @@ class KVCacheManager:
         self.num_cached_blocks[request.req_id] = max(start, num_full)
         return new_blocks
 
+    def fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``num_new_tokens`` more fit in the blocks a request already holds and fill no
+        block the prefix cache does not hold yet: then `allocate_slots` would change nothing."""
+        req_id, block_size = request.req_id, self.block_size
+        blocks = self.req_blocks.get(req_id)
+        end = request.num_computed_tokens + num_new_tokens
+        if blocks is None or end > len(blocks) * block_size:
+            return False
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        return min(end, num_tokens) // block_size <= self.num_cached_blocks[req_id]
+
     def free(self, request: Request, valid: bool = True) -> None:
         """Returns a request's blocks, tail first. ``valid=False`` (its last step failed) also
         drops them from the prefix cache, since their contents cannot be trusted."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from npuserve.proto.sampling_ranges import Bounds, FieldValueError, check_options
@@ -158,8 +159,10 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
+    @cached_property
     def max_output_tokens(self) -> int:
+        # NOTE: cached (read at every sampled token): the prompt, the params and the context
+        # length never change once a request exists.
         room = self.max_model_len - self.num_prompt_tokens
         return room if self.params.max_tokens is None else min(room, self.params.max_tokens)
 
@@ -168,7 +171,7 @@ class Request:
         self.output_logprobs.append(logprobs)
         if self.grammar is not None:
             self.grammar.accept(token_id)
-        if (self.num_tokens % self.block_size) == 0:
+        if (len(self.prompt_token_ids) + len(self.output_token_ids)) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def add_reported_output(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
@@ -195,13 +198,15 @@ class Request:
                 return RequestStatus.FINISHED_ERROR
             if self.grammar.is_complete:
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.min_tokens:
+        num_output_tokens = len(self.output_token_ids)
+        params = self.params
+        if num_output_tokens >= params.min_tokens:
             last = self.output_token_ids[-1]
-            if last in self.params.stop_token_ids:
+            if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-            if not self.params.ignore_eos and last in self.eos_token_ids:
+            if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_output_tokens:
+        if num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

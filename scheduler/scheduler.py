@@ -133,21 +133,23 @@ class Scheduler:
         scheduled: list[Request] = []
         sampling: list[Request] = []
 
+        running, kv = RequestStatus.RUNNING, self.kv
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            if request.num_pending_tokens and not self._may_run_ahead(request):
+            num_pending = request.num_pending_tokens
+            if num_pending and not self._may_run_ahead(request):
                 continue  # its in-flight step decides what comes next
-            num_new = min(
-                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget
-            )
-            new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
-            if new_blocks is None:
-                continue  # the request itself was preempted
-            if new_blocks:
-                plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
+            if not kv.fits_held_blocks(request, num_new):  # NOTE: most decode steps fit
+                new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
+                if new_blocks is None:
+                    continue  # the request itself was preempted
+                if new_blocks:
+                    plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
             self._grant(request, num_new, plan, stats, scheduled, sampling)
             budget -= num_new
 
@@ -205,12 +207,13 @@ class Scheduler:
         """Puts ``num_new`` tokens of a request in the plan; the executor will hold them."""
         plan.num_scheduled_tokens[request.req_id] = num_new
         stats.num_scheduled_tokens += num_new
-        stats.num_prompt_tokens += max(
-            0, min(request.num_prompt_tokens - request.num_computed_tokens, num_new)
-        )
+        num_computed = request.num_computed_tokens
+        num_prompt = len(request.prompt_token_ids)
+        if num_computed < num_prompt:
+            stats.num_prompt_tokens += min(num_prompt - num_computed, num_new)
         scheduled.append(request)
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
+        request.num_computed_tokens = num_computed = num_computed + num_new
+        if num_computed >= num_prompt + len(request.output_token_ids) + request.num_pending_tokens:
             # NOTE: this step samples the request's next token (its value comes with the result).
             request.num_pending_tokens += 1
             sampling.append(request)
@@ -245,25 +248,39 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Appends the sampled tokens and applies the token stop rules (the plan's tokens were
         counted as computed when it was scheduled)."""
-        sampled = []
+        updates = []
+        constrained = []
+        requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id, logprobs in zip(
             result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status is not running:
                 continue  # aborted (or preempted) while the step ran
             request.num_pending_tokens -= 1
             request.append_output(token_id, logprobs)
-            sampled.append((request, token_id, logprobs))
-        advance_masks(request.grammar for request, _, _ in sampled if request.grammar is not None)
-        updates = []
-        for request, token_id, logprobs in sampled:
-            update = RequestUpdate(request, [token_id], [logprobs], request.check_stop())
+            updates.append(RequestUpdate(request, [token_id], [logprobs]))
+            if request.grammar is not None:
+                constrained.append(request.grammar)
+        if constrained:  # NOTE: the stop rules read the masks: all of them advance first
+            advance_masks(constrained)
+        finished = []
+        for update in updates:
+            update.finished = update.request.check_stop()
             if update.finished is not None:
-                self.running.remove(request)
-                self._finish(request, update.finished)
-            updates.append(update)
+                finished.append(update)
+        if finished:
+            self._finish_running(finished)
         return updates
+
+    def _finish_running(self, finished: list[RequestUpdate]) -> None:
+        """Ends running requests that a step finished (their stop rules say so)."""
+        # NOTE: one pass over `running` for all of them, not a list.remove each.
+        ended = {update.request for update in finished}
+        self.running[:] = [r for r in self.running if r not in ended]
+        for update in finished:
+            assert update.finished is not None
+            self._finish(update.request, update.finished)
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
         """The executor failed this step: its requests end with an error and give back every block

@@ -11,7 +11,8 @@ for an in-process lane, so both kinds of lane drive the same engine code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.block_hash import BlockHash
@@ -36,6 +37,9 @@ class LaneLoad:
     prefix_hits: int = 0
     has_work: bool = False  # a step to send, drops of finished requests included
 
+    def __reduce__(self) -> tuple[type[LaneLoad], tuple[object, ...]]:
+        return LaneLoad, _LOAD_FIELDS(self)
+
 
 @dataclass(slots=True)
 class LaneReport:
@@ -50,6 +54,15 @@ class LaneReport:
     load: LaneLoad = field(default_factory=LaneLoad)
     kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
     executor_draining: bool = False  # the executor's step answer said it drains
+
+    # NOTE: pickled as the arguments of the constructor, not as a state to set field by field:
+    # smaller, and cheaper both ways (a worker pickles one report per step).
+    def __reduce__(self) -> tuple[type[LaneReport], tuple[object, ...]]:
+        return LaneReport, _REPORT_FIELDS(self)
+
+
+_LOAD_FIELDS = attrgetter(*(f.name for f in fields(LaneLoad)))
+_REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
 
 
 def lane_load(lane: ExecutorLane) -> LaneLoad:

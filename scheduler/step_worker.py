@@ -67,6 +67,10 @@ class ReportWindow:
 
     def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
         """Waits up to ``timeout_s`` for the front to catch up; whether a lane may step now."""
+        if self._unacked < self.limit:
+            # NOTE: the common case, without the lock. The window is a soft bound anyway (lanes
+            # that pass it at once all step); a read racing an ack just takes the lock below.
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: self._unacked < self.limit, timeout_s)
 
@@ -79,13 +83,9 @@ def send_batches(
 ) -> None:
     """Sends whatever the outbox holds, as one message per wake-up; ends on None."""
     while True:
-        item = outbox.get()
-        batch = [item]
-        while True:
-            try:
-                batch.append(outbox.get_nowait())
-            except queue.Empty:
-                break
+        batch = [outbox.get()]
+        while not outbox.empty():  # NOTE: one consumer: what it saw there is still there
+            batch.append(outbox.get_nowait())
         done = batch[-1] is None
         batch = [b for b in batch if b is not None]
         try:

@@ -277,3 +277,24 @@ def test_manager_integrity_expect_idle_fails_with_live_request() -> None:
         kv.check_integrity(expect_idle=True)
     kv.free(a)
     kv.check_integrity(expect_idle=True)
+
+
+def test_fits_held_blocks_exactly_when_allocate_slots_would_change_nothing() -> None:
+    """A decode fits while its blocks have room and it fills no block the cache must register."""
+    kv = KVCacheManager(10, BS)
+    request = make_request("a", PROMPT)  # 13 tokens: 4 blocks, the last with room for 3
+    admit(kv, request)
+    request.num_computed_tokens = request.num_tokens
+    fits = []
+    for token in range(5):
+        request.append_output(100 + token, None)
+        before = (kv.get_block_ids("a"), kv.num_cached_blocks["a"], dict(kv.pool.cached_blocks))
+        fit = kv.fits_held_blocks(request, 1)
+        assert kv.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        assert fit == (before == (kv.get_block_ids("a"), kv.num_cached_blocks["a"], kv.pool.cached_blocks))
+        fits.append(fit)
+    # the 16th token fills block 4 (registered), the 17th needs block 5
+    assert fits == [True, True, False, False, True]
+    assert not kv.fits_held_blocks(make_request("b", PROMPT), 1)  # holds no block yet
+    kv.check_integrity()

@@ -443,6 +443,20 @@ def test_max_tokens_finishes_with_length() -> None:
     assert req.stop_reason is None
 
 
+def test_requests_finishing_in_one_step_leave_the_others_running_in_order() -> None:
+    """Several requests that end in the same step all leave, their drops go out in batch order,
+    and the rest keep their order (preemption takes the newest from its tail)."""
+    run = new_run()
+    for req_id, max_tokens in [("a", 2), ("b", 5), ("c", 2), ("d", 5), ("e", 2)]:
+        run.scheduler.add_request(make_request(req_id, prompt_of(NUM_PROMPT), max_tokens=max_tokens))
+    run.step()
+    run.step()
+    assert [r.req_id for r in run.scheduler.running] == ["b", "d"]
+    assert run.finished == dict.fromkeys("ace", RequestStatus.FINISHED_LENGTH)
+    assert run.step().finished_req_ids == ["a", "c", "e"]
+    run.until_done()
+
+
 def test_max_model_len_finishes_with_length() -> None:
     """Without max_tokens the request stops when prompt + output reach max_model_len."""
     run, req = _stop_run(max_model_len=9)
