@@ -130,6 +130,16 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             },
         ),
         Flag(
+            "api_server_count",
+            "--api-server-count",
+            {
+                "type": int,
+                "help": "processes that serve the public API on the scheduler's port: client streams, "
+                "tokenization, detokenization and stop strings (1: the scheduler's own process; "
+                "default: 1 below 8 cores, else one per 4 cores, at most 8)",
+            },
+        ),
+        Flag(
             "async_scheduling",
             "--async-scheduling",
             {

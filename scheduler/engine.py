@@ -12,6 +12,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,7 +24,7 @@ from npuserve.scheduler.client_request import ClientRequest
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics, observe_many
-from npuserve.scheduler.outputs import GenerateOutput, OutputSink, RequestStream, Usage
+from npuserve.scheduler.outputs import GenerateOutput, OutputSink, RequestStream, client_outputs
 from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
@@ -346,15 +347,14 @@ class Engine:
     ) -> AsyncIterator[GenerateOutput]:
         """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
         stream = await self.add_request(prompt, params, request_id, model)
-        usage = None
-        try:
-            async for output in stream.outputs():
-                usage = output.usage or usage
-                yield output
-        finally:
+
+        def leave() -> None:
             if not stream.finished:
                 self.drop(stream.request_id)
-            log_request_done(stream, usage)
+
+        async with aclosing(client_outputs(stream, leave)) as outputs:
+            async for output in outputs:
+                yield output
 
     def abort(self, request_id: str) -> bool:
         client = self._clients.get(request_id)
@@ -674,15 +674,3 @@ class Engine:
             stats = await asyncio.wrap_future(lane.call(_prefix_stats))
             result[lane.executor_id] = stats
         return result
-
-
-def log_request_done(stream: RequestStream, usage: Usage | None) -> None:
-    log.info(
-        "request done",
-        request_id=stream.request_id,
-        finish_reasons=stream.finish_reasons,
-        prompt_tokens=len(stream.prompt_token_ids),
-        completion_tokens=usage.completion_tokens if usage else None,
-        cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
-        seconds=round(time.monotonic() - stream.arrival_time, 4),
-    )

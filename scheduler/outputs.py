@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+import structlog
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.detokenizer import IncrementalDetokenizer
 from npuserve.scheduler.request import SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -226,3 +230,26 @@ def coalesce(output: GenerateOutput, queue: asyncio.Queue[GenerateOutput]) -> Ge
         output.usage = following.usage or output.usage
         output.finished, output.error = following.finished, following.error or output.error
     return output
+
+
+async def client_outputs(
+    stream: RequestStream, on_leave: Callable[[], None]
+) -> AsyncIterator[GenerateOutput]:
+    """The stream's outputs for its client. However it leaves (at the end, early, or cancelled),
+    ``on_leave`` runs (the caller aborts what is left of the request) and the request is logged."""
+    usage = None
+    try:
+        async for output in stream.outputs():
+            usage = output.usage or usage
+            yield output
+    finally:
+        on_leave()
+        log.info(
+            "request done",
+            request_id=stream.request_id,
+            finish_reasons=stream.finish_reasons,
+            prompt_tokens=len(stream.prompt_token_ids),
+            completion_tokens=usage.completion_tokens if usage else None,
+            cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
+            seconds=round(time.monotonic() - stream.arrival_time, 4),
+        )

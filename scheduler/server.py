@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,25 +27,22 @@ from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
-from npuserve.proto.error_details import field_status
 from npuserve.proto.ready_file import write_ready_file
-from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.scheduler import api_codec
+from npuserve.scheduler.api_process import ApiProcessSettings
+from npuserve.scheduler.api_relay import ApiProcessPool
 from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api_servicer import PublicApiServicer
+from npuserve.scheduler.api_status import guard
 from npuserve.scheduler.engine import (
     Engine,
     EngineConfig,
-    ModelNotFoundError,
-    NoExecutorError,
-    ProfilingUnavailable,
-    QueueFullError,
 )
-from npuserve.scheduler.executor_client import ClientSpec, ExecutorError
+from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
-from npuserve.scheduler.request import InvalidRequestError
 from npuserve.scheduler.step_workers import StepWorkerPool
-from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
+from npuserve.scheduler.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -54,101 +51,25 @@ SERVER_STOP_GRACE_S = 1.0  # after the drain: for the answers of calls other tha
 INTEGRITY_SETTLE_S = 5.0
 
 
-class ShuttingDown(RuntimeError):
-    """A new request while the scheduler drains (gRPC UNAVAILABLE, HTTP 503)."""
-
-
 MAX_DEFAULT_WORKERS = 16
-
-# Client errors and what they become on the wire; anything else is INTERNAL.
-STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (TokenizerError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (ProfilingUnavailable, grpc.StatusCode.UNIMPLEMENTED),
-]
-# An executor's answer to a call relayed to it keeps its code (profiling off, already running...).
-RELAYED_EXECUTOR_CODES = frozenset(
-    {"UNIMPLEMENTED", "FAILED_PRECONDITION", "UNAVAILABLE", "DEADLINE_EXCEEDED"}
-)
+MAX_DEFAULT_API_SERVERS = 8
 
 
-def status_of(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, ExecutorError) and exc.code in RELAYED_EXECUTOR_CODES:
-        return grpc.StatusCode[exc.code]
-    for kind, code in STATUS_OF:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+class SchedulerServicer(PublicApiServicer):
+    """The public API served by the engine's own process (every call answered here)."""
 
-
-class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(
         self, engine: Engine, model_root: str, known_executors: Callable[[], int] | None = None
     ) -> None:
+        super().__init__(engine, engine.prompts)
         self.engine = engine
-        self.prompts = engine.prompts
         self.model_root = model_root
         self.created = int(time.time())
         # How many executors the scheduler knows of, ready or not (default: its lanes).
         self.known_executors = known_executors or (lambda: len(engine.lanes))
-        self.draining = False
-
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
-        try:
-            if self.draining:
-                raise ShuttingDown("the scheduler is shutting down; retry on another")
-            outputs = self.engine.generate(
-                api_codec.prompt_from_proto(request),
-                api_codec.sampling_from_proto(request.sampling),
-                request.request_id or None,
-                request.model or None,
-            )
-            # NOTE: the first output is awaited inside the guard, so validation errors become a
-            # status rather than a broken stream; a cancelled client cancels this coroutine,
-            # and leaving `generate` aborts the request.
-            async for output in outputs:
-                yield api_codec.output_to_proto(
-                    output, self.prompts.tokenizer, request.sampling.return_prompt
-                )
-        except Exception as exc:
-            await _abort(context, exc)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
-
-    async def Tokenize(
-        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.TokenizeResponse:
-        async def run() -> pb.TokenizeResponse:
-            prompts = self.prompts
-            prompts.check_model(request.model or None)
-            ids = await prompts.prompt_token_ids(api_codec.prompt_from_proto(request))
-            response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=prompts.max_model_len)
-            if request.return_token_strs:
-                tokenizer = prompts.tokenizer
-                response.token_strs.extend(
-                    await prompts.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
-                )
-            return response
-
-        return await _guard(context, run)
-
-    async def Detokenize(
-        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DetokenizeResponse:
-        async def run() -> pb.DetokenizeResponse:
-            self.prompts.check_model(request.model or None)
-            text = await self.prompts.decode(list(request.token_ids), skip_special_tokens=False)
-            return pb.DetokenizeResponse(text=text)
-
-        return await _guard(context, run)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -199,7 +120,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         async def run() -> pb.StartProfileResponse:
             return pb.StartProfileResponse(executor_ids=await self.engine.start_profile())
 
-        return await _guard(context, run)
+        return await guard(context, run)
 
     async def StopProfile(
         self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
@@ -210,38 +131,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 executors=[pb.ExecutorProfile(executor_id=e, trace_files=f) for e, f in traces.items()]
             )
 
-        return await _guard(context, run)
+        return await guard(context, run)
 
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:
         self.engine.refresh_gauges()
         return pb.GetMetricsResponse(text=self.engine.metrics.render())
-
-
-async def _guard(context: grpc.aio.ServicerContext, run: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return await run()
-    except Exception as exc:
-        await _abort(context, exc)
-        raise  # unreachable: abort raises
-
-
-def field_of(exc: Exception) -> str | None:
-    """The request field a client error names (scheduler.proto lists the names), if any."""
-    return exc.field if isinstance(exc, (FieldValueError, TokenizerError)) else None
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    code = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("request failed", error=str(exc))
-    field = field_of(exc)
-    if field is None:
-        await context.abort(code, str(exc))
-    else:
-        status = field_status(code, str(exc), field)
-        await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 @dataclass(slots=True)
@@ -255,6 +151,7 @@ class SchedulerConfig:
     routing: str = "prefix-aware"
     max_queued_requests: int | None = None
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
+    api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
     async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
     step_transport: str = "unary"  # "unary" or "stream"
     step_timeout_s: float = 60.0
@@ -266,6 +163,12 @@ class SchedulerConfig:
     api_key: str | None = None  # clients of the public API present it (Health stays open)
     tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_api_server_count() -> int:
+    """This process alone below 8 cores; above, one API process per 4 cores, at most 8."""
+    cores = len(os.sched_getaffinity(0))
+    return 1 if cores < 8 else min(MAX_DEFAULT_API_SERVERS, cores // 4)
 
 
 def default_scheduler_workers() -> int:
@@ -316,21 +219,45 @@ async def serve_scheduler(
     )
     engine.start()
     watcher = asyncio.create_task(membership.run(engine))
-    interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
     servicer = SchedulerServicer(engine, config.model, membership.num_known)
-    servers, bound = await start_api_servers(
-        lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
-        interceptors,
-        host,
-        port,
-        config.tls,
-    )
+    num_api = default_api_server_count() if config.api_server_count is None else config.api_server_count
+    api_processes: ApiProcessPool | None = None
+    servers: list[grpc.aio.Server] = []
+    if num_api > 1:
+
+        def settings_for(index: int, bind_port: int) -> ApiProcessSettings:
+            return ApiProcessSettings(
+                index,
+                config.model,
+                config.chat_template,
+                engine.limits,
+                config.trust_request_chat_template,
+                host,
+                bind_port,
+                config.tls,
+                config.api_key,
+                log_level,
+                json_logs,
+            )
+
+        api_processes = ApiProcessPool(num_api, engine, servicer, settings_for)
+        bound = await api_processes.start(port)
+    else:
+        interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
+        servers, bound = await start_api_servers(
+            lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
+            interceptors,
+            host,
+            port,
+            config.tls,
+        )
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
     log.info(
         "scheduler serving",
         address=address,
         executors=len(executors),
         scheduler_workers=num_workers,
+        api_servers=num_api,
         model=engine.model_name,
         api_key=bool(config.api_key),
         tls=config.tls is not None,
@@ -340,9 +267,13 @@ async def serve_scheduler(
     shutdown = Shutdown()
     shutdown.install_on_loop(asyncio.get_running_loop())
     await shutdown.wait_drain_async()
+    if api_processes is not None:
+        api_processes.drain()
     await drain_scheduler(servicer, shutdown, shutdown_timeout_s)
     watcher.cancel()
     await stop_api_servers(servers, 0 if shutdown.now.is_set() else SERVER_STOP_GRACE_S)
+    if api_processes is not None:
+        await api_processes.close()
     engine.stop()
     log.info("scheduler stopped")
 

@@ -28,6 +28,7 @@ from npuserve.deploy.restart_policy import RestartHistory
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.block_hash import BlockHash
 from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
+from npuserve.scheduler.pipe_link import join_or_kill
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport
@@ -228,10 +229,7 @@ class WorkerHandle:
         self.closing = True
         self.outbox.put(("exit",))
         self.outbox.put(None)
-        if self.process is not None:
-            self.process.join(WORKER_EXIT_TIMEOUT_S)
-            if self.process.is_alive():
-                self.process.kill()
+        join_or_kill(self.process, WORKER_EXIT_TIMEOUT_S)
 
 
 class StepWorkerPool:

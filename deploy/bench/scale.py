@@ -90,6 +90,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         step_transport=config.step_transport,
         routing=config.routing,
         scheduler_workers=config.scheduler_workers,
+        api_server_count=config.api_server_count,
         async_scheduling=config.async_scheduling,
     )
     return [
@@ -280,7 +281,9 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
-    SCHEDULER.add(p, only=["step_transport", "routing", "scheduler_workers", "async_scheduling"])
+    SCHEDULER.add(
+        p, only=["step_transport", "routing", "scheduler_workers", "api_server_count", "async_scheduling"]
+    )
     p.add_argument(
         "--scheduler-log-level", default=d.scheduler_log_level, choices=["debug", "info", "warning"]
     )
@@ -318,6 +321,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             step_transport=args.step_transport,
             routing=args.routing,
             scheduler_workers=args.scheduler_workers,
+            api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,
             scheduler_log_level=args.scheduler_log_level,
             seed=args.seed,

@@ -35,6 +35,7 @@ class ScaleConfig:
     step_transport: str = "unary"
     routing: str = "prefix-aware"
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
+    api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool = False
     scheduler_log_level: str = "warning"
     seed: int = 0

@@ -245,7 +245,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FIELDS:
         EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
     SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
-    SCHEDULER.add(engine, only=["step_transport", "scheduler_workers", "async_scheduling"])
+    SCHEDULER.add(engine, only=["step_transport", "scheduler_workers", "api_server_count", "async_scheduling"])
     engine.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a launched server")
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -264,6 +264,7 @@ def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant
         enable_prefix_caching=variant.enable_prefix_caching,
         step_transport=variant.step_transport,
         scheduler_workers=args.scheduler_workers,
+        api_server_count=args.api_server_count,
         async_scheduling=args.async_scheduling,
     )
     return ServerSpec(

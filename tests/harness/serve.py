@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +22,9 @@ from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import with_bearer
+
+if TYPE_CHECKING:
+    from harness.cluster import Processes
 
 
 def child_pids(pid: int) -> list[int]:
@@ -257,3 +260,28 @@ def complete_streams(
     for thread in threads:
         thread.join(120)
     return outputs, reasons
+
+
+def start_executors(procs: Processes, model: Path, names: Sequence[str]) -> str:
+    """Small-cache executors of ``model``, one per name; their addresses, comma-separated."""
+    executors = [
+        procs.start(name, "executor", "--model", str(model), "--port", "0",
+                    "--kv-cache-memory", "0.02", "--executor-id", name)
+        for name in names
+    ]  # fmt: skip
+    return ",".join(e.wait_ready()["address"] for e in executors)
+
+
+def greedy_workload(
+    model: Path, seed: int, num_streams: int, num_new: int
+) -> tuple[list[list[int]], list[pb.GenerateRequest], list[list[int]]]:
+    """Random prompts of 5-40 tokens: (prompts, greedy requests, transformers' tokens for each)."""
+    import torch
+
+    from harness.pools import random_ids
+    from harness.reference import transformers_greedy
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 40, (num_streams,), generator=generator)
+    prompts = [[1, *random_ids(int(n), generator)] for n in lengths]
+    return prompts, [greedy_request(p, num_new) for p in prompts], transformers_greedy(model, prompts, num_new)

@@ -18,9 +18,8 @@ import grpc
 import pytest
 import torch
 from harness.cluster import Proc, processes, wait_until
-from harness.pools import check_prefix_routing, idle_pools, pools, random_ids
-from harness.reference import transformers_greedy
-from harness.serve import greedy_request, run_streams
+from harness.pools import check_prefix_routing, idle_pools, pools
+from harness.serve import greedy_workload, run_streams, start_executors
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -124,19 +123,9 @@ def worker_pids(scheduler: Proc) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: Path, tmp_path: Path) -> None:
-    generator = torch.Generator().manual_seed(11)
-    prompts = [
-        [1, *random_ids(int(n), generator)] for n in torch.randint(4, 40, (NUM_STREAMS,), generator=generator)
-    ]
-    expected = transformers_greedy(stories_dir, prompts, NUM_NEW)
-    requests = [greedy_request(p, NUM_NEW) for p in prompts]
+    _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
-        executors = [
-            procs.start(name, "executor", "--model", str(stories_dir), "--port", "0",
-                        "--kv-cache-memory", "0.02", "--executor-id", name)
-            for name in ("e0", "e1")
-        ]  # fmt: skip
-        addresses = ",".join(e.wait_ready()["address"] for e in executors)
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"])
         scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
                                 "--port", "0", "--scheduler-workers", "2", "--async-scheduling", "--log-format", "json")  # fmt: skip
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
@@ -151,7 +140,7 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: 
         assert outputs == expected
 
         # Routing sees each worker's prefix cache exactly.
-        check_prefix_routing(stub, ["e0", "e1"], generator)
+        check_prefix_routing(stub, ["e0", "e1"], torch.Generator().manual_seed(11))
 
         # A worker SIGKILLed mid-run: it restarts; its streams resume and complete unchanged.
         started = threading.Barrier(NUM_STREAMS + 1)

@@ -1,0 +1,252 @@
+"""An API server process (`--api-server-count N`): one of N processes serving the public gRPC API
+on the scheduler's port, so that the per-token work of client streams spreads over cores.
+
+Each API process shares the port with the others (SO_REUSEPORT: the kernel spreads connections
+over them) and, for its clients:
+  * checks the API key, validates requests, renders chat templates and tokenizes (`prompts`);
+  * hands each request, as token ids, to the engine's process (the core) and serves the client's
+    stream from the token batches the core relays back: detokenization, stop strings (a stop
+    string found here is sent to the core, which stops computing the sequence), usage, the
+    response messages and their writes;
+  * answers `Tokenize`, `Detokenize` itself, and passes every other call (`Abort`, `Health`,
+    `CheckIntegrity`, profiling, metrics, `ListModels`) to the core, which answers it as it
+    would in one process.
+The core keeps what must be one: the block tables (in its scheduler workers), routing, the
+failover copies of every request, and the metrics.
+
+Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
+  api -> core: ("ready", port) | ("submit", handle, request_id, prompt_ids, SamplingParams)
+               | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
+               | ("call", call_id, method, request message)
+  core -> api: ("add" | "end", handle, SequenceUpdate) | ("refuse", handle, RelayedError)
+               | ("reply", call_id, response message | RelayedStatus) | ("drain",) | ("exit",)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import API_KEY, AioTokenInterceptor
+from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api_servicer import PublicApiServicer
+from npuserve.scheduler.api_status import RelayedError
+from npuserve.scheduler.engine import new_request_id
+from npuserve.scheduler.outputs import GenerateOutput, RequestStream, SequenceUpdate, client_outputs
+from npuserve.scheduler.pipe_link import PipeLink
+from npuserve.scheduler.prompts import ModelLimits, PromptInput, PromptProcessor
+from npuserve.scheduler.request import SamplingParams
+from npuserve.scheduler.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
+
+
+@dataclass(frozen=True, slots=True)
+class ApiProcessSettings:
+    index: int
+    model: str  # the tokenizer's model directory
+    chat_template: str | None
+    limits: ModelLimits
+    trust_request_chat_template: bool
+    host: str
+    port: int  # 0: any free port (the first process); the others take the port it got
+    tls: tuple[bytes, bytes] | None
+    api_key: str | None
+    log_level: str
+    json_logs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RelayedStatus:
+    """A forwarded call's gRPC status, as the core's servicer ended it."""
+
+    code: str
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+
+
+# Calls the core answers (every one but Generate, Tokenize and Detokenize).
+FORWARDED_CALLS = (
+    "Abort",
+    "ListModels",
+    "Health",
+    "CheckIntegrity",
+    "StartProfile",
+    "StopProfile",
+    "GetMetrics",
+)
+
+
+class CoreLink:
+    """The API process's side of its pipe to the core (event loop thread, but for the pipe's own
+    threads, which hand batches over with `call_soon_threadsafe`)."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pipe = PipeLink(conn, "core-link", self._received, self._closed)
+        self.streams: dict[int, RequestStream] = {}
+        self._handles = itertools.count()
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self.draining = asyncio.Event()
+        self.gone = asyncio.Event()  # the core said exit, or is no more
+
+    def start(self) -> None:
+        self.pipe.start()
+
+    def _received(self, batch: list[Any]) -> None:
+        self.loop.call_soon_threadsafe(self._apply, batch)
+
+    def _closed(self) -> None:
+        self.loop.call_soon_threadsafe(self.gone.set)
+
+    def _apply(self, batch: list[Any]) -> None:
+        for item in batch:
+            kind = item[0]
+            if kind == "add":
+                stream = self.streams.get(item[1])
+                if stream is not None:
+                    update: SequenceUpdate = item[2]
+                    stop = stream.add(update)
+                    if stop is not None:
+                        self.pipe.send(("stop", item[1], update.choice, stop))
+            elif kind == "end":
+                stream = self.streams.get(item[1])
+                if stream is not None:
+                    stream.end(item[2])
+            elif kind == "refuse":
+                stream = self.streams.get(item[1])
+                if stream is not None and not stream.started:
+                    stream.refuse(item[2])
+            elif kind == "reply":
+                future = self._calls.pop(item[1], None)
+                if future is not None and not future.done():
+                    future.set_result(item[2])
+            elif kind == "drain":
+                self.draining.set()
+            elif kind == "exit":
+                self.gone.set()
+
+    def open(self, stream: RequestStream, params: SamplingParams) -> int:
+        handle = next(self._handles)
+        self.streams[handle] = stream
+        self.pipe.send(("submit", handle, stream.request_id, stream.prompt_token_ids, params))
+        return handle
+
+    def close(self, handle: int) -> None:
+        """The client's stream is over: the core aborts what is left of the request."""
+        stream = self.streams.pop(handle)
+        self.pipe.send(("close", handle, not stream.finished))
+
+    async def call(self, method: str, request: Message) -> Any:
+        if self.gone.is_set():
+            raise RelayedError("UNAVAILABLE", "the scheduler is restarting; retry")
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self._calls[call_id] = future
+        self.pipe.send(("call", call_id, method, request))
+        return await future
+
+
+class ApiFront:
+    """`Generate` over the core: checks and tokenizes here, streams what the core relays."""
+
+    def __init__(self, link: CoreLink, prompts: PromptProcessor) -> None:
+        self.link = link
+        self.prompts = prompts
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
+    ) -> AsyncIterator[GenerateOutput]:
+        prompts = self.prompts
+        prompts.check_request(model, params)
+        prompt_ids = await prompts.prompt_token_ids(prompt)
+        prompts.check_lengths(prompt_ids, params)
+        stream = RequestStream(request_id or new_request_id(), prompts.tokenizer, params, prompt_ids)
+        handle = self.link.open(stream, params)
+        async with aclosing(client_outputs(stream, lambda: self.link.close(handle))) as outputs:
+            async for output in outputs:
+                yield output
+
+
+class ApiProcessServicer(PublicApiServicer):
+    """Generate, Tokenize, Detokenize here; every other call answered by the core."""
+
+    def __init__(self, link: CoreLink, prompts: PromptProcessor) -> None:
+        super().__init__(ApiFront(link, prompts), prompts)
+        self.link = link
+
+    async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            answer = await self.link.call(method, request)
+        except RelayedError as exc:
+            answer = RelayedStatus(exc.code, exc.message)
+        if isinstance(answer, RelayedStatus):
+            await context.abort(grpc.StatusCode[answer.code], answer.details, answer.trailing_metadata)
+        return answer
+
+
+def _forwarding(method: str) -> Any:
+    async def forward(self: ApiProcessServicer, request: Message, context: grpc.aio.ServicerContext) -> Any:
+        return await self._forward(method, request, context)
+
+    forward.__name__ = method
+    return forward
+
+
+for _method in FORWARDED_CALLS:
+    setattr(ApiProcessServicer, _method, _forwarding(_method))
+
+
+async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
+    loop = asyncio.get_running_loop()
+    tokenizer = Tokenizer.from_pretrained(settings.model, chat_template=settings.chat_template)
+    prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
+    prompts.start()
+    link = CoreLink(conn, loop)
+    servicer = ApiProcessServicer(link, prompts)
+    interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
+    servers, port = await start_api_servers(
+        lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
+        interceptors,
+        settings.host,
+        settings.port,
+        settings.tls,
+    )
+    link.start()
+    link.pipe.send(("ready", port))
+    log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
+
+    async def drain_on_request() -> None:
+        await link.draining.wait()
+        servicer.draining = True
+
+    drain = loop.create_task(drain_on_request())
+    await link.gone.wait()
+    drain.cancel()
+    await stop_api_servers(servers, STOP_GRACE_S)
+    link.pipe.close()
+    prompts.close()
+
+
+def run_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
+    """The API process's entry point (spawned by `api_relay.ApiProcessPool`)."""
+    from npuserve.deploy.event_loop import run as run_loop
+    from npuserve.deploy.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.json_logs)
+    structlog.contextvars.bind_contextvars(api_server=settings.index)
+    run_loop(serve_api_process(conn, settings))

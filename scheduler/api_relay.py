@@ -1,0 +1,247 @@
+"""The core's side of the API server processes (`--api-server-count N`, see `api_process`).
+
+`ApiProcessPool` starts the N processes on the scheduler's port (the first binds it, the others
+share it) and restarts one that dies (serve's restart policy); the requests of a dead one are
+aborted, as their clients' connections went with it. Each `ApiProcessHandle` turns its process's
+submissions into engine requests whose outputs go back through a `RelayedOutputs` sink: one
+batch per wake-up of the pipe's sender thread, whatever the number of streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+
+from npuserve.deploy.restart_policy import RestartHistory
+from npuserve.scheduler.api_process import ApiProcessSettings, RelayedStatus, run_api_process
+from npuserve.scheduler.api_status import relayed
+from npuserve.scheduler.engine import Engine
+from npuserve.scheduler.outputs import SequenceUpdate
+from npuserve.scheduler.pipe_link import PipeLink, join_or_kill
+from npuserve.scheduler.request import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+START_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 10.0
+
+
+class Relay:
+    """Items for one API process, gathered over a turn of the event loop and sent as one."""
+
+    def __init__(self, pipe: PipeLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.pipe = pipe
+        self.loop = loop
+        self.pending: list[tuple[Any, ...]] = []
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending.append(item)
+
+    def _flush(self) -> None:
+        items, self.pending = self.pending, []
+        self.pipe.send_many(items)
+
+
+class RelayedOutputs:
+    """An `OutputSink` whose stream lives in an API process: updates go there as they are."""
+
+    __slots__ = ("handle", "relay")
+
+    def __init__(self, relay: Relay, handle: int) -> None:
+        self.relay, self.handle = relay, handle
+
+    def add(self, update: SequenceUpdate) -> str | None:
+        self.relay.put(("add", self.handle, update))
+        return None  # NOTE: the API process finds stop strings and reports them (`stopped_by_string`)
+
+    def end(self, update: SequenceUpdate) -> None:
+        self.relay.put(("end", self.handle, update))
+
+    def refuse(self, refusal: Exception) -> None:
+        self.relay.put(("refuse", self.handle, relayed(refusal)))
+
+
+class CallContext:
+    """What a forwarded call sees as its gRPC context: an abort becomes a `RelayedStatus`."""
+
+    class Aborted(Exception):
+        def __init__(self, status: RelayedStatus) -> None:
+            self.status = status
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise CallContext.Aborted(RelayedStatus(code.name, details, tuple(trailing_metadata or ())))
+
+
+class ApiProcessHandle:
+    def __init__(self, index: int, pool: ApiProcessPool) -> None:
+        self.index = index
+        self.pool = pool
+        self.process: BaseProcess | None = None
+        self.pipe: PipeLink | None = None
+        self.relay: Relay | None = None
+        self.requests: dict[int, str] = {}  # stream handle -> request id
+        self.ready: asyncio.Future[int] | None = None
+        self.closing = False
+        self.history = RestartHistory()
+
+    def start(self, port: int) -> asyncio.Future[int]:
+        """Starts the process on ``port``; the future is its bound port once it serves."""
+        loop = self.pool.loop
+        ctx = multiprocessing.get_context("spawn")
+        core_end, api_end = ctx.Pipe(duplex=True)
+        settings = self.pool.settings_for(self.index, port)
+        process = ctx.Process(
+            target=run_api_process, args=(api_end, settings), name=f"npuserve-api-{self.index}", daemon=True
+        )
+        process.start()
+        api_end.close()
+        pipe = PipeLink(
+            core_end,
+            f"api-{self.index}",
+            lambda batch: loop.call_soon_threadsafe(self._apply, pipe, batch),
+            lambda: loop.call_soon_threadsafe(self._lost, pipe),
+        )
+        self.process, self.pipe, self.requests = process, pipe, {}
+        self.relay = Relay(pipe, loop)
+        self.ready = loop.create_future()
+        pipe.start()
+        log.info("api server process started", index=self.index, pid=process.pid)
+        return self.ready
+
+    def send(self, item: tuple[Any, ...]) -> None:
+        if self.pipe is not None:
+            self.pipe.send(item)
+
+    def _apply(self, pipe: PipeLink, batch: list[Any]) -> None:
+        if pipe is not self.pipe:
+            return  # an earlier incarnation's
+        engine = self.pool.engine
+        for item in batch:
+            kind = item[0]
+            if kind == "submit":
+                _, handle, request_id, prompt_ids, params = item
+                self.requests[handle] = request_id
+                self.pool.spawn(self._submit(handle, request_id, prompt_ids, params))
+            elif kind == "stop":
+                request_id = self.requests.get(item[1])
+                if request_id is not None:
+                    engine.stopped_by_string(request_id, item[2], item[3])
+            elif kind == "close":
+                request_id = self.requests.pop(item[1], None)
+                if request_id is not None and item[2]:
+                    engine.drop(request_id)
+            elif kind == "call":
+                self.pool.spawn(self._call(pipe, *item[1:]))
+            elif kind == "ready" and self.ready is not None and not self.ready.done():
+                self.ready.set_result(item[1])
+
+    async def _submit(
+        self, handle: int, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
+        relay = self.relay
+        assert relay is not None
+        outputs = RelayedOutputs(relay, handle)
+        try:
+            await self.pool.engine.add_tokenized(request_id, prompt_ids, params, outputs)
+        except Exception as exc:
+            self.requests.pop(handle, None)
+            outputs.refuse(exc)
+            return
+        if self.requests.get(handle) != request_id:  # its client left while it was compiled
+            self.pool.engine.drop(request_id)
+
+    async def _call(self, pipe: PipeLink, call_id: int, method: str, request: Message) -> None:
+        try:
+            answer: Any = await getattr(self.pool.servicer, method)(request, CallContext())
+        except CallContext.Aborted as aborted:
+            answer = aborted.status
+        except Exception as exc:
+            log.exception("forwarded call failed", method=method)
+            answer = RelayedStatus("INTERNAL", str(exc))
+        pipe.send(("reply", call_id, answer))
+
+    def _lost(self, pipe: PipeLink) -> None:
+        if pipe is not self.pipe or self.closing:
+            return
+        self.pipe = None
+        code = self.process.exitcode if self.process is not None else None
+        log.error("api server process died", index=self.index, exit_code=code, streams=len(self.requests))
+        for request_id in self.requests.values():
+            self.pool.engine.drop(request_id)  # NOTE: their clients' connections went with it
+        self.requests = {}
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_exception(RuntimeError(f"api server process {self.index} exited before serving"))
+        self.pool.spawn(self.pool.restart(self))
+
+    def close(self) -> None:
+        self.closing = True
+        self.send(("exit",))
+        if self.pipe is not None:
+            self.pipe.close()
+        join_or_kill(self.process, EXIT_TIMEOUT_S)
+
+
+class ApiProcessPool:
+    """The N API server processes serving the public API for one engine (event loop thread)."""
+
+    def __init__(
+        self,
+        count: int,
+        engine: Engine,
+        servicer: Any,
+        settings_for: Callable[[int, int], ApiProcessSettings],
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"an API process pool needs at least one process, got {count}")
+        self.engine = engine
+        self.servicer = servicer  # the core's own servicer answers the forwarded calls
+        self.settings_for = settings_for
+        self.processes = [ApiProcessHandle(i, self) for i in range(count)]
+        self.port = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.loop = asyncio.get_event_loop()
+
+    def spawn(self, work: Any) -> None:
+        task = self.loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, port: int) -> int:
+        """Starts every process; returns the port they share (the first binds ``port``, 0: any)."""
+        self.loop = asyncio.get_running_loop()
+        first, *others = self.processes
+        self.port = await asyncio.wait_for(first.start(port), START_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.gather(*(p.start(self.port) for p in others)), START_TIMEOUT_S)
+        return self.port
+
+    async def restart(self, handle: ApiProcessHandle) -> None:
+        delay_s = handle.history.died()
+        if delay_s is None:
+            log.error("api server process crash-looping; given up", index=handle.index)
+            return
+        await asyncio.sleep(delay_s)
+        if handle.closing:
+            return
+        if handle.process is not None:
+            await asyncio.to_thread(handle.process.join, EXIT_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(handle.start(self.port), START_TIMEOUT_S)
+            handle.history.started()
+        except Exception:
+            log.exception("api server process restart failed", index=handle.index)
+
+    def drain(self) -> None:
+        for handle in self.processes:
+            handle.send(("drain",))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(asyncio.to_thread(handle.close) for handle in self.processes))

@@ -1,0 +1,83 @@
+"""The public gRPC API's calls that any process serving it answers itself: `Generate` (given a
+front that queues requests and streams their outputs), `Tokenize` and `Detokenize`.
+
+The engine's own process serves them over the engine (`server.SchedulerServicer`); an API server
+process (`--api-server-count`) over its link to the engine (`api_process`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+import structlog
+
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.scheduler import api_codec
+from npuserve.scheduler.api_status import ShuttingDown, abort_with, guard
+from npuserve.scheduler.outputs import GenerateOutput
+from npuserve.scheduler.prompts import PromptInput, PromptProcessor
+from npuserve.scheduler.request import SamplingParams
+
+
+class GenerateFront(Protocol):
+    def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
+    ) -> AsyncIterator[GenerateOutput]: ...
+
+
+class PublicApiServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, front: GenerateFront, prompts: PromptProcessor) -> None:
+        self.front = front
+        self.prompts = prompts
+        self.draining = False  # new Generate calls are refused (UNAVAILABLE)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
+        try:
+            if self.draining:
+                raise ShuttingDown("the scheduler is shutting down; retry on another")
+            outputs = self.front.generate(
+                api_codec.prompt_from_proto(request),
+                api_codec.sampling_from_proto(request.sampling),
+                request.request_id or None,
+                request.model or None,
+            )
+            # NOTE: the first output is awaited inside the guard, so validation errors become a
+            # status rather than a broken stream; a cancelled client cancels this coroutine,
+            # and leaving `generate` aborts the request.
+            tokenizer, return_prompt = self.prompts.tokenizer, request.sampling.return_prompt
+            async for output in outputs:
+                yield api_codec.output_to_proto(output, tokenizer, return_prompt)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        async def run() -> pb.TokenizeResponse:
+            prompts = self.prompts
+            prompts.check_model(request.model or None)
+            ids = await prompts.prompt_token_ids(api_codec.prompt_from_proto(request))
+            response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=prompts.max_model_len)
+            if request.return_token_strs:
+                tokenizer = prompts.tokenizer
+                response.token_strs.extend(
+                    await prompts.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
+                )
+            return response
+
+        return await guard(context, run)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        async def run() -> pb.DetokenizeResponse:
+            self.prompts.check_model(request.model or None)
+            text = await self.prompts.decode(list(request.token_ids), skip_special_tokens=False)
+            return pb.DetokenizeResponse(text=text)
+
+        return await guard(context, run)

@@ -1,0 +1,210 @@
+"""The public API served by API server processes (`--api-server-count`).
+
+Units: a forwarded call's abort becomes a status the API process replays, and errors cross
+processes with their status and field. Then one scenario over real processes: two executors,
+a scheduler with two API processes sharing its port; 32 greedy streams over 16 connections
+equal transformers and are served by both processes; stop strings found in an API process stop
+the sequence in the core; calls the core answers (Abort, Health, CheckIntegrity, ListModels,
+metrics) work from any process; an API process SIGKILLed under 32 streams is restarted, the
+streams of the other complete unchanged, and every pool is intact and idle afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from harness.cluster import processes, wait_until
+from harness.pools import idle_pools
+from harness.serve import greedy_request, greedy_workload, start_executors
+
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import CONNECTION_INDEX_OPTION
+from npuserve.scheduler.api_process import RelayedStatus
+from npuserve.scheduler.api_relay import CallContext
+from npuserve.scheduler.api_status import field_of, relayed, status_of
+from npuserve.scheduler.engine import QueueFullError
+from npuserve.scheduler.request import InvalidRequestError
+
+NUM_STREAMS = 32
+NUM_CONNECTIONS = 16
+NUM_NEW = 40
+
+
+# -- units --------------------------------------------------------------------------------------
+
+
+def test_an_error_crosses_processes_with_its_status_and_field() -> None:
+    crossed = relayed(InvalidRequestError("temperature must be >= 0", "temperature"))
+    assert (status_of(crossed), field_of(crossed), str(crossed)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+        "temperature must be >= 0",
+    )
+    full = relayed(QueueFullError("the queue is full"))
+    assert status_of(full) == grpc.StatusCode.RESOURCE_EXHAUSTED and field_of(full) is None
+
+
+def test_a_forwarded_calls_abort_becomes_a_status() -> None:
+    async def abort() -> RelayedStatus:
+        try:
+            await CallContext().abort(grpc.StatusCode.NOT_FOUND, "no such model", (("k", b"v"),))
+        except CallContext.Aborted as aborted:
+            return aborted.status
+        raise AssertionError("abort must raise")
+
+    assert asyncio.run(abort()) == RelayedStatus("NOT_FOUND", "no such model", (("k", b"v"),))
+
+
+# -- the scheduler over API processes -----------------------------------------------------------
+
+
+def api_pids(scheduler_events: list[dict]) -> dict[int, int]:
+    """API process index -> pid of its latest start."""
+    return {e["index"]: e["pid"] for e in scheduler_events if e["event"] == "api server process started"}
+
+
+def stubs(address: str) -> list[pb_grpc.SchedulerStub]:
+    """One stub per connection (the kernel spreads connections over the API processes)."""
+    return [
+        pb_grpc.SchedulerStub(grpc.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)]))
+        for i in range(NUM_CONNECTIONS)
+    ]
+
+
+def stream_all(
+    connections: list[pb_grpc.SchedulerStub],
+    requests: list[pb.GenerateRequest],
+    started: threading.Barrier | None = None,
+) -> tuple[list[threading.Thread], list[list[int]], list[str], list[grpc.StatusCode | None]]:
+    """One thread per request over the connections in turn; with ``started``, each waits there
+    once it has 4 tokens. A stream that breaks keeps its status code."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    reasons = ["" for _ in requests]
+    codes: list[grpc.StatusCode | None] = [None for _ in requests]
+
+    def stream(index: int) -> None:
+        waited = started is None
+        try:
+            for response in connections[index % len(connections)].Generate(requests[index], timeout=120):
+                for completion in response.completions:
+                    outputs[index] += completion.token_ids
+                    reasons[index] = completion.finish_reason or reasons[index]
+                if not waited and len(outputs[index]) >= 4:
+                    waited = True
+                    started.wait(60)  # type: ignore[union-attr]
+        except grpc.RpcError as exc:
+            codes[index] = exc.code()
+            if not waited:
+                started.wait(60)  # type: ignore[union-attr]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    if started is not None:
+        started.wait(60)
+    return threads, outputs, reasons, codes
+
+
+@pytest.mark.slow
+def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_path: Path) -> None:
+    prompts, requests, expected = greedy_workload(stories_dir, 5, NUM_STREAMS, NUM_NEW)
+    with processes(tmp_path) as procs:
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"])
+        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
+                                "--port", "0", "--api-server-count", "2", "--scheduler-workers", "1",
+                                "--log-format", "json")  # fmt: skip
+        address = scheduler.wait_ready()["address"]
+        connections = stubs(address)
+        stub = connections[0]
+        first_pids = api_pids(scheduler.events())
+        assert len(first_pids) == 2
+
+        # 32 greedy streams over 16 connections equal transformers, served by both processes.
+        threads, outputs, reasons, codes = stream_all(connections, requests)
+        for thread in threads:
+            thread.join(120)
+        assert codes == [None] * NUM_STREAMS
+        assert reasons == ["length"] * NUM_STREAMS
+        assert outputs == expected
+        served_by = {e.get("api_server") for e in scheduler.events() if e["event"] == "request done"}
+        assert served_by == {0, 1}
+
+        # A stop string found in an API process ends the sequence there and in the core.
+        text = "".join(
+            c.text
+            for r in connections[1].Generate(greedy_request(prompts[0], NUM_NEW))
+            for c in r.completions
+        )
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        for connection in connections[:4]:
+            (last, *_) = reversed(list(connection.Generate(greedy_request(prompts[0], NUM_NEW, stop=[stop]))))
+            assert (last.completions[0].finish_reason, last.completions[0].stop_string) == ("stop", stop)
+            assert last.usage.completion_tokens < NUM_NEW
+
+        # Calls the core answers work from every connection; errors keep their status.
+        for connection in connections[:4]:
+            assert connection.Health(pb.HealthRequest()).serving
+            assert connection.ListModels(pb.ListModelsRequest()).models[0].max_model_len > 0
+            assert not connection.Abort(pb.AbortRequest(request_id="nobody")).found
+            assert "vllm:num_requests_running" in connection.GetMetrics(pb.GetMetricsRequest()).text
+            with pytest.raises(grpc.RpcError) as refused:
+                list(connection.Generate(greedy_request([1, 10**6], 4)))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        waiting = threading.Event()
+        held = greedy_request(prompts[1], 400)
+        held.request_id = "held"
+
+        held_reasons: list[str] = []
+
+        def hold() -> None:
+            for response in connections[2].Generate(held, timeout=120):
+                held_reasons.extend(c.finish_reason for c in response.completions if c.finish_reason)
+                waiting.set()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert waiting.wait(60)
+        with pytest.raises(grpc.RpcError) as duplicate:  # the core refuses it, relayed with its field
+            list(connections[3].Generate(held))
+        assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in use" in (duplicate.value.details() or "")
+        assert stub.Abort(pb.AbortRequest(request_id="held")).found
+        holder.join(60)
+        assert held_reasons == ["abort"]
+
+        # An API process SIGKILLed under 32 streams: the other's streams complete unchanged; it
+        # restarts and serves; what its streams held is freed.
+        started = threading.Barrier(NUM_STREAMS + 1)
+        threads, outputs, reasons, codes = stream_all(connections, requests, started)
+        os.kill(first_pids[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        survived = [i for i, code in enumerate(codes) if code is None]
+        assert all(codes[i] == grpc.StatusCode.UNAVAILABLE for i in range(NUM_STREAMS) if i not in survived)
+        assert [outputs[i] for i in survived] == [expected[i] for i in survived]
+        assert all(reasons[i] == "length" for i in survived)
+        wait_until(lambda: api_pids(scheduler.events())[0] != first_pids[0], 30, "the API process to restart")
+        wait_until(
+            lambda: sum(e["event"] == "api server process serving" for e in scheduler.events()) == 3,
+            60,
+            "the restarted API process to serve",
+        )
+        # Every connection serves again (a broken one reconnects, to either process).
+        for index, connection in enumerate(connections):
+            tokens = [
+                t
+                for r in connection.Generate(requests[index], timeout=120)
+                for c in r.completions
+                for t in c.token_ids
+            ]
+            assert tokens == expected[index]
+        final = idle_pools(stub)
+        assert set(final) == {"e0", "e1"}
+        assert all(p.num_free_blocks == p.num_blocks for p in final.values())
