@@ -234,7 +234,7 @@ def coalesce(output: GenerateOutput, queue: asyncio.Queue[GenerateOutput]) -> Ge
 
 async def client_outputs(
     stream: RequestStream, on_leave: Callable[[], None]
-) -> AsyncIterator[GenerateOutput]:
+) -> AsyncGenerator[GenerateOutput, None]:
     """The stream's outputs for its client. However it leaves (at the end, early, or cancelled),
     ``on_leave`` runs (the caller aborts what is left of the request) and the request is logged."""
     usage = None
