@@ -16,6 +16,7 @@ failover copies of every request, and the metrics.
 
 Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
   api -> core: ("ready", port) | ("submit", handle, request_id, prompt_ids, SamplingParams)
+               | ("ack", number of relayed items applied: flow control, see `api_relay.Relay`)
                | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
                | ("call", call_id, method, request message)
   core -> api: ("add" | "end", handle, SequenceUpdate) | ("refuse", handle, RelayedError)
@@ -52,6 +53,7 @@ from npuserve.scheduler.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
+RELAYED_KINDS = frozenset({"add", "end", "refuse"})  # what the core relays of streams (acknowledged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +116,11 @@ class CoreLink:
         self.loop.call_soon_threadsafe(self.gone.set)
 
     def _apply(self, batch: list[Any]) -> None:
+        relayed = 0
         for item in batch:
             kind = item[0]
+            if kind in RELAYED_KINDS:
+                relayed += 1
             if kind == "add":
                 stream = self.streams.get(item[1])
                 if stream is not None:
@@ -139,6 +144,8 @@ class CoreLink:
                 self.draining.set()
             elif kind == "exit":
                 self.gone.set()
+        if relayed:
+            self.pipe.send(("ack", relayed))
 
     def open(self, stream: RequestStream, params: SamplingParams) -> int:
         handle = next(self._handles)

@@ -30,16 +30,27 @@ from npuserve.scheduler.request import SamplingParams
 log = structlog.get_logger(__name__)
 
 START_TIMEOUT_S = 120.0
+MAX_UNACKED_ITEMS = 16384  # tokens relayed to one API process and not yet applied there
 EXIT_TIMEOUT_S = 10.0
 
 
 class Relay:
-    """Items for one API process, gathered over a turn of the event loop and sent as one."""
+    """Items for one API process, gathered over a turn of the event loop and sent as one.
+
+    The API process acknowledges the items it has applied; while `MAX_UNACKED_ITEMS` wait for
+    that, it is `behind` and the scheduler workers' steps wait (the engine holds their reports'
+    acknowledgements), so a slow API process slows the steps down instead of letting tokens pile
+    up between the processes."""
 
     def __init__(self, pipe: PipeLink, loop: asyncio.AbstractEventLoop) -> None:
         self.pipe = pipe
         self.loop = loop
         self.pending: list[tuple[Any, ...]] = []
+        self.unacked = 0
+
+    @property
+    def behind(self) -> bool:
+        return self.unacked >= MAX_UNACKED_ITEMS
 
     def put(self, item: tuple[Any, ...]) -> None:
         if not self.pending:
@@ -48,7 +59,11 @@ class Relay:
 
     def _flush(self) -> None:
         items, self.pending = self.pending, []
+        self.unacked += len(items)
         self.pipe.send_many(items)
+
+    def acked(self, count: int) -> None:
+        self.unacked = max(0, self.unacked - count)
 
 
 class RelayedOutputs:
@@ -139,6 +154,10 @@ class ApiProcessHandle:
                 request_id = self.requests.pop(item[1], None)
                 if request_id is not None and item[2]:
                     engine.drop(request_id)
+            elif kind == "ack":
+                if self.relay is not None:
+                    self.relay.acked(item[1])
+                    self.pool.check_caught_up()
             elif kind == "call":
                 self.pool.spawn(self._call(pipe, *item[1:]))
             elif kind == "ready" and self.ready is not None and not self.ready.done():
@@ -178,6 +197,8 @@ class ApiProcessHandle:
         for request_id in self.requests.values():
             self.pool.engine.drop(request_id)  # NOTE: their clients' connections went with it
         self.requests = {}
+        self.relay = None
+        self.pool.check_caught_up()
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(RuntimeError(f"api server process {self.index} exited before serving"))
         self.pool.spawn(self.pool.restart(self))
@@ -209,6 +230,15 @@ class ApiProcessPool:
         self.port = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = asyncio.get_event_loop()
+        engine.streams_behind = self.behind
+
+    def behind(self) -> bool:
+        """Whether an API process is behind on the tokens relayed to it."""
+        return any(h.relay is not None and h.relay.behind for h in self.processes)
+
+    def check_caught_up(self) -> None:
+        if not self.behind():
+            self.engine.streams_caught_up()
 
     def spawn(self, work: Any) -> None:
         task = self.loop.create_task(work)

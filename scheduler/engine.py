@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
@@ -138,6 +138,10 @@ class Engine:
         self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
+        # Whether the processes serving client streams are behind on what was relayed to them
+        # (never, when this process serves them); the workers' reports wait to be acknowledged.
+        self.streams_behind: Callable[[], bool] = lambda: False
+        self._held_acks: list[WorkerHandle] = []
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -425,7 +429,18 @@ class Engine:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
             self._dispatch(lane, apply_report(report, self._request_of))
-        worker.send(("ack",))  # NOTE: the worker's lanes wait while too many go unacknowledged
+        # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
+        # the processes serving client streams are behind (`--api-server-count`).
+        if self.streams_behind():
+            self._held_acks.append(worker)
+        else:
+            worker.send(("ack",))
+
+    def streams_caught_up(self) -> None:
+        """The processes serving client streams caught up: the workers held back step again."""
+        held, self._held_acks = self._held_acks, []
+        for worker in held:
+            worker.send(("ack",))
 
     def _on_worker_lost(self, worker: WorkerHandle) -> None:
         """A scheduler worker died: its lanes' requests move (or wait for its restart), and it

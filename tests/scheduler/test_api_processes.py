@@ -27,7 +27,7 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.scheduler.api_process import RelayedStatus
-from npuserve.scheduler.api_relay import CallContext
+from npuserve.scheduler.api_relay import MAX_UNACKED_ITEMS, CallContext, Relay
 from npuserve.scheduler.api_status import field_of, relayed, status_of
 from npuserve.scheduler.engine import QueueFullError
 from npuserve.scheduler.request import InvalidRequestError
@@ -60,6 +60,28 @@ def test_a_forwarded_calls_abort_becomes_a_status() -> None:
         raise AssertionError("abort must raise")
 
     assert asyncio.run(abort()) == RelayedStatus("NOT_FOUND", "no such model", (("k", b"v"),))
+
+
+def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -> None:
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list[list[object]] = []
+
+        def send_many(self, items: list[object]) -> None:
+            self.sent.append(items)
+
+    async def scenario() -> None:
+        pipe = Pipe()
+        relay = Relay(pipe, asyncio.get_running_loop())  # type: ignore[arg-type]
+        for i in range(MAX_UNACKED_ITEMS):
+            relay.put(("add", i, None))
+        assert not pipe.sent and not relay.behind  # sent at the end of the loop's turn
+        await asyncio.sleep(0)
+        assert [len(items) for items in pipe.sent] == [MAX_UNACKED_ITEMS] and relay.behind
+        relay.acked(1)
+        assert not relay.behind
+
+    asyncio.run(scenario())
 
 
 # -- the scheduler over API processes -----------------------------------------------------------
