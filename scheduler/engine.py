@@ -125,7 +125,7 @@ class Engine:
         self.metrics = SchedulerMetrics(self.model_name)
         self.lanes: dict[str, Lane] = {}
         self._clients: dict[str, ClientRequest] = {}
-        self._parent_of: dict[str, str] = {}
+        self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
         self._lane_of: dict[str, Lane] = {}
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
@@ -147,7 +147,9 @@ class Engine:
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
 
-    def start(self) -> None:
+    def start(self, serve_prompts: bool = True) -> None:
+        """``serve_prompts``: start the render processes for chat templates (not needed when
+        API server processes take every request's prompt)."""
         self._loop = loop = asyncio.get_running_loop()
         if self.step_workers is not None:
 
@@ -165,7 +167,8 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
-        self.prompts.start()
+        if serve_prompts:
+            self.prompts.start()
         if self.tokenizer.size_bound is None:
             log.warning(
                 "this tokenizer may turn any length of text into one token: long prompts are "
@@ -331,7 +334,7 @@ class Engine:
         client = ClientRequest(request_id, children, prompt_ids, sink)
         self._clients[request_id] = client
         for child in children:
-            self._parent_of[child.req_id] = request_id
+            self._client_of_seq[child.req_id] = client
         lane = self._place(children)
         log.debug(
             "request queued",
@@ -405,7 +408,7 @@ class Engine:
             return
         del self._clients[client.request_id]
         for child in client.children:
-            self._parent_of.pop(child.req_id, None)
+            self._client_of_seq.pop(child.req_id, None)
             self._lane_of.pop(child.req_id, None)
 
     # -- lane events (lane threads -> event loop) ------------------------------------------------
@@ -415,7 +418,7 @@ class Engine:
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
     def _client_of(self, req_id: str) -> ClientRequest | None:
-        return self._clients.get(self._parent_of.get(req_id, ""))
+        return self._client_of_seq.get(req_id)
 
     def _request_of(self, req_id: str) -> Request | None:
         client = self._client_of(req_id)
@@ -557,7 +560,8 @@ class Engine:
             return
         by_parent: dict[str, list[Request]] = {}
         for request in requests:
-            parent = self._parent_of.get(request.req_id)
+            client = self._client_of_seq.get(request.req_id)
+            parent = None if client is None else client.request_id
             if parent is not None and parent in self._clients:  # else: aborted meanwhile
                 by_parent.setdefault(parent, []).append(request)
             elif request.grammar is not None:

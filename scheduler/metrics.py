@@ -208,9 +208,15 @@ class SchedulerMetrics:
         )
         self.step_seconds = histogram("npuserve:step_seconds", "Wall time of one executor step.")
         self.executors = ExecutorMetrics(r, model_name)
+        self._success_by_reason: dict[str, Counter] = {}
 
     def request_finished(self, finished_reason: str) -> None:
-        self._success.labels(self.model_name, finished_reason).inc()
+        counter = self._success_by_reason.get(finished_reason)
+        if counter is None:  # NOTE: `labels` looks the child up under a lock: once per reason
+            counter = self._success_by_reason[finished_reason] = self._success.labels(
+                self.model_name, finished_reason
+            )
+        counter.inc()
 
     def step(self, executor_id: str, seconds: float) -> None:
         """One step of an executor."""

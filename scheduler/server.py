@@ -217,10 +217,10 @@ async def serve_scheduler(
         executors,
         step_workers,
     )
-    engine.start()
+    num_api = default_api_server_count() if config.api_server_count is None else config.api_server_count
+    engine.start(serve_prompts=num_api == 1)
     watcher = asyncio.create_task(membership.run(engine))
     servicer = SchedulerServicer(engine, config.model, membership.num_known)
-    num_api = default_api_server_count() if config.api_server_count is None else config.api_server_count
     api_processes: ApiProcessPool | None = None
     servers: list[grpc.aio.Server] = []
     if num_api > 1:
