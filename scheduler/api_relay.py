@@ -10,6 +10,7 @@ batch per wake-up of the pipe's sender thread, whatever the number of streams.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -114,8 +115,10 @@ class ApiProcessHandle:
         ctx = multiprocessing.get_context("spawn")
         core_end, api_end = ctx.Pipe(duplex=True)
         settings = self.pool.settings_for(self.index, port)
+        # NOTE: not a daemon, so it can start its render processes; it exits once this end of
+        # its pipe closes (the core stopped or died).
         process = ctx.Process(
-            target=run_api_process, args=(api_end, settings), name=f"npuserve-api-{self.index}", daemon=True
+            target=run_api_process, args=(api_end, settings), name=f"npuserve-api-{self.index}"
         )
         process.start()
         api_end.close()
@@ -231,6 +234,15 @@ class ApiProcessPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = asyncio.get_event_loop()
         engine.streams_behind = self.behind
+        # NOTE: the processes are not daemons: if this one exits without `close` (a crash),
+        # they are killed rather than waited for (they would wait on their pipes forever).
+        atexit.register(self._kill_all)
+
+    def _kill_all(self) -> None:
+        for handle in self.processes:
+            handle.closing = True
+            if handle.process is not None and handle.process.is_alive():
+                handle.process.kill()
 
     def behind(self) -> bool:
         """Whether an API process is behind on the tokens relayed to it."""
@@ -275,3 +287,4 @@ class ApiProcessPool:
 
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(handle.close) for handle in self.processes))
+        atexit.unregister(self._kill_all)

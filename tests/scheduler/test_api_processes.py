@@ -21,7 +21,7 @@ import grpc
 import pytest
 from harness.cluster import processes, wait_until
 from harness.pools import idle_pools
-from harness.serve import greedy_request, greedy_workload, start_executors
+from harness.serve import alive, greedy_request, greedy_workload, start_executors
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -170,6 +170,15 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
             assert (last.completions[0].finish_reason, last.completions[0].stop_string) == ("stop", stop)
             assert last.usage.completion_tokens < NUM_NEW
 
+        # Chat prompts render in the API processes' template workers.
+        chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Tell me a story.")])
+        for connection in connections[:4]:
+            chat_request = pb.GenerateRequest(
+                chat=chat, sampling=pb.SamplingParams(temperature=0, max_tokens=8)
+            )
+            (last, *_) = reversed(list(connection.Generate(chat_request, timeout=60)))
+            assert last.usage.completion_tokens > 0 and last.usage.prompt_tokens > 5
+
         # Calls the core answers work from every connection; errors keep their status.
         for connection in connections[:4]:
             assert connection.Health(pb.HealthRequest()).serving
@@ -230,3 +239,9 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
         final = idle_pools(stub)
         assert set(final) == {"e0", "e1"}
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())
+
+        # SIGTERM drains and stops the scheduler and its API processes.
+        latest = api_pids(scheduler.events())
+        assert scheduler.stop() == 0
+        assert not any(alive(pid) for pid in latest.values())
+        assert any(e["event"] == "scheduler drained; block pools intact and idle" for e in scheduler.events())
