@@ -19,7 +19,7 @@ Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
                | ("ack", number of relayed items applied: flow control, see `api_relay.Relay`)
                | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
                | ("call", call_id, method, request message)
-  core -> api: ("add" | "end", handle, SequenceUpdate) | ("refuse", handle, RelayedError)
+  core -> api: ("add" | "end", handle, *SequenceUpdate's fields) | ("refuse", handle, RelayedError)
                | ("reply", call_id, response message | RelayedStatus) | ("drain",) | ("exit",)
 """
 
@@ -124,14 +124,14 @@ class CoreLink:
             if kind == "add":
                 stream = self.streams.get(item[1])
                 if stream is not None:
-                    update: SequenceUpdate = item[2]
+                    update = SequenceUpdate(*item[2:])
                     stop = stream.add(update)
                     if stop is not None:
                         self.pipe.send(("stop", item[1], update.choice, stop))
             elif kind == "end":
                 stream = self.streams.get(item[1])
                 if stream is not None:
-                    stream.end(item[2])
+                    stream.end(SequenceUpdate(*item[2:]))
             elif kind == "refuse":
                 stream = self.streams.get(item[1])
                 if stream is not None and not stream.started:
