@@ -39,15 +39,18 @@ class ClientRequest:
 
     def mark_finished(self, req_id: str) -> bool:
         """Marks a sequence finished; False if it was already."""
-        index = self.index_of[req_id]
+        return self._mark_finished(self.index_of[req_id])
+
+    def _mark_finished(self, index: int) -> bool:
         if self._finished[index]:
             return False
         self._finished[index] = True
         self._num_unfinished -= 1
         return True
 
+    @staticmethod
     def _update(
-        self,
+        index: int,
         request: Request,
         token_ids: list[int],
         logprobs: list[TokenLogprobs | None],
@@ -55,7 +58,7 @@ class ClientRequest:
         error: str | None,
     ) -> SequenceUpdate:
         return SequenceUpdate(
-            self.index_of[request.req_id],
+            index,
             token_ids,
             logprobs,
             None if finished is None else finished.value,
@@ -74,20 +77,22 @@ class ClientRequest:
     ) -> str | None:
         """A step's new tokens of one sequence; returns the stop string that ended it, if one
         did where the stream is served in this process."""
-        if self.is_finished(request.req_id):
+        index = self.index_of[request.req_id]  # NOTE: once per token: looked up once
+        if self._finished[index]:
             return None
         self.started = True
-        stop = self.sink.add(self._update(request, token_ids, logprobs, finished, request.error))
+        stop = self.sink.add(self._update(index, request, token_ids, logprobs, finished, request.error))
         if finished is not None or stop is not None:
-            self.mark_finished(request.req_id)
+            self._mark_finished(index)
         return stop
 
     def end(self, request: Request, status: RequestStatus, error: str | None) -> None:
         """A sequence ended outside a step (aborted, or its executor failed)."""
-        if not self.mark_finished(request.req_id):
+        index = self.index_of[request.req_id]
+        if not self._mark_finished(index):
             return
         self.started = True
-        self.sink.end(self._update(request, [], [], status, error))
+        self.sink.end(self._update(index, request, [], [], status, error))
 
     def refuse(self, refusal: Exception) -> None:
         """Ends a request that has sent nothing yet with ``refusal`` as the client's status."""

@@ -1,9 +1,9 @@
 """One end of a pipe between two of the scheduler's processes, with a thread each way.
 
-Messages are lists (batches) of picklable items. `send` queues an item (`send_many` several at
-once, with one wake-up of the sender); the sender thread sends everything queued since its last
-send as one message, so a busy side pays one pickle and one write per wake-up, not per item. The reader thread hands each received batch to ``on_batch`` and,
-once the other end is gone, calls ``on_closed`` once.
+Messages are lists (batches) of picklable items. `send` queues an item; the sender thread
+(`step_worker.send_batches`) sends everything queued since its last send as one message, so a
+busy side pays one pickle and one write per wake-up, not per item. The reader thread hands each
+received batch to ``on_batch`` and, once the other end is gone, calls ``on_closed`` once.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+from npuserve.scheduler.step_worker import send_batches
 
 
 class PipeLink:
@@ -29,7 +31,9 @@ class PipeLink:
         self._on_batch = on_batch
         self._on_closed = on_closed
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
+        self._sender = threading.Thread(
+            target=send_batches, args=(conn, self._outbox, lambda: None), name=f"{name}-send", daemon=True
+        )
         self._reader = threading.Thread(target=self._read, name=f"{name}-read", daemon=True)
 
     def start(self) -> None:
@@ -37,24 +41,11 @@ class PipeLink:
         self._reader.start()
 
     def send(self, item: Any) -> None:
-        self._outbox.put((item,))
+        self._outbox.put(item)
 
     def send_many(self, items: list[Any]) -> None:
-        self._outbox.put(items)
-
-    def _send_loop(self) -> None:
-        while True:
-            queued = [self._outbox.get()]
-            while not self._outbox.empty():  # NOTE: one consumer: what it saw there is still there
-                queued.append(self._outbox.get_nowait())
-            batch = [item for items in queued if items is not None for item in items]
-            try:
-                if batch:
-                    self.conn.send(batch)
-            except (OSError, ValueError, EOFError):
-                return
-            if queued[-1] is None:
-                return
+        for item in items:
+            self._outbox.put(item)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Sends what is queued, then stops sending."""

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
@@ -28,11 +25,11 @@ from npuserve.deploy.restart_policy import RestartHistory
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.block_hash import BlockHash
 from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
-from npuserve.scheduler.pipe_link import join_or_kill
+from npuserve.scheduler.pipe_link import PipeLink, join_or_kill
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport
-from npuserve.scheduler.step_worker import LaneSettings, run_step_worker, send_batches
+from npuserve.scheduler.step_worker import LaneSettings, run_step_worker
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +136,7 @@ class WorkerHandle:
         self.pool = pool
         self.lanes: dict[str, RemoteLane] = {}
         self.process: BaseProcess | None = None
-        self.conn: Connection | None = None
-        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.link: PipeLink | None = None
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self.closing = False
@@ -169,19 +165,15 @@ class WorkerHandle:
         )
         process.start()
         worker_end.close()
-        self.process, self.conn, self.outbox = process, front_end, queue.SimpleQueue()
+        link = PipeLink(front_end, self.name, self._received, lambda: self._closed(link))
+        self.process, self.link = process, link
         self.alive = True
-        threading.Thread(
-            target=send_batches,
-            args=(front_end, self.outbox, lambda: None),
-            name=f"{self.name}-send",
-            daemon=True,
-        ).start()
-        threading.Thread(target=self._read, args=(front_end,), name=f"{self.name}-read", daemon=True).start()
+        link.start()
         log.info("scheduler worker started", worker=self.index, pid=process.pid)
 
     def send(self, command: tuple[Any, ...]) -> None:
-        self.outbox.put(command)
+        if self.link is not None:
+            self.link.send(command)
 
     def call(self, lane_key: str, fn: Callable[[Scheduler], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -190,21 +182,19 @@ class WorkerHandle:
         self.send(("call", call_id, lane_key, fn))
         return future
 
-    def _read(self, conn: Connection) -> None:
-        while True:
-            try:
-                batch = conn.recv()
-            except (EOFError, OSError):
-                break
-            reports = []
-            for item in batch:
-                if isinstance(item, LaneReport):
-                    reports.append(item)
-                else:
-                    self._resolve(*item[1:])
-            if reports:
-                self.pool.on_reports(self, reports)
-        if conn is not self.conn:
+    def _received(self, batch: list[Any]) -> None:
+        """A message from the worker (its pipe's reader thread)."""
+        reports = []
+        for item in batch:
+            if isinstance(item, LaneReport):
+                reports.append(item)
+            else:
+                self._resolve(*item[1:])
+        if reports:
+            self.pool.on_reports(self, reports)
+
+    def _closed(self, link: PipeLink) -> None:
+        if link is not self.link:
             return  # an earlier incarnation's pipe
         self.alive = False
         for future in self._calls.values():
@@ -227,8 +217,9 @@ class WorkerHandle:
 
     def close(self) -> None:
         self.closing = True
-        self.outbox.put(("exit",))
-        self.outbox.put(None)
+        if self.link is not None:
+            self.link.send(("exit",))
+            self.link.close()
         join_or_kill(self.process, WORKER_EXIT_TIMEOUT_S)
 
 

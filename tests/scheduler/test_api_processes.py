@@ -12,6 +12,7 @@ streams of the other complete unchanged, and every pool is intact and idle after
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import threading
@@ -30,6 +31,7 @@ from npuserve.scheduler.api_process import RelayedStatus
 from npuserve.scheduler.api_relay import MAX_UNACKED_ITEMS, CallContext, Relay
 from npuserve.scheduler.api_status import field_of, relayed, status_of
 from npuserve.scheduler.engine import QueueFullError
+from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.request import InvalidRequestError
 
 NUM_STREAMS = 32
@@ -63,25 +65,28 @@ def test_a_forwarded_calls_abort_becomes_a_status() -> None:
 
 
 def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -> None:
-    class Pipe:
-        def __init__(self) -> None:
-            self.sent: list[list[object]] = []
-
-        def send_many(self, items: list[object]) -> None:
-            self.sent.append(items)
+    core_end, api_end = multiprocessing.Pipe()
+    pipe = PipeLink(core_end, "test", lambda batch: None, lambda: None)
+    pipe.start()
 
     async def scenario() -> None:
-        pipe = Pipe()
-        relay = Relay(pipe, asyncio.get_running_loop())  # type: ignore[arg-type]
+        relay = Relay(pipe, asyncio.get_running_loop())
         for i in range(MAX_UNACKED_ITEMS):
-            relay.put(("add", i, None))
-        assert not pipe.sent and not relay.behind  # sent at the end of the loop's turn
+            relay.put(("add", i))
+        assert not api_end.poll(0.2) and not relay.behind  # sent at the end of the loop's turn
         await asyncio.sleep(0)
-        assert [len(items) for items in pipe.sent] == [MAX_UNACKED_ITEMS] and relay.behind
+        received = []
+        while len(received) < MAX_UNACKED_ITEMS and api_end.poll(10):
+            received += api_end.recv()
+        assert received == [("add", i) for i in range(MAX_UNACKED_ITEMS)] and relay.behind
         relay.acked(1)
         assert not relay.behind
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        pipe.close()
+        api_end.close()
 
 
 # -- the scheduler over API processes -----------------------------------------------------------
