@@ -93,27 +93,20 @@ FORWARDED_CALLS = (
 
 
 class CoreLink:
-    """The API process's side of its pipe to the core (event loop thread, but for the pipe's own
-    threads, which hand batches over with `call_soon_threadsafe`)."""
+    """The API process's side of its pipe to the core (on the event loop)."""
 
     def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pipe = PipeLink(conn, "core-link", self._received, self._closed)
         self.streams: dict[int, RequestStream] = {}
         self._handles = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self.draining = asyncio.Event()
         self.gone = asyncio.Event()  # the core said exit, or is no more
+        self.pipe = PipeLink(conn, "core-link", self._apply, self.gone.set, loop)
 
     def start(self) -> None:
         self.pipe.start()
-
-    def _received(self, batch: list[Any]) -> None:
-        self.loop.call_soon_threadsafe(self._apply, batch)
-
-    def _closed(self) -> None:
-        self.loop.call_soon_threadsafe(self.gone.set)
 
     def _apply(self, batch: list[Any]) -> None:
         relayed = 0

@@ -4,7 +4,7 @@
 share it) and restarts one that dies (serve's restart policy); the requests of a dead one are
 aborted, as their clients' connections went with it. Each `ApiProcessHandle` turns its process's
 submissions into engine requests whose outputs go back through a `RelayedOutputs` sink: one
-batch per wake-up of the pipe's sender thread, whatever the number of streams.
+batch per turn of the event loop, whatever the number of streams.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ class ApiProcessHandle:
         pipe = PipeLink(
             core_end,
             f"api-{self.index}",
-            lambda batch: loop.call_soon_threadsafe(self._apply, pipe, batch),
-            lambda: loop.call_soon_threadsafe(self._lost, pipe),
+            lambda batch: self._apply(pipe, batch),
+            lambda: self._lost(pipe),
+            loop,
         )
         self.process, self.pipe, self.requests = process, pipe, {}
         self.relay = Relay(pipe, loop)

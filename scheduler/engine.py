@@ -150,19 +150,12 @@ class Engine:
     def start(self, serve_prompts: bool = True) -> None:
         """``serve_prompts``: start the render processes for chat templates (not needed when
         API server processes take every request's prompt)."""
-        self._loop = loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         if self.step_workers is not None:
-
-            def on_reports(worker: WorkerHandle, reports: list[LaneReport]) -> None:
-                loop.call_soon_threadsafe(self._on_reports, worker, reports)
-
-            def on_lost(worker: WorkerHandle) -> None:
-                loop.call_soon_threadsafe(self._on_worker_lost, worker)
-
             settings = LaneSettings(
                 self.config.enable_prefix_caching, self.config.async_scheduling, self.grammars.settings
             )
-            self.step_workers.start(settings, on_reports, on_lost)
+            self.step_workers.start(settings, self._on_reports, self._on_worker_lost)
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []

@@ -1,21 +1,69 @@
-"""One end of a pipe between two of the scheduler's processes, with a thread each way.
+"""One end of a pipe between two of the scheduler's processes, served by an asyncio event loop.
 
-Messages are lists (batches) of picklable items. `send` queues an item; the sender thread
-(`step_worker.send_batches`) sends everything queued since its last send as one message, so a
-busy side pays one pickle and one write per wake-up, not per item. The reader thread hands each
-received batch to ``on_batch`` and, once the other end is gone, calls ``on_closed`` once.
+Messages are lists (batches) of picklable items, framed as `multiprocessing.Connection` frames
+them, so the other end may be a plain `Connection` (a scheduler worker's threads use
+`step_worker.send_batches` and `Connection.recv`). `send` queues an item; everything queued in
+one turn of the loop leaves as one message at the end of that turn. Reading is the loop's too: a
+received batch goes to ``on_batch`` on the loop thread, and ``on_closed`` runs once when the
+other end is gone.
+
+No threads: a message costs the loop one pickle and one write, not a wake-up of a sender thread
+and, on the way in, a reader thread's hand-over (`call_soon_threadsafe`) under the GIL.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
+import contextlib
+import os
+import select
+import struct
+import time
+from asyncio.events import _get_running_loop
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from npuserve.scheduler.step_worker import send_batches
+READ_CHUNK = 1 << 20
+SMALL_FRAME = struct.Struct("!i")  # `Connection`'s header: the payload's length
+LARGE_FRAME = struct.Struct("!Q")  # after a -1 header, for payloads of 2 GiB and more
+
+
+def frame_header(size: int) -> bytes:
+    """What `Connection.send_bytes` writes before a payload of ``size`` bytes."""
+    if size > 0x7FFFFFFF:
+        return SMALL_FRAME.pack(-1) + LARGE_FRAME.pack(size)
+    return SMALL_FRAME.pack(size)
+
+
+class FrameReader:
+    """Cuts a byte stream into `Connection` frames' payloads."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self.buffer
+        buffer += data
+        payloads, start = [], 0
+        while len(buffer) - start >= 4:
+            (size,) = SMALL_FRAME.unpack_from(buffer, start)
+            header = 4
+            if size == -1:
+                if len(buffer) - start < 12:
+                    break
+                (size,) = LARGE_FRAME.unpack_from(buffer, start + 4)
+                header = 12
+            end = start + header + size
+            if len(buffer) < end:
+                break
+            payloads.append(bytes(buffer[start + header : end]))
+            start = end
+        del buffer[:start]
+        return payloads
 
 
 class PipeLink:
@@ -25,40 +73,144 @@ class PipeLink:
         name: str,
         on_batch: Callable[[list[Any]], object],
         on_closed: Callable[[], object],
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.conn = conn
         self.name = name
+        self.loop = loop
         self._on_batch = on_batch
         self._on_closed = on_closed
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._sender = threading.Thread(
-            target=send_batches, args=(conn, self._outbox, lambda: None), name=f"{name}-send", daemon=True
-        )
-        self._reader = threading.Thread(target=self._read, name=f"{name}-read", daemon=True)
+        self._fd = conn.fileno()
+        self._pending: list[Any] = []
+        self._out = bytearray()
+        self._writing = False  # a writer callback waits for room in the pipe
+        self._reading = False
+        self._sending = True  # until `close`, or a write fails
+        self._gone = False
+        self._reader = FrameReader()
+
+    def _on_loop(self) -> bool:
+        return _get_running_loop() is self.loop
 
     def start(self) -> None:
-        self._sender.start()
-        self._reader.start()
+        """Starts reading; from any thread."""
+        if not self._on_loop():
+            self.loop.call_soon_threadsafe(self.start)
+            return
+        os.set_blocking(self._fd, False)
+        self.loop.add_reader(self._fd, self._readable)
+        self._reading = True
 
     def send(self, item: Any) -> None:
-        self._outbox.put(item)
+        """Queues ``item`` for the end of this loop turn's message; from any thread."""
+        if not self._on_loop():
+            self.loop.call_soon_threadsafe(self.send, item)
+            return
+        if not self._pending:
+            self.loop.call_soon(self._flush)
+        self._pending.append(item)
 
     def send_many(self, items: list[Any]) -> None:
-        for item in items:
-            self._outbox.put(item)
+        """Queues ``items`` (on the loop thread)."""
+        if items:
+            if not self._pending:
+                self.loop.call_soon(self._flush)
+            self._pending += items
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Sends what is queued, then stops sending."""
-        self._outbox.put(None)
-        self._sender.join(timeout_s)
+        """Sends what is queued (waiting up to ``timeout_s`` for room in the pipe), then stops
+        sending; reading goes on until the other end closes. From any thread."""
+        if self._on_loop() or not self.loop.is_running():
+            self._close_now(timeout_s)
+            return
+        done: Future[None] = Future()
 
-    def _read(self) -> None:
-        while True:
+        def close_on_loop() -> None:
             try:
-                batch = self.conn.recv()
-            except (EOFError, OSError):
+                self._close_now(timeout_s)
+            finally:
+                done.set_result(None)
+
+        self.loop.call_soon_threadsafe(close_on_loop)
+        with contextlib.suppress(TimeoutError):
+            done.result(timeout_s + 1.0)
+
+    # -- the loop's side ---------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch or not self._sending:
+            return
+        payload = ForkingPickler.dumps(batch)
+        self._out += frame_header(len(payload))
+        self._out += payload
+        if not self._writing:
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            written = os.write(self._fd, self._out)
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._stop_sending()
+            return
+        del self._out[:written]
+        if self._out and not self._writing:
+            self._writing = True
+            self.loop.add_writer(self._fd, self._write)
+        elif not self._out and self._writing:
+            self._writing = False
+            self.loop.remove_writer(self._fd)
+
+    def _stop_sending(self) -> None:
+        self._sending = False
+        self._out.clear()
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self._fd)
+
+    def _close_now(self, timeout_s: float) -> None:
+        if not self._sending:
+            return
+        self._flush()
+        deadline = time.monotonic() + timeout_s
+        while self._out and self._sending:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            self._on_batch(batch)
+            try:
+                select.select([], [self._fd], [], left)
+                del self._out[: os.write(self._fd, self._out)]
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):
+                break
+        self._stop_sending()
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._closed()
+            return
+        for payload in self._reader.feed(data):
+            self._on_batch(ForkingPickler.loads(payload))
+            if self._gone:
+                return
+
+    def _closed(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self._fd)
+        self._stop_sending()
         self._on_closed()
 
 

@@ -6,12 +6,14 @@ executor becomes a `RemoteLane`, which the engine and the router use as they use
 (KV stored/removed events, in order), so prefix-aware routing stays exact: the front sees every
 block hash an executor holds once the step that registered it has been reported.
 
-Reports reach the event loop one batch at a time (`on_reports`). A worker that dies is reported
-once (`on_lost`); the engine moves its requests and asks the pool to restart it.
+Each worker's pipe is served by the engine's event loop (`PipeLink`): reports reach the engine one
+batch at a time (`on_reports`), on the loop thread. A worker that dies is reported once
+(`on_lost`); the engine moves its requests and asks the pool to restart it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing
 from collections.abc import Callable
@@ -129,7 +131,7 @@ class RemoteLane:
 
 
 class WorkerHandle:
-    """One worker process, its pipe, and the threads that move messages over it."""
+    """One worker process and its pipe."""
 
     def __init__(self, index: int, pool: StepWorkerPool) -> None:
         self.index = index
@@ -165,7 +167,8 @@ class WorkerHandle:
         )
         process.start()
         worker_end.close()
-        link = PipeLink(front_end, self.name, self._received, lambda: self._closed(link))
+        assert pool.loop is not None, "the pool starts workers once it has the engine's loop"
+        link = PipeLink(front_end, self.name, self._received, lambda: self._closed(link), pool.loop)
         self.process, self.link = process, link
         self.alive = True
         link.start()
@@ -183,7 +186,7 @@ class WorkerHandle:
         return future
 
     def _received(self, batch: list[Any]) -> None:
-        """A message from the worker (its pipe's reader thread)."""
+        """A message from the worker (on the event loop)."""
         reports = []
         for item in batch:
             if isinstance(item, LaneReport):
@@ -243,6 +246,7 @@ class StepWorkerPool:
         self._lane_keys = itertools.count()
         self.on_reports: Callable[[WorkerHandle, list[LaneReport]], None] = lambda w, r: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the engine's, which serves the pipes
 
     def start(
         self,
@@ -250,8 +254,9 @@ class StepWorkerPool:
         on_reports: Callable[[WorkerHandle, list[LaneReport]], None],
         on_lost: Callable[[WorkerHandle], None],
     ) -> None:
-        """Starts every worker with the engine's lane settings; the callbacks run on the
-        workers' reader threads."""
+        """Starts every worker with the engine's lane settings (on the engine's event loop, which
+        serves the workers' pipes and runs the callbacks)."""
+        self.loop = asyncio.get_running_loop()
         self.lane_settings, self.on_reports, self.on_lost = settings, on_reports, on_lost
         for worker in self.workers:
             worker.start()
