@@ -126,6 +126,7 @@ class Engine:
         self.lanes: dict[str, Lane] = {}
         self._clients: dict[str, ClientRequest] = {}
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
+        self._sequences: dict[str, Request] = {}  # req_id -> the sequence (one lookup per token)
         self._lane_of: dict[str, Lane] = {}
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
@@ -328,6 +329,7 @@ class Engine:
         self._clients[request_id] = client
         for child in children:
             self._client_of_seq[child.req_id] = client
+            self._sequences[child.req_id] = child
         lane = self._place(children)
         log.debug(
             "request queued",
@@ -402,6 +404,7 @@ class Engine:
         del self._clients[client.request_id]
         for child in client.children:
             self._client_of_seq.pop(child.req_id, None)
+            self._sequences.pop(child.req_id, None)
             self._lane_of.pop(child.req_id, None)
 
     # -- lane events (lane threads -> event loop) ------------------------------------------------
@@ -414,8 +417,7 @@ class Engine:
         return self._client_of_seq.get(req_id)
 
     def _request_of(self, req_id: str) -> Request | None:
-        client = self._client_of(req_id)
-        return None if client is None else client.request(req_id)
+        return self._sequences.get(req_id)
 
     def _on_reports(self, worker: WorkerHandle, reports: list[LaneReport]) -> None:
         """A scheduler worker's batch of lane reports (event loop thread)."""
@@ -424,7 +426,7 @@ class Engine:
             if lane is None:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
-            self._dispatch(lane, apply_report(report, self._request_of))
+            self._dispatch(lane, apply_report(report, self._sequences.get))
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
         if self.streams_behind():
@@ -491,21 +493,26 @@ class Engine:
 
     def _dispatch(self, lane: Lane, event: LaneEvent) -> None:
         now = time.monotonic()
-        for update in event.updates:
+        client_of_seq, unstarted = self._client_of_seq, self._unstarted
+        for update in event.updates:  # NOTE: once per token: the common case stays in this loop
             request = update.request
-            client = self._client_of(request.req_id)
+            req_id = request.req_id
+            client = client_of_seq.get(req_id)
             if client is None:
                 continue
-            self._started(request.req_id)
+            if req_id in unstarted:
+                self._started(req_id)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - request.arrival_time)
-            stop = client.deliver(request, update.new_token_ids, update.new_logprobs, update.finished)
+            finished = update.finished
+            stop = client.deliver(request, update.new_token_ids, update.new_logprobs, finished)
             if stop is not None:
                 self._stop_by_string(lane, request, stop, now)
-            elif update.finished is not None:
-                self._record_finish(request, update.finished.value, now)
-            self._forget_if_finished(client)
+            elif finished is not None:
+                self._record_finish(request, finished.value, now)
+            if client.finished:
+                self._forget_if_finished(client)
         if event.lane_down:
             if self.lanes.get(lane.executor_id) is lane:  # not the executor's next lane
                 del self.lanes[lane.executor_id]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
 import select
 import struct
 import time
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 READ_CHUNK = 1 << 20
@@ -141,7 +141,7 @@ class PipeLink:
         batch, self._pending = self._pending, []
         if not batch or not self._sending:
             return
-        payload = ForkingPickler.dumps(batch)
+        payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
         self._out += frame_header(len(payload))
         self._out += payload
         if not self._writing:
@@ -199,7 +199,7 @@ class PipeLink:
             self._closed()
             return
         for payload in self._reader.feed(data):
-            self._on_batch(ForkingPickler.loads(payload))
+            self._on_batch(pickle.loads(payload))
             if self._gone:
                 return
 
