@@ -602,9 +602,12 @@ class Engine:
         m = self.metrics
         if event.stats is not None:
             m.step(lane.executor_id, event.step_seconds)
-            m.prompt_tokens.inc(event.stats.num_prompt_tokens)
+            # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
+            if event.stats.num_prompt_tokens:
+                m.prompt_tokens.inc(event.stats.num_prompt_tokens)
             m.generation_tokens.inc(len(event.updates))
-            m.num_preemptions.inc(event.stats.num_preemptions)
+            if event.stats.num_preemptions:
+                m.num_preemptions.inc(event.stats.num_preemptions)
             observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane, (0, 0))

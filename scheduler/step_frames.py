@@ -106,6 +106,9 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
     )
 
 
+RUNNING = RequestStatus.RUNNING
+
+
 def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:
     """On the front's event loop: applies a report to the front's copies of the requests and
     returns the event it stands for. Requests the front no longer tracks are skipped."""
@@ -115,6 +118,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         step_seconds=report.step_seconds,
         executor_draining=report.executor_draining,
     )
+    updates = event.updates
     for req_id, token_ids, logprobs, finished, error, num_cached in report.updates:
         request = request_of(req_id)
         if request is None:
@@ -122,10 +126,15 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
             request.num_cached_tokens = num_cached
         request.add_reported_output(token_ids, logprobs)
-        status = None if finished is None else RequestStatus(finished)
-        request.status = status or RequestStatus.RUNNING
+        if finished is None:  # NOTE: once per token: the common case sets nothing it need not
+            if request.status is not RUNNING:
+                request.status = RUNNING
+            updates.append(RequestUpdate(request, token_ids, logprobs, None))
+            continue
+        status = RequestStatus(finished)
+        request.status = status
         request.error = error or request.error
-        event.updates.append(RequestUpdate(request, token_ids, logprobs, status))
+        updates.append(RequestUpdate(request, token_ids, logprobs, status))
     for req_id, status_value in report.ended:
         request = request_of(req_id)
         if request is not None:

@@ -279,6 +279,7 @@ SCALE_COLUMNS: list[tuple[str, str, str]] = [
     ("engine TTFT ms", "engine_ttft_mean_ms", ",.0f"),
     ("in engine", "engine_requests", ",.0f"),
     ("no token yet", "awaiting_first_token", ",d"),
+    ("no token yet, mean", "awaiting_first_token_mean", ",.0f"),
     ("cores sched/exec/client/other", "", ""),
     ("errors", "num_errors", "d"),
 ]

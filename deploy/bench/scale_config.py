@@ -13,6 +13,7 @@ DRAIN_TIMEOUT_S = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # Streams per client channel: one HTTP/2 connection carrying thousands of streams queues them.
 STREAMS_PER_CHANNEL = 256
+AWAITING_SAMPLE_S = 0.1  # how often the window samples the streams without a token yet
 SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded
 

@@ -28,6 +28,7 @@ class LoadState:
     tokens_in_window: int = 0
     awaiting_first_token: int = 0  # streams sent that have no token yet
     awaiting_at_window_end: int = 0
+    awaiting_samples: list[int] = field(default_factory=list)  # over the window
     first_tokens: list[tuple[float, float]] = field(default_factory=list)  # (arrival, ttft)
     completions: list[tuple[float, float]] = field(default_factory=list)  # (end, e2e)
     errors: Counter[str] = field(default_factory=Counter)

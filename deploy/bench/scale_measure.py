@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from npuserve.deploy.bench.report import percentile
-from npuserve.deploy.bench.scale_config import CLOCK_TICKS, DRAIN_TIMEOUT_S, ScaleConfig
+from npuserve.deploy.bench.scale_config import AWAITING_SAMPLE_S, CLOCK_TICKS, DRAIN_TIMEOUT_S, ScaleConfig
 from npuserve.deploy.bench.scale_load import Load, LoadState
 from npuserve.deploy.bench.scale_profile import profile_scheduler
 from npuserve.proto import scheduler_pb2 as pb
@@ -78,6 +78,9 @@ class Result:
     client_e2e_mean_ms: float | None
     engine_requests: float  # running + waiting in the engine at the window's end (streams open: concurrency)
     awaiting_first_token: int  # streams open at the window's end without a token yet
+    # the same, averaged over the window (sampled every `AWAITING_SAMPLE_S`): the end's count
+    # swings with waves of requests that finish together and come back at once
+    awaiting_first_token_mean: float
     other_cores: float  # CPU the rest of the machine used meanwhile (other processes)
     num_first_tokens: int
     num_completed: int
@@ -168,6 +171,13 @@ async def wait_idle(stub: pb_grpc.SchedulerStub, timeout_s: float) -> None:
         await asyncio.sleep(0.2)
 
 
+async def sample_awaiting(state: LoadState) -> None:
+    """Until the window ends: how many open streams have no token yet, every `AWAITING_SAMPLE_S`."""
+    while (left := state.window[1] - time.perf_counter()) > 0:
+        state.awaiting_samples.append(state.awaiting_first_token)
+        await asyncio.sleep(min(AWAITING_SAMPLE_S, left))
+
+
 async def run_load(
     config: ScaleConfig,
     address: str,
@@ -188,7 +198,7 @@ async def run_load(
         await asyncio.sleep(config.warmup_s)
         before = await take_snapshot(stub, *pids, stats_file)
         load.state.window = (before.time, before.time + config.duration_s)
-        await asyncio.sleep(max(0.0, load.state.window[1] - time.perf_counter()))
+        await sample_awaiting(load.state)
         await asyncio.sleep(0.3)  # the executors' stats file is rewritten every 0.25 s
         after = await take_snapshot(stub, *pids, stats_file)
         load.state.awaiting_at_window_end = load.state.awaiting_first_token
@@ -258,6 +268,9 @@ def summarize(
         engine_requests=after.metrics.get("vllm:num_requests_running", 0.0)
         + after.metrics.get("vllm:num_requests_waiting", 0.0),
         awaiting_first_token=state.awaiting_at_window_end,
+        awaiting_first_token_mean=sum(state.awaiting_samples) / len(state.awaiting_samples)
+        if state.awaiting_samples
+        else math.nan,
         other_cores=max(0.0, machine - sum(cores.values())),
         num_first_tokens=len(ttfts),
         num_completed=len(e2es),

@@ -245,7 +245,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FIELDS:
         EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
     SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
-    SCHEDULER.add(engine, only=["step_transport", "scheduler_workers", "api_server_count", "async_scheduling"])
+    SCHEDULER.add(
+        engine, only=["step_transport", "scheduler_workers", "api_server_count", "async_scheduling"]
+    )
     engine.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a launched server")
     out = parser.add_argument_group("output")
     out.add_argument(

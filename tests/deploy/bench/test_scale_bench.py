@@ -34,4 +34,6 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
         assert row["output_tokens_per_s"] > 0 and row["num_completed"] > 0
         # The whole scheduler (front and worker) costs at least the CPU its front alone does.
         assert row["scheduler_cpu_us_per_token"] >= row["front_cpu_us_per_token"] > 0
+        # Streams without a token yet, averaged over the window: never more than are open.
+        assert 0 <= row["awaiting_first_token_mean"] <= row["concurrency"]
     assert (tmp_path / "scale.png").stat().st_size > 0
