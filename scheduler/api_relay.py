@@ -21,6 +21,7 @@ import structlog
 from google.protobuf.message import Message
 
 from npuserve.deploy.restart_policy import RestartHistory
+from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.api_process import ApiProcessSettings, RelayedStatus, run_api_process
 from npuserve.scheduler.api_status import relayed
 from npuserve.scheduler.engine import Engine
@@ -80,6 +81,30 @@ class RelayedOutputs:
     def add(self, update: SequenceUpdate) -> str | None:
         self.relay.put(("add", self.handle, *update))
         return None  # NOTE: the API process finds stop strings and reports them (`stopped_by_string`)
+
+    def relay_tokens(
+        self,
+        choice: int,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        num_output_tokens: int,
+        num_cached_tokens: int,
+    ) -> None:
+        """`add` of a sequence that goes on: no finish, stop reason or error (`TokenRelay`)."""
+        self.relay.put(
+            (
+                "add",
+                self.handle,
+                choice,
+                token_ids,
+                logprobs,
+                None,
+                None,
+                None,
+                num_output_tokens,
+                num_cached_tokens,
+            )
+        )
 
     def end(self, update: SequenceUpdate) -> None:
         self.relay.put(("end", self.handle, *update))

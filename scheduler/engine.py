@@ -29,7 +29,7 @@ from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptIn
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import LaneReport, apply_report
+from npuserve.scheduler.step_frames import CompactUpdate, LaneReport, apply_report
 from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import Grammar, GrammarCompiler
@@ -426,7 +426,9 @@ class Engine:
             if lane is None:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
-            self._dispatch(lane, apply_report(report, self._sequences.get))
+            num_tokens = len(report.updates)
+            report.updates = self._relay_reported(report.updates)
+            self._dispatch(lane, apply_report(report, self._sequences.get), num_tokens)
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
         if self.streams_behind():
@@ -439,6 +441,34 @@ class Engine:
         held, self._held_acks = self._held_acks, []
         for worker in held:
             worker.send(("ack",))
+
+    def _relay_reported(self, updates: list[CompactUpdate]) -> list[CompactUpdate]:
+        """The per-token path of a worker's report when an API server process serves the
+        stream: a sequence that goes on (neither its first token nor its last) has its tokens
+        added to the front's copy and relayed, and nothing else. Returns the updates left for
+        the general path (`apply_report`, `_dispatch`)."""
+        rest: list[CompactUpdate] = []
+        client_of_seq, unstarted, running = self._client_of_seq, self._unstarted, RequestStatus.RUNNING
+        for update in updates:  # NOTE: once per token
+            req_id, token_ids, logprobs, finished, _, _ = update
+            client = client_of_seq.get(req_id)
+            if finished is not None or client is None or client.relay_tokens is None or req_id in unstarted:
+                rest.append(update)
+                continue
+            index = client.index_of[req_id]
+            request = client.children[index]
+            if (
+                request.first_token_time is None
+                or request.status is not running
+                or client.is_finished_at(index)
+            ):
+                rest.append(update)
+                continue
+            request.add_reported_output(token_ids, logprobs)
+            client.relay_tokens(
+                index, token_ids, logprobs, len(request.output_token_ids), request.num_cached_tokens
+            )
+        return rest
 
     def _on_worker_lost(self, worker: WorkerHandle) -> None:
         """A scheduler worker died: its lanes' requests move (or wait for its restart), and it
@@ -491,7 +521,8 @@ class Engine:
                 parked, self._parked = self._parked, []
                 self._fail_over(parked, "no scheduler worker came back", count=False)
 
-    def _dispatch(self, lane: Lane, event: LaneEvent) -> None:
+    def _dispatch(self, lane: Lane, event: LaneEvent, num_tokens: int | None = None) -> None:
+        """``num_tokens``: the step's tokens, when some were relayed before (`_relay_reported`)."""
         now = time.monotonic()
         client_of_seq, unstarted = self._client_of_seq, self._unstarted
         for update in event.updates:  # NOTE: once per token: the common case stays in this loop
@@ -530,7 +561,7 @@ class Engine:
                 self._forget_if_finished(client)
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
-        self._record_step(lane, event)
+        self._record_step(lane, event, len(event.updates) if num_tokens is None else num_tokens)
         if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
             self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:
@@ -598,17 +629,17 @@ class Engine:
             tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
             self.metrics.time_per_output_token.observe(tpot)
 
-    def _record_step(self, lane: Lane, event: LaneEvent) -> None:
+    def _record_step(self, lane: Lane, event: LaneEvent, num_tokens: int) -> None:
         m = self.metrics
         if event.stats is not None:
             m.step(lane.executor_id, event.step_seconds)
             # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
             if event.stats.num_prompt_tokens:
                 m.prompt_tokens.inc(event.stats.num_prompt_tokens)
-            m.generation_tokens.inc(len(event.updates))
+            m.generation_tokens.inc(num_tokens)
             if event.stats.num_preemptions:
                 m.num_preemptions.inc(event.stats.num_preemptions)
-            observe_many(m.inter_token_latency, event.step_seconds, len(event.updates))
+            observe_many(m.inter_token_latency, event.step_seconds, num_tokens)
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane, (0, 0))
         if (now_queries, now_hits) != (queries, hits):  # NOTE: most steps look nothing up

@@ -85,6 +85,21 @@ class OutputSink(Protocol):
         ...
 
 
+class TokenRelay(Protocol):
+    """New tokens of a sequence that goes on (not its first, not its last), for a sink that
+    finds no stop strings itself (`api_relay.RelayedOutputs`): the same as `OutputSink.add`
+    with no update to build."""
+
+    def __call__(
+        self,
+        choice: int,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        num_output_tokens: int,
+        num_cached_tokens: int,
+    ) -> None: ...
+
+
 @dataclass(slots=True)
 class SequenceState:
     detokenizer: IncrementalDetokenizer

@@ -100,12 +100,7 @@ class Served:
 
     def metric(self, name: str) -> float:
         """Sum of a metric's samples in the scheduler's Prometheus text."""
-        text = self.stub().GetMetrics(pb.GetMetricsRequest(), timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(self.stub().GetMetrics(pb.GetMetricsRequest(), timeout=10).text, name)
 
 
 @contextmanager
@@ -285,3 +280,12 @@ def greedy_workload(
     lengths = torch.randint(4, 40, (num_streams,), generator=generator)
     prompts = [[1, *random_ids(int(n), generator)] for n in lengths]
     return prompts, [greedy_request(p, num_new) for p in prompts], transformers_greedy(model, prompts, num_new)
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a metric's samples in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from harness.cluster import processes, wait_until
 from harness.pools import idle_pools
-from harness.serve import alive, greedy_request, greedy_workload, start_executors
+from harness.serve import alive, greedy_request, greedy_workload, metric_total, start_executors
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -162,6 +162,9 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
         assert outputs == expected
         served_by = {e.get("api_server") for e in scheduler.events() if e["event"] == "request done"}
         assert served_by == {0, 1}
+        # Every token counts once in the metrics, those relayed on the per-token path included.
+        metrics = stub.GetMetrics(pb.GetMetricsRequest()).text
+        assert metric_total(metrics, "vllm:generation_tokens_total") == NUM_STREAMS * NUM_NEW
 
         # A stop string found in an API process ends the sequence there and in the core.
         text = "".join(
