@@ -23,7 +23,7 @@ from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.client_request import ClientRequest
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
-from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics, observe_many
+from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, OutputSink, RequestStream, client_outputs
 from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -632,14 +632,12 @@ class Engine:
     def _record_step(self, lane: Lane, event: LaneEvent, num_tokens: int) -> None:
         m = self.metrics
         if event.stats is not None:
-            m.step(lane.executor_id, event.step_seconds)
+            m.step(lane.executor_id, event.step_seconds, num_tokens)
             # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
             if event.stats.num_prompt_tokens:
                 m.prompt_tokens.inc(event.stats.num_prompt_tokens)
-            m.generation_tokens.inc(num_tokens)
             if event.stats.num_preemptions:
                 m.num_preemptions.inc(event.stats.num_preemptions)
-            observe_many(m.inter_token_latency, event.step_seconds, num_tokens)
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane, (0, 0))
         if (now_queries, now_hits) != (queries, hits):  # NOTE: most steps look nothing up

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -39,6 +39,7 @@ class _Executor:
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
     departed_at: float | None = None
+    steps: HistogramTally = field(default_factory=lambda: HistogramTally())  # not yet in step_seconds
 
 
 class ExecutorMetrics:
@@ -115,7 +116,12 @@ class ExecutorMetrics:
     def step(self, executor_id: str, seconds: float) -> None:
         executor = self._executors.get(executor_id)
         if executor is not None:  # else: a late report of an executor whose series are gone
-            executor.step_seconds.observe(seconds)
+            executor.steps.add(seconds)
+
+    def flush(self) -> None:
+        """Adds the steps gathered since the last flush to the series."""
+        for executor in self._executors.values():
+            executor.steps.flush_into(executor.step_seconds)
 
     def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
         executor = self._executors.get(executor_id)
@@ -145,6 +151,39 @@ class ExecutorMetrics:
             elif now - executor.departed_at >= DEPARTED_SERIES_TTL_S:
                 del self._executors[executor_id]
                 self._remove_series(executor_id)
+
+
+class HistogramTally:
+    """Observations of one histogram gathered with no lock (a list index per observation) and
+    added to it at once by `flush_into`: the step path observes, a scrape flushes."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: past every bound (+Inf)
+        self.total = 0.0
+
+    def add(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += count
+        self.total += value * count
+
+    def flush_into(self, histogram: Histogram) -> None:
+        """Adds what was gathered to ``histogram`` (buckets `LATENCY_BUCKETS`) and starts over."""
+        counts, total = self.counts, self.total
+        if not any(counts):
+            return
+        self.counts, self.total = [0] * len(counts), 0.0
+        buckets = getattr(histogram, "_buckets", None)
+        total_value = getattr(histogram, "_sum", None)
+        if buckets is None or total_value is None or len(buckets) != len(counts):  # another layout
+            for index, count in enumerate(counts):
+                value = LATENCY_BUCKETS[index] if index < len(LATENCY_BUCKETS) else LATENCY_BUCKETS[-1] * 2
+                observe_many(histogram, value, count)
+            return
+        total_value.inc(total)
+        for bucket, count in zip(buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
 
 
 def observe_many(histogram: Histogram, value: float, count: int) -> None:
@@ -209,6 +248,9 @@ class SchedulerMetrics:
         self.step_seconds = histogram("npuserve:step_seconds", "Wall time of one executor step.")
         self.executors = ExecutorMetrics(r, model_name)
         self._success_by_reason: dict[str, Counter] = {}
+        self._steps = HistogramTally()  # what `step` gathered and `flush` has not added yet
+        self._inter_token = HistogramTally()
+        self._generated = 0
 
     def request_finished(self, finished_reason: str) -> None:
         counter = self._success_by_reason.get(finished_reason)
@@ -218,10 +260,22 @@ class SchedulerMetrics:
             )
         counter.inc()
 
-    def step(self, executor_id: str, seconds: float) -> None:
-        """One step of an executor."""
-        self.step_seconds.observe(seconds)
+    def step(self, executor_id: str, seconds: float, num_tokens: int) -> None:
+        """One step of an executor, which sampled ``num_tokens`` tokens. Gathered without a lock
+        (the step path runs this per step) and added to the series when they are read (`render`)."""
+        self._steps.add(seconds)
+        self._inter_token.add(seconds, num_tokens)
+        self._generated += num_tokens
         self.executors.step(executor_id, seconds)
+
+    def flush(self) -> None:
+        """Adds what the step path gathered to the series."""
+        self._steps.flush_into(self.step_seconds)
+        self._inter_token.flush_into(self.inter_token_latency)
+        if self._generated:
+            self.generation_tokens.inc(self._generated)
+            self._generated = 0
+        self.executors.flush()
 
     def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
         """New prefix-cache lookups of an executor (in prompt tokens, and of them found)."""
@@ -231,4 +285,5 @@ class SchedulerMetrics:
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
+        self.flush()
         return generate_latest(self.registry).decode()

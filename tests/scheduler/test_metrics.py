@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from npuserve.scheduler.metrics import LATENCY_BUCKETS, observe_many
+from npuserve.scheduler.metrics import LATENCY_BUCKETS, HistogramTally, SchedulerMetrics, observe_many
 
 
 def exposition(registry: CollectorRegistry) -> list[str]:
@@ -21,3 +21,34 @@ def test_observe_many_equals_observing_one_at_a_time() -> None:
             single.observe(value)
         observe_many(batched, value, count)
     assert exposition(one) == exposition(many)
+
+
+def test_a_tally_flushed_equals_observing_each_value() -> None:
+    one, many = CollectorRegistry(), CollectorRegistry()
+    single = Histogram("h", "d", ["m"], buckets=LATENCY_BUCKETS, registry=one).labels("x")
+    tallied = Histogram("h", "d", ["m"], buckets=LATENCY_BUCKETS, registry=many).labels("x")
+    tally = HistogramTally()
+    tally.flush_into(tallied)  # nothing gathered: nothing added
+    for value, count in [(0.001, 3), (0.0011, 2), (0.02, 5), (5000.0, 2), (0.5, 0), (0.02, 1)]:
+        for _ in range(count):
+            single.observe(value)
+        tally.add(value, count)
+    assert exposition(one) != exposition(many)  # gathered, not yet added
+    tally.flush_into(tallied)
+    assert exposition(one) == exposition(many)
+    tally.flush_into(tallied)  # flushed once: the tally starts over
+    assert exposition(one) == exposition(many)
+
+
+def test_steps_show_in_the_series_once_they_are_read() -> None:
+    metrics = SchedulerMetrics("m")
+    metrics.executors.joined("e0")
+    for _ in range(3):
+        metrics.step("e0", 0.02, 4)
+    metrics.step("gone", 0.02, 1)  # an executor without series: counted in the totals only
+    text = metrics.render()
+    assert 'vllm:generation_tokens_total{model_name="m"} 13.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 13.0' in text
+    assert 'npuserve:step_seconds_count{model_name="m"} 4.0' in text
+    assert 'npuserve:executor_step_seconds_count{executor="e0",model_name="m"} 3.0' in text
+    assert 'vllm:generation_tokens_total{model_name="m"} 13.0' in metrics.render()  # not added twice
