@@ -5,8 +5,9 @@ share the scheduler's core without slowing its steps. Each render therefore runs
 process, one render at a time: a render that runs past `timeout_s` has its worker killed and
 replaced, and a worker may grow by at most `memory_bytes` of address space (beyond that an
 allocation fails with MemoryError inside the template). Output size is bounded by
-`chat_template.render` itself. Renders wait for a free worker of their pool; the engine keeps the
-model's template and clients' templates in separate pools, so the second cannot hold up the first.
+`chat_template.render` itself. Renders wait for a free worker of their pool (or fail at once,
+UNAVAILABLE, while no worker runs and none can start); the engine keeps the model's template and
+clients' templates in separate pools, so the second cannot hold up the first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ log = structlog.get_logger(__name__)
 RENDER_TIMEOUT_S = 5.0
 RENDER_MEMORY_BYTES = 1 << 30
 WORKER_START_TIMEOUT_S = 60.0
+WORKER_START_RETRY_S = 1.0
+
+
+class RenderUnavailable(RuntimeError):
+    """No render worker runs and the last one to start failed (gRPC UNAVAILABLE, HTTP 503):
+    a render fails at once rather than waiting for a worker that may never come."""
+
 
 # What a worker answers: ("ok", text) or ("error", message, field).
 # What a call gives: one of those, ("timeout",) or ("died",).
@@ -129,6 +137,7 @@ class RenderPool:
         self._workers: set[_Worker] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._start_error: str | None = None  # why the last worker to start failed, until one starts
 
     @property
     def worker_pids(self) -> set[int]:
@@ -150,8 +159,7 @@ class RenderPool:
 
     async def render(self, job: ChatRender) -> str:
         """The rendered text; TokenizerError when the template fails or exceeds a limit."""
-        assert self._idle is not None, "RenderPool.start() was not called"
-        worker = await self._idle.get()
+        worker = await self._free_worker()
         # NOTE: the call runs to its end even when this request is cancelled meanwhile: the worker
         # must finish (or be killed) before another render may use it.
         outcome = await asyncio.shield(self._call(worker, job))
@@ -164,6 +172,19 @@ class RenderPool:
         if outcome[0] == "error":
             raise TokenizerError(outcome[1], outcome[2] or None)
         return outcome[1]
+
+    async def _free_worker(self) -> _Worker:
+        """The next free worker; RenderUnavailable while none runs and none can start."""
+        assert self._idle is not None, "RenderPool.start() was not called"
+        while True:
+            if self._idle.empty() and not self._workers and self._start_error is not None:
+                raise RenderUnavailable(
+                    f"no chat template worker can start ({self._start_error}); retry later"
+                )
+            try:
+                return await asyncio.wait_for(self._idle.get(), WORKER_START_RETRY_S)
+            except TimeoutError:
+                continue  # NOTE: a timed-out `get` took no worker (it takes one only once woken)
 
     async def _call(self, worker: _Worker, job: ChatRender) -> Outcome:
         outcome = await asyncio.to_thread(worker.call, job, self.timeout_s)
@@ -182,8 +203,10 @@ class RenderPool:
                 worker = await asyncio.to_thread(_Worker, self.memory_bytes)
             except (RuntimeError, OSError) as exc:
                 log.error("a chat template worker did not start; retrying", pool=self.name, error=str(exc))
-                await asyncio.sleep(1.0)
+                self._start_error = str(exc)
+                await asyncio.sleep(WORKER_START_RETRY_S)
                 continue
+            self._start_error = None
             self._workers.add(worker)
             self._release(worker)
             return

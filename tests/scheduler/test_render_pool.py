@@ -10,10 +10,13 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import grpc
 import pytest
 
+from npuserve.scheduler import render_pool
+from npuserve.scheduler.api_status import status_of
 from npuserve.scheduler.chat_template import ChatRender, RenderLimits
-from npuserve.scheduler.render_pool import RenderPool
+from npuserve.scheduler.render_pool import RenderPool, RenderUnavailable
 from npuserve.scheduler.tokenizer import TokenizerError
 
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
@@ -116,3 +119,24 @@ def test_a_worker_killed_mid_render_fails_that_render_and_is_replaced() -> None:
             return await pool.render(job(ECHO))
 
     assert run(main) == "user: Once upon a time"
+
+
+def test_a_pool_whose_workers_cannot_start_fails_renders_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a wait until the client's deadline: UNAVAILABLE (HTTP 503), and the pool keeps trying."""
+
+    def cannot_start(memory_bytes: int) -> None:
+        raise RuntimeError("a chat template worker did not start in 60 s (exit code 1)")
+
+    monkeypatch.setattr(render_pool, "_Worker", cannot_start)
+
+    async def scenario() -> None:
+        pool = RenderPool("test", 2)
+        pool.start()
+        try:
+            with pytest.raises(RenderUnavailable, match="exit code 1"):
+                await asyncio.wait_for(pool.render(job(ECHO)), 30)
+        finally:
+            pool.close()
+
+    run(scenario)
+    assert status_of(RenderUnavailable("x")) == grpc.StatusCode.UNAVAILABLE
