@@ -175,7 +175,8 @@ class HistogramTally:
         self.counts, self.total = [0] * len(counts), 0.0
         buckets = getattr(histogram, "_buckets", None)
         total_value = getattr(histogram, "_sum", None)
-        if buckets is None or total_value is None or len(buckets) != len(counts):  # another layout
+        if buckets is None or total_value is None or len(buckets) != len(counts):
+            # another layout: each bucket's count at its bound (the sum is then approximate)
             for index, count in enumerate(counts):
                 value = LATENCY_BUCKETS[index] if index < len(LATENCY_BUCKETS) else LATENCY_BUCKETS[-1] * 2
                 observe_many(histogram, value, count)

@@ -104,7 +104,10 @@ class PipeLink:
     def send(self, item: Any) -> None:
         """Queues ``item`` for the end of this loop turn's message; from any thread."""
         if not self._on_loop():
-            self.loop.call_soon_threadsafe(self.send, item)
+            if self.loop.is_running():
+                self.loop.call_soon_threadsafe(self.send, item)
+            else:
+                self._pending.append(item)  # the loop is over: `close` sends it
             return
         if not self._pending:
             self.loop.call_soon(self._flush)

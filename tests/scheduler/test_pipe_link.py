@@ -101,3 +101,15 @@ def test_close_sends_what_is_queued_first() -> None:
     reader.join(10)
     assert received == [list(range(300_000))]
     assert not theirs.poll(0.1)
+
+
+def test_a_link_whose_loop_is_over_still_sends_at_close() -> None:
+    """An engine stopped after its loop ended (a shutdown path) still tells its workers to exit."""
+    ours, theirs = multiprocessing.Pipe()
+    loop = asyncio.new_event_loop()
+    link = PipeLink(ours, "test", lambda batch: None, lambda: None, loop)
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    link.send(("exit",))
+    link.close()
+    assert theirs.recv() == [("exit",)]
