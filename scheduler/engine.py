@@ -127,6 +127,7 @@ class Engine:
         self._clients: dict[str, ClientRequest] = {}
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
         self._sequences: dict[str, Request] = {}  # req_id -> the sequence (one lookup per token)
+        self._streams_relayed = False  # API server processes serve the streams (`start`)
         self._lane_of: dict[str, Lane] = {}
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
@@ -150,8 +151,9 @@ class Engine:
 
     def start(self, serve_prompts: bool = True) -> None:
         """``serve_prompts``: start the render processes for chat templates (not needed when
-        API server processes take every request's prompt)."""
+        API server processes take every request's prompt, and serve every client stream)."""
         self._loop = asyncio.get_running_loop()
+        self._streams_relayed = not serve_prompts
         if self.step_workers is not None:
             settings = LaneSettings(
                 self.config.enable_prefix_caching, self.config.async_scheduling, self.grammars.settings
@@ -427,7 +429,8 @@ class Engine:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
             num_tokens = len(report.updates)
-            report.updates = self._relay_reported(report.updates)
+            if self._streams_relayed:
+                report.updates = self._relay_reported(report.updates)
             self._dispatch(lane, apply_report(report, self._sequences.get), num_tokens)
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
