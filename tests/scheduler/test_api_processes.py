@@ -6,7 +6,8 @@ a scheduler with two API processes sharing its port; 32 greedy streams over 16 c
 equal transformers and are served by both processes; stop strings found in an API process stop
 the sequence in the core; calls the core answers (Abort, Health, CheckIntegrity, ListModels,
 metrics) work from any process; an API process SIGKILLed under 32 streams is restarted, the
-streams of the other complete unchanged, and every pool is intact and idle afterwards.
+streams of the other complete unchanged, and every pool is intact and idle afterwards. And when
+the core itself is SIGKILLed, its API processes and workers exit: none is left on the port.
 """
 
 from __future__ import annotations
@@ -253,3 +254,25 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
         assert scheduler.stop() == 0
         assert not any(alive(pid) for pid in latest.values())
         assert any(e["event"] == "scheduler drained; block pools intact and idle" for e in scheduler.events())
+
+
+@pytest.mark.slow
+def test_when_the_core_dies_its_api_processes_and_workers_go_too(stories_dir: Path, tmp_path: Path) -> None:
+    """No orphan keeps the port (SO_REUSEPORT would hand it clients no core serves) or an
+    executor: each child sees its pipe to the core close and exits, so a restarted scheduler
+    starts clean."""
+    with processes(tmp_path) as procs:
+        addresses = start_executors(procs, stories_dir, ["e0"])
+        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
+                                "--port", "0", "--api-server-count", "2", "--scheduler-workers", "1",
+                                "--log-format", "json")  # fmt: skip
+        address = scheduler.wait_ready()["address"]
+        children = set(api_pids(scheduler.events()).values()) | {
+            e["pid"] for e in scheduler.events() if e["event"] == "scheduler worker started"
+        }
+        assert len(children) == 3 and all(alive(pid) for pid in children)
+        os.kill(scheduler.pid, signal.SIGKILL)
+        wait_until(lambda: not any(alive(pid) for pid in children), 30, "the core's children to exit")
+        with pytest.raises(grpc.RpcError) as gone:
+            stubs(address)[0].Health(pb.HealthRequest(), timeout=5)
+        assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
