@@ -18,6 +18,7 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
+from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS
 from npuserve.scheduler.server import SchedulerConfig
 
 
@@ -148,7 +149,15 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
                 "(steps go over the streaming transport)",
             },
         ),
-        Flag("step_transport", "--step-transport", {"default": "unary", "choices": ["unary", "stream"]}),
+        Flag(
+            "step_transport",
+            "--step-transport",
+            {
+                "default": DEFAULT_STEP_TRANSPORT,
+                "choices": list(STEP_TRANSPORTS),
+                "help": "how steps reach an executor: one long-lived stream each (default), or a call per step",
+            },
+        ),
         Flag(
             "step_timeout_s",
             "--step-timeout",

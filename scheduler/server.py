@@ -38,7 +38,7 @@ from npuserve.scheduler.engine import (
     Engine,
     EngineConfig,
 )
-from npuserve.scheduler.executor_client import ClientSpec
+from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT, ClientSpec
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.step_workers import StepWorkerPool
@@ -153,7 +153,7 @@ class SchedulerConfig:
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
     async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
-    step_transport: str = "unary"  # "unary" or "stream"
+    step_transport: str = DEFAULT_STEP_TRANSPORT  # one of executor_client.STEP_TRANSPORTS
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
     registry: str | None = None  # redis://HOST:PORT/DB where executors register

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT
 
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0
@@ -33,7 +34,7 @@ class ScaleConfig:
     num_blocks: int = 0  # per executor; 0: 4x what an even share of the largest concurrency needs
     max_num_seqs: int = 512
     model: Path = DEMO_MODEL_DIR
-    step_transport: str = "unary"
+    step_transport: str = DEFAULT_STEP_TRANSPORT
     routing: str = "prefix-aware"
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
