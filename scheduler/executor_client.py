@@ -27,8 +27,9 @@ from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 # How steps reach an executor: a unary call each, or one long-lived stream per executor (the
-# default: in the scale bench 7-20% more tokens/s over 16-64 executors than a call per step, and
-# about a third less CPU on the executors' side; equal over 4).
+# default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
+# 256-1,024 streams, within the noise at 4,096 and over 4 executors, and about a third less CPU
+# on the executors' side).
 STEP_TRANSPORTS = ("unary", "stream")
 DEFAULT_STEP_TRANSPORT = "stream"
 # NOTE: stopping a profile exports its trace, which takes long after a busy profile.
