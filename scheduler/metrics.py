@@ -173,35 +173,21 @@ class HistogramTally:
         if not any(counts):
             return
         self.counts, self.total = [0] * len(counts), 0.0
+        # NOTE: prometheus_client has no batch observe: this adds to the child's sum and buckets
+        # directly (its layout: `_sum`, `_buckets`). Under another layout each count is observed
+        # at its bucket's bound, one at a time (the sum is then approximate).
         buckets = getattr(histogram, "_buckets", None)
         total_value = getattr(histogram, "_sum", None)
         if buckets is None or total_value is None or len(buckets) != len(counts):
-            # another layout: each bucket's count at its bound (the sum is then approximate)
-            for index, count in enumerate(counts):
-                value = LATENCY_BUCKETS[index] if index < len(LATENCY_BUCKETS) else LATENCY_BUCKETS[-1] * 2
-                observe_many(histogram, value, count)
+            bounds = (*LATENCY_BUCKETS, LATENCY_BUCKETS[-1] * 2)  # the last: a value past every bound
+            for value, count in zip(bounds, counts, strict=True):
+                for _ in range(count):
+                    histogram.observe(value)
             return
         total_value.inc(total)
         for bucket, count in zip(buckets, counts, strict=True):
             if count:
                 bucket.inc(count)
-
-
-def observe_many(histogram: Histogram, value: float, count: int) -> None:
-    """``count`` observations of one value (a step's inter-token latency, once per token it
-    produced) at the cost of one: prometheus_client has no batch observe, so this adds to the
-    child's sum and bucket directly (its layout: `_sum`, `_buckets`, `_upper_bounds`)."""
-    if count <= 0:
-        return
-    buckets = getattr(histogram, "_buckets", None)
-    bounds = getattr(histogram, "_upper_bounds", None)
-    total = getattr(histogram, "_sum", None)
-    if buckets is None or bounds is None or total is None:  # another layout: one at a time
-        for _ in range(count):
-            histogram.observe(value)
-        return
-    total.inc(value * count)
-    buckets[bisect.bisect_left(bounds, value)].inc(count)
 
 
 class SchedulerMetrics:
