@@ -415,12 +415,6 @@ class Engine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
-    def _client_of(self, req_id: str) -> ClientRequest | None:
-        return self._client_of_seq.get(req_id)
-
-    def _request_of(self, req_id: str) -> Request | None:
-        return self._sequences.get(req_id)
-
     def _on_reports(self, worker: WorkerHandle, reports: list[LaneReport]) -> None:
         """A scheduler worker's batch of lane reports (event loop thread)."""
         for report in reports:
@@ -485,7 +479,7 @@ class Engine:
                 del self.lanes[lane.executor_id]
         requests = []
         for req_id, placed in list(self._lane_of.items()):
-            request = self._request_of(req_id)
+            request = self._sequences.get(req_id)
             if placed in lost_set and request is not None and not request.status.is_finished:
                 self._started(req_id)
                 request.reset_for_recompute()
@@ -558,7 +552,7 @@ class Engine:
             self._fail_over(event.evacuated, event.error or "executor lost")
         for request in event.ended:
             self._started(request.req_id)
-            client = self._client_of(request.req_id)
+            client = self._client_of_seq.get(request.req_id)
             if client is not None:
                 client.end(request, request.status, event.error)
                 self._forget_if_finished(client)

@@ -24,7 +24,7 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import with_bearer
 
 if TYPE_CHECKING:
-    from harness.cluster import Processes
+    from harness.cluster import Proc, Processes
 
 
 def child_pids(pid: int) -> list[int]:
@@ -279,13 +279,39 @@ def greedy_workload(
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, 40, (num_streams,), generator=generator)
     prompts = [[1, *random_ids(int(n), generator)] for n in lengths]
-    return prompts, [greedy_request(p, num_new) for p in prompts], transformers_greedy(model, prompts, num_new)
+    return (
+        prompts,
+        [greedy_request(p, num_new) for p in prompts],
+        transformers_greedy(model, prompts, num_new),
+    )
 
 
 def metric_total(text: str, name: str) -> float:
-    """Sum of a metric's samples in Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Sum of a metric's samples in Prometheus text (``name`` as exported, e.g. with ``_total``)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def start_scheduler(procs: Processes, model: Path, addresses: str, *flags: str) -> Proc:
+    """A scheduler of ``model`` over the executors at ``addresses`` on a free port, logging JSON
+    (its events are read back), with ``flags``."""
+    return procs.start("scheduler", "scheduler", "--model", str(model), "--executors", addresses,
+                       "--port", "0", "--log-format", "json", *flags)  # fmt: skip
+
+
+def started_pids(scheduler: Proc, event: str, index_key: str) -> dict[int, int]:
+    """Index -> pid of the latest start of each of the scheduler's child processes that it logs
+    as ``event`` (with their index under ``index_key``)."""
+    return {e[index_key]: e["pid"] for e in scheduler.events() if e["event"] == event}
+
+
+def worker_pids(scheduler: Proc) -> dict[int, int]:
+    return started_pids(scheduler, "scheduler worker started", "worker")
+
+
+def api_pids(scheduler: Proc) -> dict[int, int]:
+    return started_pids(scheduler, "api server process started", "index")

@@ -23,7 +23,17 @@ import grpc
 import pytest
 from harness.cluster import processes, wait_until
 from harness.pools import idle_pools
-from harness.serve import alive, greedy_request, greedy_workload, metric_total, start_executors
+from harness.serve import (
+    alive,
+    api_pids,
+    child_pids,
+    greedy_request,
+    greedy_workload,
+    metric_total,
+    start_executors,
+    start_scheduler,
+    worker_pids,
+)
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -93,11 +103,6 @@ def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -
 # -- the scheduler over API processes -----------------------------------------------------------
 
 
-def api_pids(scheduler_events: list[dict]) -> dict[int, int]:
-    """API process index -> pid of its latest start."""
-    return {e["index"]: e["pid"] for e in scheduler_events if e["event"] == "api server process started"}
-
-
 def stubs(address: str) -> list[pb_grpc.SchedulerStub]:
     """One stub per connection (the kernel spreads connections over the API processes)."""
     return [
@@ -145,13 +150,13 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
     prompts, requests, expected = greedy_workload(stories_dir, 5, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
-        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
-                                "--port", "0", "--api-server-count", "2", "--scheduler-workers", "1",
-                                "--log-format", "json")  # fmt: skip
+        scheduler = start_scheduler(
+            procs, stories_dir, addresses, "--api-server-count", "2", "--scheduler-workers", "1"
+        )
         address = scheduler.wait_ready()["address"]
         connections = stubs(address)
         stub = connections[0]
-        first_pids = api_pids(scheduler.events())
+        first_pids = api_pids(scheduler)
         assert len(first_pids) == 2
 
         # 32 greedy streams over 16 connections equal transformers, served by both processes.
@@ -230,7 +235,7 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
         assert all(codes[i] == grpc.StatusCode.UNAVAILABLE for i in range(NUM_STREAMS) if i not in survived)
         assert [outputs[i] for i in survived] == [expected[i] for i in survived]
         assert all(reasons[i] == "length" for i in survived)
-        wait_until(lambda: api_pids(scheduler.events())[0] != first_pids[0], 30, "the API process to restart")
+        wait_until(lambda: api_pids(scheduler)[0] != first_pids[0], 30, "the API process to restart")
         wait_until(
             lambda: sum(e["event"] == "api server process serving" for e in scheduler.events()) == 3,
             60,
@@ -250,7 +255,7 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())
 
         # SIGTERM drains and stops the scheduler and its API processes.
-        latest = api_pids(scheduler.events())
+        latest = api_pids(scheduler)
         assert scheduler.stop() == 0
         assert not any(alive(pid) for pid in latest.values())
         assert any(e["event"] == "scheduler drained; block pools intact and idle" for e in scheduler.events())
@@ -263,14 +268,13 @@ def test_when_the_core_dies_its_api_processes_and_workers_go_too(stories_dir: Pa
     starts clean."""
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0"])
-        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
-                                "--port", "0", "--api-server-count", "2", "--scheduler-workers", "1",
-                                "--log-format", "json")  # fmt: skip
+        scheduler = start_scheduler(
+            procs, stories_dir, addresses, "--api-server-count", "2", "--scheduler-workers", "1"
+        )
         address = scheduler.wait_ready()["address"]
-        children = set(api_pids(scheduler.events()).values()) | {
-            e["pid"] for e in scheduler.events() if e["event"] == "scheduler worker started"
-        }
-        assert len(children) == 3 and all(alive(pid) for pid in children)
+        started = set(api_pids(scheduler).values()) | set(worker_pids(scheduler).values())
+        children = set(child_pids(scheduler.pid))  # render processes too
+        assert len(started) == 3 and started <= children and all(alive(pid) for pid in children)
         os.kill(scheduler.pid, signal.SIGKILL)
         wait_until(lambda: not any(alive(pid) for pid in children), 30, "the core's children to exit")
         with pytest.raises(grpc.RpcError) as gone:

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from harness.cluster import Proc, processes, wait_until
+from harness.cluster import processes, wait_until
 from harness.pools import check_prefix_routing, idle_pools, pools
-from harness.serve import greedy_workload, run_streams, start_executors
+from harness.serve import greedy_workload, run_streams, start_executors, start_scheduler, worker_pids
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -112,22 +112,14 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
 # -- the scheduler over worker processes --------------------------------------------------------
 
 
-def worker_pids(scheduler: Proc) -> dict[int, int]:
-    """Worker index -> pid of its latest start, from the scheduler's log."""
-    started = {}
-    for event in scheduler.events():
-        if event["event"] == "scheduler worker started":
-            started[event["worker"]] = event["pid"]
-    return started
-
-
 @pytest.mark.slow
 def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: Path, tmp_path: Path) -> None:
     _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
-        scheduler = procs.start("scheduler", "scheduler", "--model", str(stories_dir), "--executors", addresses,
-                                "--port", "0", "--scheduler-workers", "2", "--async-scheduling", "--log-format", "json")  # fmt: skip
+        scheduler = start_scheduler(
+            procs, stories_dir, addresses, "--scheduler-workers", "2", "--async-scheduling"
+        )
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
         first_pids = worker_pids(scheduler)
         assert len(first_pids) == 2, "one worker process per executor here"
