@@ -103,7 +103,7 @@ class CoreLink:
         self._call_ids = itertools.count()
         self.draining = asyncio.Event()
         self.gone = asyncio.Event()  # the core said exit, or is no more
-        self.pipe = PipeLink(conn, "core-link", self._apply, self.gone.set, loop)
+        self.pipe = PipeLink(conn, self._apply, self.gone.set, loop)
 
     def start(self) -> None:
         self.pipe.start()

@@ -149,13 +149,7 @@ class ApiProcessHandle:
         )
         process.start()
         api_end.close()
-        pipe = PipeLink(
-            core_end,
-            f"api-{self.index}",
-            lambda batch: self._apply(pipe, batch),
-            lambda: self._lost(pipe),
-            loop,
-        )
+        pipe = PipeLink(core_end, lambda batch: self._apply(pipe, batch), lambda: self._lost(pipe), loop)
         self.process, self.pipe, self.requests = process, pipe, {}
         self.relay = Relay(pipe, loop)
         self.ready = loop.create_future()

@@ -70,13 +70,11 @@ class PipeLink:
     def __init__(
         self,
         conn: Connection,
-        name: str,
         on_batch: Callable[[list[Any]], object],
         on_closed: Callable[[], object],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.conn = conn
-        self.name = name
         self.loop = loop
         self._on_batch = on_batch
         self._on_closed = on_closed
@@ -109,16 +107,18 @@ class PipeLink:
             else:
                 self._pending.append(item)  # the loop is over: `close` sends it
             return
-        if not self._pending:
-            self.loop.call_soon(self._flush)
+        self._flush_at_turn_end()
         self._pending.append(item)
 
     def send_many(self, items: list[Any]) -> None:
         """Queues ``items`` (on the loop thread)."""
         if items:
-            if not self._pending:
-                self.loop.call_soon(self._flush)
+            self._flush_at_turn_end()
             self._pending += items
+
+    def _flush_at_turn_end(self) -> None:
+        if not self._pending:  # the first item of this turn
+            self.loop.call_soon(self._flush)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Sends what is queued (waiting up to ``timeout_s`` for room in the pipe), then stops

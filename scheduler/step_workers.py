@@ -168,7 +168,7 @@ class WorkerHandle:
         process.start()
         worker_end.close()
         assert pool.loop is not None, "the pool starts workers once it has the engine's loop"
-        link = PipeLink(front_end, self.name, self._received, lambda: self._closed(link), pool.loop)
+        link = PipeLink(front_end, self._received, lambda: self._closed(link), pool.loop)
         self.process, self.link = process, link
         self.alive = True
         link.start()

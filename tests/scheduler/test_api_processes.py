@@ -80,7 +80,7 @@ def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        pipe = PipeLink(core_end, "test", lambda batch: None, lambda: None, loop)
+        pipe = PipeLink(core_end, lambda batch: None, lambda: None, loop)
         pipe.start()
         relay = Relay(pipe, loop)
         for i in range(MAX_UNACKED_ITEMS):

@@ -58,7 +58,7 @@ def test_a_pipe_link_talks_to_a_plain_connection_both_ways() -> None:
             closed.append(True)
             gone.set()
 
-        link = PipeLink(ours, "test", on_batch, on_closed, loop)
+        link = PipeLink(ours, on_batch, on_closed, loop)
         link.start()
         link.send(1)
         link.send_many([2, 3])
@@ -90,7 +90,7 @@ def test_close_sends_what_is_queued_first() -> None:
     reader.start()
 
     async def scenario() -> None:
-        link = PipeLink(ours, "test", lambda batch: None, lambda: None, asyncio.get_running_loop())
+        link = PipeLink(ours, lambda batch: None, lambda: None, asyncio.get_running_loop())
         link.start()
         link.send_many(list(range(300_000)))  # more than the pipe holds: close waits for room
         await asyncio.to_thread(link.close)  # from a thread, while the loop runs
@@ -107,7 +107,7 @@ def test_a_link_whose_loop_is_over_still_sends_at_close() -> None:
     """An engine stopped after its loop ended (a shutdown path) still tells its workers to exit."""
     ours, theirs = multiprocessing.Pipe()
     loop = asyncio.new_event_loop()
-    link = PipeLink(ours, "test", lambda batch: None, lambda: None, loop)
+    link = PipeLink(ours, lambda batch: None, lambda: None, loop)
     loop.run_until_complete(asyncio.sleep(0))
     loop.close()
     link.send(("exit",))
