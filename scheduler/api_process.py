@@ -246,7 +246,9 @@ def run_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
     """The API process's entry point (spawned by `api_relay.ApiProcessPool`)."""
     from npuserve.deploy.event_loop import run as run_loop
     from npuserve.deploy.logs import configure_logging
+    from npuserve.deploy.process_name import API_SERVER, set_process_name
 
+    set_process_name(API_SERVER)
     configure_logging(settings.log_level, settings.json_logs)
     structlog.contextvars.bind_contextvars(api_server=settings.index)
     run_loop(serve_api_process(conn, settings))

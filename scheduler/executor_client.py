@@ -9,8 +9,10 @@ With a ``token`` every call presents the cluster token (``authorization: Bearer 
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -138,48 +140,87 @@ class ExecutorClient:
 _END = object()  # closes a stream's request iterator
 
 
-class _StepStream:
-    """One open `StepStream` call: requests go in through a queue, responses come out of another.
+class _StepDeadlines:
+    """Ends step streams whose response is late.
 
-    NOTE: a reader thread moves responses into a queue so that `step()` can wait with a timeout;
-    gRPC's response iterator has no timed `next()`.
+    A lane reads its stream's responses in its own thread (no reader thread and queue between
+    them: one thread wake-up less per step), and gRPC's response iterator has no timed
+    ``next()``: this thread cancels a stream once a response is past its deadline, which ends the
+    lane's wait. It looks every `TICK_S`, so a late step is seen within a tick of its deadline,
+    and waiting costs a step two dict operations and no wake-up.
     """
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, float, _StepStream]] = {}
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, stream: _StepStream, timeout_s: float) -> int:
+        key = next(self._keys)
+        self._due[key] = (time.monotonic() + timeout_s, timeout_s, stream)
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="step-deadlines", daemon=True)
+                    self._thread.start()
+        return key
+
+    def unwatch(self, key: int) -> None:
+        self._due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.monotonic()
+            for key, (due, timeout_s, stream) in list(self._due.items()):
+                if due <= now and self._due.pop(key, None) is not None:
+                    stream.expire(timeout_s)
+
+
+_DEADLINES = _StepDeadlines()
+
+
+class _StepStream:
+    """One open `StepStream` call: requests go in through a queue (gRPC's thread sends them),
+    responses are read by the thread that waits for them, in the order the requests went out."""
 
     def __init__(self, stub: pb_grpc.ExecutorStub, metadata: tuple[tuple[str, str], ...] | None) -> None:
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._call = stub.StepStream(iter(self._requests.get, _END), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name="executor-step-stream", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for response in self._call:
-                self._responses.put(response)
-        except grpc.RpcError as exc:
-            self._responses.put(exc)
-        self._responses.put(_END)
+        self._expired_after_s: float | None = None
 
     def send(self, request: pb.StepRequest) -> None:
         self._requests.put(request)
 
     def receive(self, timeout_s: float | None) -> pb.StepResponse:
-        """The next response: they come back in the order the requests went out."""
+        """The next response; DEADLINE_EXCEEDED (and the stream ended) past ``timeout_s``."""
+        key = _DEADLINES.watch(self, timeout_s) if timeout_s is not None else None
         try:
-            item = self._responses.get(timeout=timeout_s)
-        except queue.Empty:
-            raise ExecutorError("DEADLINE_EXCEEDED", f"no step response within {timeout_s} s") from None
-        if isinstance(item, grpc.RpcError):
-            raise ExecutorError.from_rpc_error(item)
-        if item is _END:
-            raise ExecutorError("UNAVAILABLE", "the executor closed the step stream")
-        return item
+            return next(self._call)
+        except StopIteration:
+            raise ExecutorError("UNAVAILABLE", "the executor closed the step stream") from None
+        except grpc.RpcError as exc:
+            if self._expired_after_s is not None:
+                raise ExecutorError(
+                    "DEADLINE_EXCEEDED", f"no step response within {self._expired_after_s} s"
+                ) from None
+            raise ExecutorError.from_rpc_error(exc) from None
+        finally:
+            if key is not None:
+                _DEADLINES.unwatch(key)
+
+    def expire(self, timeout_s: float) -> None:
+        """A response is past ``timeout_s``: the stream ends, its reader sees DEADLINE_EXCEEDED."""
+        self._expired_after_s = timeout_s
+        self._call.cancel()
 
     def close(self) -> None:
         # NOTE: ending the request iterator also frees gRPC's thread that waits on it.
         self._requests.put(_END)
         self._call.cancel()
-        self._reader.join(timeout=5)
 
 
 class _PendingStep:

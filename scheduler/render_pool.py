@@ -47,7 +47,10 @@ Outcome = tuple[str, ...]
 
 def _serve(conn: multiprocessing.connection.Connection, memory_bytes: int) -> None:
     """A worker's main loop: render each job received, answer its outcome; end on EOF."""
+    from npuserve.deploy.process_name import CHAT_RENDER, set_process_name
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when workers end
+    set_process_name(CHAT_RENDER)
     _limit_address_space(memory_bytes)
     conn.send(("ready",))
     while True:

@@ -234,6 +234,8 @@ def run_step_worker(
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
     from npuserve.deploy.logs import configure_logging
+    from npuserve.deploy.process_name import STEP_WORKER, set_process_name
 
+    set_process_name(STEP_WORKER)
     configure_logging(log_level, json_logs)
     StepWorker(conn, spec, settings).run()

@@ -18,6 +18,7 @@ from npuserve.deploy.bench.report import percentile
 from npuserve.deploy.bench.scale_config import AWAITING_SAMPLE_S, CLOCK_TICKS, DRAIN_TIMEOUT_S, ScaleConfig
 from npuserve.deploy.bench.scale_load import Load, LoadState
 from npuserve.deploy.bench.scale_profile import profile_scheduler
+from npuserve.deploy.process_name import API_SERVER, STEP_WORKER, process_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
@@ -29,6 +30,7 @@ class Snapshot:
     time: float
     scheduler_cpu_s: float  # every scheduler process: the front and its workers
     front_cpu_s: float  # the front alone (the public API, streams, routing)
+    children_cpu_s: dict[str, float]  # the front's child processes, by name (role)
     executors_cpu_s: float
     client_cpu_s: float
     machine_busy_s: float  # every CPU of the machine, every process (from /proc/stat)
@@ -60,6 +62,9 @@ class Result:
     scheduler_cpu_ms_per_step: float
     scheduler_cpu_us_per_token: float
     front_cpu_us_per_token: float
+    step_workers_cpu_us_per_token: float  # the step worker processes (0 with --scheduler-workers 0)
+    api_servers_cpu_us_per_token: float  # the API processes (0 with --api-server-count 1)
+    step_workers_cpu_us_per_step: float
     scheduler_cores: float
     executors_cores: float
     client_cores: float
@@ -101,16 +106,20 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and its live child processes (the scheduler's workers)."""
-    total = proc_cpu_seconds(pid)
+def children_cpu_by_name(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's live child processes (the scheduler's step workers, API
+    processes and render workers), summed by process name (`process_name`: their role)."""
+    totals: dict[str, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(_stat_fields(stat)[1]) == pid:
-                total += proc_cpu_seconds(int(stat.parent.name))
+            if int(_stat_fields(stat)[1]) != pid:
+                continue
+            child = int(stat.parent.name)
+            name = process_name(child) or "gone"
+            totals[name] = totals.get(name, 0.0) + proc_cpu_seconds(child)
         except OSError:
             continue  # gone meanwhile
-    return total
+    return totals
 
 
 def metric_values(text: str) -> dict[str, float]:
@@ -141,6 +150,7 @@ async def take_snapshot(
             if attempt == 2:
                 raise
     stats = json.loads(stats_file.read_text())
+    front_cpu, children = proc_cpu_seconds(scheduler_pid), children_cpu_by_name(scheduler_pid)
     sim: dict[str, float] = {}
     for executor in stats["executors"]:
         for key, value in executor.items():
@@ -148,8 +158,9 @@ async def take_snapshot(
                 sim[key] = sim.get(key, 0.0) + value
     return Snapshot(
         time=time.perf_counter(),
-        scheduler_cpu_s=tree_cpu_seconds(scheduler_pid),
-        front_cpu_s=proc_cpu_seconds(scheduler_pid),
+        scheduler_cpu_s=front_cpu + sum(children.values()),
+        front_cpu_s=front_cpu,
+        children_cpu_s=children,
         executors_cpu_s=proc_cpu_seconds(executors_pid),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),
@@ -214,6 +225,16 @@ async def run_load(
     return result
 
 
+def _child_cpu(before: Snapshot, after: Snapshot, name: str) -> float:
+    """CPU seconds the front's children named ``name`` spent between two snapshots (a child
+    restarted meanwhile counts from zero)."""
+    return max(0.0, after.children_cpu_s.get(name, 0.0) - before.children_cpu_s.get(name, 0.0))
+
+
+def _per(amount: float, count: float) -> float:
+    return amount / count if count else math.nan
+
+
 def summarize(
     config: ScaleConfig, executors: int, concurrency: int, before: Snapshot, after: Snapshot, state: LoadState
 ) -> Result:
@@ -251,6 +272,9 @@ def summarize(
         front_cpu_us_per_token=1e6 * (after.front_cpu_s - before.front_cpu_s) / generated
         if generated
         else math.nan,
+        step_workers_cpu_us_per_token=_per(1e6 * _child_cpu(before, after, STEP_WORKER), generated),
+        api_servers_cpu_us_per_token=_per(1e6 * _child_cpu(before, after, API_SERVER), generated),
+        step_workers_cpu_us_per_step=_per(1e6 * _child_cpu(before, after, STEP_WORKER), steps),
         scheduler_cores=cores["scheduler"],
         executors_cores=cores["executors"],
         client_cores=cores["client"],

@@ -35,6 +35,7 @@ from harness.serve import (
     worker_pids,
 )
 
+from npuserve.deploy.process_name import API_SERVER, CHAT_RENDER, STEP_WORKER, process_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
@@ -275,6 +276,11 @@ def test_when_the_core_dies_its_api_processes_and_workers_go_too(stories_dir: Pa
         started = set(api_pids(scheduler).values()) | set(worker_pids(scheduler).values())
         children = set(child_pids(scheduler.pid))  # render processes too
         assert len(started) == 3 and started <= children and all(alive(pid) for pid in children)
+        # Each child's name says its role (`ps`, `top`; the scale bench splits CPU by it).
+        names = {pid: process_name(pid) for pid in children}
+        assert {names[pid] for pid in api_pids(scheduler).values()} == {API_SERVER}
+        assert {names[pid] for pid in worker_pids(scheduler).values()} == {STEP_WORKER}
+        assert CHAT_RENDER in {names[pid] for pid in children - started}  # and multiprocessing's tracker
         os.kill(scheduler.pid, signal.SIGKILL)
         wait_until(lambda: not any(alive(pid) for pid in children), 30, "the core's children to exit")
         with pytest.raises(grpc.RpcError) as gone:

@@ -1,6 +1,7 @@
 """`npuserve bench-scale` end to end on a small sweep: simulated executors, a real scheduler with
 its worker process, the closed-loop client; every stream completes without an error and the JSON
-holds one row per configuration with the scheduler's CPU split into front and workers."""
+holds one row per configuration with the scheduler's CPU split by role: front, step workers and
+API processes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
         sys.executable, "-m", "npuserve.deploy.bench.scale",
         "--executors", "1,2", "--concurrency", "8", "--warmup", "1", "--duration", "2",
         "--prompt-len", "16-32", "--output-len", "8-16", "--block-size", "16", "--max-num-seqs", "16",
-        "--scheduler-workers", "1", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
+        "--scheduler-workers", "1", "--api-server-count", "2", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
     ]
     # fmt: on
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
@@ -32,8 +33,12 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
     for row in rows.values():
         assert row["num_errors"] == 0, row["errors"]
         assert row["output_tokens_per_s"] > 0 and row["num_completed"] > 0
-        # The whole scheduler (front and worker) costs at least the CPU its front alone does.
-        assert row["scheduler_cpu_us_per_token"] >= row["front_cpu_us_per_token"] > 0
+        # The scheduler's CPU, split by role: the front, its step worker, its API processes
+        # (told apart by their process names); their sum is the whole (render workers aside).
+        roles = ("front_cpu_us_per_token", "step_workers_cpu_us_per_token", "api_servers_cpu_us_per_token")
+        assert all(row[role] > 0 for role in roles)
+        assert sum(row[role] for role in roles) == pytest.approx(row["scheduler_cpu_us_per_token"], rel=0.05)
+        assert row["step_workers_cpu_us_per_step"] > 0
         # Streams without a token yet, averaged over the window: never more than are open.
         assert 0 <= row["awaiting_first_token_mean"] <= row["concurrency"]
     assert (tmp_path / "scale.png").stat().st_size > 0
