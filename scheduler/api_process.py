@@ -20,6 +20,10 @@ Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
                | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
                | ("call", call_id, method, request message)
   core -> api: ("add" | "end", handle, *SequenceUpdate's fields) | ("refuse", handle, RelayedError)
+               | ("relayed", pickled list of "add" items: a worker's tokens for this process's
+                  streams, which the core forwards unopened, see `step_frames`)
+               | ("delivered", query_id, [(handle, choice)]: what those streams hold, asked when
+                  the scheduler worker that ran them died; answered with the same kind)
                | ("reply", call_id, response message | RelayedStatus) | ("drain",) | ("exit",)
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import pickle
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -54,6 +59,7 @@ log = structlog.get_logger(__name__)
 
 STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
 RELAYED_KINDS = frozenset({"add", "end", "refuse"})  # what the core relays of streams (acknowledged)
+# ... and "relayed", a worker's pack of "add" items, acknowledged item by item.
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +121,15 @@ class CoreLink:
             if kind in RELAYED_KINDS:
                 relayed += 1
             if kind == "add":
-                stream = self.streams.get(item[1])
-                if stream is not None:
-                    update = SequenceUpdate(*item[2:])
-                    stop = stream.add(update)
-                    if stop is not None:
-                        self.pipe.send(("stop", item[1], update.choice, stop))
+                self._add(item)
+            elif kind == "relayed":  # a worker's pack of tokens, passed on by the core as it was
+                items = pickle.loads(item[1])
+                relayed += len(items)
+                for packed in items:  # NOTE: once per token
+                    self._add(packed)
+            elif kind == "delivered":
+                _, query_id, sequences = item
+                self.pipe.send(("delivered", query_id, [self._delivered(*s) for s in sequences]))
             elif kind == "end":
                 stream = self.streams.get(item[1])
                 if stream is not None:
@@ -139,6 +148,20 @@ class CoreLink:
                 self.gone.set()
         if relayed:
             self.pipe.send(("ack", relayed))
+
+    def _add(self, item: tuple[Any, ...]) -> None:
+        stream = self.streams.get(item[1])
+        if stream is not None:
+            update = SequenceUpdate(*item[2:])
+            stop = stream.add(update)
+            if stop is not None:
+                self.pipe.send(("stop", item[1], update.choice, stop))
+
+    def _delivered(self, handle: int, choice: int) -> list[int] | None:
+        """A sequence's tokens as this process received them (its worker died: it resumes from
+        them); None for a stream that is over."""
+        stream = self.streams.get(handle)
+        return None if stream is None else stream.sequences[choice].token_ids
 
     def open(self, stream: RequestStream, params: SamplingParams) -> int:
         handle = next(self._handles)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import multiprocessing
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -21,19 +22,20 @@ import structlog
 from google.protobuf.message import Message
 
 from npuserve.deploy.restart_policy import RestartHistory
-from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.api_process import ApiProcessSettings, RelayedStatus, run_api_process
 from npuserve.scheduler.api_status import relayed
 from npuserve.scheduler.engine import Engine
 from npuserve.scheduler.outputs import SequenceUpdate
 from npuserve.scheduler.pipe_link import PipeLink, join_or_kill
-from npuserve.scheduler.request import SamplingParams
+from npuserve.scheduler.request import Request, SamplingParams
+from npuserve.scheduler.step_frames import RelayedPack
 
 log = structlog.get_logger(__name__)
 
 START_TIMEOUT_S = 120.0
 MAX_UNACKED_ITEMS = 16384  # tokens relayed to one API process and not yet applied there
 EXIT_TIMEOUT_S = 10.0
+DELIVERED_TIMEOUT_S = 30.0  # for an API process to say what its streams hold (a worker died)
 
 
 class Relay:
@@ -48,20 +50,28 @@ class Relay:
         self.pipe = pipe
         self.loop = loop
         self.pending: list[tuple[Any, ...]] = []
+        self.pending_count = 0
         self.unacked = 0
 
     @property
     def behind(self) -> bool:
         return self.unacked >= MAX_UNACKED_ITEMS
 
-    def put(self, item: tuple[Any, ...]) -> None:
+    def put(self, item: tuple[Any, ...], count: int = 1) -> None:
+        """``count``: the items ``item`` stands for (a worker's pack: `put_pack`)."""
         if not self.pending:
             self.loop.call_soon(self._flush)
         self.pending.append(item)
+        self.pending_count += count
+
+    def put_pack(self, pack: RelayedPack) -> None:
+        count, items = pack
+        self.put(("relayed", items), count)
 
     def _flush(self) -> None:
         items, self.pending = self.pending, []
-        self.unacked += len(items)
+        self.unacked += self.pending_count
+        self.pending_count = 0
         self.pipe.send_many(items)
 
     def acked(self, count: int) -> None:
@@ -81,30 +91,6 @@ class RelayedOutputs:
     def add(self, update: SequenceUpdate) -> str | None:
         self.relay.put(("add", self.handle, *update))
         return None  # NOTE: the API process finds stop strings and reports them (`stopped_by_string`)
-
-    def relay_tokens(
-        self,
-        choice: int,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs | None],
-        num_output_tokens: int,
-        num_cached_tokens: int,
-    ) -> None:
-        """`add` of a sequence that goes on: no finish, stop reason or error (`TokenRelay`)."""
-        self.relay.put(
-            (
-                "add",
-                self.handle,
-                choice,
-                token_ids,
-                logprobs,
-                None,
-                None,
-                None,
-                num_output_tokens,
-                num_cached_tokens,
-            )
-        )
 
     def end(self, update: SequenceUpdate) -> None:
         self.relay.put(("end", self.handle, *update))
@@ -132,6 +118,9 @@ class ApiProcessHandle:
         self.pipe: PipeLink | None = None
         self.relay: Relay | None = None
         self.requests: dict[int, str] = {}  # stream handle -> request id
+        self.incarnation = 0  # counts its starts: a stream handle means nothing in another one
+        self._queries: dict[int, asyncio.Future[list[list[int] | None]]] = {}
+        self._query_ids = itertools.count()
         self.ready: asyncio.Future[int] | None = None
         self.closing = False
         self.history = RestartHistory()
@@ -151,6 +140,7 @@ class ApiProcessHandle:
         api_end.close()
         pipe = PipeLink(core_end, lambda batch: self._apply(pipe, batch), lambda: self._lost(pipe), loop)
         self.process, self.pipe, self.requests = process, pipe, {}
+        self.incarnation += 1
         self.relay = Relay(pipe, loop)
         self.ready = loop.create_future()
         pipe.start()
@@ -185,6 +175,10 @@ class ApiProcessHandle:
                     self.pool.check_caught_up()
             elif kind == "call":
                 self.pool.spawn(self._call(pipe, *item[1:]))
+            elif kind == "delivered":
+                future = self._queries.pop(item[1], None)
+                if future is not None and not future.done():
+                    future.set_result(item[2])
             elif kind == "ready" and self.ready is not None and not self.ready.done():
                 self.ready.set_result(item[1])
 
@@ -194,14 +188,30 @@ class ApiProcessHandle:
         relay = self.relay
         assert relay is not None
         outputs = RelayedOutputs(relay, handle)
+        stream_at = (self.index, self.incarnation, handle)
         try:
-            await self.pool.engine.add_tokenized(request_id, prompt_ids, params, outputs)
+            await self.pool.engine.add_tokenized(request_id, prompt_ids, params, outputs, stream_at)
         except Exception as exc:
             self.requests.pop(handle, None)
             outputs.refuse(exc)
             return
         if self.requests.get(handle) != request_id:  # its client left while it was compiled
             self.pool.engine.drop(request_id)
+
+    async def delivered(self, incarnation: int, sequences: list[tuple[int, int]]) -> list[list[int] | None]:
+        """The output token ids the streams ``sequences`` (handle, choice) hold in this process,
+        if it is still ``incarnation`` (None for a stream it no longer has)."""
+        if self.pipe is None or incarnation != self.incarnation:
+            return [None] * len(sequences)
+        query_id = next(self._query_ids)
+        future: asyncio.Future[list[list[int] | None]] = self.pool.loop.create_future()
+        self._queries[query_id] = future
+        self.pipe.send(("delivered", query_id, sequences))
+        try:
+            return await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
+        except TimeoutError:
+            self._queries.pop(query_id, None)
+            return [None] * len(sequences)
 
     async def _call(self, pipe: PipeLink, call_id: int, method: str, request: Message) -> None:
         try:
@@ -223,6 +233,10 @@ class ApiProcessHandle:
             self.pool.engine.drop(request_id)  # NOTE: their clients' connections went with it
         self.requests = {}
         self.relay = None
+        queries, self._queries = self._queries, {}
+        for future in queries.values():
+            if not future.done():
+                future.set_result([])  # NOTE: read as "none of them" (`ApiProcessPool.delivered`)
         self.pool.check_caught_up()
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(RuntimeError(f"api server process {self.index} exited before serving"))
@@ -255,7 +269,7 @@ class ApiProcessPool:
         self.port = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = asyncio.get_event_loop()
-        engine.streams_behind = self.behind
+        engine.stream_processes = self
         # NOTE: the processes are not daemons: if this one exits without `close` (a crash),
         # they are killed rather than waited for (they would wait on their pipes forever).
         atexit.register(self._kill_all)
@@ -269,6 +283,31 @@ class ApiProcessPool:
     def behind(self) -> bool:
         """Whether an API process is behind on the tokens relayed to it."""
         return any(h.relay is not None and h.relay.behind for h in self.processes)
+
+    def forward(self, key: tuple[int, int], pack: RelayedPack) -> None:
+        index, incarnation = key
+        handle = self.processes[index]
+        if handle.incarnation == incarnation and handle.relay is not None:
+            handle.relay.put_pack(pack)
+
+    async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
+        groups: dict[tuple[int, int], list[Request]] = {}
+        for request in requests:
+            assert request.relay_to is not None
+            index, incarnation, _, _ = request.relay_to
+            groups.setdefault((index, incarnation), []).append(request)
+        answers = await asyncio.gather(
+            *(
+                self.processes[index].delivered(incarnation, [r.relay_to[2:] for r in group])  # type: ignore[index]
+                for (index, incarnation), group in groups.items()
+            )
+        )
+        outputs: dict[str, list[int]] = {}
+        for group, answer in zip(groups.values(), answers, strict=True):
+            for request, output in zip(group, answer, strict=False):
+                if output is not None:
+                    outputs[request.req_id] = output
+        return outputs
 
     def check_caught_up(self) -> None:
         if not self.behind():

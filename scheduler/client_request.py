@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from npuserve.proto.step_plan import TokenLogprobs
-from npuserve.scheduler.outputs import OutputSink, SequenceUpdate, TokenRelay
+from npuserve.scheduler.outputs import OutputSink, SequenceUpdate
 from npuserve.scheduler.request import Request, RequestStatus
 
 
@@ -26,9 +26,6 @@ class ClientRequest:
         self.started = False  # the client has been sent something
         self._finished = [False] * len(children)
         self._num_unfinished = len(children)
-        # A sink that only relays tokens (to an API server process) takes a sequence's tokens
-        # without an update to build: the engine's per-token path (`Engine._relay_reported`).
-        self.relay_tokens: TokenRelay | None = getattr(sink, "relay_tokens", None)
 
     @property
     def finished(self) -> bool:

@@ -11,11 +11,11 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -29,7 +29,7 @@ from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptIn
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import CompactUpdate, LaneReport, apply_report
+from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import Grammar, GrammarCompiler
@@ -38,6 +38,24 @@ from npuserve.scheduler.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "ModelNotFoundError", "PoolState", "PromptInput"]
+
+
+class StreamProcesses(Protocol):
+    """The API server processes that serve client streams (`api_relay.ApiProcessPool`), as the
+    engine uses them."""
+
+    def behind(self) -> bool:
+        """Too many relayed tokens wait to be applied there: the workers' steps wait too."""
+        ...
+
+    def forward(self, key: tuple[int, int], pack: RelayedPack) -> None:
+        """Tokens a worker packed for API process ``key`` (index, incarnation), passed on as
+        they are (dropped if that incarnation is gone)."""
+        ...
+
+    async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
+        """The output token ids each sequence's stream holds (absent: its process is gone)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -127,7 +145,6 @@ class Engine:
         self._clients: dict[str, ClientRequest] = {}
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
         self._sequences: dict[str, Request] = {}  # req_id -> the sequence (one lookup per token)
-        self._streams_relayed = False  # API server processes serve the streams (`start`)
         self._lane_of: dict[str, Lane] = {}
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
@@ -140,9 +157,8 @@ class Engine:
         self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
         self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
-        # Whether the processes serving client streams are behind on what was relayed to them
-        # (never, when this process serves them); the workers' reports wait to be acknowledged.
-        self.streams_behind: Callable[[], bool] = lambda: False
+        # The API server processes serving client streams (`--api-server-count` above 1).
+        self.stream_processes: StreamProcesses | None = None
         self._held_acks: list[WorkerHandle] = []
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
@@ -153,7 +169,6 @@ class Engine:
         """``serve_prompts``: start the render processes for chat templates (not needed when
         API server processes take every request's prompt, and serve every client stream)."""
         self._loop = asyncio.get_running_loop()
-        self._streams_relayed = not serve_prompts
         if self.step_workers is not None:
             settings = LaneSettings(
                 self.config.enable_prefix_caching, self.config.async_scheduling, self.grammars.settings
@@ -285,13 +300,18 @@ class Engine:
         return None if so is None else await self.grammars.compile(so)
 
     async def add_tokenized(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        stream_at: tuple[int, int, int],
     ) -> None:
         """Queues a request an API server process has validated and tokenized (its model,
         sampling parameters and lengths are checked there); errors are raised before anything
-        is queued."""
+        is queued. ``stream_at``: (that process's index, its incarnation, the stream's handle)."""
         grammar = await self._compile_grammar(params)
-        self.queue_request(request_id, prompt_ids, params, grammar, sink)
+        self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at)
 
     def queue_request(
         self,
@@ -300,8 +320,10 @@ class Engine:
         params: SamplingParams,
         grammar: Grammar | None,
         sink: OutputSink,
+        stream_at: tuple[int, int, int] | None = None,
     ) -> ClientRequest:
-        """Places a checked, tokenized request on an executor; its outputs go to ``sink``."""
+        """Places a checked, tokenized request on an executor; its outputs go to ``sink``
+        (``stream_at``: in an API server process, see `add_tokenized`)."""
         assert self._loop is not None, "Engine.start() was not called"
         if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
@@ -327,6 +349,9 @@ class Engine:
         if grammar is not None:
             for child in children:
                 child.grammar = grammar.new_state(child.max_output_tokens)
+        if stream_at is not None:
+            for choice, child in enumerate(children):
+                child.relay_to = (*stream_at, choice)
         client = ClientRequest(request_id, children, prompt_ids, sink)
         self._clients[request_id] = client
         for child in children:
@@ -423,12 +448,15 @@ class Engine:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
             num_tokens = len(report.updates)
-            if self._streams_relayed:
-                report.updates = self._relay_reported(report.updates)
+            if report.relayed:
+                assert self.stream_processes is not None, "tokens packed for API processes"
+                for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
+                    self.stream_processes.forward(key, pack)
+                    num_tokens += pack[0]
             self._dispatch(lane, apply_report(report, self._sequences.get), num_tokens)
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
-        if self.streams_behind():
+        if self.stream_processes is not None and self.stream_processes.behind():
             self._held_acks.append(worker)
         else:
             worker.send(("ack",))
@@ -438,34 +466,6 @@ class Engine:
         held, self._held_acks = self._held_acks, []
         for worker in held:
             worker.send(("ack",))
-
-    def _relay_reported(self, updates: list[CompactUpdate]) -> list[CompactUpdate]:
-        """The per-token path of a worker's report when an API server process serves the
-        stream: a sequence that goes on (neither its first token nor its last) has its tokens
-        added to the front's copy and relayed, and nothing else. Returns the updates left for
-        the general path (`apply_report`, `_dispatch`)."""
-        rest: list[CompactUpdate] = []
-        client_of_seq, unstarted, running = self._client_of_seq, self._unstarted, RequestStatus.RUNNING
-        for update in updates:  # NOTE: once per token
-            req_id, token_ids, logprobs, finished, _, _ = update
-            client = client_of_seq.get(req_id)
-            if finished is not None or client is None or client.relay_tokens is None or req_id in unstarted:
-                rest.append(update)
-                continue
-            index = client.index_of[req_id]
-            request = client.children[index]
-            if (
-                request.first_token_time is None
-                or request.status is not running
-                or client.is_finished_at(index)
-            ):
-                rest.append(update)
-                continue
-            request.add_reported_output(token_ids, logprobs)
-            client.relay_tokens(
-                index, token_ids, logprobs, len(request.output_token_ids), request.num_cached_tokens
-            )
-        return rest
 
     def _on_worker_lost(self, worker: WorkerHandle) -> None:
         """A scheduler worker died: its lanes' requests move (or wait for its restart), and it
@@ -482,16 +482,62 @@ class Engine:
             request = self._sequences.get(req_id)
             if placed in lost_set and request is not None and not request.status.is_finished:
                 self._started(req_id)
-                request.reset_for_recompute()
                 requests.append(request)
         log.error(
             "scheduler worker lost", worker=worker.index, executors=len(lost), requests_moved=len(requests)
         )
         self._workers_restarting += 1
-        self._fail_over(requests, f"scheduler worker {worker.index} died")
-        task = asyncio.get_running_loop().create_task(self._restart_worker(worker, lost))
+        reason = f"scheduler worker {worker.index} died"
+        # NOTE: the worker sent the tokens of streams served by API processes straight to them:
+        # those processes hold what this copy lacks (`Request.relay_to`).
+        streamed = [r for r in requests if r.relay_to is not None]
+        if streamed:
+            self._spawn(self._take_output_and_fail_over(streamed, reason))
+        held_here = [r for r in requests if r.relay_to is None]
+        for request in held_here:
+            request.reset_for_recompute()
+        self._fail_over(held_here, reason)
+        self._spawn(self._restart_worker(worker, lost))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _take_output_and_fail_over(self, requests: list[Request], reason: str) -> None:
+        """Moves sequences whose tokens the lost worker sent straight to API processes, once
+        those processes have said what they streamed (a process that is gone took its clients
+        with it: its sequences end)."""
+        assert self.stream_processes is not None
+        try:
+            outputs = await self.stream_processes.delivered(requests)
+        except Exception:
+            log.exception("the API processes' outputs could not be taken", requests=len(requests))
+            outputs = {}
+        moving = []
+        for request in requests:
+            output = outputs.get(request.req_id)
+            if output is None:
+                self._end_unmoved(request, f"{reason}; its output could not be recovered")
+                continue
+            request.take_output(output, None)
+            request.reset_for_recompute()
+            moving.append(request)
+        log.info(
+            "outputs taken from the API processes", requests=len(moving), lost=len(requests) - len(moving)
+        )
+        self._fail_over(moving, reason)
+
+    def _end_unmoved(self, request: Request, why: str) -> None:
+        client = self._client_of_seq.get(request.req_id)
+        if client is None or request.status.is_finished:
+            return
+        request.status = RequestStatus.FINISHED_ERROR
+        if request.grammar is not None:
+            request.grammar.release()
+        self._record_finish(request, "error", time.monotonic())
+        client.end(request, RequestStatus.FINISHED_ERROR, why)
+        self._forget_if_finished(client)
 
     async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
         assert self.step_workers is not None

@@ -85,27 +85,15 @@ class OutputSink(Protocol):
         ...
 
 
-class TokenRelay(Protocol):
-    """New tokens of a sequence that goes on (not its first, not its last), for a sink that
-    finds no stop strings itself (`api_relay.RelayedOutputs`): the same as `OutputSink.add`
-    with no update to build."""
-
-    def __call__(
-        self,
-        choice: int,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs | None],
-        num_output_tokens: int,
-        num_cached_tokens: int,
-    ) -> None: ...
-
-
 @dataclass(slots=True)
 class SequenceState:
     detokenizer: IncrementalDetokenizer
     finished: bool = False
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # Every token received (in an API server process, what the sequence resumes from if the
+    # scheduler worker that ran it dies: `api_process.CoreLink`).
+    token_ids: list[int] = field(default_factory=list)
 
 
 class RequestStream:
@@ -152,7 +140,9 @@ class RequestStream:
             self._num_unfinished -= 1
 
     def _count(self, state: SequenceState, update: SequenceUpdate) -> None:
-        state.num_output_tokens = update.num_output_tokens
+        # NOTE: an end relayed by the core may count fewer than the tokens a worker sent here
+        # directly (`step_frames`): the count never goes down.
+        state.num_output_tokens = max(state.num_output_tokens, update.num_output_tokens)
         state.num_cached_tokens = update.num_cached_tokens
 
     def add(self, update: SequenceUpdate) -> str | None:
@@ -161,6 +151,7 @@ class RequestStream:
             return None  # a step that ran while its stop was on the way
         self._count(state, update)
         token_ids = update.token_ids
+        state.token_ids += token_ids
         result = state.detokenizer.update(token_ids)
         kept = result.num_tokens_kept  # tokens after a stop string are not part of the output
         delta = CompletionDelta(

@@ -132,6 +132,14 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: the matcher of this sequence
     error: str | None = None  # why the scheduler ended it with FINISHED_ERROR, when it did
+    # Where an API server process serves its stream: (process index, incarnation, stream handle,
+    # choice). A scheduler worker sends such a sequence's tokens, once its first one is out in
+    # this placement (`relay_started`), straight to that process through the front, packed
+    # (`step_frames.make_report`); the front's copy then counts them (`num_direct_tokens`) but
+    # does not hold them, and takes them back from the worker or the API process to move it.
+    relay_to: tuple[int, int, int, int] | None = None
+    relay_started: bool = False  # on the worker's copy
+    num_direct_tokens: int = 0  # on the front's copy
 
     def __post_init__(self) -> None:
         extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
@@ -157,7 +165,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_direct_tokens
 
     @cached_property
     def max_output_tokens(self) -> int:
@@ -180,6 +188,13 @@ class Request:
         ever placed again; the worker hashes as it goes)."""
         self.output_token_ids += token_ids
         self.output_logprobs += logprobs
+
+    def take_output(self, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None) -> None:
+        """The whole output so far, from whoever holds it (the worker that ran the sequence, or
+        the API process that streamed it), onto the front's copy before it moves."""
+        self.output_token_ids = list(token_ids)
+        self.output_logprobs = list(logprobs) if logprobs is not None else [None] * len(token_ids)
+        self.num_direct_tokens = 0
 
     def reset_for_recompute(self) -> None:
         """Back to waiting with nothing computed; the tokens generated so far are kept (and

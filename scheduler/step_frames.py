@@ -3,13 +3,20 @@ request objects, the lane's load after them, and its prefix-cache changes.
 
 A worker owns the `Request` objects its lanes schedule; the front keeps its own copy of each
 (for streams, metrics and fail-over). Reports therefore name requests by id and carry only what
-changed: new tokens, finish statuses, the ids of requests that ended or must move. The front
-applies them to its copies (`apply_report`), which rebuilds the `LaneEvent` the engine handles
-for an in-process lane, so both kinds of lane drive the same engine code.
+changed: new tokens, finish statuses, the ids of requests that ended or must move (with their
+output, which the worker holds whole). The front applies them to its copies (`apply_report`),
+which rebuilds the `LaneEvent` the engine handles for an in-process lane, so both kinds of lane
+drive the same engine code.
+
+Tokens of a sequence that goes on and whose stream an API server process serves (most of them,
+with `--api-server-count` above 1) skip all that: the worker packs them per API process, as the
+items that process applies, and the front forwards each pack unopened (`LaneReport.relayed`).
+The front's copy only counts them; whoever moves the sequence takes its output back first.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -21,8 +28,12 @@ from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, StepStats
 
 # (req_id, new token ids, their logprobs, the finish status's value or None, why it failed,
-#  the prompt tokens found in the prefix cache at its first schedule)
-CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None, int]
+#  the prompt tokens found in the prefix cache at its first schedule, its output tokens in all)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None, int, int]
+# A request that must move: (req_id, its output token ids, their logprobs), as the worker has them.
+Evacuated = tuple[str, list[int], list[TokenLogprobs | None]]
+# Packed tokens for one API process incarnation: (number of items, the pickled item list).
+RelayedPack = tuple[int, bytes]
 
 
 @dataclass(slots=True)
@@ -45,8 +56,10 @@ class LaneLoad:
 class LaneReport:
     lane_key: str  # the front's name for this lane (an executor may rejoin as a new lane)
     updates: list[CompactUpdate] = field(default_factory=list)
-    ended: list[tuple[str, str]] = field(default_factory=list)  # (req_id, status value)
-    evacuated: list[str] = field(default_factory=list)
+    ended: list[tuple[str, str, int]] = field(default_factory=list)  # (req_id, status value, outputs)
+    evacuated: list[Evacuated] = field(default_factory=list)
+    # (API process index, incarnation) -> the tokens for its streams (`relayed_items`).
+    relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
     error: str | None = None
     lane_down: bool = False
     stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
@@ -79,21 +92,37 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
     if events:
         events.clear()
     stats = event.stats
-    return LaneReport(
-        lane_key=lane_key,
-        updates=[
+    updates: list[CompactUpdate] = []
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]] = {}
+    for u in event.updates:  # NOTE: once per token
+        request = u.request
+        target = request.relay_to
+        if target is not None and u.finished is None:
+            if request.relay_started:
+                key = (target[0], target[1])
+                items = relayed.get(key)
+                if items is None:
+                    items = relayed[key] = []
+                items.append(relayed_item(target, u.new_token_ids, u.new_logprobs, request))
+                continue
+            request.relay_started = True  # its first token in this placement goes to the front
+        updates.append(
             (
-                u.request.req_id,
+                request.req_id,
                 u.new_token_ids,
                 u.new_logprobs,
                 None if u.finished is None else u.finished.value,
-                None if u.finished is None else u.request.error,
-                u.request.num_cached_tokens,
+                None if u.finished is None else request.error,
+                request.num_cached_tokens,
+                len(request.output_token_ids),
             )
-            for u in event.updates
-        ],
-        ended=[(r.req_id, r.status.value) for r in event.ended],
-        evacuated=[r.req_id for r in event.evacuated],
+        )
+    return LaneReport(
+        lane_key=lane_key,
+        updates=updates,
+        ended=[(r.req_id, r.status.value, len(r.output_token_ids)) for r in event.ended],
+        evacuated=[evacuated(r) for r in event.evacuated],
+        relayed={key: (len(items), pickle.dumps(items, protocol=5)) for key, items in relayed.items()},
         error=event.error,
         lane_down=event.lane_down,
         stats=None
@@ -109,6 +138,39 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
 RUNNING = RequestStatus.RUNNING
 
 
+def relayed_item(
+    target: tuple[int, int, int, int],
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    request: Request,
+) -> tuple[object, ...]:
+    """The item an API process applies for a sequence's new tokens that end nothing: the fields
+    of `outputs.SequenceUpdate` after ("add", stream handle)."""
+    _, _, handle, choice = target
+    return (
+        "add",
+        handle,
+        choice,
+        token_ids,
+        logprobs,
+        None,
+        None,
+        None,
+        len(request.output_token_ids),
+        request.num_cached_tokens,
+    )
+
+
+def evacuated(request: Request) -> Evacuated:
+    return request.req_id, request.output_token_ids, request.output_logprobs
+
+
+def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
+    """The front's copy counts the tokens its worker sent straight to an API process."""
+    if num_output_tokens != request.num_output_tokens:
+        request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
+
+
 def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:
     """On the front's event loop: applies a report to the front's copies of the requests and
     returns the event it stands for. Requests the front no longer tracks are skipped."""
@@ -119,13 +181,14 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         executor_draining=report.executor_draining,
     )
     updates = event.updates
-    for req_id, token_ids, logprobs, finished, error, num_cached in report.updates:
+    for req_id, token_ids, logprobs, finished, error, num_cached, num_output in report.updates:
         request = request_of(req_id)
         if request is None:
             continue
         if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
             request.num_cached_tokens = num_cached
         request.add_reported_output(token_ids, logprobs)
+        count_direct_tokens(request, num_output)
         if finished is None:  # NOTE: once per token: the common case sets nothing it need not
             if request.status is not RUNNING:
                 request.status = RUNNING
@@ -135,14 +198,16 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         request.status = status
         request.error = error or request.error
         updates.append(RequestUpdate(request, token_ids, logprobs, status))
-    for req_id, status_value in report.ended:
+    for req_id, status_value, num_output in report.ended:
         request = request_of(req_id)
         if request is not None:
+            count_direct_tokens(request, num_output)
             request.status = RequestStatus(status_value)
             event.ended.append(request)
-    for req_id in report.evacuated:
+    for req_id, output_token_ids, output_logprobs in report.evacuated:
         request = request_of(req_id)
         if request is not None:
+            request.take_output(output_token_ids, output_logprobs)
             request.reset_for_recompute()
             event.evacuated.append(request)
     if report.stats is not None:

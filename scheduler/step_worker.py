@@ -37,7 +37,7 @@ from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import LaneReport, make_report
+from npuserve.scheduler.step_frames import LaneReport, evacuated, make_report
 from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
@@ -206,7 +206,7 @@ class StepWorker:
 
     def _report_gone(self, lane_key: str, requests: list[Request]) -> None:
         error = f"lane {lane_key} left this scheduler worker"
-        self.outbox.put(LaneReport(lane_key, evacuated=[r.req_id for r in requests], error=error))
+        self.outbox.put(LaneReport(lane_key, evacuated=[evacuated(r) for r in requests], error=error))
 
     def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
         lane = self.lanes.get(lane_key)

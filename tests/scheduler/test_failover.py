@@ -57,7 +57,10 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
+@pytest.mark.parametrize("api_server_count", [1, 2])
+def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int) -> None:
+    """With API server processes the front's copies lack the tokens its worker sent straight
+    to them: a moved request takes its output from the worker first."""
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
@@ -70,9 +73,20 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path) -> None:
         npuserve_process("executor", *executor_flags) as (_, second_ready),
     ):
         addresses = f"{first_ready['address']},{second_ready['address']}"
-        with npuserve_process(
-            "scheduler", "--model", model, "--executors", addresses, "--port", "0", "--routing", "least-load"
-        ) as (scheduler, scheduler_ready):
+        scheduler_flags = (
+            "--model",
+            model,
+            "--executors",
+            addresses,
+            "--port",
+            "0",
+            "--routing",
+            "least-load",
+        )
+        with npuserve_process("scheduler", *scheduler_flags, "--api-server-count", str(api_server_count)) as (
+            scheduler,
+            scheduler_ready,
+        ):
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler_ready["address"]))
             undisturbed, _ = complete_streams(stub, requests)
             tokenizer = Tokenizer.from_pretrained(stories_dir)

@@ -10,6 +10,7 @@ restarted and every stream completes unchanged; every pool is intact and idle af
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
 from pathlib import Path
@@ -28,7 +29,7 @@ from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
-from npuserve.scheduler.step_frames import apply_report, make_report
+from npuserve.scheduler.step_frames import LaneReport, apply_report, make_report
 from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool
 
 NUM_STREAMS = 32
@@ -83,6 +84,47 @@ def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
     assert apply_report(report, lambda req_id: None).updates == []
 
 
+def test_tokens_of_a_sequence_an_api_process_streams_skip_the_front() -> None:
+    """Its first token in a placement goes to the front (TTFT, the stream's start); the next ones
+    are packed per API process incarnation, as that process's items, and the front's copy only
+    counts them. A move takes the worker's whole output back onto the front's copy."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    worker_copy, front_copy = request("r1", [1, 5, 6]), request("r1", [1, 5, 6])
+    plain_worker, plain_front = request("r2", [1, 9]), request("r2", [1, 9])
+    worker_copy.relay_to = front_copy.relay_to = (1, 3, 7, 0)  # API process 1, 3rd start, stream 7
+    copies = {"r1": front_copy, "r2": plain_front}
+
+    def step(token: int) -> LaneReport:
+        worker_copy.append_output(token, None)
+        plain_worker.append_output(token, None)
+        updates = [RequestUpdate(r, [token], [None], None) for r in (worker_copy, plain_worker)]
+        return make_report("e0#0", lane, LaneEvent(updates=updates))
+
+    first = step(42)
+    assert [u[0] for u in first.updates] == ["r1", "r2"] and not first.relayed
+    apply_report(first, copies.get)
+    second, third = step(43), step(44)
+    for report, token in ((second, 43), (third, 44)):
+        assert [u[0] for u in report.updates] == ["r2"]
+        ((key, (count, pack)),) = report.relayed.items()
+        assert key == (1, 3) and count == 1
+        assert pickle.loads(pack) == [("add", 7, 0, [token], [None], None, None, None, token - 41, -1)]
+        apply_report(report, copies.get)
+    assert front_copy.output_token_ids == [42] and plain_front.output_token_ids == [42, 43, 44]
+    # What the front does not hold, it counts from the next update it gets (a finish, an end).
+    worker_copy.status = RequestStatus.FINISHED_ABORTED
+    ended = make_report("e0#0", lane, LaneEvent(ended=[worker_copy]))
+    assert apply_report(ended, copies.get).ended == [front_copy]
+    assert front_copy.output_token_ids == [42] and front_copy.num_output_tokens == 3
+
+    # Had the executor been lost instead, the request moves with the worker's output, whole.
+    moved = make_report("e0#0", lane, LaneEvent(evacuated=[worker_copy], error="gone"))
+    assert [r.req_id for r in apply_report(moved, copies.get).evacuated] == ["r1"]
+    assert front_copy.output_token_ids == [42, 43, 44] and front_copy.num_output_tokens == 3
+    assert front_copy.status == RequestStatus.WAITING and not front_copy.relay_started
+
+
 def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
     info = ExecutorInfo(
         model="m", architecture="LlamaForCausalLM", block_size=4, num_blocks=16, max_model_len=64,
@@ -113,12 +155,25 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
 
 
 @pytest.mark.slow
-def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api_server_count", [1, 2])
+def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
+    stories_dir: Path, tmp_path: Path, api_server_count: int
+) -> None:
+    """With API server processes, a worker sends the tokens of sequences that go on straight to
+    them, so the front's copies lack those: a killed worker's sequences resume from what the API
+    processes streamed."""
     _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
         scheduler = start_scheduler(
-            procs, stories_dir, addresses, "--scheduler-workers", "2", "--async-scheduling"
+            procs,
+            stories_dir,
+            addresses,
+            "--scheduler-workers",
+            "2",
+            "--async-scheduling",
+            "--api-server-count",
+            str(api_server_count),
         )
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
         first_pids = worker_pids(scheduler)
@@ -144,6 +199,8 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(stories_dir: 
             thread.join(120)
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
+        taken = [e for e in scheduler.events() if e["event"] == "outputs taken from the API processes"]
+        assert bool(taken) == (api_server_count > 1) and all(e["lost"] == 0 for e in taken)
         wait_until(lambda: worker_pids(scheduler)[0] != first_pids[0], 30, "the worker to restart")
         wait_until(lambda: set(pools(stub)) == {"e0", "e1"}, 30, "both executors to be served again")
         final = idle_pools(stub)
