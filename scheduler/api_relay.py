@@ -209,7 +209,7 @@ class ApiProcessHandle:
         self.pipe.send(("delivered", query_id, sequences))
         try:
             return await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             self._queries.pop(query_id, None)
             return [None] * len(sequences)
 

@@ -53,6 +53,14 @@ class ExecutorError(RuntimeError):
         return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
 
 
+def addressed_step(plan: StepPlan, instance_id: str) -> pb.StepRequest:
+    """The plan, addressed to the executor instance a client handshook with (a restarted
+    process refuses it)."""
+    request = step_codec.plan_to_proto(plan)
+    request.executor_instance_id = instance_id
+    return request
+
+
 class ExecutorClient:
     """Unary calls to one executor. `timeout_s` bounds each call (None: no deadline)."""
 
@@ -80,10 +88,7 @@ class ExecutorClient:
         return step_codec.info_from_proto(msg)
 
     def step_request(self, plan: StepPlan) -> pb.StepRequest:
-        """The plan, addressed to the executor instance this client handshook with."""
-        request = step_codec.plan_to_proto(plan)
-        request.executor_instance_id = self.instance_id
-        return request
+        return addressed_step(plan, self.instance_id)
 
     def step(self, plan: StepPlan) -> StepResult:
         return step_codec.result_from_proto(self._call(self._stub.Step, self.step_request(plan)))

@@ -233,13 +233,14 @@ class ExecutorLane:
             try:
                 self._step()
             except Exception:  # never let the lane die: fail what is running, keep serving
-                log.exception("lane step crashed", executor=self.executor_id)
-                self._in_flight.clear()
-                ended = self.scheduler.finish_requests(
-                    list(self.scheduler.requests), RequestStatus.FINISHED_ERROR
-                )
-                self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
+                self._crashed()
         self._apply_commands()
+
+    def _crashed(self) -> None:
+        log.exception("lane step crashed", executor=self.executor_id)
+        self._in_flight.clear()
+        ended = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
 
     def _go_down(self, reason: str) -> None:
         """Marks the executor lost and hands every request back for another executor."""
@@ -299,9 +300,10 @@ class ExecutorLane:
         self._land()
 
     def _launch(self) -> bool:
-        plan, stats = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+        scheduled = self._schedule()
+        if scheduled is None:
             return False
+        plan, stats = scheduled
         pending = (
             cast(PipelinedExecutor, self.executor).submit(plan)
             if self.async_scheduling
@@ -310,25 +312,46 @@ class ExecutorLane:
         self._in_flight.append(InFlightStep(plan, stats, pending, time.perf_counter()))
         return True
 
+    def _schedule(self) -> tuple[StepPlan, StepStats] | None:
+        """The next step's plan; None when it would carry nothing."""
+        plan, stats = self.scheduler.schedule()
+        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+            return None
+        return plan, stats
+
     def _land(self) -> None:
         step = self._in_flight.popleft()
         try:
-            result = step.pending.result()
+            result = cast(PendingStep, step.pending).result()
         except Exception as exc:
-            if executor_is_down(exc):
-                self._in_flight.clear()
-                self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
-                return
-            # NOTE: a step sent after the failed one may have been refused with it: fail both.
-            failed_steps = [step, *self._in_flight]
-            self._in_flight.clear()
-            for later in failed_steps[1:]:
+            later = self._failed(exc)
+            for after in later:
                 with contextlib.suppress(Exception):
-                    later.pending.result()
-            failed = [r for s in failed_steps for r in self.scheduler.fail_step(s.plan)]
-            log.error("step failed", executor=self.executor_id, step_id=step.plan.step_id, error=str(exc))
-            self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
+                    cast(PendingStep, after.pending).result()
+            self._fail_steps([step, *later], exc)
             return
+        self._landed(step, result)
+
+    def _failed(self, exc: Exception) -> list[InFlightStep]:
+        """A step failed: the steps sent after it (to drain before `_fail_steps`), or none
+        when its executor is down (the lane went down with every request)."""
+        later = list(self._in_flight)
+        self._in_flight.clear()
+        if executor_is_down(exc):
+            self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
+            return []
+        return later
+
+    def _fail_steps(self, steps: list[InFlightStep], exc: Exception) -> None:
+        """A step the executor refused: its requests fail, and those of the steps sent after it
+        (it may have refused them with it)."""
+        if not self.alive:
+            return
+        failed = [r for s in steps for r in self.scheduler.fail_step(s.plan)]
+        log.error("step failed", executor=self.executor_id, step_id=steps[0].plan.step_id, error=str(exc))
+        self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
+
+    def _landed(self, step: InFlightStep, result: StepResult) -> None:
         updates = self.scheduler.update_from_output(step.plan, result)
         self.num_steps += 1
         now = time.perf_counter()
@@ -364,9 +387,13 @@ class _Deferred:
         return self.executor.step(self.plan)
 
 
+class AsyncPendingStep(Protocol):
+    async def result(self) -> StepResult: ...
+
+
 @dataclass(slots=True)
 class InFlightStep:
     plan: StepPlan
     stats: StepStats
-    pending: PendingStep
+    pending: PendingStep | AsyncPendingStep  # the second on a lane of an event loop (`async_lane`)
     sent_at: float

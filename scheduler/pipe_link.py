@@ -1,8 +1,7 @@
 """One end of a pipe between two of the scheduler's processes, served by an asyncio event loop.
 
 Messages are lists (batches) of picklable items, framed as `multiprocessing.Connection` frames
-them, so the other end may be a plain `Connection` (a scheduler worker's threads use
-`step_worker.send_batches` and `Connection.recv`). `send` queues an item; everything queued in
+them, so the other end may be a plain `Connection`. `send` queues an item; everything queued in
 one turn of the loop leaves as one message at the end of that turn. Reading is the loop's too: a
 received batch goes to ``on_batch`` on the loop thread, and ``on_closed`` runs once when the
 other end is gone.
@@ -73,11 +72,14 @@ class PipeLink:
         on_batch: Callable[[list[Any]], object],
         on_closed: Callable[[], object],
         loop: asyncio.AbstractEventLoop,
+        on_sent: Callable[[list[Any]], object] | None = None,
     ) -> None:
+        """``on_sent``: told each batch as it leaves (a scheduler worker counts its reports)."""
         self.conn = conn
         self.loop = loop
         self._on_batch = on_batch
         self._on_closed = on_closed
+        self._on_sent = on_sent
         self._fd = conn.fileno()
         self._pending: list[Any] = []
         self._out = bytearray()
@@ -144,6 +146,8 @@ class PipeLink:
         batch, self._pending = self._pending, []
         if not batch or not self._sending:
             return
+        if self._on_sent is not None:
+            self._on_sent(batch)
         payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
         self._out += frame_header(len(payload))
         self._out += payload

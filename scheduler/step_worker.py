@@ -1,30 +1,32 @@
 """A scheduler worker process: the step loops of some executors, away from the front's GIL.
 
 The front (the process serving the public API) hands each worker some executors. For each, the
-worker runs an `ExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client for the
-steps) exactly as the front would in-process. The worker never chooses where requests go and
-never talks to clients: it applies the front's commands and reports what every step produced.
+worker runs an `AsyncExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client
+for the steps), the logic of an `ExecutorLane` in the front, all on one event loop: its lanes,
+their grpc.aio streams and the pipe to the front share one thread, so a step costs no thread
+wake-ups (a thread per lane, each with gRPC's threads behind it, spent most of a step's CPU
+handing the GIL around). The worker never chooses where requests go and never talks to clients:
+it applies the front's commands and reports what every step produced.
 
-Wire, both ways over one `multiprocessing` pipe, each message a list (a batch):
+Wire, both ways over one `multiprocessing` pipe (`pipe_link`), each message a list (a batch):
   front -> worker: ("add", lane_key, executor_id, address, info, instance_id)
                    | ("submit", lane_key, [Request])
                    | ("finish", lane_key, [req_id], RequestStatus) | ("down", lane_key, reason)
                    | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
   worker -> front: `LaneReport` | ("reply", call_id, ok, value or error text)
-Each side's sender thread sends everything queued since its last send as one message, so a busy
-worker reports many lanes' steps per message. The front acknowledges each message of reports once
-it has handled it (("ack",)); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's
-lanes start no new step. That is the flow control between the two: a front that falls behind
-slows the steps down (each then carries more requests) instead of letting reports pile up
-between the processes, unbounded, while its clients wait.
+Everything sent in one turn of the loop leaves as one message, so a busy worker reports many
+lanes' steps per message. The front acknowledges each message of reports once it has handled it
+(("ack",)); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's lanes start no new
+step. That is the flow control between the two: a front that falls behind slows the steps down
+(each then carries more requests) instead of letting reports pile up between the processes,
+unbounded, while its clients wait.
 """
 
 from __future__ import annotations
 
-import pickle
-import queue
-import threading
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -33,8 +35,11 @@ from typing import Any
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.async_lane import AsyncExecutorLane
 from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, evacuated, make_report
@@ -49,55 +54,32 @@ ROOM_WAIT_S = 0.05  # a lane waiting for room checks its commands this often
 
 
 class ReportWindow:
-    """Messages of reports sent to the front and not acknowledged yet."""
+    """Messages of reports sent to the front and not acknowledged yet (on the worker's loop)."""
 
     def __init__(self, limit: int = MAX_UNACKED_REPORTS) -> None:
         self.limit = limit
         self._unacked = 0
-        self._changed = threading.Condition()
+        self._room = asyncio.Event()
+        self._room.set()
 
     def sent(self, batch: list[Any]) -> None:
         if any(isinstance(item, LaneReport) for item in batch):
-            with self._changed:
-                self._unacked += 1
+            self._unacked += 1
+            if self._unacked >= self.limit:
+                self._room.clear()
 
     def acked(self) -> None:
-        with self._changed:
-            self._unacked = max(0, self._unacked - 1)
-            self._changed.notify_all()
+        self._unacked = max(0, self._unacked - 1)
+        if self._unacked < self.limit:
+            self._room.set()
 
-    def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
+    async def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
         """Waits up to ``timeout_s`` for the front to catch up; whether a lane may step now."""
         if self._unacked < self.limit:
-            # NOTE: the common case, without the lock. The window is a soft bound anyway (lanes
-            # that pass it at once all step); a read racing an ack just takes the lock below.
             return True
-        with self._changed:
-            return self._changed.wait_for(lambda: self._unacked < self.limit, timeout_s)
-
-
-def send_batches(
-    conn: Connection,
-    outbox: queue.SimpleQueue[Any],
-    on_broken: Callable[[], None],
-    on_sent: Callable[[list[Any]], None] = lambda batch: None,
-) -> None:
-    """Sends whatever the outbox holds, as one message per wake-up; ends on None."""
-    while True:
-        batch = [outbox.get()]
-        while not outbox.empty():  # NOTE: one consumer: what it saw there is still there
-            batch.append(outbox.get_nowait())
-        done = batch[-1] is None
-        batch = [b for b in batch if b is not None]
-        try:
-            if batch:
-                on_sent(batch)
-                conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))  # NOTE: plain pickle: faster
-        except (OSError, ValueError, EOFError):
-            on_broken()
-            return
-        if done:
-            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout_s)
+        return self._unacked < self.limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,38 +97,36 @@ class StepWorker:
         self.settings = settings
         self.grammars = None if settings.grammar is None else GrammarCompiler(*settings.grammar)
         self.spec = spec
-        self.lanes: dict[str, ExecutorLane] = {}
-        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.lanes: dict[str, AsyncExecutorLane] = {}
         self.window = ReportWindow()
-        self._sender = threading.Thread(
-            target=send_batches,
-            args=(conn, self.outbox, lambda: None, self.window.sent),
-            name="worker-send",
-            daemon=True,
-        )
+        self._background: set[asyncio.Task[None]] = set()
 
-    def run(self) -> None:
-        self._sender.start()
+    async def run(self) -> None:
+        """Serves the front's commands until it says exit or its end of the pipe closes."""
+        self.done = asyncio.Event()
+        self.pipe = PipeLink(
+            self.conn, self._received, self._front_gone, asyncio.get_running_loop(), self.window.sent
+        )
+        self.pipe.start()
         try:
-            while True:
-                try:
-                    message: Message = self.conn.recv()
-                except (EOFError, OSError):
-                    log.info("the scheduler front is gone; worker exiting")
-                    return
-                for command in message:
-                    if command[0] == "exit":
-                        return
-                    if command[0] == "ack":
-                        self.window.acked()
-                        continue
-                    self._apply(command)
+            await self.done.wait()
         finally:
-            for lane in self.lanes.values():
-                lane.stop(STOP_LANE_TIMEOUT_S)
-                lane.executor.close()
-            self.outbox.put(None)
-            self._sender.join(STOP_LANE_TIMEOUT_S)
+            await asyncio.gather(*(lane.aclose(STOP_LANE_TIMEOUT_S) for lane in self.lanes.values()))
+            self.pipe.close()
+
+    def _front_gone(self) -> None:
+        log.info("the scheduler front is gone; worker exiting")
+        self.done.set()
+
+    def _received(self, message: Message) -> None:
+        for command in message:
+            if command[0] == "exit":
+                self.done.set()
+                return
+            if command[0] == "ack":
+                self.window.acked()
+                continue
+            self._apply(command)
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         kind = command[0]
@@ -175,8 +155,12 @@ class StepWorker:
             lane.take_down(command[2])
         elif kind == "stop":
             del self.lanes[lane_key]
-            lane.stop(STOP_LANE_TIMEOUT_S)
-            lane.executor.close()
+            self._spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _attach_grammar(self, request: Request) -> None:
         """A constrained request's matcher, here, at the request's output tokens."""
@@ -189,16 +173,18 @@ class StepWorker:
     def _add(
         self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo, instance_id: str
     ) -> None:
-        client = self.spec.connect(address)
+        spec = self.spec
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
-        client.executor_id, client.instance_id = executor_id, instance_id
+        client = AioExecutorClient(
+            address, instance_id, spec.step_transport == "stream", spec.timeout_s, spec.token, spec.tls_ca
+        )
         scheduler = Scheduler(SchedulerConfig.for_executor(info, self.settings.enable_prefix_caching))
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 
         def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
-            self.outbox.put(make_report(lane_key, lane, event))
+            self.pipe.send(make_report(lane_key, lane, event))
 
-        lane = ExecutorLane(
+        lane = AsyncExecutorLane(
             executor_id, client, scheduler, on_event, self.settings.async_scheduling, self.window.has_room
         )
         self.lanes[lane_key] = lane
@@ -206,21 +192,21 @@ class StepWorker:
 
     def _report_gone(self, lane_key: str, requests: list[Request]) -> None:
         error = f"lane {lane_key} left this scheduler worker"
-        self.outbox.put(LaneReport(lane_key, evacuated=[evacuated(r) for r in requests], error=error))
+        self.pipe.send(LaneReport(lane_key, evacuated=[evacuated(r) for r in requests], error=error))
 
     def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
         lane = self.lanes.get(lane_key)
         if lane is None:
-            self.outbox.put(("reply", call_id, False, f"error:lane {lane_key} is not in this worker"))
+            self.pipe.send(("reply", call_id, False, f"error:lane {lane_key} is not in this worker"))
             return
 
         def reply(future: Future[object]) -> None:
             exc = future.exception()
             if exc is None:
-                self.outbox.put(("reply", call_id, True, future.result()))
+                self.pipe.send(("reply", call_id, True, future.result()))
             else:
                 kind = "assertion" if isinstance(exc, AssertionError) else "error"
-                self.outbox.put(("reply", call_id, False, f"{kind}:{exc}"))
+                self.pipe.send(("reply", call_id, False, f"{kind}:{exc}"))
 
         lane.call(fn).add_done_callback(reply)
 
@@ -233,9 +219,10 @@ def run_step_worker(
     json_logs: bool,
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
+    from npuserve.deploy.event_loop import run as run_loop
     from npuserve.deploy.logs import configure_logging
     from npuserve.deploy.process_name import STEP_WORKER, set_process_name
 
     set_process_name(STEP_WORKER)
     configure_logging(log_level, json_logs)
-    StepWorker(conn, spec, settings).run()
+    run_loop(StepWorker(conn, spec, settings).run())

@@ -1,0 +1,132 @@
+"""An `ExecutorLane` driven by an event loop: how a scheduler worker runs its executors' step
+loops, all of them on one thread.
+
+The lane's logic is `ExecutorLane`'s (commands between steps, async scheduling, an executor
+going down, a refused step); only the waiting differs: a task instead of a thread, steps awaited
+on an `AioExecutorClient`, room in the worker's report window awaited. Commands come from the
+same loop (the worker's pipe), so they wake the task with an `asyncio.Event`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import cast
+
+from npuserve.proto.step_plan import StepResult
+from npuserve.scheduler.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.lane import AsyncPendingStep, ExecutorLane, InFlightStep, LaneEvent
+from npuserve.scheduler.scheduler import Scheduler
+
+IDLE_WAIT_S = 0.5  # a lane with nothing to do looks at its commands this often anyway
+NOTHING_FITS_WAIT_S = 0.01  # after a schedule that fitted nothing (a stop on its way, say)
+
+
+class _Refused:
+    """A step the stream could not take: its result is that failure."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def result(self) -> StepResult:
+        raise self.exc
+
+
+class AsyncExecutorLane(ExecutorLane):
+    def __init__(
+        self,
+        executor_id: str,
+        executor: AioExecutorClient,
+        scheduler: Scheduler,
+        on_event: Callable[[ExecutorLane, LaneEvent], None],
+        async_scheduling: bool,
+        has_room: Callable[[], Awaitable[bool]],
+    ) -> None:
+        """``has_room``: awaited before each new step; False holds it back for now (whoever
+        takes this lane's events is behind)."""
+        super().__init__(executor_id, executor, scheduler, on_event)  # type: ignore[arg-type]
+        self.client = executor
+        self.async_scheduling = async_scheduling and executor.streams
+        self._has_room = has_room
+        self._woken = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run_on_loop())
+
+    async def aclose(self, timeout_s: float) -> None:
+        """Ends the task (its requests still queued are handed back as evacuated) and the client."""
+        self._stopping = True
+        self._woken.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.TimeoutError):  # NOTE: wait_for cancelled it
+                await asyncio.wait_for(self._task, timeout_s)
+        await self.client.close()
+
+    def _command(self, kind: str, payload: object) -> None:
+        self._commands.put((kind, payload))
+        self._woken.set()
+
+    async def _sleep(self, timeout_s: float) -> None:
+        """Until a command comes, or ``timeout_s``."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._woken.wait(), timeout_s)
+        self._woken.clear()
+
+    async def _run_on_loop(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.alive or not self.has_work:
+                await self._sleep(IDLE_WAIT_S)
+                continue
+            try:
+                await self._step_on_loop()
+            except Exception:  # never let the lane die: fail what is running, keep serving
+                self._crashed()
+        self._apply_commands()
+
+    async def _step_on_loop(self) -> None:
+        """`ExecutorLane._step`, awaiting instead of blocking."""
+        if not self._in_flight:
+            if not await self._has_room():
+                return
+            if not await self._launch_on_loop():
+                await self._sleep(NOTHING_FITS_WAIT_S)
+                return
+        if (
+            self.async_scheduling
+            and len(self._in_flight) == 1
+            and self.scheduler.has_work()
+            and await self._has_room()
+        ):
+            await self._launch_on_loop()
+        await self._land_on_loop()
+
+    async def _launch_on_loop(self) -> bool:
+        scheduled = self._schedule()
+        if scheduled is None:
+            return False
+        plan, stats = scheduled
+        sent_at = time.perf_counter()
+        pending: AsyncPendingStep
+        try:
+            pending = await self.client.submit(plan)
+        except Exception as exc:
+            pending = _Refused(exc)
+        self._in_flight.append(InFlightStep(plan, stats, pending, sent_at))
+        return True
+
+    async def _land_on_loop(self) -> None:
+        step = self._in_flight.popleft()
+        try:
+            result = await cast(AsyncPendingStep, step.pending).result()
+        except Exception as exc:
+            later = self._failed(exc)
+            for after in later:
+                with contextlib.suppress(Exception):
+                    await cast(AsyncPendingStep, after.pending).result()
+            self._fail_steps([step, *later], exc)
+            return
+        self._landed(step, result)

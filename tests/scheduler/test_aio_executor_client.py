@@ -1,0 +1,103 @@
+"""`AioExecutorClient` against a real executor server over real gRPC: steps over either
+transport, a refused step and a late one leave the client usable, pipelined steps come back in
+order, and a step sent after a refused one fails with an executor error (not a cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from npuserve.executor.server import start_executor_server
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
+
+INFO = ExecutorInfo(
+    model="m", architecture="LlamaForCausalLM", block_size=4, num_blocks=16, max_model_len=64,
+    max_num_seqs=4, max_num_batched_tokens=64, vocab_size=512, eos_token_ids=[2], dtype="float32",
+    device="cpu",
+)  # fmt: skip
+
+
+class _FaultyRunner:
+    """Step 0 fails as a device fault would, step 1 takes a while, the others succeed."""
+
+    num_requests = 0  # it holds no request state
+
+    def info(self) -> ExecutorInfo:
+        return INFO
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.step_id == 0:
+            raise RuntimeError("device lost")
+        if plan.step_id == 1:
+            time.sleep(0.5)
+        return StepResult(step_id=plan.step_id)
+
+
+@pytest.fixture
+def executor() -> Iterator[tuple[str, str]]:
+    """(address, instance id) of a running executor server."""
+    running = start_executor_server(_FaultyRunner(), "127.0.0.1", 0, "faulty")
+    with ExecutorClient(running.address, timeout_s=10) as handshake:
+        handshake.info()
+        instance_id = handshake.instance_id
+    yield running.address, instance_id
+    running.stop(grace_s=0)
+
+
+def _client(executor: tuple[str, str], mode: str, timeout_s: float) -> AioExecutorClient:
+    address, instance_id = executor
+    return AioExecutorClient(address, instance_id, mode == "stream", timeout_s)
+
+
+@pytest.mark.parametrize("mode", ["unary", "stream"])
+def test_a_refused_step_and_a_late_one_leave_the_client_usable(executor: tuple[str, str], mode: str) -> None:
+    async def run() -> None:
+        client = _client(executor, mode, 10)
+        with pytest.raises(ExecutorError) as refused:
+            await client.step(StepPlan(step_id=0))
+        assert (refused.value.code, refused.value.message) == ("INTERNAL", "RuntimeError: device lost")
+        assert await client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
+        client.timeout_s = 0.1
+        with pytest.raises(ExecutorError) as late:
+            await client.step(StepPlan(step_id=1))
+        assert late.value.code == "DEADLINE_EXCEEDED"
+        client.timeout_s = 10
+        assert await client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_pipelined_steps_come_back_in_order_and_a_refusal_fails_those_after_it(
+    executor: tuple[str, str],
+) -> None:
+    async def run() -> None:
+        client = _client(executor, "stream", 10)
+        pending = [await client.submit(StepPlan(step_id=i)) for i in (1, 2, 3)]
+        assert [await p.result() for p in pending] == [StepResult(step_id=i) for i in (1, 2, 3)]
+        refused, after = await client.submit(StepPlan(step_id=0)), await client.submit(StepPlan(step_id=4))
+        with pytest.raises(ExecutorError) as failure:
+            await refused.result()
+        assert failure.value.code == "INTERNAL"
+        with pytest.raises(ExecutorError):  # the stream ended with the refusal: not a cancellation
+            await after.result()
+        assert await client.step(StepPlan(step_id=5)) == StepResult(step_id=5)  # a new stream
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_an_executor_that_is_not_there_is_unavailable() -> None:
+    async def run() -> None:
+        client = AioExecutorClient("127.0.0.1:1", "", True, 5)
+        with pytest.raises(ExecutorError) as failure:
+            await client.step(StepPlan(step_id=0))
+        assert failure.value.code == "UNAVAILABLE"
+        await client.close()
+
+    asyncio.run(run())
