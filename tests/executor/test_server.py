@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from harness.faulty_runner import FaultyRunner
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.deploy.launcher import Child, Launcher, LaunchError
@@ -167,27 +167,9 @@ def test_health(executor: ExecutorProcess) -> None:
         assert failure.value.code == "UNAVAILABLE"
 
 
-class _FaultyRunner:
-    """Step 0 fails as a device fault would, step 1 hangs for a while, the others succeed."""
-
-    def __init__(self, info: ExecutorInfo) -> None:
-        self._info = info
-        self.num_requests = 0  # it holds no request state
-
-    def info(self) -> ExecutorInfo:
-        return self._info
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        if plan.step_id == 0:
-            raise RuntimeError("device lost")
-        if plan.step_id == 1:
-            time.sleep(0.5)
-        return StepResult(step_id=plan.step_id)
-
-
 @pytest.fixture
 def faulty_executor(local_runner: ModelRunner) -> Iterator[str]:
-    running = start_executor_server(_FaultyRunner(local_runner.info()), "127.0.0.1", 0, "faulty")
+    running = start_executor_server(FaultyRunner(local_runner.info()), "127.0.0.1", 0, "faulty")
     yield running.address
     running.stop(grace_s=0)
 

@@ -5,10 +5,10 @@ order, and a step sent after a refused one fails with an executor error (not a c
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import pytest
+from harness.faulty_runner import FaultyRunner
 
 from npuserve.executor.server import start_executor_server
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
@@ -22,26 +22,10 @@ INFO = ExecutorInfo(
 )  # fmt: skip
 
 
-class _FaultyRunner:
-    """Step 0 fails as a device fault would, step 1 takes a while, the others succeed."""
-
-    num_requests = 0  # it holds no request state
-
-    def info(self) -> ExecutorInfo:
-        return INFO
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        if plan.step_id == 0:
-            raise RuntimeError("device lost")
-        if plan.step_id == 1:
-            time.sleep(0.5)
-        return StepResult(step_id=plan.step_id)
-
-
 @pytest.fixture
 def executor() -> Iterator[tuple[str, str]]:
     """(address, instance id) of a running executor server."""
-    running = start_executor_server(_FaultyRunner(), "127.0.0.1", 0, "faulty")
+    running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty")
     with ExecutorClient(running.address, timeout_s=10) as handshake:
         handshake.info()
         instance_id = handshake.instance_id
