@@ -32,6 +32,10 @@ def _error(exc: grpc.aio.AioRpcError) -> ExecutorError:
     return ExecutorError(exc.code().name, exc.details() or str(exc))
 
 
+def _late(timeout_s: float | None) -> ExecutorError:
+    return ExecutorError("DEADLINE_EXCEEDED", f"no step response within {timeout_s} s")
+
+
 def _closed_under(client: AioExecutorClient, stream: Any, exc: asyncio.CancelledError) -> ExecutorError:
     """A stream this client cancelled (a step before failed) cancels what waits on it; a wait
     on the open stream was the task's own cancellation, which goes on."""
@@ -58,18 +62,30 @@ class AioPendingStep:
             except grpc.aio.AioRpcError as exc:
                 raise _error(exc) from None
             return step_codec.result_from_proto(response)
-        try:
-            response = await asyncio.wait_for(self.stream.read(), client.timeout_s)
-        except asyncio.TimeoutError:
+        # NOTE: a timer that ends the stream, not `wait_for`: that wraps the read in a task of
+        # its own (Python < 3.12), a task and a loop turn more per step.
+        timeout_s, expired = client.timeout_s, False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
             client.close_stream(self.stream)
-            raise ExecutorError(
-                "DEADLINE_EXCEEDED", f"no step response within {client.timeout_s} s"
-            ) from None
+
+        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(timeout_s, expire)
+        try:
+            response = await self.stream.read()
+        except asyncio.CancelledError as exc:
+            if expired:
+                raise _late(timeout_s) from None
+            raise _closed_under(client, self.stream, exc) from None
         except grpc.aio.AioRpcError as exc:
             client.close_stream(self.stream)
+            if expired:
+                raise _late(timeout_s) from None
             raise _error(exc) from None
-        except asyncio.CancelledError as exc:
-            raise _closed_under(client, self.stream, exc) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
         if response is grpc.aio.EOF:
             client.close_stream(self.stream)
             raise ExecutorError("UNAVAILABLE", "the executor closed the step stream")
