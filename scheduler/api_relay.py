@@ -13,7 +13,7 @@ import asyncio
 import atexit
 import itertools
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from npuserve.deploy.restart_policy import RestartHistory
 from npuserve.scheduler.api_process import ApiProcessSettings, RelayedStatus, run_api_process
 from npuserve.scheduler.api_status import relayed
+from npuserve.scheduler.background import BackgroundTasks
 from npuserve.scheduler.engine import Engine
 from npuserve.scheduler.outputs import SequenceUpdate
 from npuserve.scheduler.pipe_link import PipeLink, join_or_kill
@@ -267,7 +268,7 @@ class ApiProcessPool:
         self.settings_for = settings_for
         self.processes = [ApiProcessHandle(i, self) for i in range(count)]
         self.port = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
         self.loop = asyncio.get_event_loop()
         engine.stream_processes = self
         # NOTE: the processes are not daemons: if this one exits without `close` (a crash),
@@ -313,10 +314,8 @@ class ApiProcessPool:
         if not self.behind():
             self.engine.streams_caught_up()
 
-    def spawn(self, work: Any) -> None:
-        task = self.loop.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        self._background.spawn(work)
 
     async def start(self, port: int) -> int:
         """Starts every process; returns the port they share (the first binds ``port``, 0: any)."""

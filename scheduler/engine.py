@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.background import BackgroundTasks
 from npuserve.scheduler.client_request import ClientRequest
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
@@ -150,7 +151,7 @@ class Engine:
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
         self._parked: list[Request] = []
         self._workers_restarting = 0
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Per lane (a rejoined executor is a new lane, its pool's counts start at zero again):
         # the prefix-cache totals already counted.
@@ -492,17 +493,12 @@ class Engine:
         # those processes hold what this copy lacks (`Request.relay_to`).
         streamed = [r for r in requests if r.relay_to is not None]
         if streamed:
-            self._spawn(self._take_output_and_fail_over(streamed, reason))
+            self._background.spawn(self._take_output_and_fail_over(streamed, reason))
         held_here = [r for r in requests if r.relay_to is None]
         for request in held_here:
             request.reset_for_recompute()
         self._fail_over(held_here, reason)
-        self._spawn(self._restart_worker(worker, lost))
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(self._restart_worker(worker, lost))
 
     async def _take_output_and_fail_over(self, requests: list[Request], reason: str) -> None:
         """Moves sequences whose tokens the lost worker sent straight to API processes, once

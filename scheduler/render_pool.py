@@ -20,10 +20,10 @@ import resource
 import signal
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
-from typing import Any
 
 import structlog
 
+from npuserve.scheduler.background import BackgroundTasks
 from npuserve.scheduler.chat_template import ChatRender, ChatTemplateError, render
 from npuserve.scheduler.tokenizer import TokenizerError
 
@@ -138,7 +138,7 @@ class RenderPool:
         self.memory_bytes = memory_bytes
         self._idle: asyncio.Queue[_Worker] | None = None
         self._workers: set[_Worker] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
         self._closed = False
         self._start_error: str | None = None  # why the last worker to start failed, until one starts
 
@@ -151,7 +151,7 @@ class RenderPool:
         """Starts the workers in the background (a spawned interpreter takes a moment)."""
         self._idle = asyncio.Queue()
         for _ in range(self.size):
-            self._background(self._add_worker())
+            self._background.spawn(self._add_worker())
 
     def close(self) -> None:
         """Kills the workers (a worker still starting is killed once it has started)."""
@@ -195,7 +195,7 @@ class RenderPool:
             log.warning("chat template render stopped", pool=self.name, why=outcome[0])
             self._workers.discard(worker)
             await asyncio.to_thread(worker.kill)
-            self._background(self._add_worker())
+            self._background.spawn(self._add_worker())
         else:
             self._release(worker)
         return outcome
@@ -220,8 +220,3 @@ class RenderPool:
         else:
             assert self._idle is not None
             self._idle.put_nowait(worker)
-
-    def _background(self, coroutine: object) -> None:
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -37,6 +37,7 @@ import structlog
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
+from npuserve.scheduler.background import BackgroundTasks
 from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.pipe_link import PipeLink
@@ -99,7 +100,7 @@ class StepWorker:
         self.spec = spec
         self.lanes: dict[str, AsyncExecutorLane] = {}
         self.window = ReportWindow()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
 
     async def run(self) -> None:
         """Serves the front's commands until it says exit or its end of the pipe closes."""
@@ -155,12 +156,7 @@ class StepWorker:
             lane.take_down(command[2])
         elif kind == "stop":
             del self.lanes[lane_key]
-            self._spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            self._background.spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
 
     def _attach_grammar(self, request: Request) -> None:
         """A constrained request's matcher, here, at the request's output tokens."""
