@@ -186,7 +186,7 @@ class RenderPool:
                 )
             try:
                 return await asyncio.wait_for(self._idle.get(), WORKER_START_RETRY_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
                 continue  # NOTE: a timed-out `get` took no worker (it takes one only once woken)
 
     async def _call(self, worker: _Worker, job: ChatRender) -> Outcome:
