@@ -25,7 +25,7 @@ from npuserve.proto import step_codec
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import aio_client_channel
 from npuserve.proto.step_plan import StepPlan, StepResult
-from npuserve.scheduler.executor_client import CHANNEL_OPTIONS, ExecutorError, addressed_step
+from npuserve.scheduler.executor_client import CHANNEL_OPTIONS, ClientSpec, ExecutorError, addressed_step
 
 
 def _error(exc: grpc.aio.AioRpcError) -> ExecutorError:
@@ -112,6 +112,13 @@ class AioExecutorClient:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.metadata = bearer_metadata(token)
         self._stream: Any | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ClientSpec, address: str, instance_id: str) -> AioExecutorClient:
+        """The client ``spec`` describes (the one the front's processes share), for one instance."""
+        return cls(
+            address, instance_id, spec.step_transport == "stream", spec.timeout_s, spec.token, spec.tls_ca
+        )
 
     @property
     def open_stream(self) -> Any | None:

@@ -209,10 +209,11 @@ class ApiProcessHandle:
         self._queries[query_id] = future
         self.pipe.send(("delivered", query_id, sequences))
         try:
-            return await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
+            answer = await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._queries.pop(query_id, None)
-            return [None] * len(sequences)
+            answer = []
+        return answer if len(answer) == len(sequences) else [None] * len(sequences)
 
     async def _call(self, pipe: PipeLink, call_id: int, method: str, request: Message) -> None:
         try:
@@ -237,7 +238,7 @@ class ApiProcessHandle:
         queries, self._queries = self._queries, {}
         for future in queries.values():
             if not future.done():
-                future.set_result([])  # NOTE: read as "none of them" (`ApiProcessPool.delivered`)
+                future.set_result([])  # NOTE: read as "none of them" (`delivered`)
         self.pool.check_caught_up()
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(RuntimeError(f"api server process {self.index} exited before serving"))
@@ -305,7 +306,7 @@ class ApiProcessPool:
         )
         outputs: dict[str, list[int]] = {}
         for group, answer in zip(groups.values(), answers, strict=True):
-            for request, output in zip(group, answer, strict=False):
+            for request, output in zip(group, answer, strict=True):
                 if output is not None:
                     outputs[request.req_id] = output
         return outputs

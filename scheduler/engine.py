@@ -528,12 +528,16 @@ class Engine:
         client = self._client_of_seq.get(request.req_id)
         if client is None or request.status.is_finished:
             return
+        self._mark_failed(request)
+        client.end(request, RequestStatus.FINISHED_ERROR, why)
+        self._forget_if_finished(client)
+
+    def _mark_failed(self, request: Request) -> None:
+        """A sequence that cannot go on: it failed, its matcher is freed, its finish counted."""
         request.status = RequestStatus.FINISHED_ERROR
         if request.grammar is not None:
             request.grammar.release()
         self._record_finish(request, "error", time.monotonic())
-        client.end(request, RequestStatus.FINISHED_ERROR, why)
-        self._forget_if_finished(client)
 
     async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
         assert self.step_workers is not None
@@ -645,10 +649,7 @@ class Engine:
             if not available or siblings[0].num_failovers > MAX_FAILOVERS:
                 why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
                 for request in siblings:
-                    request.status = RequestStatus.FINISHED_ERROR
-                    if request.grammar is not None:
-                        request.grammar.release()
-                    self._record_finish(request, "error", time.monotonic())
+                    self._mark_failed(request)
                 if not available and not client.started:
                     # NOTE: nothing was sent: to the client this is a request that came while no
                     # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.

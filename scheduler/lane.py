@@ -147,7 +147,7 @@ class ExecutorLane:
         # Placed here but without a token yet; kept by the engine on the event loop thread.
         self.queued_requests = 0
         self.queued_blocks = 0
-        self._thread = threading.Thread(target=self._run, name=f"lane-{executor_id}", daemon=True)
+        self._thread: threading.Thread | None = None  # `start` (a lane on an event loop has none)
         self.num_steps = 0
         self.async_scheduling = async_scheduling and callable(getattr(executor, "submit", None))
         self._in_flight: deque[InFlightStep] = deque()
@@ -157,13 +157,15 @@ class ExecutorLane:
     # -- called from any thread -----------------------------------------------------------------
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"lane-{self.executor_id}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ends the thread; requests still queued to it are handed back as evacuated."""
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def take_down(self, reason: str) -> None:
         """The executor left (its registration expired, say): hand every request back."""

@@ -167,8 +167,7 @@ def evacuated(request: Request) -> Evacuated:
 
 def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
     """The front's copy counts the tokens its worker sent straight to an API process."""
-    if num_output_tokens != request.num_output_tokens:
-        request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
+    request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
 
 
 def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:

@@ -169,11 +169,8 @@ class StepWorker:
     def _add(
         self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo, instance_id: str
     ) -> None:
-        spec = self.spec
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
-        client = AioExecutorClient(
-            address, instance_id, spec.step_transport == "stream", spec.timeout_s, spec.token, spec.tls_ca
-        )
+        client = AioExecutorClient.from_spec(self.spec, address, instance_id)
         scheduler = Scheduler(SchedulerConfig.for_executor(info, self.settings.enable_prefix_caching))
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 
