@@ -150,6 +150,16 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             },
         ),
         Flag(
+            "stream_interval",
+            "--stream-interval",
+            {
+                "type": int,
+                "default": 1,
+                "help": "tokens per streamed message after a sequence's first (its last goes at once): "
+                "fewer, larger messages cost the scheduler and clients less per token",
+            },
+        ),
+        Flag(
             "step_transport",
             "--step-transport",
             {
@@ -178,6 +188,15 @@ CLUSTER_FIELDS = (
     "tls_key",
 )
 SERVING_FIELDS = tuple(f.field for f in SCHEDULER.flags if f.field not in CLUSTER_FIELDS)
+# How the scheduler runs (its processes, its steps, its streams): the benches take these flags
+# and pass them on to the scheduler they start.
+BENCH_FIELDS = (
+    "step_transport",
+    "scheduler_workers",
+    "api_server_count",
+    "async_scheduling",
+    "stream_interval",
+)
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:

@@ -69,6 +69,7 @@ class ApiProcessSettings:
     chat_template: str | None
     limits: ModelLimits
     trust_request_chat_template: bool
+    stream_interval: int  # tokens per streamed delta after a sequence's first (`RequestStream`)
     host: str
     port: int  # 0: any free port (the first process); the others take the port it got
     tls: tuple[bytes, bytes] | None
@@ -187,9 +188,10 @@ class CoreLink:
 class ApiFront:
     """`Generate` over the core: checks and tokenizes here, streams what the core relays."""
 
-    def __init__(self, link: CoreLink, prompts: PromptProcessor) -> None:
+    def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
         self.link = link
         self.prompts = prompts
+        self.stream_interval = stream_interval
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
@@ -198,7 +200,9 @@ class ApiFront:
         prompts.check_request(model, params)
         prompt_ids = await prompts.prompt_token_ids(prompt)
         prompts.check_lengths(prompt_ids, params)
-        stream = RequestStream(request_id or new_request_id(), prompts.tokenizer, params, prompt_ids)
+        stream = RequestStream(
+            request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
+        )
         handle = self.link.open(stream, params)
         async with aclosing(client_outputs(stream, lambda: self.link.close(handle))) as outputs:
             async for output in outputs:
@@ -208,8 +212,8 @@ class ApiFront:
 class ApiProcessServicer(PublicApiServicer):
     """Generate, Tokenize, Detokenize here; every other call answered by the core."""
 
-    def __init__(self, link: CoreLink, prompts: PromptProcessor) -> None:
-        super().__init__(ApiFront(link, prompts), prompts)
+    def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
+        super().__init__(ApiFront(link, prompts, stream_interval), prompts)
         self.link = link
 
     async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
@@ -240,7 +244,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
     prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
     prompts.start()
     link = CoreLink(conn, loop)
-    servicer = ApiProcessServicer(link, prompts)
+    servicer = ApiProcessServicer(link, prompts, settings.stream_interval)
     interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
     servers, port = await start_api_servers(
         lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),

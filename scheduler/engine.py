@@ -104,10 +104,13 @@ class EngineConfig:
     max_queued_requests: int | None = None  # None: unbounded
     trust_request_chat_template: bool = False  # render chat templates that clients send
     async_scheduling: bool = False  # schedule each step while the executor runs the one before
+    stream_interval: int = 1  # tokens per streamed delta after a sequence's first (`RequestStream`)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
 
 
 class NoExecutorError(RuntimeError):
@@ -292,7 +295,7 @@ class Engine:
         prompt_ids = await self.prompts.prompt_token_ids(prompt)
         self.prompts.check_lengths(prompt_ids, params)
         request_id = request_id or new_request_id()
-        stream = RequestStream(request_id, self.tokenizer, params, prompt_ids)
+        stream = RequestStream(request_id, self.tokenizer, params, prompt_ids, self.config.stream_interval)
         self.queue_request(request_id, prompt_ids, params, grammar, stream)
         return stream
 
@@ -351,8 +354,9 @@ class Engine:
             for child in children:
                 child.grammar = grammar.new_state(child.max_output_tokens)
         if stream_at is not None:
+            relay_every = 1 if params.stop else self.config.stream_interval
             for choice, child in enumerate(children):
-                child.relay_to = (*stream_at, choice)
+                child.relay_to, child.relay_every = (*stream_at, choice), relay_every
         client = ClientRequest(request_id, children, prompt_ids, sink)
         self._clients[request_id] = client
         for child in children:
@@ -448,12 +452,11 @@ class Engine:
             if lane is None:
                 continue  # a lane the front has retired; its requests were placed again
             lane.absorb(report)
-            num_tokens = len(report.updates)
             if report.relayed:
                 assert self.stream_processes is not None, "tokens packed for API processes"
                 for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
                     self.stream_processes.forward(key, pack)
-                    num_tokens += pack[0]
+            num_tokens = len(report.updates) + report.num_relayed_tokens
             self._dispatch(lane, apply_report(report, self._sequences.get), num_tokens)
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).

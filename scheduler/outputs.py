@@ -94,11 +94,17 @@ class SequenceState:
     # Every token received (in an API server process, what the sequence resumes from if the
     # scheduler worker that ran it dies: `api_process.CoreLink`).
     token_ids: list[int] = field(default_factory=list)
+    streamed: bool = False  # whether a delta of it has gone to the client
+    held: CompletionDelta | None = None  # what waits for `--stream-interval` tokens
 
 
 class RequestStream:
     """Collects a client request's ``n`` sibling sequences into one stream of `GenerateOutput`:
-    detokenization and stop strings happen here, where the client's stream is served."""
+    detokenization and stop strings happen here, where the client's stream is served.
+
+    ``stream_interval`` (vLLM's `--stream-interval`): a sequence's first delta and its last go
+    out at once; the ones between are held until they carry this many tokens, so a stream sends
+    one message per that many tokens (stop strings are still found at every token)."""
 
     def __init__(
         self,
@@ -106,8 +112,10 @@ class RequestStream:
         tokenizer: Tokenizer,
         params: SamplingParams,
         prompt_token_ids: list[int],
+        stream_interval: int = 1,
     ) -> None:
         self.request_id = request_id
+        self.stream_interval = stream_interval
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
         self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
@@ -195,6 +203,14 @@ class RequestStream:
         self.queue.put_nowait(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:
+        if self.stream_interval > 1:
+            state = self.sequences[delta.index]
+            if state.held is not None:
+                delta, state.held = merge_delta(state.held, delta), None
+            if state.streamed and delta.finish_reason is None and len(delta.token_ids) < self.stream_interval:
+                state.held = delta
+                return
+            state.streamed = True
         output = GenerateOutput(self.request_id, [delta])
         if not self._sent_prompt:
             output.prompt_token_ids, self._sent_prompt = self.prompt_token_ids, True
@@ -228,14 +244,20 @@ def coalesce(output: GenerateOutput, queue: asyncio.Queue[GenerateOutput]) -> Ge
             previous = next((d for d in output.completions if d.index == delta.index), None)
             if previous is None or previous.finish_reason is not None:
                 output.completions.append(delta)
-                continue
-            previous.text += delta.text
-            previous.token_ids = previous.token_ids + delta.token_ids
-            previous.logprobs = previous.logprobs + delta.logprobs
-            previous.finish_reason, previous.stop_reason = delta.finish_reason, delta.stop_reason
+            else:
+                merge_delta(previous, delta)
         output.usage = following.usage or output.usage
         output.finished, output.error = following.finished, following.error or output.error
     return output
+
+
+def merge_delta(previous: CompletionDelta, delta: CompletionDelta) -> CompletionDelta:
+    """``previous`` followed by ``delta`` (same choice), as one delta: ``previous``, extended."""
+    previous.text += delta.text
+    previous.token_ids = previous.token_ids + delta.token_ids
+    previous.logprobs = previous.logprobs + delta.logprobs
+    previous.finish_reason, previous.stop_reason = delta.finish_reason, delta.stop_reason
+    return previous
 
 
 async def client_outputs(

@@ -138,7 +138,12 @@ class Request:
     # (`step_frames.make_report`); the front's copy then counts them (`num_direct_tokens`) but
     # does not hold them, and takes them back from the worker or the API process to move it.
     relay_to: tuple[int, int, int, int] | None = None
+    # Tokens per packed item once started (`--stream-interval`; 1 when stop strings are looked
+    # for, which the API process does at every token): the worker holds fewer until the sequence
+    # ends or moves.
+    relay_every: int = 1
     relay_started: bool = False  # on the worker's copy
+    num_relayed_tokens: int = 0  # on the worker's copy: its output tokens sent in this placement
     num_direct_tokens: int = 0  # on the front's copy
 
     def __post_init__(self) -> None:

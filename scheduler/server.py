@@ -153,6 +153,7 @@ class SchedulerConfig:
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
     async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
+    stream_interval: int = 1  # tokens per streamed delta after a sequence's first
     step_transport: str = DEFAULT_STEP_TRANSPORT  # one of executor_client.STEP_TRANSPORTS
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
@@ -212,6 +213,7 @@ async def serve_scheduler(
             max_queued_requests=config.max_queued_requests,
             trust_request_chat_template=config.trust_request_chat_template,
             async_scheduling=config.async_scheduling,
+            stream_interval=config.stream_interval,
         ),
         tokenizer,
         executors,
@@ -232,6 +234,7 @@ async def serve_scheduler(
                 config.chat_template,
                 engine.limits,
                 config.trust_request_chat_template,
+                engine.config.stream_interval,
                 host,
                 bind_port,
                 config.tls,

@@ -12,6 +12,9 @@ Tokens of a sequence that goes on and whose stream an API server process serves 
 with `--api-server-count` above 1) skip all that: the worker packs them per API process, as the
 items that process applies, and the front forwards each pack unopened (`LaneReport.relayed`).
 The front's copy only counts them; whoever moves the sequence takes its output back first.
+With `--stream-interval` above 1 (`Request.relay_every`) the worker packs a sequence's tokens
+in groups of that many, and the rest with its end or before it moves: one item, one
+detokenization and one message to the client per group.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class LaneReport:
     evacuated: list[Evacuated] = field(default_factory=list)
     # (API process index, incarnation) -> the tokens for its streams (`relayed_items`).
     relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
+    num_relayed_tokens: int = 0  # tokens of this step in `relayed`, or held back for it
     error: str | None = None
     lane_down: bool = False
     stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
@@ -94,18 +98,27 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
     stats = event.stats
     updates: list[CompactUpdate] = []
     relayed: dict[tuple[int, int], list[tuple[object, ...]]] = {}
+    num_relayed_tokens = 0
     for u in event.updates:  # NOTE: once per token
         request = u.request
         target = request.relay_to
-        if target is not None and u.finished is None:
+        if target is not None:
             if request.relay_started:
-                key = (target[0], target[1])
-                items = relayed.get(key)
-                if items is None:
-                    items = relayed[key] = []
-                items.append(relayed_item(target, u.new_token_ids, u.new_logprobs, request))
-                continue
-            request.relay_started = True  # its first token in this placement goes to the front
+                if u.finished is None:
+                    num_relayed_tokens += len(u.new_token_ids)
+                    item = (
+                        relayed_item(target, u.new_token_ids, u.new_logprobs, request)
+                        if request.relay_every == 1
+                        else held_item(request, least=request.relay_every)
+                    )
+                    if item is not None:
+                        _items(relayed, target).append(item)
+                    continue
+                if request.relay_every > 1:  # what it held goes before its end
+                    _flush_held(relayed, request, len(u.new_token_ids))
+            else:
+                request.relay_started = True  # its first token in this placement goes to the front
+                request.num_relayed_tokens = len(request.output_token_ids)
         updates.append(
             (
                 request.req_id,
@@ -117,12 +130,16 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
                 len(request.output_token_ids),
             )
         )
+    for request in (*event.ended, *event.evacuated):
+        if request.relay_every > 1 and request.relay_started:  # what it held goes before it ends or moves
+            _flush_held(relayed, request)
     return LaneReport(
         lane_key=lane_key,
         updates=updates,
         ended=[(r.req_id, r.status.value, len(r.output_token_ids)) for r in event.ended],
         evacuated=[evacuated(r) for r in event.evacuated],
         relayed={key: (len(items), pickle.dumps(items, protocol=5)) for key, items in relayed.items()},
+        num_relayed_tokens=num_relayed_tokens,
         error=event.error,
         lane_down=event.lane_down,
         stats=None
@@ -159,6 +176,39 @@ def relayed_item(
         len(request.output_token_ids),
         request.num_cached_tokens,
     )
+
+
+def held_item(request: Request, keep: int = 0, least: int = 1) -> tuple[object, ...] | None:
+    """The item for the output tokens a worker holds back for ``request`` (`Request.relay_every`),
+    but its last ``keep``; None when there are fewer than ``least``. They count as sent from then on."""
+    start, end = request.num_relayed_tokens, len(request.output_token_ids) - keep
+    if end - start < least:
+        return None
+    request.num_relayed_tokens = end
+    target = request.relay_to
+    assert target is not None
+    return relayed_item(
+        target, request.output_token_ids[start:end], request.output_logprobs[start:end], request
+    )
+
+
+def _items(
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]], target: tuple[int, int, int, int]
+) -> list:
+    key = (target[0], target[1])
+    items = relayed.get(key)
+    if items is None:
+        items = relayed[key] = []
+    return items
+
+
+def _flush_held(
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]], request: Request, keep: int = 0
+) -> None:
+    item = held_item(request, keep)
+    if item is not None:
+        assert request.relay_to is not None
+        _items(relayed, request.relay_to).append(item)
 
 
 def evacuated(request: Request) -> Evacuated:

@@ -55,7 +55,7 @@ from npuserve.deploy.bench.scale_measure import Result, run_load
 from npuserve.deploy.bench.scale_profile import format_profile
 from npuserve.deploy.flags import add_logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, python_module
-from npuserve.deploy.scheduler_flags import SCHEDULER
+from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 
 SIMULATED_FLEET = "npuserve.deploy.bench.simulated_fleet"
 STOP_GRACE_S = 30.0
@@ -92,6 +92,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         scheduler_workers=config.scheduler_workers,
         api_server_count=config.api_server_count,
         async_scheduling=config.async_scheduling,
+        stream_interval=config.stream_interval,
     )
     return [
         "scheduler",
@@ -281,9 +282,7 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
-    SCHEDULER.add(
-        p, only=["step_transport", "routing", "scheduler_workers", "api_server_count", "async_scheduling"]
-    )
+    SCHEDULER.add(p, only=["routing", *BENCH_FIELDS])
     p.add_argument(
         "--scheduler-log-level", default=d.scheduler_log_level, choices=["debug", "info", "warning"]
     )
@@ -323,6 +322,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             scheduler_workers=args.scheduler_workers,
             api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,
+            stream_interval=args.stream_interval,
             scheduler_log_level=args.scheduler_log_level,
             seed=args.seed,
             profile=args.profile,

@@ -39,6 +39,7 @@ class ScaleConfig:
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool = False
+    stream_interval: int = 1  # the scheduler's --stream-interval
     scheduler_log_level: str = "warning"
     seed: int = 0
     profile: bool = False

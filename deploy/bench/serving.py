@@ -33,7 +33,7 @@ from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
-from npuserve.deploy.scheduler_flags import SCHEDULER
+from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT
 
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
@@ -246,9 +246,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FIELDS:
         EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
     SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
-    SCHEDULER.add(
-        engine, only=["step_transport", "scheduler_workers", "api_server_count", "async_scheduling"]
-    )
+    SCHEDULER.add(engine, only=BENCH_FIELDS)
     engine.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a launched server")
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -262,13 +260,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> ServerSpec:
     """Executor and scheduler flags equal to the offline engine's configuration."""
     executor = EXECUTOR.from_args(args, model=model, load_format=load_format)
+    passed_on = {name: getattr(args, name) for name in BENCH_FIELDS}
+    passed_on["step_transport"] = variant.step_transport  # the variant's, which the flag sets
     scheduler = SCHEDULER.default(
-        model=model,
-        enable_prefix_caching=variant.enable_prefix_caching,
-        step_transport=variant.step_transport,
-        scheduler_workers=args.scheduler_workers,
-        api_server_count=args.api_server_count,
-        async_scheduling=args.async_scheduling,
+        model=model, enable_prefix_caching=variant.enable_prefix_caching, **passed_on
     )
     return ServerSpec(
         [*EXECUTOR.to_flags(executor), *logging_flags(args)],

@@ -263,6 +263,59 @@ def test_api_processes_serve_exactly_and_survive_a_kill(stories_dir: Path, tmp_p
 
 
 @pytest.mark.slow
+def test_a_stream_interval_sends_fewer_messages_with_the_same_tokens(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """`--stream-interval 4` with API processes and a worker: 32 greedy streams equal transformers
+    in at most 1 + ceil((40 - 1) / 4) messages each (the first token alone, then groups of 4,
+    the rest with the end); a stop string still ends its sequence at the token it appears in."""
+    interval = 4
+    prompts, requests, expected = greedy_workload(stories_dir, 7, NUM_STREAMS, NUM_NEW)
+    with processes(tmp_path) as procs:
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"])
+        scheduler = start_scheduler(
+            procs, stories_dir, addresses, "--api-server-count", "2", "--scheduler-workers", "1",
+            "--stream-interval", str(interval),
+        )  # fmt: skip
+        connections = stubs(scheduler.wait_ready()["address"])
+        messages = [0] * NUM_STREAMS
+        outputs: list[list[int]] = [[] for _ in requests]
+
+        def stream(index: int) -> None:
+            for response in connections[index % NUM_CONNECTIONS].Generate(requests[index], timeout=120):
+                messages[index] += 1
+                outputs[index] += [t for c in response.completions for t in c.token_ids]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert outputs == expected
+        assert max(messages) <= 1 + -(-(NUM_NEW - 1) // interval) and min(messages) >= 2
+
+        # Stop strings are looked for at every token: the sequence ends where the one-by-one
+        # stream of the same request ends, counting the same tokens.
+        text = "".join(
+            c.text
+            for r in connections[0].Generate(greedy_request(prompts[0], NUM_NEW))
+            for c in r.completions
+        )
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        (last, *_) = reversed(list(connections[1].Generate(greedy_request(prompts[0], NUM_NEW, stop=[stop]))))
+        assert (last.completions[0].finish_reason, last.completions[0].stop_string) == ("stop", stop)
+        stopped = [
+            t
+            for r in connections[2].Generate(greedy_request(prompts[0], NUM_NEW, stop=[stop]))
+            for c in r.completions
+            for t in c.token_ids
+        ]
+        assert stopped == expected[0][: len(stopped)] and len(stopped) == last.usage.completion_tokens
+        final = idle_pools(connections[0])
+        assert all(p.num_free_blocks == p.num_blocks for p in final.values())
+
+
+@pytest.mark.slow
 def test_when_the_core_dies_its_api_processes_and_workers_go_too(stories_dir: Path, tmp_path: Path) -> None:
     """No orphan keeps the port (SO_REUSEPORT would hand it clients no core serves) or an
     executor: each child sees its pipe to the core close and exits, so a restarted scheduler

@@ -148,7 +148,9 @@ def test_bad_requests_are_refused_before_anything_is_queued(tokenizer: Tokenizer
             with pytest.raises(InvalidRequestError, match="exactly one"):
                 await engine.add_request(PromptInput(text="x", token_ids=[3]), SamplingParams())
 
-            await engine.add_request(PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup")
+            await engine.add_request(
+                PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup"
+            )
             with pytest.raises(InvalidRequestError) as duplicate:
                 await engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), "dup")
             assert duplicate.value.field == "request_id"
@@ -200,7 +202,9 @@ class MidRun:
 
     def __init__(self, sim: SimulatedEngine) -> None:
         self.sim = sim
-        self.stream = sim.engine.generate(PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x")
+        self.stream = sim.engine.generate(
+            PromptInput(token_ids=prompt_of(10)), SamplingParams(max_tokens=40), "x"
+        )
 
     async def start(self, paused: bool = True) -> str:
         """Waits for the first output (and the paused step); the executor holding "x"."""

@@ -1,5 +1,6 @@
-"""What clients receive: a request's stream of deltas (text, stop strings, siblings, usage), and
-outputs coalesced for a client that reads slower than tokens arrive."""
+"""What clients receive: a request's stream of deltas (text, stop strings, siblings, usage),
+deltas held to `--stream-interval` tokens, and outputs coalesced for a client that reads slower
+than tokens arrive."""
 
 from __future__ import annotations
 
@@ -24,17 +25,21 @@ STORY = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 426]
 PROMPT = [1]
 
 
-def make_stream(tokenizer: Tokenizer, params: SamplingParams) -> RequestStream:
-    return RequestStream("r", tokenizer, params, PROMPT)
+def make_stream(tokenizer: Tokenizer, params: SamplingParams, stream_interval: int = 1) -> RequestStream:
+    return RequestStream("r", tokenizer, params, PROMPT, stream_interval)
 
 
 def feed(
-    stream: RequestStream, choice: int, token_id: int, finished: RequestStatus | None = None
+    stream: RequestStream,
+    choice: int,
+    token_id: int,
+    finished: RequestStatus | None = None,
+    logprobs: TokenLogprobs | None = None,
 ) -> str | None:
     """One step's token for one sequence, as the engine passes it on."""
     status = None if finished is None else finished.value
     num_output = stream.sequences[choice].num_output_tokens + 1
-    return stream.add(SequenceUpdate(choice, [token_id], [None], status, None, None, num_output, 0))
+    return stream.add(SequenceUpdate(choice, [token_id], [logprobs], status, None, None, num_output, 0))
 
 
 def drain(stream: RequestStream) -> list[GenerateOutput]:
@@ -89,6 +94,55 @@ def test_siblings_finish_apart_and_the_stream_ends_with_the_last(tokenizer: Toke
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
     stream.end(SequenceUpdate(1, [], [], "abort", None, None, 1, 0))  # ended already: nothing more is sent
     assert stream.queue.empty()
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_groups_up_to_the_last(
+    tokenizer: Tokenizer,
+) -> None:
+    stream = make_stream(tokenizer, SamplingParams(max_tokens=10, logprobs=1), stream_interval=4)
+    for i, token_id in enumerate(STORY[:10]):
+        status = RequestStatus.FINISHED_LENGTH if i == 9 else None
+        assert feed(stream, 0, token_id, status, TokenLogprobs(-1.0 * i, 1, [token_id], [-1.0 * i])) is None
+        if i == 2:
+            assert stream.queue.qsize() == 1  # tokens 2 and 3 wait for two more
+    outputs = drain(stream)
+    deltas = [o.completions[0] for o in outputs]
+    assert [d.token_ids for d in deltas] == [STORY[:1], STORY[1:5], STORY[5:9], STORY[9:10]]
+    assert "".join(d.text for d in deltas) == tokenizer.decode(STORY[:10])
+    assert [lp.top_token_ids[0] for d in deltas for lp in d.logprobs] == STORY[:10]
+    assert [o.prompt_token_ids for o in outputs] == [PROMPT, None, None, None]
+    assert [(d.finish_reason, o.finished) for d, o in zip(deltas, outputs, strict=True)][-1] == (
+        "length",
+        True,
+    )
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 10
+
+
+def test_a_stream_interval_never_holds_an_end(tokenizer: Tokenizer) -> None:
+    # A stop string found inside a held group ends it at once, the stop string cut off.
+    stream = make_stream(tokenizer, SamplingParams(stop=["little"]), stream_interval=16)
+    stopped = [feed(stream, 0, token_id) for token_id in STORY[:9]]
+    assert stopped == [None] * 8 + ["little"]
+    outputs = drain(stream)
+    assert [len(o.completions[0].token_ids) for o in outputs] == [1, 8]
+    assert "".join(o.completions[0].text for o in outputs) == "Once upon a time, there was a "
+    assert (outputs[-1].completions[0].finish_reason, outputs[-1].finished) == ("stop", True)
+
+    # An end outside a step (an abort, a failed executor) brings what was held; siblings hold apart.
+    stream = make_stream(tokenizer, SamplingParams(n=2), stream_interval=16)
+    for token_id in STORY[:3]:
+        feed(stream, 0, token_id)
+        feed(stream, 1, token_id)
+    stream.end(SequenceUpdate(1, [], [], "abort", None, None, 3, 0))
+    stream.end(SequenceUpdate(0, [], [], "abort", None, None, 3, 0))
+    deltas = [(d.index, d.token_ids, d.finish_reason) for o in drain(stream) for d in o.completions]
+    assert deltas == [
+        (0, STORY[:1], None),
+        (1, STORY[:1], None),
+        (1, STORY[1:3], "abort"),
+        (0, STORY[1:3], "abort"),
+    ]
+    assert stream.finished
 
 
 def test_coalesce_merges_what_waits_per_choice_up_to_the_end(tokenizer: Tokenizer) -> None:

@@ -125,6 +125,49 @@ def test_tokens_of_a_sequence_an_api_process_streams_skip_the_front() -> None:
     assert front_copy.status == RequestStatus.WAITING and not front_copy.relay_started
 
 
+def test_a_stream_interval_packs_a_sequences_tokens_in_groups_and_the_rest_at_its_end() -> None:
+    """With `--stream-interval 3` the worker holds a started sequence's tokens until it has 3, then
+    packs them as one item; what it holds goes out before its finish (which goes to the front),
+    and before it ends outside a step or moves. The step's token count stays exact."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
+    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    finishing, aborted, moved = (request(f"r{i}", [1, 5, 6]) for i in range(3))
+    for i, sequence in enumerate((finishing, aborted, moved)):
+        sequence.relay_to, sequence.relay_every = (0, 1, i, 0), 3
+
+    def step(token: int, finished: RequestStatus | None = None) -> LaneReport:
+        for sequence in (finishing, aborted, moved):
+            sequence.append_output(token, None)
+        updates = [RequestUpdate(finishing, [token], [None], finished)] + [
+            RequestUpdate(r, [token], [None], None) for r in (aborted, moved)
+        ]
+        return make_report("e0#0", lane, LaneEvent(updates=updates))
+
+    def items(report: LaneReport) -> list[tuple[int, list[int], int]]:
+        """(stream handle, its tokens, the output count) per packed item."""
+        packs = [pickle.loads(pack) for _, pack in report.relayed.values()]
+        return [(item[1], item[3], item[8]) for pack in packs for item in pack]
+
+    reports = [step(token) for token in (10, 11, 12, 13, 14)]
+    assert [len(r.updates) for r in reports] == [3, 0, 0, 0, 0]  # the first tokens go to the front
+    assert [items(r) for r in reports] == [
+        [],
+        [],
+        [],
+        [(0, [11, 12, 13], 4), (1, [11, 12, 13], 4), (2, [11, 12, 13], 4)],
+        [],
+    ]
+    assert [r.num_relayed_tokens for r in reports] == [0, 3, 3, 3, 3]
+    last = step(15, RequestStatus.FINISHED_LENGTH)
+    assert items(last) == [(0, [14], 6)]  # held, then the finish with its own token via the front
+    assert [(u[0], u[1], u[3]) for u in last.updates] == [("r0", [15], "length")]
+    assert last.num_relayed_tokens == 2
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    moving = make_report("e0#0", lane, LaneEvent(ended=[aborted], evacuated=[moved], error="gone"))
+    assert items(moving) == [(1, [14, 15], 6), (2, [14, 15], 6)] and moving.num_relayed_tokens == 0
+    assert moving.evacuated[0][1] == [10, 11, 12, 13, 14, 15]  # the move takes the whole output
+
+
 def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
     info = ExecutorInfo(
         model="m", architecture="LlamaForCausalLM", block_size=4, num_blocks=16, max_model_len=64,
