@@ -59,6 +59,7 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         enable_prefix_caching=False,
         routing="least-load",
         max_queued_requests=5,
+        stream_interval=4,
         step_transport="stream",
         step_timeout_s=9.5,
         connect_timeout_s=7.0,

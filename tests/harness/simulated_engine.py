@@ -120,6 +120,7 @@ async def simulated_engine(
     failing: dict[str, tuple[int, str]] | None = None,
     routing: str = "prefix-aware",
     max_queued_requests: int | None = None,
+    stream_interval: int = 1,
 ) -> AsyncIterator[SimulatedEngine]:
     """A started engine over ``num_executors`` simulated executors ``e0, e1, ...``, each pausing
     after ``pause_at`` steps; ``failing`` maps some of them to (the number of steps they serve,
@@ -133,7 +134,9 @@ async def simulated_engine(
     executors: list[tuple[str, StepExecutor, ExecutorInfo]] = [
         (name, executor, executor.info()) for name, executor in controlled.items()
     ]
-    engine_config = EngineConfig(MODEL, routing=routing, max_queued_requests=max_queued_requests)
+    engine_config = EngineConfig(
+        MODEL, routing=routing, max_queued_requests=max_queued_requests, stream_interval=stream_interval
+    )
     engine = Engine(engine_config, tokenizer, executors)
     engine.start()
     simulated = SimulatedEngine(engine, controlled, list(engine.lanes.values()))

@@ -12,6 +12,7 @@ from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.engine import (
+    EngineConfig,
     ModelNotFoundError,
     NoExecutorError,
     PromptInput,
@@ -52,6 +53,28 @@ def test_concurrent_requests_stream_their_tokens_to_completion(tokenizer: Tokeni
             assert sim.engine.num_active_requests == 0
 
     asyncio.run(scenario())
+
+
+def test_a_stream_interval_groups_each_streams_tokens(tokenizer: Tokenizer) -> None:
+    """`--stream-interval 4` through the engine: every token arrives, in at most
+    1 + ceil((m - 1) / 4) outputs per sequence (the exact grouping: tests/scheduler/test_outputs.py).
+    An interval below 1 is refused."""
+
+    async def scenario() -> None:
+        async with simulated_engine(tokenizer, num_executors=2, stream_interval=4) as sim:
+            single, siblings = await asyncio.gather(
+                generate(sim.engine, prompt_of(6), SamplingParams(max_tokens=11), "one"),
+                generate(sim.engine, prompt_of(8, 1), SamplingParams(n=2, max_tokens=9), "two"),
+            )
+            assert single.tokens == {0: sim.expected_tokens("one", 6, 11)}
+            assert len(single.outputs) <= 1 + 3  # fewer when the reader is slower (`coalesce`)
+            assert siblings.tokens == {i: sim.expected_tokens(f"two-{i}", 8, 9) for i in (0, 1)}
+            assert len(siblings.outputs) <= 2 * (1 + 2)
+            assert siblings.last.usage is not None and siblings.last.usage.completion_tokens == 18
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError, match="--stream-interval"):
+        EngineConfig("m", stream_interval=0)
 
 
 def test_siblings_of_an_n_request_run_on_one_executor(tokenizer: Tokenizer) -> None:
