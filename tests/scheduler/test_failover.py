@@ -57,10 +57,11 @@ def prompts() -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("api_server_count", [1, 2])
-def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int) -> None:
+@pytest.mark.parametrize(("api_server_count", "stream_interval"), [(1, 1), (2, 1), (2, 4)])
+def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int, stream_interval: int) -> None:
     """With API server processes the front's copies lack the tokens its worker sent straight
-    to them: a moved request takes its output from the worker first."""
+    to them: a moved request takes its output from the worker first. With `--stream-interval`
+    the worker also holds some back: they reach the client before the request moves."""
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
@@ -82,6 +83,8 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int) 
             "0",
             "--routing",
             "least-load",
+            "--stream-interval",
+            str(stream_interval),
         )
         with npuserve_process("scheduler", *scheduler_flags, "--api-server-count", str(api_server_count)) as (
             scheduler,

@@ -198,13 +198,14 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("api_server_count", [1, 2])
+@pytest.mark.parametrize(("api_server_count", "stream_interval"), [(1, 1), (2, 1), (2, 4)])
 def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
-    stories_dir: Path, tmp_path: Path, api_server_count: int
+    stories_dir: Path, tmp_path: Path, api_server_count: int, stream_interval: int
 ) -> None:
     """With API server processes, a worker sends the tokens of sequences that go on straight to
     them, so the front's copies lack those: a killed worker's sequences resume from what the API
-    processes streamed."""
+    processes streamed. With `--stream-interval` the tokens the dead worker held back are
+    computed again, and the streams still equal transformers."""
     _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
@@ -217,6 +218,8 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
             "--async-scheduling",
             "--api-server-count",
             str(api_server_count),
+            "--stream-interval",
+            str(stream_interval),
         )
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
         first_pids = worker_pids(scheduler)
