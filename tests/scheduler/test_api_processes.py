@@ -268,7 +268,8 @@ def test_a_stream_interval_sends_fewer_messages_with_the_same_tokens(
 ) -> None:
     """`--stream-interval 4` with API processes and a worker: 32 greedy streams equal transformers
     in at most 1 + ceil((40 - 1) / 4) messages each (the first token alone, then groups of 4,
-    the rest with the end); a stop string still ends its sequence at the token it appears in."""
+    the rest with the end); a stop string still ends its sequence at the token it appears in;
+    siblings are grouped apart, each token with its logprobs."""
     interval = 4
     prompts, requests, expected = greedy_workload(stories_dir, 7, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
@@ -311,6 +312,15 @@ def test_a_stream_interval_sends_fewer_messages_with_the_same_tokens(
             for t in c.token_ids
         ]
         assert stopped == expected[0][: len(stopped)] and len(stopped) == last.usage.completion_tokens
+
+        # Siblings are grouped apart, each token with its logprobs.
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        logprobs: dict[int, list[int]] = {0: [], 1: []}
+        for response in connections[3].Generate(greedy_request(prompts[0], NUM_NEW, n=2, logprobs=1)):
+            for c in response.completions:
+                tokens[c.index] += c.token_ids
+                logprobs[c.index] += [lp.token_id for lp in c.logprobs]
+        assert tokens == logprobs == {0: expected[0], 1: expected[0]}
         final = idle_pools(connections[0])
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())
 
