@@ -43,16 +43,21 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def held_in_steps(sim: SimulatedEngine, num_requests: int) -> None:
-    """Until ``num_requests`` run, each on a lane whose executor holds its step."""
+    """Until ``num_requests`` are in the engine, some running, and every lane's executor holds its
+    step (both take some of them here).
+
+    NOTE: a request that reaches its lane while the executor holds a step waits there until the
+    step is let go: it is in the engine, not running."""
     for _ in range(1000):
         lanes = sim.engine.lanes
-        running = {e: lane.num_running for e, lane in lanes.items()}
-        if sum(running.values()) == num_requests and all(
-            sim.executors[e].paused.is_set() for e, n in running.items() if n
+        if (
+            sim.engine.num_active_requests == num_requests
+            and any(lane.num_running for lane in lanes.values())
+            and all(sim.executors[e].paused.is_set() for e in lanes)
         ):
             return
         await asyncio.sleep(0.005)
-    raise AssertionError("the requests did not start running")
+    raise AssertionError("the requests did not reach held steps")
 
 
 def test_per_executor_series_follow_the_lanes(tokenizer: Tokenizer) -> None:
@@ -66,6 +71,7 @@ def test_per_executor_series_follow_the_lanes(tokenizer: Tokenizer) -> None:
             shared = prompt(12, 1)  # three full blocks that later requests find cached
             params = SamplingParams(max_tokens=10, ignore_eos=True)
             await asyncio.gather(*(generate(engine, shared + prompt(3, i), params) for i in range(6)))
+            await sim.wait_idle()  # the step that drops the finished requests counts too
             assert list(engine.lanes) == ["e1"]
             engine.refresh_gauges()
             lost = samples(engine.metrics.render())
