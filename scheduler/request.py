@@ -142,8 +142,9 @@ class Request:
     # for, which the API process does at every token): the worker holds fewer until the sequence
     # ends or moves.
     relay_every: int = 1
-    relay_started: bool = False  # on the worker's copy
-    num_relayed_tokens: int = 0  # on the worker's copy: its output tokens sent in this placement
+    # On the worker's copy: its output tokens sent in this placement (0: none yet; the first
+    # goes through the front, and every output token before it counts as sent).
+    num_relayed_tokens: int = 0
     num_direct_tokens: int = 0  # on the front's copy
 
     def __post_init__(self) -> None:
@@ -167,6 +168,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def relay_started(self) -> bool:
+        """Whether the worker has sent this sequence's first token in its placement."""
+        return self.num_relayed_tokens > 0
 
     @property
     def num_output_tokens(self) -> int:

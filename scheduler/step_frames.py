@@ -61,7 +61,7 @@ class LaneReport:
     updates: list[CompactUpdate] = field(default_factory=list)
     ended: list[tuple[str, str, int]] = field(default_factory=list)  # (req_id, status value, outputs)
     evacuated: list[Evacuated] = field(default_factory=list)
-    # (API process index, incarnation) -> the tokens for its streams (`relayed_items`).
+    # (API process index, incarnation) -> the tokens for its streams (`_pack_unsent`).
     relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
     num_relayed_tokens: int = 0  # tokens of this step in `relayed`, or held back for it
     error: str | None = None
@@ -103,21 +103,13 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
         request = u.request
         target = request.relay_to
         if target is not None:
-            if request.relay_started:
+            if request.num_relayed_tokens:  # started in this placement (`Request.relay_started`)
                 if u.finished is None:
                     num_relayed_tokens += len(u.new_token_ids)
-                    item = (
-                        relayed_item(target, u.new_token_ids, u.new_logprobs, request)
-                        if request.relay_every == 1
-                        else held_item(request, least=request.relay_every)
-                    )
-                    if item is not None:
-                        _items(relayed, target).append(item)
+                    _pack_unsent(relayed, request, least=request.relay_every)
                     continue
-                if request.relay_every > 1:  # what it held goes before its end
-                    _flush_held(relayed, request, len(u.new_token_ids))
-            else:
-                request.relay_started = True  # its first token in this placement goes to the front
+                _pack_unsent(relayed, request, keep=len(u.new_token_ids))  # what it held, before its end
+            else:  # its first token in this placement goes to the front
                 request.num_relayed_tokens = len(request.output_token_ids)
         updates.append(
             (
@@ -131,8 +123,8 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
             )
         )
     for request in (*event.ended, *event.evacuated):
-        if request.relay_every > 1 and request.relay_started:  # what it held goes before it ends or moves
-            _flush_held(relayed, request)
+        if request.relay_to is not None and request.num_relayed_tokens:  # held: before it ends or moves
+            _pack_unsent(relayed, request)
     return LaneReport(
         lane_key=lane_key,
         updates=updates,
@@ -155,60 +147,39 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
 RUNNING = RequestStatus.RUNNING
 
 
-def relayed_item(
-    target: tuple[int, int, int, int],
-    token_ids: list[int],
-    logprobs: list[TokenLogprobs | None],
-    request: Request,
-) -> tuple[object, ...]:
-    """The item an API process applies for a sequence's new tokens that end nothing: the fields
-    of `outputs.SequenceUpdate` after ("add", stream handle)."""
-    _, _, handle, choice = target
-    return (
+def _pack_unsent(
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]], request: Request, keep: int = 0, least: int = 1
+) -> None:
+    """Packs the output tokens of ``request`` not sent in this placement yet, but its last
+    ``keep``, as one item for its API process, if there are at least ``least`` of them (a
+    worker holds fewer than `Request.relay_every`). They count as sent from then on.
+
+    The item is the one that process applies: ("add", stream handle, then the fields of
+    `outputs.SequenceUpdate` for tokens that end nothing)."""
+    output = request.output_token_ids
+    start, end = request.num_relayed_tokens, len(output) - keep
+    if end - start < least:
+        return
+    request.num_relayed_tokens = end
+    assert request.relay_to is not None
+    index, incarnation, handle, choice = request.relay_to
+    item = (
         "add",
         handle,
         choice,
-        token_ids,
-        logprobs,
+        output[start:end],
+        request.output_logprobs[start:end],
         None,
         None,
         None,
-        len(request.output_token_ids),
+        len(output),
         request.num_cached_tokens,
     )
-
-
-def held_item(request: Request, keep: int = 0, least: int = 1) -> tuple[object, ...] | None:
-    """The item for the output tokens a worker holds back for ``request`` (`Request.relay_every`),
-    but its last ``keep``; None when there are fewer than ``least``. They count as sent from then on."""
-    start, end = request.num_relayed_tokens, len(request.output_token_ids) - keep
-    if end - start < least:
-        return None
-    request.num_relayed_tokens = end
-    target = request.relay_to
-    assert target is not None
-    return relayed_item(
-        target, request.output_token_ids[start:end], request.output_logprobs[start:end], request
-    )
-
-
-def _items(
-    relayed: dict[tuple[int, int], list[tuple[object, ...]]], target: tuple[int, int, int, int]
-) -> list:
-    key = (target[0], target[1])
-    items = relayed.get(key)
+    items = relayed.get((index, incarnation))
     if items is None:
-        items = relayed[key] = []
-    return items
-
-
-def _flush_held(
-    relayed: dict[tuple[int, int], list[tuple[object, ...]]], request: Request, keep: int = 0
-) -> None:
-    item = held_item(request, keep)
-    if item is not None:
-        assert request.relay_to is not None
-        _items(relayed, request.relay_to).append(item)
+        relayed[(index, incarnation)] = [item]
+    else:
+        items.append(item)
 
 
 def evacuated(request: Request) -> Evacuated:
