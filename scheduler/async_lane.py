@@ -59,14 +59,13 @@ class AsyncExecutorLane(ExecutorLane):
     async def aclose(self, timeout_s: float) -> None:
         """Ends the task (its requests still queued are handed back as evacuated) and the client."""
         self._stopping = True
-        self._woken.set()
+        self._wake()
         if self._task is not None:
             with contextlib.suppress(asyncio.TimeoutError):  # NOTE: wait_for cancelled it
                 await asyncio.wait_for(self._task, timeout_s)
         await self.client.close()
 
-    def _command(self, kind: str, payload: object) -> None:
-        self._commands.put((kind, payload))
+    def _wake(self) -> None:
         self._woken.set()
 
     async def _sleep(self, timeout_s: float) -> None:

@@ -163,7 +163,7 @@ class ExecutorLane:
     def stop(self, timeout: float = 5.0) -> None:
         """Ends the thread; requests still queued to it are handed back as evacuated."""
         self._stopping = True
-        self._wakeup.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -183,9 +183,13 @@ class ExecutorLane:
         self._command("call", (fn, future))
         return future
 
+    def _wake(self) -> None:
+        """Ends the driver's wait for work or commands (this lane's thread)."""
+        self._wakeup.set()
+
     def _command(self, kind: str, payload: object) -> None:
         self._commands.put((kind, payload))
-        self._wakeup.set()
+        self._wake()
 
     # NOTE: read without locking from the event loop thread: hints for routing and gauges.
 
