@@ -28,6 +28,7 @@ from npuserve.proto.channel import (
     message_size_options,
 )
 from npuserve.proto.error_details import error_field
+from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
 
 SMALL_CALL_TIMEOUT_S = 10.0
 # NOTE: gRPC waits up to 120 s between reconnection attempts by default; a scheduler that
@@ -47,29 +48,57 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 
 class GenerateCall:
-    """One streaming Generate call; `next()` gives updates until None, `cancel()` aborts it."""
+    """One generation; `next()` gives updates until None, `cancel()` aborts it.
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self._call = call
+    It goes over the channel's `GenerateMany` call; a scheduler that does not know that call
+    (an older one, mid-upgrade) gets a `Generate` call instead, and so does every later one."""
+
+    def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
+        self._client = client
+        self._request = request
+        self._stub_index = stub_index
+        self._stream: GenerateStream | None = None
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        if client.multiplexed:
+            self._stream = client.generators[stub_index].generate(request)
+        else:
+            self._call = client.generate_call(request, stub_index)
 
     async def next(self) -> Update | None:
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        if msg is grpc.aio.EOF:
+        if self._stream is not None:
+            try:
+                msg = await self._stream.read()
+            except GenerateFailed as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise from_status(exc.code, exc.details, exc.field) from None
+                self._client.multiplexed = False
+                self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
+                return await self.next()
+        else:
+            assert self._call is not None
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc) from None
+            if msg is grpc.aio.EOF:
+                msg = None
+        if msg is None:
             return None
         return convert.update_of(msg)
 
     def cancel(self) -> None:
-        """Cancels the call; the scheduler then aborts the request and frees its blocks."""
-        self._call.cancel()
+        """Cancels the generation; the scheduler then aborts the request and frees its blocks."""
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
 
 class SchedulerClient:
-    """gRPC channels to the scheduler, opened inside the event loop that uses them: Generate
-    calls take turns over `API_SERVERS` connections (the scheduler admits calls per connection's
-    server), other calls use the first. Every call presents the API key when one is given."""
+    """gRPC channels to the scheduler, opened inside the event loop that uses them: generations
+    take turns over `API_SERVERS` connections, each carrying its share over one `GenerateMany`
+    call (a message per turn for all of them, not one per token per stream); other calls use the
+    first. Every call presents the API key when one is given."""
 
     def __init__(self, address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> None:
         self.address = address
@@ -77,6 +106,8 @@ class SchedulerClient:
         self._tls_ca = tls_ca
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.SchedulerStub] = []
+        self.generators: list[GenerateManyClient] = []  # one per stub
+        self.multiplexed = True  # False once the scheduler did not know GenerateMany
         self._turn = itertools.count()
 
     async def open(self) -> None:
@@ -86,8 +117,12 @@ class SchedulerClient:
             for i in range(API_SERVERS)
         ]
         self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
+        self.generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]
 
     async def close(self) -> None:
+        generators, self.generators = self.generators, []
+        for generator in generators:
+            await generator.close()
         channels, self._channels, self._stubs = self._channels, [], []
         for channel in channels:
             await channel.close(grace=None)
@@ -99,9 +134,12 @@ class SchedulerClient:
 
     def generate(self, request: pb.GenerateRequest) -> GenerateCall:
         assert self._stubs, "SchedulerClient.open() was not awaited"
-        stub = self._stubs[next(self._turn) % len(self._stubs)]
+        return GenerateCall(self, request, next(self._turn) % len(self._stubs))
+
+    def generate_call(self, request: pb.GenerateRequest, stub_index: int) -> grpc.aio.UnaryStreamCall:
+        """A `Generate` call of its own for ``request``."""
         # NOTE: no deadline: a generation lasts as long as it needs; a gone client cancels it.
-        return GenerateCall(stub.Generate(request, metadata=self._metadata))
+        return self._stubs[stub_index].Generate(request, metadata=self._metadata)
 
     async def _unary(
         self,

@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/npuserve.scheduler.v1.Scheduler/GenerateMany',
+                request_serializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/npuserve.scheduler.v1.Scheduler/Abort',
                 request_serializer=npuserve_dot_proto_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -91,6 +96,13 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate streams over one call (the gateway's way): see GenerateManyRequest.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -161,6 +173,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateManyRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_scheduler__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -235,6 +252,33 @@ class Scheduler:
             '/npuserve.scheduler.v1.Scheduler/Generate',
             npuserve_dot_proto_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             npuserve_dot_proto_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/npuserve.scheduler.v1.Scheduler/GenerateMany',
+            npuserve_dot_proto_dot_scheduler__pb2.GenerateManyRequest.SerializeToString,
+            npuserve_dot_proto_dot_scheduler__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -133,10 +133,19 @@ def _tool_from_proto(index: int, tool: pb.Tool) -> dict[str, object]:
 
 
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse()
+    fill_response(msg, output, tokenizer, return_prompt)
+    return msg
+
+
+def fill_response(
+    msg: pb.GenerateResponse, output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool
+) -> None:
+    """Writes ``output`` into the empty ``msg`` (a response, or a GenerateMany event's)."""
     # NOTE: runs for every token of every stream. Sub-messages are filled in place (`add`) rather
     # than built and copied in, and a mid-stream token sets only its index, text and id: about
     # 1.5x cheaper.
-    msg = pb.GenerateResponse(request_id=output.request_id)
+    msg.request_id = output.request_id
     completions = msg.completions
     for delta in output.completions:
         _add_completion(completions, delta, tokenizer, output.error)
@@ -148,7 +157,6 @@ def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt:
         usage_msg.prompt_tokens = usage.prompt_tokens
         usage_msg.completion_tokens = usage.completion_tokens
         usage_msg.cached_prompt_tokens = usage.cached_prompt_tokens
-    return msg
 
 
 def _add_completion(

@@ -259,7 +259,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
 
     async def drain_on_request() -> None:
         await link.draining.wait()
-        servicer.draining = True
+        servicer.drain()
 
     drain = loop.create_task(drain_on_request())
     await link.gone.wait()

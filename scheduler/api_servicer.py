@@ -1,5 +1,6 @@
-"""The public gRPC API's calls that any process serving it answers itself: `Generate` (given a
-front that queues requests and streams their outputs), `Tokenize` and `Detokenize`.
+"""The public gRPC API's calls that any process serving it answers itself: `Generate` and
+`GenerateMany` (given a front that queues requests and streams their outputs), `Tokenize` and
+`Detokenize`.
 
 The engine's own process serves them over the engine (`server.SchedulerServicer`); an API server
 process (`--api-server-count`) over its link to the engine (`api_process`)."""
@@ -16,6 +17,7 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.api_status import ShuttingDown, abort_with, guard
+from npuserve.scheduler.generate_many import GenerateManyCall
 from npuserve.scheduler.outputs import GenerateOutput
 from npuserve.scheduler.prompts import PromptInput, PromptProcessor
 from npuserve.scheduler.request import SamplingParams
@@ -31,21 +33,33 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
     def __init__(self, front: GenerateFront, prompts: PromptProcessor) -> None:
         self.front = front
         self.prompts = prompts
-        self.draining = False  # new Generate calls are refused (UNAVAILABLE)
+        self.draining = False  # new generations are refused (UNAVAILABLE); see `drain`
+        self._many_calls: set[GenerateManyCall] = set()
+
+    def drain(self) -> None:
+        """Refuses new generations from now on; a GenerateMany call ends once its own have."""
+        self.draining = True
+        for call in self._many_calls:
+            call.wake()
+
+    def outputs_of(self, request: pb.GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """What a Generate call with ``request`` streams (refused when draining; the rest of what
+        refuses a request is raised by the first output)."""
+        if self.draining:
+            raise ShuttingDown("the scheduler is shutting down; retry on another")
+        return self.front.generate(
+            api_codec.prompt_from_proto(request),
+            api_codec.sampling_from_proto(request.sampling),
+            request.request_id or None,
+            request.model or None,
+        )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
         try:
-            if self.draining:
-                raise ShuttingDown("the scheduler is shutting down; retry on another")
-            outputs = self.front.generate(
-                api_codec.prompt_from_proto(request),
-                api_codec.sampling_from_proto(request.sampling),
-                request.request_id or None,
-                request.model or None,
-            )
+            outputs = self.outputs_of(request)
             # NOTE: the first output is awaited inside the guard, so validation errors become a
             # status rather than a broken stream; a cancelled client cancels this coroutine,
             # and leaving `generate` aborts the request.
@@ -54,6 +68,17 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
                 yield api_codec.output_to_proto(output, tokenizer, return_prompt)
         except Exception as exc:
             await abort_with(context, exc)
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        call = GenerateManyCall(self.outputs_of, self.prompts.tokenizer, lambda: self.draining)
+        self._many_calls.add(call)
+        try:
+            async for response in call.responses(request_iterator):
+                yield response
+        finally:
+            self._many_calls.discard(call)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -78,15 +78,21 @@ def relayed(exc: Exception) -> RelayedError:
     return RelayedError(status_of(exc).name, str(exc), field_of(exc))
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+def client_status(exc: Exception) -> tuple[grpc.StatusCode, str, str | None]:
+    """What a failed call tells its client: status code, message and the field it names (if
+    any); an error that is not the client's is logged."""
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("request failed", error=str(exc))
-    field = field_of(exc)
+    return code, str(exc), field_of(exc)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message, field = client_status(exc)
     if field is None:
-        await context.abort(code, str(exc))
+        await context.abort(code, message)
     else:
-        status = field_status(code, str(exc), field)
+        status = field_status(code, message, field)
         await context.abort(status.code, status.details, status.trailing_metadata)
 
 

@@ -285,7 +285,7 @@ async def drain_scheduler(servicer: SchedulerServicer, shutdown: Shutdown, timeo
     """Refuses new requests and waits for the streams in flight to finish (up to ``timeout_s`` or
     a second signal); once drained, checks and logs that every block pool is whole and idle."""
     engine = servicer.engine
-    servicer.draining = True
+    servicer.drain()
     log.info("scheduler draining", requests=engine.num_active_requests, timeout_s=timeout_s)
     drained = await shutdown.drain_until_async(lambda: engine.num_active_requests == 0, timeout_s)
     if not drained:

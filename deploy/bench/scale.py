@@ -2,9 +2,11 @@
 
 For each executor count (16, 32, 64 by default) it starts that many simulated executors in one
 process (`simulated_fleet --count N`) and a real `npuserve scheduler` over
-them, then for each concurrency (256, 1024, 4096) keeps that many `Generate` streams running from
-a `grpc.aio` client in this process (closed loop: a finished request is replaced at once; random
-token-id prompts of 128-512 tokens, 64-128 output tokens, ``ignore_eos``). After a warm-up it
+them, then for each concurrency (256, 1024, 4096) keeps that many generations running from a
+`grpc.aio` client in this process (closed loop: a finished request is replaced at once; random
+token-id prompts of 128-512 tokens, 64-128 output tokens, ``ignore_eos``), over one
+`GenerateMany` call per 256 of them, as the gateway sends them (`--client-call generate`: a
+`Generate` call each). After a warm-up it
 measures one window and reports:
 
 * requests/s (completed in the window, and sustained: output tokens/s over the mean output
@@ -46,6 +48,7 @@ from typing import Any
 
 from npuserve.deploy.bench import report
 from npuserve.deploy.bench.scale_config import (
+    CLIENT_CALLS,
     SATURATED_GAIN,
     START_TIMEOUT_S,
     TTFT_EXPLODED,
@@ -284,6 +287,12 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
     SCHEDULER.add(p, only=["routing", *BENCH_FIELDS])
     p.add_argument(
+        "--client-call",
+        default=d.client_call,
+        choices=CLIENT_CALLS,
+        help="the load's streams as GenerateMany calls (one per channel, as the gateway) or a Generate call each",
+    )
+    p.add_argument(
         "--scheduler-log-level", default=d.scheduler_log_level, choices=["debug", "info", "warning"]
     )
     p.add_argument("--seed", type=int, default=d.seed)
@@ -323,6 +332,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,
             stream_interval=args.stream_interval,
+            client_call=args.client_call,
             scheduler_log_level=args.scheduler_log_level,
             seed=args.seed,
             profile=args.profile,

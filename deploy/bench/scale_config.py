@@ -14,6 +14,9 @@ DRAIN_TIMEOUT_S = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # Streams per client channel: one HTTP/2 connection carrying thousands of streams queues them.
 STREAMS_PER_CHANNEL = 256
+# How the load's streams reach the scheduler: a `GenerateMany` call per channel (as the gateway
+# does), or a `Generate` call each (as a client of single requests does).
+CLIENT_CALLS = ("generate-many", "generate")
 AWAITING_SAMPLE_S = 0.1  # how often the window samples the streams without a token yet
 SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded
@@ -40,6 +43,7 @@ class ScaleConfig:
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool = False
     stream_interval: int = 1  # the scheduler's --stream-interval
+    client_call: str = CLIENT_CALLS[0]
     scheduler_log_level: str = "warning"
     seed: int = 0
     profile: bool = False
@@ -58,6 +62,10 @@ class ScaleConfig:
             raise ValueError(f"bad --prompt-len range {self.prompt_len}")
         if not 1 <= self.output_len[0] <= self.output_len[1]:
             raise ValueError(f"bad --output-len range {self.output_len}")
+        if self.client_call not in CLIENT_CALLS:
+            raise ValueError(
+                f"--client-call must be one of {', '.join(CLIENT_CALLS)}, got {self.client_call}"
+            )
         if self.duration_s <= 0 or self.warmup_s < 0:
             raise ValueError("--duration must be > 0 and --warmup >= 0")
         if self.max_num_seqs < -(-max(self.concurrency) // min(self.executors)):

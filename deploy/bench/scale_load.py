@@ -1,5 +1,6 @@
-"""The scale bench's load: ``concurrency`` `Generate` streams kept running against one scheduler
-from a `grpc.aio` client (closed loop: a finished request is replaced at once)."""
+"""The scale bench's load: ``concurrency`` generations kept running against one scheduler from a
+`grpc.aio` client (closed loop: a finished request is replaced at once), over a `GenerateMany`
+call per channel or a `Generate` call each (`ScaleConfig.client_call`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +19,7 @@ from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
+from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 
 
 @dataclass
@@ -55,6 +58,9 @@ class Load:
             for i in range(num_channels)
         ]
         self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
+        self.generators = (
+            [GenerateManyClient(stub) for stub in self.stubs] if config.client_call == "generate-many" else []
+        )
 
     def _request(self) -> pb.GenerateRequest:
         rng, c = self._rng, self.config
@@ -62,8 +68,13 @@ class Load:
         sampling = pb.SamplingParams(max_tokens=rng.randint(*c.output_len), temperature=0, ignore_eos=True)
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
+    def _responses(self, index: int, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        if self.generators:
+            return self.generators[index % len(self.generators)].generate(request)
+        return self.stubs[index % len(self.stubs)].Generate(request)
+
     async def _stream(self, index: int, delay_s: float) -> None:
-        state, stub = self.state, self.stubs[index % len(self.stubs)]
+        state = self.state
         await asyncio.sleep(delay_s)
         while not state.stopping:
             request = self._request()
@@ -71,7 +82,7 @@ class Load:
             first = True
             state.awaiting_first_token += 1
             try:
-                async for response in stub.Generate(request):
+                async for response in self._responses(index, request):
                     now = time.perf_counter()
                     num_new = sum(len(c.token_ids) for c in response.completions)
                     if num_new and first:
@@ -82,11 +93,11 @@ class Load:
                         state.tokens_in_window += num_new
                 end = time.perf_counter()
                 state.completions.append((end, end - sent))
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, GenerateFailed) as exc:
                 if state.stopping:
                     return
                 state.awaiting_first_token -= first
-                state.errors[exc.code().name] += 1
+                state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
                 await asyncio.sleep(0.1)
 
     def start(self, ramp_s: float) -> list[asyncio.Task[None]]:
@@ -101,5 +112,7 @@ class Load:
         for task in tasks:
             task.cancel()  # cancels the RPC: the scheduler aborts the request
         await asyncio.gather(*tasks, return_exceptions=True)
+        for generator in self.generators:
+            await generator.close()  # cancels its call: the scheduler aborts every request on it
         for channel in self.channels:
             await channel.close()

@@ -1,5 +1,7 @@
 """The gateway app against a fake scheduler: how scheduler failures reach HTTP clients, before and
-during a stream. In process (app factory + an in-loop gRPC server), no model."""
+during a stream. In process (app factory + an in-loop gRPC server), no model. The fake answers
+`Generate` only, as a scheduler older than `GenerateMany` would: the gateway's first generation
+finds that call UNIMPLEMENTED and it, and every later one, goes over `Generate` calls instead."""
 
 from __future__ import annotations
 

@@ -1,0 +1,175 @@
+"""A client's side of `GenerateMany` (scheduler.proto): many generations over one call.
+
+`GenerateManyClient(stub).generate(request)` starts a generation and returns its
+`GenerateStream`: `read()` gives its responses in order, then None once it is done, or raises
+`GenerateFailed` with the status a `Generate` call would have ended with; `cancel()` aborts it.
+The client keeps one call open: the first generation opens it, and one started after the call
+ended opens another. A call that breaks (its connection lost, the scheduler stopped) fails every
+generation still open on it with the call's status, as each of their `Generate` calls would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.error_details import error_field
+
+__all__ = ["GenerateFailed", "GenerateManyClient", "GenerateStream"]
+
+
+class GenerateFailed(Exception):
+    """A generation's end in error: its status code, message and the request field it names."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, field: str | None = None) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details, self.field = code, details, field
+
+    @classmethod
+    def of_event(cls, error: pb.GenerateError) -> GenerateFailed:
+        code = grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNKNOWN)
+        return cls(code, error.message, error.field or None)
+
+    @classmethod
+    def of_call(cls, exc: grpc.aio.AioRpcError) -> GenerateFailed:
+        return cls(exc.code(), exc.details() or exc.code().name, error_field(exc))
+
+
+_Item = pb.GenerateResponse | GenerateFailed | None  # None: the generation is done
+
+
+class GenerateStream:
+    """One generation: its responses as they arrive, kept until read."""
+
+    def __init__(self, call: _OpenCall, stream_id: int) -> None:
+        self.stream_id = stream_id
+        self._call = call
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def read(self) -> pb.GenerateResponse | None:
+        """The next response; None once done (and after). Raises `GenerateFailed` (again after)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items[0]
+        if isinstance(item, GenerateFailed):
+            raise item
+        if item is not None:
+            self._items.popleft()  # the end stays: read again, it is read again
+        return item
+
+    def cancel(self) -> None:
+        """Aborts the generation (its blocks are freed); nothing more arrives for it."""
+        self._call.cancel(self)
+
+    def __aiter__(self) -> GenerateStream:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        response = await self.read()
+        if response is None:
+            raise StopAsyncIteration
+        return response
+
+    def _put(self, item: _Item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _OpenCall:
+    """One GenerateMany call: the requests to write, the generations open on it, and the task
+    that hands each event to its generation."""
+
+    def __init__(
+        self, client: GenerateManyClient, stub: pb_grpc.SchedulerStub, metadata: Sequence[tuple[str, str]]
+    ) -> None:
+        self.client = client
+        self.streams: dict[int, GenerateStream] = {}
+        self._requests: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._call = stub.GenerateMany(self._requests_to_write(), metadata=metadata or None)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def send(self, request: pb.GenerateManyRequest) -> None:
+        self._requests.put_nowait(request)
+
+    def cancel(self, stream: GenerateStream) -> None:
+        if self.streams.pop(stream.stream_id, None) is not None:
+            self.send(pb.GenerateManyRequest(stream_id=stream.stream_id, cancel=True))
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _requests_to_write(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        failure = GenerateFailed(grpc.StatusCode.UNAVAILABLE, "the GenerateMany call ended first")
+        streams = self.streams
+        try:
+            async for response in self._call:
+                for event in response.events:
+                    stream = streams.get(event.stream_id)
+                    if stream is None:  # cancelled
+                        continue
+                    if event.HasField("response"):
+                        stream._put(event.response)
+                    if event.HasField("error"):
+                        del streams[event.stream_id]
+                        stream._put(GenerateFailed.of_event(event.error))
+                    elif event.done:
+                        del streams[event.stream_id]
+                        stream._put(None)
+        except grpc.aio.AioRpcError as exc:
+            failure = GenerateFailed.of_call(exc)
+        except asyncio.CancelledError:
+            failure = GenerateFailed(grpc.StatusCode.CANCELLED, "the client was closed")
+        finally:
+            self.client._ended(self)
+            self._requests.put_nowait(None)
+            for stream in streams.values():
+                stream._put(failure)
+            streams.clear()
+
+
+class GenerateManyClient:
+    """Generations over one `GenerateMany` call at a time on ``stub``'s channel; use it on one
+    event loop. ``metadata`` goes with each call (the API key's, for one)."""
+
+    def __init__(self, stub: pb_grpc.SchedulerStub, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._stream_ids = itertools.count(1)
+        self._open: _OpenCall | None = None
+
+    def generate(self, request: pb.GenerateRequest) -> GenerateStream:
+        call = self._open
+        if call is None:
+            call = self._open = _OpenCall(self, self._stub, self._metadata)
+        stream = GenerateStream(call, next(self._stream_ids))
+        call.streams[stream.stream_id] = stream
+        call.send(pb.GenerateManyRequest(stream_id=stream.stream_id, generate=request))
+        return stream
+
+    async def close(self) -> None:
+        """Cancels the open call: its generations fail with CANCELLED and are aborted."""
+        call, self._open = self._open, None
+        if call is not None:
+            await call.close()
+
+    def _ended(self, call: _OpenCall) -> None:
+        if self._open is call:
+            self._open = None

@@ -1,0 +1,123 @@
+"""`GenerateMany`: many generations over one call, served by the front alone and by API processes.
+
+Over real processes (two executors, a scheduler with one or two API processes): 32 greedy
+generations over two calls equal transformers and arrive in fewer messages than events; a
+refused request fails alone with Generate's status and field, the others go on; a cancelled
+generation and a cancelled call abort their requests; a duplicate stream id and an empty
+request are refused; a half-closed call ends once its generations have; every pool is intact
+and idle afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from harness.cluster import processes
+from harness.pools import idle_pools
+from harness.serve import greedy_request, greedy_workload, start_executors, start_scheduler
+
+from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import CONNECTION_INDEX_OPTION
+from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
+
+pytestmark = pytest.mark.slow  # starts npuserve processes
+
+NUM_STREAMS = 32
+NUM_NEW = 24
+
+
+async def tokens_of(stream: GenerateStream) -> tuple[list[int], str]:
+    tokens, reason = [], ""
+    async for response in stream:
+        for completion in response.completions:
+            tokens += completion.token_ids
+            reason = completion.finish_reason or reason
+    return tokens, reason
+
+
+async def requests_of(*requests: pb.GenerateManyRequest) -> AsyncIterator[pb.GenerateManyRequest]:
+    for request in requests:
+        yield request
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_generations_over_one_call(stories_dir: Path, tmp_path: Path, api_servers: int) -> None:
+    prompts, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
+    with processes(tmp_path) as procs:
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"])
+        scheduler = start_scheduler(
+            procs, stories_dir, addresses, "--api-server-count", str(api_servers), "--scheduler-workers", "1"
+        )
+        address = scheduler.wait_ready()["address"]
+
+        async def scenario() -> None:
+            channels = [
+                grpc.aio.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)]) for i in range(2)
+            ]
+            stubs = [pb_grpc.SchedulerStub(channel) for channel in channels]
+            clients = [GenerateManyClient(stub) for stub in stubs]
+
+            # 32 greedy generations over two calls equal transformers; one refused fails alone.
+            streams = [clients[i % 2].generate(request) for i, request in enumerate(requests)]
+            refused = clients[0].generate(greedy_request([1, 10**6], 4))
+            with pytest.raises(GenerateFailed) as failed:
+                await refused.read()
+            assert (failed.value.code, failed.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt")
+            with pytest.raises(GenerateFailed):  # an end is read again
+                await refused.read()
+            outputs = await asyncio.gather(*(tokens_of(stream) for stream in streams))
+            assert [tokens for tokens, _ in outputs] == expected
+            assert {reason for _, reason in outputs} == {"length"}
+            assert await streams[0].read() is None  # done stays done
+
+            # A cancelled generation is aborted; the call goes on serving.
+            held = clients[1].generate(greedy_request(prompts[1], 400))
+            first = await held.read()
+            assert first is not None and first.request_id
+            held.cancel()
+            assert (await tokens_of(clients[1].generate(requests[2])))[0] == expected[2]
+
+            # One raw call: events outnumber messages; a reused stream id and an empty request are
+            # refused; half-closing lets the generation finish, then the call ends OK.
+            raw = stubs[0].GenerateMany(
+                requests_of(
+                    *(pb.GenerateManyRequest(stream_id=i, generate=requests[i]) for i in range(8)),
+                    pb.GenerateManyRequest(stream_id=3, generate=requests[3]),
+                    pb.GenerateManyRequest(stream_id=99),
+                )
+            )
+            messages, tokens, errors, done = 0, {i: [] for i in (*range(8), 99)}, [], set()
+            async for response in raw:
+                messages += 1
+                for event in response.events:
+                    tokens[event.stream_id] += [t for c in event.response.completions for t in c.token_ids]
+                    if event.HasField("error"):
+                        errors.append((event.stream_id, event.error.code))
+                    done |= {event.stream_id} if event.done else set()
+            assert await raw.code() == grpc.StatusCode.OK
+            assert sorted(errors) == [(3, "INVALID_ARGUMENT"), (99, "INVALID_ARGUMENT")]
+            assert done == set(range(8)) and [tokens[i] for i in range(8)] == expected[:8]
+            assert messages < 8 * NUM_NEW
+
+            # A cancelled call aborts what it held.
+            open_streams = [clients[0].generate(greedy_request(p, 400)) for p in prompts[:4]]
+            await asyncio.gather(*(stream.read() for stream in open_streams))
+            await clients[0].close()
+            for stream in open_streams:
+                with pytest.raises(GenerateFailed) as cancelled:
+                    await tokens_of(stream)
+                assert cancelled.value.code == grpc.StatusCode.CANCELLED
+            for client in clients:
+                await client.close()
+            for channel in channels:
+                await channel.close()
+
+        asyncio.run(scenario())
+        final = idle_pools(pb_grpc.SchedulerStub(grpc.insecure_channel(address)))
+        assert set(final) == {"e0", "e1"}
+        assert all(p.num_free_blocks == p.num_blocks for p in final.values())
