@@ -48,7 +48,6 @@ from typing import Any
 
 from npuserve.deploy.bench import report
 from npuserve.deploy.bench.scale_config import (
-    CLIENT_CALLS,
     SATURATED_GAIN,
     START_TIMEOUT_S,
     TTFT_EXPLODED,
@@ -56,6 +55,7 @@ from npuserve.deploy.bench.scale_config import (
 )
 from npuserve.deploy.bench.scale_measure import Result, run_load
 from npuserve.deploy.bench.scale_profile import format_profile
+from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.flags import add_logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, python_module
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER

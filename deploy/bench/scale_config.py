@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT
 
@@ -14,9 +15,6 @@ DRAIN_TIMEOUT_S = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # Streams per client channel: one HTTP/2 connection carrying thousands of streams queues them.
 STREAMS_PER_CHANNEL = 256
-# How the load's streams reach the scheduler: a `GenerateMany` call per channel (as the gateway
-# does), or a `Generate` call each (as a client of single requests does).
-CLIENT_CALLS = ("generate-many", "generate")
 AWAITING_SAMPLE_S = 0.1  # how often the window samples the streams without a token yet
 SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from npuserve.deploy.bench import report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
-from npuserve.deploy.bench.targets import BenchError, GrpcTarget, OfflineTarget, Target
+from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
@@ -221,6 +221,12 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_api_key_flag(parser, "present `authorization: Bearer KEY` to the scheduler at --address")
     parser.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach --address over TLS")
+    parser.add_argument(
+        "--client-call",
+        choices=CLIENT_CALLS,
+        default=CLIENT_CALLS[0],
+        help="gRPC variants: generations over one GenerateMany call (as the gateway) or a Generate call each",
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--mode", choices=["offline", "grpc"], help="default: grpc with --address, else offline"
@@ -324,10 +330,13 @@ def _run_variant(
         return measure(target, workload, requests, warmup, progress)
     if args.address:
         tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
-        target = GrpcTarget(args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca)
+        target = GrpcTarget(
+            args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca, client_call=args.client_call
+        )
         return measure(target, workload, requests, warmup, progress)
     with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
-        return measure(GrpcTarget(address, variant.name), workload, requests, warmup, progress)
+        target = GrpcTarget(address, variant.name, client_call=args.client_call)
+        return measure(target, workload, requests, warmup, progress)
 
 
 def run_bench(args: argparse.Namespace) -> int:

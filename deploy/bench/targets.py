@@ -19,6 +19,7 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
+from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
 from npuserve.scheduler.request import SamplingParams
 
@@ -109,8 +110,14 @@ class OfflineTarget:
             )
 
 
+# How a bench's gRPC client sends its generations: over one `GenerateMany` call (as the gateway
+# does), or a `Generate` call each (as a client of single requests does).
+CLIENT_CALLS = ("generate-many", "generate")
+
+
 class GrpcTarget:
-    """A `grpc.aio` client of a running scheduler's public `Generate` stream."""
+    """A `grpc.aio` client of a running scheduler's public API: its generations over one
+    `GenerateMany` call, or a `Generate` call each (``client_call``, one of `CLIENT_CALLS`)."""
 
     def __init__(
         self,
@@ -119,15 +126,18 @@ class GrpcTarget:
         connect_timeout_s: float = 60.0,
         api_key: str | None = None,
         tls_ca: bytes | None = None,
+        client_call: str = CLIENT_CALLS[0],
     ) -> None:
         self.address = address
         self.name = name
+        self.client_call = client_call
         self.connect_timeout_s = connect_timeout_s
         self.max_model_len = 0
         self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._generator: GenerateManyClient | None = None
 
     async def open(self) -> None:
         options = message_size_options(MAX_API_MESSAGE_BYTES)
@@ -144,8 +154,13 @@ class GrpcTarget:
                 f"the scheduler at {self.address} refused: {exc.code().name}: {exc.details()}"
             ) from None
         self.max_model_len = models.models[0].max_model_len
+        if self.client_call == "generate-many":
+            self._generator = GenerateManyClient(self._stub, self._metadata or ())
 
     async def close(self) -> None:
+        if self._generator is not None:
+            await self._generator.close()
+            self._generator = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -157,8 +172,13 @@ class GrpcTarget:
             max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
         )
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+        responses = (
+            self._stub.Generate(request, metadata=self._metadata)
+            if self._generator is None
+            else self._generator.generate(request)
+        )
         try:
-            async for response in self._stub.Generate(request, metadata=self._metadata):
+            async for response in responses:
                 failed = [c for c in response.completions if c.finish_reason in ("error", "abort")]
                 if failed:
                     raise BenchError(failed[0].error_message or f"finish_reason {failed[0].finish_reason}")
@@ -169,3 +189,5 @@ class GrpcTarget:
                 )
         except grpc.aio.AioRpcError as exc:
             raise BenchError(f"{exc.code().name}: {exc.details()}") from None
+        except GenerateFailed as exc:
+            raise BenchError(str(exc)) from None

@@ -252,10 +252,22 @@ def test_run_bench_reports_a_workload_too_long_for_the_model(capsys: pytest.Capt
 
 
 @pytest.mark.slow
-def test_grpc_mode_launches_serve_and_counts_every_token(stories_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client_call", ["generate-many", "generate"])
+def test_grpc_mode_launches_serve_and_counts_every_token(
+    stories_dir: Path, tmp_path: Path, client_call: str
+) -> None:
     out = tmp_path / "bench.json"
     args = _args(
-        *("--model", str(stories_dir), "--mode", "grpc", "--step-transport", "stream"),
+        *(
+            "--model",
+            str(stories_dir),
+            "--mode",
+            "grpc",
+            "--step-transport",
+            "stream",
+            "--client-call",
+            client_call,
+        ),
         *("--kv-cache-memory", "0.05", "--num-requests", "4", "--prompt-len-min", "16"),
         *("--prompt-len-max", "32", "--output-len", "4", "--disable-tqdm", "--output-json", str(out)),
     )
