@@ -33,8 +33,6 @@ import asyncio
 import itertools
 import os
 import pickle
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -49,7 +47,7 @@ from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api_servicer import PublicApiServicer
 from npuserve.scheduler.api_status import RelayedError
 from npuserve.scheduler.engine import new_request_id
-from npuserve.scheduler.outputs import GenerateOutput, RequestStream, SequenceUpdate, client_outputs
+from npuserve.scheduler.outputs import OpenStream, RequestStream, SequenceUpdate
 from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.prompts import ModelLimits, PromptInput, PromptProcessor
 from npuserve.scheduler.request import SamplingParams
@@ -186,16 +184,16 @@ class CoreLink:
 
 
 class ApiFront:
-    """`Generate` over the core: checks and tokenizes here, streams what the core relays."""
+    """Requests over the core: checks and tokenizes here, streams what the core relays."""
 
     def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
         self.link = link
         self.prompts = prompts
         self.stream_interval = stream_interval
 
-    async def generate(
+    async def open(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
-    ) -> AsyncIterator[GenerateOutput]:
+    ) -> OpenStream:
         prompts = self.prompts
         prompts.check_request(model, params)
         prompt_ids = await prompts.prompt_token_ids(prompt)
@@ -204,9 +202,7 @@ class ApiFront:
             request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
         )
         handle = self.link.open(stream, params)
-        async with aclosing(client_outputs(stream, lambda: self.link.close(handle))) as outputs:
-            async for output in outputs:
-                yield output
+        return OpenStream(stream, lambda: self.link.close(handle))
 
 
 class ApiProcessServicer(PublicApiServicer):

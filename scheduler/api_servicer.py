@@ -8,6 +8,7 @@ process (`--api-server-count`) over its link to the engine (`api_process`)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Protocol
 
 import grpc
@@ -18,15 +19,15 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.api_status import ShuttingDown, abort_with, guard
 from npuserve.scheduler.generate_many import GenerateManyCall
-from npuserve.scheduler.outputs import GenerateOutput
+from npuserve.scheduler.outputs import OpenStream, client_outputs
 from npuserve.scheduler.prompts import PromptInput, PromptProcessor
 from npuserve.scheduler.request import SamplingParams
 
 
 class GenerateFront(Protocol):
-    def generate(
+    async def open(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
-    ) -> AsyncIterator[GenerateOutput]: ...
+    ) -> OpenStream: ...
 
 
 class PublicApiServicer(pb_grpc.SchedulerServicer):
@@ -42,12 +43,12 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
         for call in self._many_calls:
             call.wake()
 
-    def outputs_of(self, request: pb.GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """What a Generate call with ``request`` streams (refused when draining; the rest of what
-        refuses a request is raised by the first output)."""
+    async def open(self, request: pb.GenerateRequest) -> OpenStream:
+        """Checks, tokenizes and queues ``request`` (raises what refuses it; all is refused while
+        draining)."""
         if self.draining:
             raise ShuttingDown("the scheduler is shutting down; retry on another")
-        return self.front.generate(
+        return await self.front.open(
             api_codec.prompt_from_proto(request),
             api_codec.sampling_from_proto(request.sampling),
             request.request_id or None,
@@ -59,20 +60,21 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
         try:
-            outputs = self.outputs_of(request)
-            # NOTE: the first output is awaited inside the guard, so validation errors become a
+            # NOTE: opening and every output are awaited inside the guard, so refusals become a
             # status rather than a broken stream; a cancelled client cancels this coroutine,
-            # and leaving `generate` aborts the request.
+            # and leaving `client_outputs` aborts the request.
+            opened = await self.open(request)
             tokenizer, return_prompt = self.prompts.tokenizer, request.sampling.return_prompt
-            async for output in outputs:
-                yield api_codec.output_to_proto(output, tokenizer, return_prompt)
+            async with aclosing(client_outputs(opened)) as outputs:
+                async for output in outputs:
+                    yield api_codec.output_to_proto(output, tokenizer, return_prompt)
         except Exception as exc:
             await abort_with(context, exc)
 
     async def GenerateMany(
         self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateManyResponse]:
-        call = GenerateManyCall(self.outputs_of, self.prompts.tokenizer, lambda: self.draining)
+        call = GenerateManyCall(self.open, self.prompts.tokenizer, lambda: self.draining)
         self._many_calls.add(call)
         try:
             async for response in call.responses(request_iterator):

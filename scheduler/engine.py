@@ -25,7 +25,7 @@ from npuserve.scheduler.client_request import ClientRequest
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
 from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics
-from npuserve.scheduler.outputs import GenerateOutput, OutputSink, RequestStream, client_outputs
+from npuserve.scheduler.outputs import GenerateOutput, OpenStream, OutputSink, RequestStream, client_outputs
 from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
@@ -380,15 +380,26 @@ class Engine:
         model: str | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
+        opened = await self.open(prompt, params, request_id, model)
+        async with aclosing(client_outputs(opened)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def open(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> OpenStream:
+        """Queues a request for a client (`add_request`); closing it aborts what is left."""
         stream = await self.add_request(prompt, params, request_id, model)
 
         def leave() -> None:
             if not stream.finished:
                 self.drop(stream.request_id)
 
-        async with aclosing(client_outputs(stream, leave)) as outputs:
-            async for output in outputs:
-                yield output
+        return OpenStream(stream, leave)
 
     def abort(self, request_id: str) -> bool:
         client = self._clients.get(request_id)

@@ -1,50 +1,68 @@
 """One `GenerateMany` call: many generations over one stream, each under its caller's handle.
 
-A generation runs as a task over the same outputs a `Generate` call streams; each of its outputs
-becomes an event written in place into the response being gathered, and the call sends that
-response when the event loop gets to it: one message for every generation that moved in the
-meantime (and for every turn a write was in flight), at most `MAX_EVENTS_PER_RESPONSE` events
-each. What a client gives up (cancel, or cancelling the call) aborts the request as a cancelled
-`Generate` call does: leaving the outputs' iterator aborts it and frees its blocks.
+A generation opens as a `Generate` call's request does (checked, tokenized and queued, in a task
+of its own); from then on its stream hands each output straight to the call (`listen`), which
+writes it as an event into the response being gathered: no task switch per output. The call
+sends that response when the event loop gets to it: one message for every generation that moved
+in the meantime (and for every turn a write was in flight), at most `MAX_EVENTS_PER_RESPONSE`
+events each. A generation the client gives up (cancel, or cancelling the call) is closed as a
+cancelled `Generate` call's: what is left of its request is aborted and its blocks freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import structlog
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.api_status import client_status
-from npuserve.scheduler.outputs import GenerateOutput
+from npuserve.scheduler.outputs import GenerateOutput, OpenStream, Usage
 from npuserve.scheduler.request import InvalidRequestError
 from npuserve.scheduler.tokenizer import Tokenizer
 
 MAX_EVENTS_PER_RESPONSE = 1024  # scheduler.proto promises this bound
 
-# The outputs of one GenerateRequest, as `Generate` streams them (raises what refuses it).
-StartGeneration = Callable[[pb.GenerateRequest], AsyncIterator[GenerateOutput]]
+# Checks, tokenizes and queues a GenerateRequest, as `Generate` does (raises what refuses it).
+OpenGeneration = Callable[[pb.GenerateRequest], Awaitable[OpenStream]]
+
+
+@dataclass(slots=True)
+class _Generation:
+    stream_id: int
+    request_id: str | None
+    return_prompt: bool
+    opening: asyncio.Task[None] | None = None  # until its request is queued
+    opened: OpenStream | None = None  # from then on
+    usage: Usage | None = None  # the last the client was sent
+
+    def close(self) -> None:
+        """The client is done with it (whether or not it ended)."""
+        if self.opening is not None:
+            self.opening.cancel()  # nothing is queued before the task ends
+        if self.opened is not None:
+            self.opened.close(self.usage)
 
 
 class GenerateManyCall:
     """The generations of one call and the responses that carry their events."""
 
-    def __init__(self, start: StartGeneration, tokenizer: Tokenizer, draining: Callable[[], bool]) -> None:
-        self._start = start
+    def __init__(
+        self, open_generation: OpenGeneration, tokenizer: Tokenizer, draining: Callable[[], bool]
+    ) -> None:
+        self._open_generation = open_generation
         self._tokenizer = tokenizer
         self._draining = draining
-        self._generations: dict[int, asyncio.Task[None]] = {}  # by stream_id
+        self._generations: dict[int, _Generation] = {}  # the open ones, by stream_id
         self._full: deque[pb.GenerateManyResponse] = deque()  # gathered, not sent, oldest first
         self._gathering = pb.GenerateManyResponse()
         self._moved = asyncio.Event()  # an event was gathered, or the call may end
         self._reading = True  # the client has not half-closed
-
-    @property
-    def num_generations(self) -> int:
-        return len(self._generations)
 
     def wake(self) -> None:
         """Looks again at whether the call can end (the scheduler began to drain)."""
@@ -67,8 +85,9 @@ class GenerateManyCall:
                     return
         finally:
             reader.cancel()
-            for task in self._generations.values():
-                task.cancel()  # leaving its outputs aborts the request
+            generations, self._generations = self._generations, {}
+            for generation in generations.values():
+                generation.close()
 
     def _event(self, stream_id: int) -> pb.GenerateManyEvent:
         events = self._gathering.events
@@ -87,14 +106,17 @@ class GenerateManyCall:
                 if action == "generate":
                     if stream_id in self._generations:
                         self._fail(stream_id, InvalidRequestError(f"stream_id {stream_id} is already open"))
-                    else:
-                        self._generations[stream_id] = asyncio.create_task(
-                            self._run(stream_id, request.generate)
-                        )
+                        continue
+                    generate = request.generate
+                    generation = _Generation(
+                        stream_id, generate.request_id or None, generate.sampling.return_prompt
+                    )
+                    generation.opening = asyncio.create_task(self._open(generation, generate))
+                    self._generations[stream_id] = generation
                 elif action == "cancel":
                     cancelled = self._generations.pop(stream_id, None)
                     if cancelled is not None:
-                        cancelled.cancel()
+                        cancelled.close()
                 else:
                     self._fail(
                         stream_id, InvalidRequestError("a GenerateManyRequest needs generate or cancel")
@@ -103,18 +125,44 @@ class GenerateManyCall:
             self._reading = False
             self._moved.set()
 
-    async def _run(self, stream_id: int, request: pb.GenerateRequest) -> None:
-        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
-        tokenizer, return_prompt = self._tokenizer, request.sampling.return_prompt
+    async def _open(self, generation: _Generation, request: pb.GenerateRequest) -> None:
+        structlog.contextvars.bind_contextvars(request_id=generation.request_id)
         try:
-            async for output in self._start(request):
-                api_codec.fill_response(self._event(stream_id).response, output, tokenizer, return_prompt)
-            self._event(stream_id).done = True
+            opened = await self._open_generation(request)
+        except Exception as exc:
+            self._fail(generation.stream_id, exc)
+            self._forget(generation)
+            return
+        generation.opening, generation.opened = None, opened
+        opened.stream.listen(functools.partial(self._on_output, generation))
+
+    def _on_output(self, generation: _Generation, output: GenerateOutput) -> None:
+        """Runs where the stream makes its outputs (the relay from the core, the engine's step
+        reports): a failure here ends this generation only."""
+        if self._generations.get(generation.stream_id) is not generation:
+            return  # closed already
+        stream_id = generation.stream_id
+        try:
+            if output.refusal is not None:
+                self._fail(stream_id, output.refusal)
+            else:
+                response = self._event(stream_id).response
+                api_codec.fill_response(response, output, self._tokenizer, generation.return_prompt)
+                generation.usage = output.usage or generation.usage
+                if output.finished:
+                    self._event(stream_id).done = True
+            if not output.finished:
+                return
         except Exception as exc:
             self._fail(stream_id, exc)
-        finally:
-            if self._generations.get(stream_id) is asyncio.current_task():
-                del self._generations[stream_id]
+        self._forget(generation)
+        # NOTE: closed once the caller is done with this output: a stop string that ended the
+        # stream here is reported to the core (by the caller) before the stream's close.
+        asyncio.get_running_loop().call_soon(generation.close)
+
+    def _forget(self, generation: _Generation) -> None:
+        if self._generations.get(generation.stream_id) is generation:
+            del self._generations[generation.stream_id]
             self._moved.set()
 
     def _fail(self, stream_id: int, exc: Exception) -> None:

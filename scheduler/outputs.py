@@ -119,6 +119,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
         self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self._deliver: Callable[[GenerateOutput], None] = self.queue.put_nowait  # see `listen`
         self.sequences = [
             SequenceState(
                 IncrementalDetokenizer(
@@ -200,7 +201,7 @@ class RequestStream:
         assert not self.started, "a request that has streamed output ends with `end`"
         for index in range(len(self.sequences)):
             self._mark_finished(index, "abort")
-        self.queue.put_nowait(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
+        self._deliver(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:
         if self.stream_interval > 1:
@@ -221,7 +222,15 @@ class RequestStream:
                 completion_tokens=sum(s.num_output_tokens for s in self.sequences),
                 cached_prompt_tokens=max(0, max(s.num_cached_tokens for s in self.sequences)),
             )
-        self.queue.put_nowait(output)
+        self._deliver(output)
+
+    def listen(self, listener: Callable[[GenerateOutput], None]) -> None:
+        """Hands each output to ``listener`` as it is made (any made already first), rather than
+        queueing it for `outputs`: a client that writes outputs as they come (`GenerateMany`)
+        then costs no task switch per output."""
+        while not self.queue.empty():
+            listener(self.queue.get_nowait())
+        self._deliver = listener
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         """The client's outputs, each merging what waited behind it, up to the last; raises the
@@ -260,18 +269,19 @@ def merge_delta(previous: CompletionDelta, delta: CompletionDelta) -> Completion
     return previous
 
 
-async def client_outputs(
-    stream: RequestStream, on_leave: Callable[[], None]
-) -> AsyncGenerator[GenerateOutput, None]:
-    """The stream's outputs for its client. However it leaves (at the end, early, or cancelled),
-    ``on_leave`` runs (the caller aborts what is left of the request) and the request is logged."""
-    usage = None
-    try:
-        async for output in stream.outputs():
-            usage = output.usage or usage
-            yield output
-    finally:
-        on_leave()
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """A request queued for a client: its stream, and what aborts what is left of the request
+    once the client is done with it (`close`)."""
+
+    stream: RequestStream
+    leave: Callable[[], None]
+
+    def close(self, usage: Usage | None) -> None:
+        """The client is done with the stream (at its end, early, or gone): what is left of the
+        request is aborted, and the request is logged."""
+        self.leave()
+        stream = self.stream
         log.info(
             "request done",
             request_id=stream.request_id,
@@ -281,3 +291,15 @@ async def client_outputs(
             cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
             seconds=round(time.monotonic() - stream.arrival_time, 4),
         )
+
+
+async def client_outputs(opened: OpenStream) -> AsyncGenerator[GenerateOutput, None]:
+    """The stream's outputs for its client; however it leaves (at the end, early, or
+    cancelled), the stream is closed."""
+    usage = None
+    try:
+        async for output in opened.stream.outputs():
+            usage = output.usage or usage
+            yield output
+    finally:
+        opened.close(usage)

@@ -3,9 +3,9 @@
 Over real processes (two executors, a scheduler with one or two API processes): 32 greedy
 generations over two calls equal transformers and arrive in fewer messages than events; a
 refused request fails alone with Generate's status and field, the others go on; a cancelled
-generation and a cancelled call abort their requests; a duplicate stream id and an empty
-request are refused; a half-closed call ends once its generations have; every pool is intact
-and idle afterwards.
+generation and a cancelled call abort their requests; a stop string stops its sequence in the
+core; a duplicate stream id and an empty request are refused; a half-closed call ends once its
+generations have; every pool is intact and idle afterwards.
 """
 
 from __future__ import annotations
@@ -81,6 +81,22 @@ def test_generations_over_one_call(stories_dir: Path, tmp_path: Path, api_server
             assert first is not None and first.request_id
             held.cancel()
             assert (await tokens_of(clients[1].generate(requests[2])))[0] == expected[2]
+
+            # A stop string ends the generation here and its sequence in the core at once (the
+            # core hears of the stop before the stream's close: it no longer holds the request).
+            text = "".join(
+                [
+                    c.text
+                    async for r in clients[0].generate(greedy_request(prompts[0], NUM_NEW))
+                    for c in r.completions
+                ]
+            )
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            stopped = greedy_request(prompts[0], 200, stop=[stop])
+            stopped.request_id = "stopped"
+            (*_, last) = [r async for r in clients[0].generate(stopped)]
+            assert (last.completions[0].finish_reason, last.completions[0].stop_string) == ("stop", stop)
+            assert not (await stubs[0].Abort(pb.AbortRequest(request_id="stopped"))).found
 
             # One raw call: events outnumber messages; a reused stream id and an empty request are
             # refused; half-closing lets the generation finish, then the call ends OK.
