@@ -15,9 +15,6 @@ DRAIN_TIMEOUT_S = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # Streams per client channel: one HTTP/2 connection carrying thousands of streams queues them.
 STREAMS_PER_CHANNEL = 256
-# GenerateMany calls (a connection each) at the least: the kernel hands each connection to one
-# of the scheduler's API processes at random, and a few calls could all land on one of them.
-MIN_GENERATE_MANY_CALLS = 8
 AWAITING_SAMPLE_S = 0.1  # how often the window samples the streams without a token yet
 SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from npuserve.deploy.bench.scale_config import MIN_GENERATE_MANY_CALLS, STREAMS_PER_CHANNEL, ScaleConfig
+from npuserve.deploy.bench.scale_config import STREAMS_PER_CHANNEL, ScaleConfig
 from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -51,17 +51,16 @@ class Load:
         self.state = LoadState()
         self._rng = random.Random(f"scale-bench-{config.seed}-{concurrency}")
         options = [("grpc.max_receive_message_length", 64 << 20)]
-        multiplexed = config.client_call == "generate-many"
-        num_channels = max(
-            MIN_GENERATE_MANY_CALLS if multiplexed else 1, -(-concurrency // STREAMS_PER_CHANNEL)
-        )
+        num_channels = max(1, -(-concurrency // STREAMS_PER_CHANNEL))
         # NOTE: a distinct channel argument per channel keeps gRPC from sharing one connection.
         self.channels = [
             grpc.aio.insecure_channel(address, options=[*options, (CONNECTION_INDEX_OPTION, i)])
             for i in range(num_channels)
         ]
         self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
-        self.generators = [GenerateManyClient(stub) for stub in self.stubs] if multiplexed else []
+        self.generators = (
+            [GenerateManyClient(stub) for stub in self.stubs] if config.client_call == "generate-many" else []
+        )
 
     def _request(self) -> pb.GenerateRequest:
         rng, c = self._rng, self.config
