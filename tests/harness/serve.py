@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import with_bearer
+from npuserve.proto.generate_many import GenerateManyClient
 
 if TYPE_CHECKING:
     from harness.cluster import Proc, Processes
@@ -255,6 +257,44 @@ def complete_streams(
     for thread in threads:
         thread.join(120)
     return outputs, reasons
+
+
+def complete_many(
+    address: str, requests: list[pb.GenerateRequest], disturb: Callable[[], object] | None = None
+) -> tuple[list[list[int]], list[str]]:
+    """`complete_streams` over one `GenerateMany` call: every request to its end, concurrently;
+    ``disturb`` runs (on a thread) once every generation has its first 4 tokens."""
+
+    async def run() -> tuple[list[list[int]], list[str]]:
+        channel = grpc.aio.insecure_channel(address)
+        client = GenerateManyClient(pb_grpc.SchedulerStub(channel))
+        outputs: list[list[int]] = [[] for _ in requests]
+        reasons = ["" for _ in requests]
+        started: list[int] = []
+        all_started = asyncio.Event()
+
+        async def stream(index: int) -> None:
+            async for response in client.generate(requests[index]):
+                for completion in response.completions:
+                    outputs[index] += completion.token_ids
+                    reasons[index] = completion.finish_reason or reasons[index]
+                if len(outputs[index]) >= 4 and index not in started:
+                    started.append(index)
+                    if len(started) == len(requests):
+                        all_started.set()
+
+        try:
+            streams = [asyncio.create_task(stream(i)) for i in range(len(requests))]
+            if disturb is not None:
+                await asyncio.wait_for(all_started.wait(), 60)
+                await asyncio.to_thread(disturb)
+            await asyncio.wait_for(asyncio.gather(*streams), 120)
+        finally:
+            await client.close()
+            await channel.close()
+        return outputs, reasons
+
+    return asyncio.run(run())
 
 
 def start_executors(procs: Processes, model: Path, names: Sequence[str]) -> str:

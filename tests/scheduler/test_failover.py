@@ -6,6 +6,7 @@ constraint and tokens), and no streamed token repeats or goes missing."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import grpc
 import jsonschema
 import pytest
 import torch
-from harness.serve import complete_streams, greedy_request, npuserve_process
+from harness.serve import complete_many, complete_streams, greedy_request, npuserve_process
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -57,11 +58,17 @@ def prompts() -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize(("api_server_count", "stream_interval"), [(1, 1), (2, 1), (2, 4)])
-def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int, stream_interval: int) -> None:
+@pytest.mark.parametrize(
+    ("api_server_count", "stream_interval", "client_call"),
+    [(1, 1, "generate"), (2, 1, "generate-many"), (2, 4, "generate")],
+)
+def test_sigkill_one_executor_mid_run(
+    stories_dir: Path, api_server_count: int, stream_interval: int, client_call: str
+) -> None:
     """With API server processes the front's copies lack the tokens its worker sent straight
     to them: a moved request takes its output from the worker first. With `--stream-interval`
-    the worker also holds some back: they reach the client before the request moves."""
+    the worker also holds some back: they reach the client before the request moves. The
+    streams go as Generate calls, or over one GenerateMany call (as the gateway sends them)."""
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
@@ -90,8 +97,15 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int, 
             scheduler,
             scheduler_ready,
         ):
-            stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler_ready["address"]))
-            undisturbed, _ = complete_streams(stub, requests)
+            address = scheduler_ready["address"]
+            stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
+
+            def complete(disturb: Callable[[], object] | None = None) -> tuple[list[list[int]], list[str]]:
+                if client_call == "generate-many":
+                    return complete_many(address, requests, disturb)
+                return complete_streams(stub, requests, disturb)
+
+            undisturbed, _ = complete()
             tokenizer = Tokenizer.from_pretrained(stories_dir)
             for tokens, schema in zip(undisturbed[NUM_STREAMS:], schemas, strict=True):
                 assert len(tokens) > 8  # still generating when the executor is killed below
@@ -100,7 +114,7 @@ def test_sigkill_one_executor_mid_run(stories_dir: Path, api_server_count: int, 
             for i, request in enumerate(requests[NUM_STREAMS:]):  # named, to find them in the log
                 request.request_id = f"constrained-{i}"
             # Half of the streams lose their executor mid-generation.
-            outputs, reasons = complete_streams(stub, requests, first.kill)
+            outputs, reasons = complete(first.kill)
             assert reasons == ["length"] * NUM_STREAMS + ["stop"] * NUM_CONSTRAINED
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
             moved = [line for line in scheduler.log().splitlines() if "requests moved" in line]

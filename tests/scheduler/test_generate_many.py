@@ -1,6 +1,7 @@
-"""`GenerateMany`: many generations over one call, served by the front alone and by API processes.
+"""`GenerateMany`: many generations over one call, served by API processes (the gateway's tests
+run it served by the front alone: `npuserve serve` starts one API process below 8 cores).
 
-Over real processes (two executors, a scheduler with one or two API processes): 32 greedy
+Over real processes (two executors, a scheduler with two API processes): 32 greedy
 generations over two calls equal transformers and arrive in fewer messages than events; a
 refused request fails alone with Generate's status and field, the others go on; a cancelled
 generation and a cancelled call abort their requests; a stop string stops its sequence in the
@@ -45,13 +46,12 @@ async def requests_of(*requests: pb.GenerateManyRequest) -> AsyncIterator[pb.Gen
         yield request
 
 
-@pytest.mark.parametrize("api_servers", [1, 2])
-def test_generations_over_one_call(stories_dir: Path, tmp_path: Path, api_servers: int) -> None:
+def test_generations_over_one_call(stories_dir: Path, tmp_path: Path) -> None:
     prompts, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
         scheduler = start_scheduler(
-            procs, stories_dir, addresses, "--api-server-count", str(api_servers), "--scheduler-workers", "1"
+            procs, stories_dir, addresses, "--api-server-count", "2", "--scheduler-workers", "1"
         )
         address = scheduler.wait_ready()["address"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,14 @@ import pytest
 import torch
 from harness.cluster import processes, wait_until
 from harness.pools import check_prefix_routing, idle_pools, pools
-from harness.serve import greedy_workload, run_streams, start_executors, start_scheduler, worker_pids
+from harness.serve import (
+    complete_many,
+    complete_streams,
+    greedy_workload,
+    start_executors,
+    start_scheduler,
+    worker_pids,
+)
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -198,14 +205,18 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("api_server_count", "stream_interval"), [(1, 1), (2, 1), (2, 4)])
+@pytest.mark.parametrize(
+    ("api_server_count", "stream_interval", "client_call"),
+    [(1, 1, "generate"), (2, 1, "generate-many"), (2, 4, "generate")],
+)
 def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
-    stories_dir: Path, tmp_path: Path, api_server_count: int, stream_interval: int
+    stories_dir: Path, tmp_path: Path, api_server_count: int, stream_interval: int, client_call: str
 ) -> None:
     """With API server processes, a worker sends the tokens of sequences that go on straight to
     them, so the front's copies lack those: a killed worker's sequences resume from what the API
     processes streamed. With `--stream-interval` the tokens the dead worker held back are
-    computed again, and the streams still equal transformers."""
+    computed again, and the streams still equal transformers. The streams go as Generate calls,
+    or over one GenerateMany call (as the gateway sends them)."""
     _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
@@ -221,14 +232,18 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
             "--stream-interval",
             str(stream_interval),
         )
-        stub = pb_grpc.SchedulerStub(grpc.insecure_channel(scheduler.wait_ready()["address"]))
+        address = scheduler.wait_ready()["address"]
+        stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
         first_pids = worker_pids(scheduler)
         assert len(first_pids) == 2, "one worker process per executor here"
 
+        def complete(disturb: Callable[[], object] | None = None) -> tuple[list[list[int]], list[str]]:
+            if client_call == "generate-many":
+                return complete_many(address, requests, disturb)
+            return complete_streams(stub, requests, disturb)
+
         # 32 concurrent greedy streams over both workers equal transformers.
-        threads, outputs, reasons = run_streams(stub, requests, None)
-        for thread in threads:
-            thread.join(120)
+        outputs, reasons = complete()
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
 
@@ -236,13 +251,12 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
         check_prefix_routing(stub, ["e0", "e1"], torch.Generator().manual_seed(11))
 
         # A worker SIGKILLed mid-run: it restarts; its streams resume and complete unchanged.
-        started = threading.Barrier(NUM_STREAMS + 1)
-        threads, outputs, reasons = run_streams(stub, requests, started)
-        busy = pools(stub)
-        assert all(p.num_requests > 0 for p in busy.values())
-        os.kill(first_pids[0], signal.SIGKILL)
-        for thread in threads:
-            thread.join(120)
+        def kill_a_busy_worker() -> None:
+            busy = pools(stub)
+            assert all(p.num_requests > 0 for p in busy.values())
+            os.kill(first_pids[0], signal.SIGKILL)
+
+        outputs, reasons = complete(kill_a_busy_worker)
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
         taken = [e for e in scheduler.events() if e["event"] == "outputs taken from the API processes"]

@@ -1,7 +1,8 @@
 """`npuserve bench-scale` end to end on a small sweep: simulated executors, a real scheduler with
-its worker process, the closed-loop client (over GenerateMany calls, and a Generate call each);
-every stream completes without an error and the JSON holds one row per configuration with the
-scheduler's CPU split by role: front, step workers and API processes."""
+its worker process, the closed-loop client (over GenerateMany calls; `test_serving` runs the
+benches' `--client-call generate`); every stream completes without an error and the JSON holds
+one row per configuration with the scheduler's CPU split by role: front, step workers and API
+processes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import pytest
 pytestmark = pytest.mark.slow  # starts the simulated executors and a scheduler
 
 
-@pytest.mark.parametrize("client_call", ["generate-many", "generate"])
-def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path, client_call: str) -> None:
+def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     # fmt: off
     command = [
@@ -24,13 +24,12 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path,
         "--executors", "1,2", "--concurrency", "8", "--warmup", "1", "--duration", "2",
         "--prompt-len", "16-32", "--output-len", "8-16", "--block-size", "16", "--max-num-seqs", "16",
         "--scheduler-workers", "1", "--api-server-count", "2", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
-        "--client-call", client_call,
     ]
     # fmt: on
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["config"]["client_call"] == client_call
+    assert report["config"]["client_call"] == "generate-many"
     rows = {(r["executors"], r["concurrency"]): r for r in report["results"]}
     assert set(rows) == {(1, 8), (2, 8)}
     for row in rows.values():
