@@ -97,24 +97,34 @@ class _OpenCall:
     ) -> None:
         self.client = client
         self.streams: dict[int, GenerateStream] = {}
-        self._requests: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._actions: deque[pb.GenerateManyAction] = deque()  # not written yet
+        self._writable = asyncio.Event()  # set: actions to write, or the call is over
+        self._over = False
         self._call = stub.GenerateMany(self._requests_to_write(), metadata=metadata or None)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    def send(self, request: pb.GenerateManyRequest) -> None:
-        self._requests.put_nowait(request)
+    def send(self, action: pb.GenerateManyAction) -> None:
+        self._actions.append(action)
+        self._writable.set()
 
     def cancel(self, stream: GenerateStream) -> None:
         if self.streams.pop(stream.stream_id, None) is not None:
-            self.send(pb.GenerateManyRequest(stream_id=stream.stream_id, cancel=True))
+            self.send(pb.GenerateManyAction(stream_id=stream.stream_id, cancel=True))
 
     async def close(self) -> None:
         self._call.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
 
     async def _requests_to_write(self) -> AsyncIterator[pb.GenerateManyRequest]:
-        while (request := await self._requests.get()) is not None:
-            yield request
+        """What was sent since the last write, as one request each time (a write is in flight
+        while more are sent: they go together in the next)."""
+        while True:
+            await self._writable.wait()
+            self._writable.clear()
+            if self._over:
+                return
+            actions, self._actions = self._actions, deque()
+            yield pb.GenerateManyRequest(actions=actions)
 
     async def _read(self) -> None:
         failure = GenerateFailed(grpc.StatusCode.UNAVAILABLE, "the GenerateMany call ended first")
@@ -139,7 +149,8 @@ class _OpenCall:
             failure = GenerateFailed(grpc.StatusCode.CANCELLED, "the client was closed")
         finally:
             self.client._ended(self)
-            self._requests.put_nowait(None)
+            self._over = True
+            self._writable.set()
             for stream in streams.values():
                 stream._put(failure)
             streams.clear()
@@ -161,7 +172,7 @@ class GenerateManyClient:
             call = self._open = _OpenCall(self, self._stub, self._metadata)
         stream = GenerateStream(call, next(self._stream_ids))
         call.streams[stream.stream_id] = stream
-        call.send(pb.GenerateManyRequest(stream_id=stream.stream_id, generate=request))
+        call.send(pb.GenerateManyAction(stream_id=stream.stream_id, generate=request))
         return stream
 
     async def close(self) -> None:

@@ -231,6 +231,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
+    __slots__ = ("actions",)
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedCompositeFieldContainer[GenerateManyAction]
+    def __init__(self, actions: _Optional[_Iterable[_Union[GenerateManyAction, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyAction(_message.Message):
     __slots__ = ("stream_id", "generate", "cancel")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]

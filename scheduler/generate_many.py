@@ -102,28 +102,28 @@ class GenerateManyCall:
     async def _read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         try:
             async for request in requests:
-                action, stream_id = request.WhichOneof("action"), request.stream_id
-                if action == "generate":
-                    if stream_id in self._generations:
-                        self._fail(stream_id, InvalidRequestError(f"stream_id {stream_id} is already open"))
-                        continue
-                    generate = request.generate
-                    generation = _Generation(
-                        stream_id, generate.request_id or None, generate.sampling.return_prompt
-                    )
-                    generation.opening = asyncio.create_task(self._open(generation, generate))
-                    self._generations[stream_id] = generation
-                elif action == "cancel":
-                    cancelled = self._generations.pop(stream_id, None)
-                    if cancelled is not None:
-                        cancelled.close()
-                else:
-                    self._fail(
-                        stream_id, InvalidRequestError("a GenerateManyRequest needs generate or cancel")
-                    )
+                for action in request.actions:
+                    self._apply(action)
         finally:
             self._reading = False
             self._moved.set()
+
+    def _apply(self, action: pb.GenerateManyAction) -> None:
+        kind, stream_id = action.WhichOneof("action"), action.stream_id
+        if kind == "generate":
+            if stream_id in self._generations:
+                self._fail(stream_id, InvalidRequestError(f"stream_id {stream_id} is already open"))
+                return
+            generate = action.generate
+            generation = _Generation(stream_id, generate.request_id or None, generate.sampling.return_prompt)
+            generation.opening = asyncio.create_task(self._open(generation, generate))
+            self._generations[stream_id] = generation
+        elif kind == "cancel":
+            cancelled = self._generations.pop(stream_id, None)
+            if cancelled is not None:
+                cancelled.close()
+        else:
+            self._fail(stream_id, InvalidRequestError("a GenerateManyAction needs generate or cancel"))
 
     async def _open(self, generation: _Generation, request: pb.GenerateRequest) -> None:
         structlog.contextvars.bind_contextvars(request_id=generation.request_id)

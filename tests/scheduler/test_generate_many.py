@@ -102,9 +102,21 @@ def test_generations_over_one_call(stories_dir: Path, tmp_path: Path) -> None:
             # refused; half-closing lets the generation finish, then the call ends OK.
             raw = stubs[0].GenerateMany(
                 requests_of(
-                    *(pb.GenerateManyRequest(stream_id=i, generate=requests[i]) for i in range(8)),
-                    pb.GenerateManyRequest(stream_id=3, generate=requests[3]),
-                    pb.GenerateManyRequest(stream_id=99),
+                    pb.GenerateManyRequest(
+                        actions=[pb.GenerateManyAction(stream_id=i, generate=requests[i]) for i in range(6)]
+                    ),
+                    *(
+                        pb.GenerateManyRequest(
+                            actions=[pb.GenerateManyAction(stream_id=i, generate=requests[i])]
+                        )
+                        for i in (6, 7)
+                    ),
+                    pb.GenerateManyRequest(
+                        actions=[
+                            pb.GenerateManyAction(stream_id=3, generate=requests[3]),
+                            pb.GenerateManyAction(stream_id=99),
+                        ]
+                    ),
                 )
             )
             messages, tokens, errors, done = 0, {i: [] for i in (*range(8), 99)}, [], set()

@@ -1,6 +1,6 @@
 """What clients receive: a request's stream of deltas (text, stop strings, siblings, usage),
-deltas held to `--stream-interval` tokens, and outputs coalesced for a client that reads slower
-than tokens arrive."""
+deltas held to `--stream-interval` tokens, outputs coalesced for a client that reads slower
+than tokens arrive, and handed to a listener as they are made (`GenerateMany`)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def drain(stream: RequestStream) -> list[GenerateOutput]:
     while not stream.queue.empty():
         outputs.append(stream.queue.get_nowait())
     return outputs
+
+
+def test_a_listener_gets_the_outputs_made_before_it_then_each_as_it_is_made(tokenizer: Tokenizer) -> None:
+    stream = make_stream(tokenizer, SamplingParams(max_tokens=4))
+    feed(stream, 0, STORY[0])
+    heard: list[GenerateOutput] = []
+    stream.listen(heard.append)
+    assert [o.completions[0].text for o in heard] == ["Once"] and stream.queue.empty()
+    feed(stream, 0, STORY[1])
+    assert [o.completions[0].text for o in heard] == ["Once", " upon"]  # at once: nothing queued
+    feed(stream, 0, STORY[2])
+    feed(stream, 0, STORY[3], RequestStatus.FINISHED_LENGTH)
+    assert [o.finished for o in heard] == [False, False, False, True] and stream.queue.empty()
+    assert heard[0].prompt_token_ids == PROMPT and heard[-1].usage is not None
 
 
 def test_deltas_carry_text_the_prompt_first_and_the_usage_last(tokenizer: Tokenizer) -> None:
