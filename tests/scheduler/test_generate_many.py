@@ -6,7 +6,9 @@ generations over two calls equal transformers and arrive in fewer messages than 
 refused request fails alone with Generate's status and field, the others go on; a cancelled
 generation and a cancelled call abort their requests; a stop string stops its sequence in the
 core; a duplicate stream id and an empty request are refused; a half-closed call ends once its
-generations have; every pool is intact and idle afterwards.
+generations have; every pool is intact and idle afterwards. Then SIGTERM while a call holds a
+generation: it finishes, new ones are refused (UNAVAILABLE), the call ends OK, and the scheduler
+exits drained.
 """
 
 from __future__ import annotations
@@ -149,3 +151,50 @@ def test_generations_over_one_call(stories_dir: Path, tmp_path: Path) -> None:
         final = idle_pools(pb_grpc.SchedulerStub(grpc.insecure_channel(address)))
         assert set(final) == {"e0", "e1"}
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())
+
+        async def drain() -> None:
+            """SIGTERM while a call holds a generation: it finishes, new ones are refused with
+            UNAVAILABLE, then the call ends OK and the scheduler exits drained."""
+            channel = grpc.aio.insecure_channel(address)
+            actions: asyncio.Queue[pb.GenerateManyAction] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[pb.GenerateManyRequest]:
+                while True:
+                    yield pb.GenerateManyRequest(actions=[await actions.get()])
+
+            call = pb_grpc.SchedulerStub(channel).GenerateMany(requests())
+            held_tokens, ends = 0, {}  # tokens of stream 0; how each stream ended
+
+            async def read() -> bool:
+                nonlocal held_tokens
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return False
+                for event in response.events:
+                    if event.stream_id == 0:
+                        held_tokens += sum(len(c.token_ids) for c in event.response.completions)
+                    if event.done or event.HasField("error"):
+                        ends[event.stream_id] = event.error.code or "done"
+                return True
+
+            actions.put_nowait(pb.GenerateManyAction(stream_id=0, generate=greedy_request(prompts[0], 400)))
+            while not held_tokens:
+                await read()
+            stopped = asyncio.create_task(asyncio.to_thread(scheduler.stop, 60))
+            for stream_id in range(1, 200):  # until the drain refuses one (a few may slip in first)
+                short = greedy_request(prompts[1], 2)
+                actions.put_nowait(pb.GenerateManyAction(stream_id=stream_id, generate=short))
+                while stream_id not in ends:
+                    await read()
+                if ends[stream_id] != "done":
+                    break
+            assert ends[stream_id] == "UNAVAILABLE"
+            while await read():  # the call ends once the generation in flight has
+                pass
+            assert await call.code() == grpc.StatusCode.OK
+            assert ends[0] == "done" and held_tokens == 400
+            assert await stopped == 0
+            await channel.close()
+
+        asyncio.run(drain())
+        assert any(e["event"] == "scheduler drained; block pools intact and idle" for e in scheduler.events())
