@@ -101,9 +101,8 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
     num_relayed_tokens = 0
     for u in event.updates:  # NOTE: once per token
         request = u.request
-        target = request.relay_to
-        if target is not None:
-            if request.num_relayed_tokens:  # started in this placement (`Request.relay_started`)
+        if request.relay_to is not None:
+            if request.relay_started:
                 if u.finished is None:
                     num_relayed_tokens += len(u.new_token_ids)
                     _pack_unsent(relayed, request, least=request.relay_every)
@@ -123,7 +122,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
             )
         )
     for request in (*event.ended, *event.evacuated):
-        if request.relay_to is not None and request.num_relayed_tokens:  # held: before it ends or moves
+        if request.relay_to is not None and request.relay_started:  # held: before it ends or moves
             _pack_unsent(relayed, request)
     return LaneReport(
         lane_key=lane_key,
