@@ -35,7 +35,6 @@ OpenGeneration = Callable[[pb.GenerateRequest], Awaitable[OpenStream]]
 @dataclass(slots=True)
 class _Generation:
     stream_id: int
-    request_id: str | None
     return_prompt: bool
     opening: asyncio.Task[None] | None = None  # until its request is queued
     opened: OpenStream | None = None  # from then on
@@ -115,7 +114,7 @@ class GenerateManyCall:
                 self._fail(stream_id, InvalidRequestError(f"stream_id {stream_id} is already open"))
                 return
             generate = action.generate
-            generation = _Generation(stream_id, generate.request_id or None, generate.sampling.return_prompt)
+            generation = _Generation(stream_id, generate.sampling.return_prompt)
             generation.opening = asyncio.create_task(self._open(generation, generate))
             self._generations[stream_id] = generation
         elif kind == "cancel":
@@ -126,7 +125,7 @@ class GenerateManyCall:
             self._fail(stream_id, InvalidRequestError("a GenerateManyAction needs generate or cancel"))
 
     async def _open(self, generation: _Generation, request: pb.GenerateRequest) -> None:
-        structlog.contextvars.bind_contextvars(request_id=generation.request_id)
+        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
         try:
             opened = await self._open_generation(request)
         except Exception as exc:
@@ -146,11 +145,10 @@ class GenerateManyCall:
             if output.refusal is not None:
                 self._fail(stream_id, output.refusal)
             else:
-                response = self._event(stream_id).response
-                api_codec.fill_response(response, output, self._tokenizer, generation.return_prompt)
+                event = self._event(stream_id)
+                api_codec.fill_response(event.response, output, self._tokenizer, generation.return_prompt)
                 generation.usage = output.usage or generation.usage
-                if output.finished:
-                    self._event(stream_id).done = True
+                event.done = output.finished
             if not output.finished:
                 return
         except Exception as exc:
