@@ -34,7 +34,11 @@ from npuserve.scheduler.step_frames import RelayedPack
 log = structlog.get_logger(__name__)
 
 START_TIMEOUT_S = 120.0
-MAX_UNACKED_ITEMS = 16384  # tokens relayed to one API process and not yet applied there
+# Items (a token each, or a `--stream-interval` group) relayed to one API process and not yet
+# applied there. NOTE: what waits here is latency for every stream of the process, new ones'
+# first tokens included. 512 is about 50 ms of an API process's work under load; 16384 let the
+# streams fall up to 1.6 s behind the engine (clients' TTFT 5x the engine's, 16 x 1024 streams).
+MAX_UNACKED_ITEMS = 512
 EXIT_TIMEOUT_S = 10.0
 DELIVERED_TIMEOUT_S = 30.0  # for an API process to say what its streams hold (a worker died)
 
