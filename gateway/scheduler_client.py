@@ -19,6 +19,7 @@ from npuserve.gateway.errors import APIError, bad_request, from_status
 from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import spread_channels
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import (
     API_SERVERS,
@@ -111,11 +112,16 @@ class SchedulerClient:
         self._turn = itertools.count()
 
     async def open(self) -> None:
+        """Opens the channels, spread evenly over the scheduler's API server processes (one
+        each at least) when it says where each landed (`api_spread`)."""
         options = [*message_size_options(MAX_API_MESSAGE_BYTES), *RECONNECT_OPTIONS]
-        self._channels = [
-            aio_client_channel(self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca)
-            for i in range(API_SERVERS)
-        ]
+        self._channels = await spread_channels(
+            lambda i: aio_client_channel(
+                self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca
+            ),
+            API_SERVERS,
+            self._metadata or (),
+        )
         self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
         self.generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]
 

@@ -42,6 +42,7 @@ import structlog
 from google.protobuf.message import Message
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import ApiServer
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
 from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api_servicer import PublicApiServicer
@@ -63,6 +64,7 @@ RELAYED_KINDS = frozenset({"add", "end", "refuse"})  # what the core relays of s
 @dataclass(frozen=True, slots=True)
 class ApiProcessSettings:
     index: int
+    count: int  # API server processes in all
     model: str  # the tokenizer's model directory
     chat_template: str | None
     limits: ModelLimits
@@ -208,8 +210,10 @@ class ApiFront:
 class ApiProcessServicer(PublicApiServicer):
     """Generate, Tokenize, Detokenize here; every other call answered by the core."""
 
-    def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
-        super().__init__(ApiFront(link, prompts, stream_interval), prompts)
+    def __init__(
+        self, link: CoreLink, prompts: PromptProcessor, stream_interval: int, api_server: ApiServer
+    ) -> None:
+        super().__init__(ApiFront(link, prompts, stream_interval), prompts, api_server)
         self.link = link
 
     async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
@@ -240,7 +244,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
     prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
     prompts.start()
     link = CoreLink(conn, loop)
-    servicer = ApiProcessServicer(link, prompts, settings.stream_interval)
+    servicer = ApiProcessServicer(link, prompts, settings.stream_interval, (settings.index, settings.count))
     interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
     servers, port = await start_api_servers(
         lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),

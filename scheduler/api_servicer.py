@@ -16,6 +16,7 @@ import structlog
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import ApiServer, api_server_metadata
 from npuserve.scheduler import api_codec
 from npuserve.scheduler.api_status import ShuttingDown, abort_with, guard
 from npuserve.scheduler.generate_many import GenerateManyCall
@@ -31,9 +32,15 @@ class GenerateFront(Protocol):
 
 
 class PublicApiServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, front: GenerateFront, prompts: PromptProcessor) -> None:
+    """``api_server``: this process's index among the processes serving the API, and their
+    number; every `GenerateMany` call names it in its trailing metadata (`api_spread`)."""
+
+    def __init__(
+        self, front: GenerateFront, prompts: PromptProcessor, api_server: ApiServer = (0, 1)
+    ) -> None:
         self.front = front
         self.prompts = prompts
+        self._api_server_metadata = api_server_metadata(*api_server)
         self.draining = False  # new generations are refused (UNAVAILABLE); see `drain`
         self._many_calls: set[GenerateManyCall] = set()
 
@@ -74,6 +81,9 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
     async def GenerateMany(
         self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateManyResponse]:
+        # NOTE: trailing, not initial: API processes lost the initial metadata of about 1 call
+        # in 20 that ended at once (a probe's); trailers come with the status, always.
+        context.set_trailing_metadata(self._api_server_metadata)
         call = GenerateManyCall(self.open, self.prompts.tokenizer, lambda: self.draining)
         self._many_calls.add(call)
         try:

@@ -230,6 +230,7 @@ async def serve_scheduler(
         def settings_for(index: int, bind_port: int) -> ApiProcessSettings:
             return ApiProcessSettings(
                 index,
+                num_api,
                 config.model,
                 config.chat_template,
                 engine.limits,

@@ -18,6 +18,7 @@ from npuserve.deploy.bench.scale_config import STREAMS_PER_CHANNEL, ScaleConfig
 from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import spread_channels
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 
@@ -50,17 +51,24 @@ class Load:
         self.concurrency = concurrency
         self.state = LoadState()
         self._rng = random.Random(f"scale-bench-{config.seed}-{concurrency}")
+        self.channels: list[grpc.aio.Channel] = []
+        self.stubs: list[pb_grpc.SchedulerStub] = []
+        self.generators: list[GenerateManyClient] = []
+
+    async def connect(self) -> None:
+        """Opens a channel per `STREAMS_PER_CHANNEL` streams, spread evenly over the scheduler's
+        API server processes as the gateway spreads its own (`api_spread`)."""
         options = [("grpc.max_receive_message_length", 64 << 20)]
-        num_channels = max(1, -(-concurrency // STREAMS_PER_CHANNEL))
         # NOTE: a distinct channel argument per channel keeps gRPC from sharing one connection.
-        self.channels = [
-            grpc.aio.insecure_channel(address, options=[*options, (CONNECTION_INDEX_OPTION, i)])
-            for i in range(num_channels)
-        ]
-        self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
-        self.generators = (
-            [GenerateManyClient(stub) for stub in self.stubs] if config.client_call == "generate-many" else []
+        self.channels = await spread_channels(
+            lambda i: grpc.aio.insecure_channel(
+                self.address, options=[*options, (CONNECTION_INDEX_OPTION, i)]
+            ),
+            max(1, -(-self.concurrency // STREAMS_PER_CHANNEL)),
         )
+        self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
+        if self.config.client_call == "generate-many":
+            self.generators = [GenerateManyClient(stub) for stub in self.stubs]
 
     def _request(self) -> pb.GenerateRequest:
         rng, c = self._rng, self.config

@@ -203,6 +203,7 @@ async def run_load(
     control = grpc.aio.insecure_channel(address)
     stub = pb_grpc.SchedulerStub(control)
     load = Load(config, address, vocab_size, concurrency)
+    await load.connect()
     tasks = load.start(ramp_s=min(2.0, config.warmup_s / 2))
     profile = None
     try:

@@ -1,7 +1,8 @@
 """`GenerateMany`: many generations over one call, served by API processes (the gateway's tests
 run it served by the front alone: `npuserve serve` starts one API process below 8 cores).
 
-Over real processes (two executors, a scheduler with two API processes): 32 greedy
+Over real processes (two executors, a scheduler with two API processes): the client's two
+channels, spread by `api_spread`, reach one API process each; 32 greedy
 generations over two calls equal transformers and arrive in fewer messages than events; a
 refused request fails alone with Generate's status and field, the others go on; a cancelled
 generation and a cancelled call abort their requests; a stop string stops its sequence in the
@@ -25,6 +26,7 @@ from harness.serve import greedy_request, greedy_workload, start_executors, star
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import probe_api_server, spread_channels
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
 
@@ -58,9 +60,11 @@ def test_generations_over_one_call(stories_dir: Path, tmp_path: Path) -> None:
         address = scheduler.wait_ready()["address"]
 
         async def scenario() -> None:
-            channels = [
-                grpc.aio.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)]) for i in range(2)
-            ]
+            # The two calls' channels reach one API process each, as the gateway's do.
+            channels = await spread_channels(
+                lambda i: grpc.aio.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)]), 2
+            )
+            assert sorted([await probe_api_server(channel) for channel in channels]) == [(0, 2), (1, 2)]
             stubs = [pb_grpc.SchedulerStub(channel) for channel in channels]
             clients = [GenerateManyClient(stub) for stub in stubs]
 
