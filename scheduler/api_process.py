@@ -153,7 +153,7 @@ class CoreLink:
     def _add(self, item: tuple[Any, ...]) -> None:
         stream = self.streams.get(item[1])
         if stream is not None:
-            update = SequenceUpdate(*item[2:])
+            update = SequenceUpdate._make(item[2:])
             stop = stream.add(update)
             if stop is not None:
                 self.pipe.send(("stop", item[1], update.choice, stop))

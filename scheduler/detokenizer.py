@@ -108,7 +108,9 @@ class IncrementalDetokenizer:
                 if self._add_text(self._next_text(token_id)):
                     return self._stopped(i + 1)
             text = self._release(self.hold_back)
-        else:  # nothing is held back: the text goes out as it comes
+        elif len(new_token_ids) == 1:  # nothing is held back: the text goes out as it comes
+            text = self._next_text(new_token_ids[0])
+        else:
             text = "".join([self._next_text(token_id) for token_id in new_token_ids])
         if self._prefix_offset >= COMPACT_AFTER_TOKENS:
             self._compact()

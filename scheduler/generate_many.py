@@ -147,10 +147,10 @@ class GenerateManyCall:
             else:
                 event = self._event(stream_id)
                 api_codec.fill_response(event.response, output, self._tokenizer, generation.return_prompt)
+                if not output.finished:
+                    return  # NOTE: the usual output: nothing more to set
                 generation.usage = output.usage or generation.usage
-                event.done = output.finished
-            if not output.finished:
-                return
+                event.done = True
         except Exception as exc:
             self._fail(stream_id, exc)
         self._forget(generation)

@@ -151,10 +151,13 @@ class RequestStream:
     def _count(self, state: SequenceState, update: SequenceUpdate) -> None:
         # NOTE: an end relayed by the core may count fewer than the tokens a worker sent here
         # directly (`step_frames`): the count never goes down.
-        state.num_output_tokens = max(state.num_output_tokens, update.num_output_tokens)
+        if update.num_output_tokens > state.num_output_tokens:
+            state.num_output_tokens = update.num_output_tokens
         state.num_cached_tokens = update.num_cached_tokens
 
     def add(self, update: SequenceUpdate) -> str | None:
+        # NOTE: runs for every token of every stream (or every `--stream-interval` of them):
+        # what most tokens need costs no copy (whole token lists, no logprobs).
         state = self.sequences[update.choice]
         if state.finished:
             return None  # a step that ran while its stop was on the way
@@ -163,11 +166,12 @@ class RequestStream:
         state.token_ids += token_ids
         result = state.detokenizer.update(token_ids)
         kept = result.num_tokens_kept  # tokens after a stop string are not part of the output
+        logprobs = update.logprobs
         delta = CompletionDelta(
             update.choice,
             result.text,
-            token_ids[:kept],
-            [lp for lp in update.logprobs[:kept] if lp is not None],
+            token_ids if kept == len(token_ids) else token_ids[:kept],
+            [lp for lp in logprobs[:kept] if lp is not None] if any(logprobs) else [],
         )
         if result.stop_str is not None:
             delta.finish_reason, delta.stop_reason = "stop", result.stop_str
@@ -215,7 +219,7 @@ class RequestStream:
         output = GenerateOutput(self.request_id, [delta])
         if not self._sent_prompt:
             output.prompt_token_ids, self._sent_prompt = self.prompt_token_ids, True
-        if self.finished:
+        if not self._num_unfinished:
             output.finished, output.error = True, self.error
             output.usage = Usage(
                 prompt_tokens=len(self.prompt_token_ids),
