@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -17,8 +18,15 @@ import grpc
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import spread_channels
 from npuserve.proto.auth import bearer_metadata
-from npuserve.proto.channel import MAX_API_MESSAGE_BYTES, aio_client_channel, message_size_options
+from npuserve.proto.channel import (
+    API_SERVERS,
+    CONNECTION_INDEX_OPTION,
+    MAX_API_MESSAGE_BYTES,
+    aio_client_channel,
+    message_size_options,
+)
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
 from npuserve.scheduler.request import SamplingParams
@@ -116,8 +124,10 @@ CLIENT_CALLS = ("generate-many", "generate")
 
 
 class GrpcTarget:
-    """A `grpc.aio` client of a running scheduler's public API: its generations over one
-    `GenerateMany` call, or a `Generate` call each (``client_call``, one of `CLIENT_CALLS`)."""
+    """A `grpc.aio` client of a running scheduler's public API, as the gateway is: its
+    generations take turns over `API_SERVERS` channels spread over the API server processes,
+    over one `GenerateMany` call each, or a `Generate` call each (``client_call``, one of
+    `CLIENT_CALLS`)."""
 
     def __init__(
         self,
@@ -135,35 +145,45 @@ class GrpcTarget:
         self.max_model_len = 0
         self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
-        self._generator: GenerateManyClient | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[Any] = []
+        self._generators: list[GenerateManyClient] = []
+        self._turn = itertools.count()
 
     async def open(self) -> None:
         options = message_size_options(MAX_API_MESSAGE_BYTES)
-        self._channel = aio_client_channel(self.address, options, self._tls_ca)
-        self._stub = pb_grpc.SchedulerStub(self._channel)
+        first = aio_client_channel(self.address, options, self._tls_ca)
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout_s)
+            await asyncio.wait_for(first.channel_ready(), self.connect_timeout_s)
         except asyncio.TimeoutError:
+            await first.close()
             raise BenchError(f"no scheduler answers at {self.address}") from None
+        await first.close()
+        self._channels = await spread_channels(
+            lambda i: aio_client_channel(
+                self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca
+            ),
+            API_SERVERS,
+            self._metadata or (),
+        )
+        self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
         try:
-            models = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata)
+            models = await self._stubs[0].ListModels(pb.ListModelsRequest(), metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise BenchError(
                 f"the scheduler at {self.address} refused: {exc.code().name}: {exc.details()}"
             ) from None
         self.max_model_len = models.models[0].max_model_len
         if self.client_call == "generate-many":
-            self._generator = GenerateManyClient(self._stub, self._metadata or ())
+            self._generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]
 
     async def close(self) -> None:
-        if self._generator is not None:
-            await self._generator.close()
-            self._generator = None
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        generators, self._generators = self._generators, []
+        for generator in generators:
+            await generator.close()
+        channels, self._channels, self._stubs = self._channels, [], []
+        for channel in channels:
+            await channel.close()
 
     async def stream(
         self, prompt: list[int], max_tokens: int, temperature: float, seed: int
@@ -172,10 +192,11 @@ class GrpcTarget:
             max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
         )
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+        turn = next(self._turn)
         responses = (
-            self._stub.Generate(request, metadata=self._metadata)
-            if self._generator is None
-            else self._generator.generate(request)
+            self._generators[turn % len(self._generators)].generate(request)
+            if self._generators
+            else self._stubs[turn % len(self._stubs)].Generate(request, metadata=self._metadata)
         )
         try:
             async for response in responses:
