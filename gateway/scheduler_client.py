@@ -23,9 +23,7 @@ from npuserve.proto.api_spread import spread_channels
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import (
     API_SERVERS,
-    CONNECTION_INDEX_OPTION,
     MAX_API_MESSAGE_BYTES,
-    aio_client_channel,
     message_size_options,
 )
 from npuserve.proto.error_details import error_field
@@ -116,11 +114,7 @@ class SchedulerClient:
         each at least) when it says where each landed (`api_spread`)."""
         options = [*message_size_options(MAX_API_MESSAGE_BYTES), *RECONNECT_OPTIONS]
         self._channels = await spread_channels(
-            lambda i: aio_client_channel(
-                self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca
-            ),
-            API_SERVERS,
-            self._metadata or (),
+            self.address, API_SERVERS, options, self._tls_ca, self._metadata or ()
         )
         self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
         self.generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.channel import CONNECTION_INDEX_OPTION, aio_client_channel
 
 API_SERVER_METADATA = "npuserve-api-server"  # "index/count" of the process serving the call
 PROBE_TIMEOUT_S = 5.0  # for one channel to say where it landed
@@ -67,20 +68,24 @@ async def probe_api_server(
 
 
 async def spread_channels(
-    open_channel: Callable[[int], grpc.aio.Channel],
+    address: str,
     count: int,
+    options: Sequence[tuple[str, int]] = (),
+    tls_ca: bytes | None = None,
     metadata: Sequence[tuple[str, str]] = (),
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> list[grpc.aio.Channel]:
-    """``count`` channels to the scheduler's public API, at least one per API server process,
-    spread over the processes as evenly as reconnecting gets them (no process with two more than
-    another). ``open_channel(i)`` opens a channel on a connection of its own: ``i`` differs for
-    every channel opened. A scheduler that does not say where a channel landed gets the channels
-    as they came."""
+    """``count`` channels to the scheduler's public API at ``address`` (with ``options``, TLS
+    verified against ``tls_ca`` when given), at least one per API server process, spread over
+    the processes as evenly as reconnecting gets them (no process with two more than another).
+    Each has a connection of its own. A scheduler that does not say where a channel landed gets
+    the channels as they came."""
     connection_indexes = itertools.count()
 
     async def opened() -> tuple[grpc.aio.Channel, ApiServer | None]:
-        channel = open_channel(next(connection_indexes))
+        # NOTE: a distinct channel option per channel keeps gRPC from sharing one connection.
+        index = (CONNECTION_INDEX_OPTION, next(connection_indexes))
+        channel = aio_client_channel(address, [*options, index], tls_ca)
         return channel, await probe_api_server(channel, metadata, timeout_s)
 
     results = list(await asyncio.gather(*(opened() for _ in range(count))))

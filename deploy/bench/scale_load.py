@@ -19,7 +19,6 @@ from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import spread_channels
-from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 
 
@@ -58,13 +57,10 @@ class Load:
     async def connect(self) -> None:
         """Opens a channel per `STREAMS_PER_CHANNEL` streams, spread evenly over the scheduler's
         API server processes as the gateway spreads its own (`api_spread`)."""
-        options = [("grpc.max_receive_message_length", 64 << 20)]
-        # NOTE: a distinct channel argument per channel keeps gRPC from sharing one connection.
         self.channels = await spread_channels(
-            lambda i: grpc.aio.insecure_channel(
-                self.address, options=[*options, (CONNECTION_INDEX_OPTION, i)]
-            ),
+            self.address,
             max(1, -(-self.concurrency // STREAMS_PER_CHANNEL)),
+            [("grpc.max_receive_message_length", 64 << 20)],
         )
         self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
         if self.config.client_call == "generate-many":

@@ -22,7 +22,6 @@ from npuserve.proto.api_spread import spread_channels
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import (
     API_SERVERS,
-    CONNECTION_INDEX_OPTION,
     MAX_API_MESSAGE_BYTES,
     aio_client_channel,
     message_size_options,
@@ -160,11 +159,7 @@ class GrpcTarget:
             raise BenchError(f"no scheduler answers at {self.address}") from None
         await first.close()
         self._channels = await spread_channels(
-            lambda i: aio_client_channel(
-                self.address, [*options, (CONNECTION_INDEX_OPTION, i)], self._tls_ca
-            ),
-            API_SERVERS,
-            self._metadata or (),
+            self.address, API_SERVERS, options, self._tls_ca, self._metadata or ()
         )
         self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
         try:

@@ -26,7 +26,6 @@ from npuserve.proto.api_spread import (
     probe_api_server,
     spread_channels,
 )
-from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api_servicer import PublicApiServicer
 from npuserve.scheduler.prompts import ModelLimits, PromptProcessor
@@ -94,10 +93,6 @@ def run_with_servers(
     asyncio.run(main())
 
 
-def channel_opener(address: str) -> Callable[[int], grpc.aio.Channel]:
-    return lambda i: grpc.aio.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)])
-
-
 async def placements(channels: list[grpc.aio.Channel]) -> list[tuple[int, int] | None]:
     return list(await asyncio.gather(*(probe_api_server(channel) for channel in channels)))
 
@@ -106,7 +101,7 @@ async def placements(channels: list[grpc.aio.Channel]) -> list[tuple[int, int] |
 def test_channels_reach_every_process_evenly(stories_dir: Path, num_processes: int, count: int) -> None:
     async def scenario(address: str) -> None:
         for _ in range(3):  # the kernel places the first connections differently each time
-            channels = await spread_channels(channel_opener(address), count)
+            channels = await spread_channels(address, count)
             try:
                 placed = await placements(channels)
                 assert all(p is not None and p[1] == num_processes for p in placed)
@@ -125,7 +120,7 @@ def test_channels_reach_every_process_evenly(stories_dir: Path, num_processes: i
 
 def test_a_scheduler_that_names_no_process_gets_its_channels_as_they_came(stories_dir: Path) -> None:
     async def scenario(address: str) -> None:
-        channels = await spread_channels(channel_opener(address), 4)
+        channels = await spread_channels(address, 4)
         try:
             assert len(channels) == 4
             assert await placements(channels) == [None] * 4
@@ -138,7 +133,7 @@ def test_a_scheduler_that_names_no_process_gets_its_channels_as_they_came(storie
 
 def test_an_unreachable_scheduler_gets_its_channels_as_they_came() -> None:
     async def scenario() -> None:
-        channels = await spread_channels(channel_opener(f"127.0.0.1:{free_port()}"), 2, timeout_s=2.0)
+        channels = await spread_channels(f"127.0.0.1:{free_port()}", 2, timeout_s=2.0)
         assert len(channels) == 2
         for channel in channels:
             await channel.close()

@@ -27,7 +27,6 @@ from harness.serve import greedy_request, greedy_workload, start_executors, star
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import probe_api_server, spread_channels
-from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
 
 pytestmark = pytest.mark.slow  # starts npuserve processes
@@ -61,9 +60,7 @@ def test_generations_over_one_call(stories_dir: Path, tmp_path: Path) -> None:
 
         async def scenario() -> None:
             # The two calls' channels reach one API process each, as the gateway's do.
-            channels = await spread_channels(
-                lambda i: grpc.aio.insecure_channel(address, options=[(CONNECTION_INDEX_OPTION, i)]), 2
-            )
+            channels = await spread_channels(address, 2)
             assert sorted([await probe_api_server(channel) for channel in channels]) == [(0, 2), (1, 2)]
             stubs = [pb_grpc.SchedulerStub(channel) for channel in channels]
             clients = [GenerateManyClient(stub) for stub in stubs]
