@@ -297,6 +297,20 @@ def complete_many(
     return asyncio.run(run())
 
 
+def complete_over(
+    client_call: str,
+    address: str,
+    requests: list[pb.GenerateRequest],
+    disturb: Callable[[], object] | None = None,
+) -> tuple[list[list[int]], list[str]]:
+    """Every request to its end as ``client_call`` sends it: a `Generate` call each
+    (`complete_streams`) or over one `GenerateMany` call (`complete_many`, as the gateway)."""
+    if client_call == "generate-many":
+        return complete_many(address, requests, disturb)
+    with grpc.insecure_channel(address) as channel:
+        return complete_streams(pb_grpc.SchedulerStub(channel), requests, disturb)
+
+
 def start_executors(procs: Processes, model: Path, names: Sequence[str]) -> str:
     """Small-cache executors of ``model``, one per name; their addresses, comma-separated."""
     executors = [

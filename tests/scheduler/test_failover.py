@@ -6,7 +6,6 @@ constraint and tokens), and no streamed token repeats or goes missing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import grpc
 import jsonschema
 import pytest
 import torch
-from harness.serve import complete_many, complete_streams, greedy_request, npuserve_process
+from harness.serve import complete_over, greedy_request, npuserve_process
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -99,13 +98,7 @@ def test_sigkill_one_executor_mid_run(
         ):
             address = scheduler_ready["address"]
             stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
-
-            def complete(disturb: Callable[[], object] | None = None) -> tuple[list[list[int]], list[str]]:
-                if client_call == "generate-many":
-                    return complete_many(address, requests, disturb)
-                return complete_streams(stub, requests, disturb)
-
-            undisturbed, _ = complete()
+            undisturbed, _ = complete_over(client_call, address, requests)
             tokenizer = Tokenizer.from_pretrained(stories_dir)
             for tokens, schema in zip(undisturbed[NUM_STREAMS:], schemas, strict=True):
                 assert len(tokens) > 8  # still generating when the executor is killed below
@@ -114,7 +107,7 @@ def test_sigkill_one_executor_mid_run(
             for i, request in enumerate(requests[NUM_STREAMS:]):  # named, to find them in the log
                 request.request_id = f"constrained-{i}"
             # Half of the streams lose their executor mid-generation.
-            outputs, reasons = complete(first.kill)
+            outputs, reasons = complete_over(client_call, address, requests, first.kill)
             assert reasons == ["length"] * NUM_STREAMS + ["stop"] * NUM_CONSTRAINED
             assert outputs == undisturbed  # nothing repeated, nothing skipped, same tokens
             moved = [line for line in scheduler.log().splitlines() if "requests moved" in line]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,14 +19,7 @@ import pytest
 import torch
 from harness.cluster import processes, wait_until
 from harness.pools import check_prefix_routing, idle_pools, pools
-from harness.serve import (
-    complete_many,
-    complete_streams,
-    greedy_workload,
-    start_executors,
-    start_scheduler,
-    worker_pids,
-)
+from harness.serve import complete_over, greedy_workload, start_executors, start_scheduler, worker_pids
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -237,13 +229,8 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
         first_pids = worker_pids(scheduler)
         assert len(first_pids) == 2, "one worker process per executor here"
 
-        def complete(disturb: Callable[[], object] | None = None) -> tuple[list[list[int]], list[str]]:
-            if client_call == "generate-many":
-                return complete_many(address, requests, disturb)
-            return complete_streams(stub, requests, disturb)
-
         # 32 concurrent greedy streams over both workers equal transformers.
-        outputs, reasons = complete()
+        outputs, reasons = complete_over(client_call, address, requests)
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
 
@@ -256,7 +243,7 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
             assert all(p.num_requests > 0 for p in busy.values())
             os.kill(first_pids[0], signal.SIGKILL)
 
-        outputs, reasons = complete(kill_a_busy_worker)
+        outputs, reasons = complete_over(client_call, address, requests, kill_a_busy_worker)
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
         taken = [e for e in scheduler.events() if e["event"] == "outputs taken from the API processes"]
