@@ -160,6 +160,17 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             },
         ),
         Flag(
+            "num_scheduler_steps",
+            "--num-scheduler-steps",
+            {
+                "type": int,
+                "default": 1,
+                "help": "multi-step decoding: each step runs up to this many forward passes for the "
+                "sequences that sample in it, a token each, so the scheduler's per-step costs are paid "
+                "once for them; new requests wait for the executor's current step",
+            },
+        ),
+        Flag(
             "step_transport",
             "--step-transport",
             {
@@ -196,6 +207,7 @@ BENCH_FIELDS = (
     "api_server_count",
     "async_scheduling",
     "stream_interval",
+    "num_scheduler_steps",
 )
 
 

@@ -3,7 +3,8 @@
 It keeps per-request state between steps (`InputBatch`), so a plan carries a request's data
 once and later only deltas. One step: drop finished requests, admit new ones, append blocks,
 gather the flat batch, run the model, compute logits only for the requests that reached their
-last known token, sample there, and record the sampled tokens.
+last known token, sample there, and record the sampled tokens. A multi-step plan then runs more
+passes over its multi-step requests, each feeding back the tokens the one before sampled.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from npuserve.executor.sampler import (
 )
 from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
+from npuserve.proto.plan_checks import check_num_steps
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     StepPlan,
@@ -155,6 +157,36 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return result
         inputs = self.batch.prepare(plan.num_scheduled_tokens)
+        if plan.num_steps:
+            self._check_num_steps(plan, inputs)
+        sampled_req_ids = [
+            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
+        ]
+        # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
+        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
+        timings = StepTimings()
+        self._run_pass(inputs, sampled_req_ids, allowed, result, timings, start)
+        # Multi-step decoding: each later pass feeds back the tokens the one before sampled.
+        for index in range(1, max(plan.num_steps.values(), default=1)):
+            pass_start = time.perf_counter()
+            req_ids = [r for r, n in plan.num_steps.items() if n > index]
+            self._run_pass(
+                self.batch.prepare(dict.fromkeys(req_ids, 1)), req_ids, None, result, timings, pass_start
+            )
+        timings.total_s = time.perf_counter() - start
+        result.timings = timings
+        return result
+
+    def _run_pass(
+        self,
+        inputs: StepInputs,
+        sampled_req_ids: list[str],
+        allowed: AllowedTokens | None,
+        result: StepResult,
+        timings: StepTimings,
+        start: float,
+    ) -> None:
+        """One forward pass over ``inputs``; the tokens it samples join ``result`` and the batch."""
         metadata = build_attention_metadata(
             inputs.query_lens,
             inputs.seq_lens,
@@ -164,13 +196,8 @@ class ModelRunner:
             self.device,
         )
         self.backend.prepare(metadata)
-        input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)
-        positions = torch.from_numpy(inputs.positions).to(self.device)
-        sampled_req_ids = [
-            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
-        ]
-        # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
-        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
+        input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)  # [T]
+        positions = torch.from_numpy(inputs.positions).to(self.device)  # [T]
         prepared = time.perf_counter()
 
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
@@ -183,21 +210,32 @@ class ModelRunner:
             sampling = self._sampling_metadata(inputs)
             sampling.allowed_tokens = allowed
             output = self.sampler(logits, sampling)
-            sampled_ids = output.token_ids.cpu().numpy().astype(np.int32)
-            result.sampled_req_ids = sampled_req_ids
-            result.sampled_token_ids = sampled_ids.tolist()
-            result.logprobs = _logprobs_lists(
+            sampled_ids = output.token_ids.cpu().numpy().astype(np.int32)  # [S]
+            result.sampled_req_ids += sampled_req_ids
+            result.sampled_token_ids += sampled_ids.tolist()
+            result.logprobs += _logprobs_lists(
                 output, self.batch.sampling.columns["num_logprobs"][inputs.rows[inputs.sample_mask]]
             )
             sampled = time.perf_counter()
         self.batch.commit(inputs, sampled_ids)
-        result.timings = StepTimings(
-            prepare_s=prepared - start,
-            forward_s=forwarded - prepared,
-            sample_s=sampled - forwarded,
-            total_s=time.perf_counter() - start,
-        )
-        return result
+        timings.prepare_s += prepared - start
+        timings.forward_s += forwarded - prepared
+        timings.sample_s += sampled - forwarded
+
+    def _check_num_steps(self, plan: StepPlan, inputs: StepInputs) -> None:
+        """Multi-step requests sample in the first pass and hold blocks for every later one."""
+        batch = self.batch
+        for index, req_id in enumerate(plan.num_scheduled_tokens):
+            num_steps = plan.num_steps.get(req_id, 1)
+            if num_steps > 1:
+                check_num_steps(
+                    req_id,
+                    num_steps,
+                    bool(inputs.sample_mask[index]),
+                    int(inputs.seq_lens[index]),
+                    int(batch.num_req_blocks[inputs.rows[index]]) * self.block_size,
+                    self.max_model_len,
+                )
 
     def _update_states(self, plan: StepPlan) -> None:
         batch = self.batch

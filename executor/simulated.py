@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
-from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request
+from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request, check_num_steps
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     NewRequest,
@@ -184,7 +184,11 @@ class SimulatedRunner:
             raise
         num_tokens = plan.total_num_scheduled_tokens
         num_seqs = len(plan.num_scheduled_tokens)
-        modeled = self.config.latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+        latency = self.config.latency
+        modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+        for num_continuing in _later_pass_sizes(plan.num_steps):  # one token each
+            modeled += latency.step_seconds(num_continuing, num_continuing)
+            num_tokens += num_continuing
         done = time.perf_counter()
         remaining = start + modeled - done
         if remaining > 0:
@@ -229,6 +233,16 @@ class SimulatedRunner:
                 raise PlanError("tokens scheduled beyond a request's known tokens")
             if seq_len > state.num_blocks * block_size:
                 raise PlanError("tokens scheduled beyond a request's blocks")
+            num_steps = plan.num_steps.get(req_id, 1)
+            if num_steps > 1:
+                check_num_steps(
+                    req_id,
+                    num_steps,
+                    seq_len == state.num_tokens,
+                    seq_len,
+                    state.num_blocks * block_size,
+                    self.config.max_model_len,
+                )
             scheduled.append((req_id, state, seq_len))
         masks = self._masks(plan, scheduled)
         result = StepResult(step_id=plan.step_id)
@@ -240,7 +254,23 @@ class SimulatedRunner:
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(self._logprobs(state, token))
                 state.num_tokens += 1
+        if plan.num_steps:
+            self._run_later_passes(plan.num_steps, result)
         return result
+
+    def _run_later_passes(self, num_steps: dict[str, int], result: StepResult) -> None:
+        """Multi-step decoding: each pass after the first feeds back the token the last sampled."""
+        requests = self._requests
+        for index in range(1, max(num_steps.values())):
+            for req_id, steps in num_steps.items():
+                if steps > index:
+                    state = requests[req_id]
+                    state.num_computed_tokens = state.num_tokens
+                    token = self._sample(state)
+                    result.sampled_req_ids.append(req_id)
+                    result.sampled_token_ids.append(token)
+                    result.logprobs.append(self._logprobs(state, token))
+                    state.num_tokens += 1
 
     def _add(self, req: NewRequest) -> None:
         c = self.config
@@ -296,3 +326,10 @@ class SimulatedRunner:
         vocab = self.config.vocab_size
         top_ids = [(token + i) % vocab for i in range(min(state.num_logprobs, vocab))]
         return TokenLogprobs(0.0, 1, top_ids, [0.0 if i == 0 else -20.0 for i in range(len(top_ids))])
+
+
+def _later_pass_sizes(num_steps: dict[str, int]) -> list[int]:
+    """How many requests run each pass after a multi-step plan's first."""
+    if not num_steps:
+        return []
+    return [sum(1 for n in num_steps.values() if n > index) for index in range(1, max(num_steps.values()))]

@@ -32,3 +32,17 @@ def check_block_ids(
         raise PlanError(f"request {req_id!r}: more blocks than max_model_len needs")
     if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
         raise PlanError(f"request {req_id!r}: block id outside 1..{num_blocks - 1}")
+
+
+def check_num_steps(
+    req_id: str, num_steps: int, samples: bool, seq_len: int, num_slots: int, max_model_len: int
+) -> None:
+    """A request that runs ``num_steps`` passes in one step (multi-step decoding): it samples in
+    the first (``samples``; ``seq_len`` tokens computed after it) and its ``num_slots`` block
+    slots and the model's length hold every token the later passes add."""
+    if not samples:
+        raise PlanError(f"request {req_id!r}: {num_steps} passes, but it samples no token in the first")
+    if seq_len + num_steps - 1 > num_slots:
+        raise PlanError(f"request {req_id!r}: {num_steps} passes need slots beyond its blocks")
+    if seq_len + num_steps > max_model_len:
+        raise PlanError(f"request {req_id!r}: {num_steps} passes run past max_model_len {max_model_len}")

@@ -62,6 +62,9 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     if plan.bitmask is not None:
         msg.bitmask.req_ids.extend(plan.bitmask.req_ids)
         msg.bitmask.words = plan.bitmask.words
+    if plan.num_steps:
+        steps = plan.num_steps
+        msg.num_steps.extend([steps.get(r, 1) for r in plan.num_scheduled_tokens])
     return msg
 
 
@@ -75,6 +78,10 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
     num_scheduled_tokens = dict(zip(req_ids, counts, strict=True))
     if len(num_scheduled_tokens) != len(req_ids):
         raise CodecError(f"step {msg.step_id}: a request is scheduled twice")
+    bitmask = _bitmask_from_proto(msg, num_scheduled_tokens)
+    num_steps = _num_steps_from_proto(msg, req_ids)
+    if bitmask is not None and num_steps and not num_steps.keys().isdisjoint(bitmask.req_ids):
+        raise CodecError(f"step {msg.step_id}: a constrained request cannot run several passes")
     return StepPlan(
         step_id=msg.step_id,
         new_requests=[_new_request_from_proto(req) for req in msg.new_requests],
@@ -82,8 +89,21 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         num_scheduled_tokens=num_scheduled_tokens,
         finished_req_ids=msg.finished_req_ids[:],
         reset=msg.reset,
-        bitmask=_bitmask_from_proto(msg, num_scheduled_tokens),
+        bitmask=bitmask,
+        num_steps=num_steps,
     )
+
+
+def _num_steps_from_proto(msg: pb.StepRequest, req_ids: list[str]) -> dict[str, int]:
+    """The requests that run more than one pass (the wire lists every scheduled one, or none)."""
+    steps = msg.num_steps[:]
+    if not steps:
+        return {}
+    if len(steps) != len(req_ids):
+        raise CodecError(f"step {msg.step_id}: {len(steps)} num_steps for {len(req_ids)} scheduled requests")
+    if min(steps) < 1:
+        raise CodecError(f"step {msg.step_id}: a request runs no pass (num_steps 0)")
+    return {r: n for r, n in zip(req_ids, steps, strict=True) if n > 1}
 
 
 def _bitmask_from_proto(msg: pb.StepRequest, scheduled: dict[str, int]) -> TokenBitmask | None:

@@ -91,6 +91,11 @@ class StepPlan:
     reset: bool = False
     # The constrained requests that sample this step, and the tokens each may sample.
     bitmask: TokenBitmask | None = None
+    # Multi-step decoding (vLLM's --num-scheduler-steps): requests that run more than one
+    # forward pass this step, with their count. The first pass runs the scheduled tokens and must
+    # sample; each later one feeds back the token the pass before sampled, so the request
+    # samples that many tokens. The scheduler has given it blocks for all of them.
+    num_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -116,8 +121,9 @@ class StepTimings:
 @dataclass(slots=True)
 class StepResult:
     step_id: int
-    # Requests whose scheduled tokens reached the end of their known tokens got one new token;
-    # requests in the middle of a chunked prefill get none.
+    # Requests whose scheduled tokens reached the end of their known tokens got one new token
+    # (one per pass with `StepPlan.num_steps`: a request is named once per token, in the order
+    # sampled); requests in the middle of a chunked prefill get none.
     sampled_req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)

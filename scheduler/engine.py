@@ -96,6 +96,11 @@ class QueueFullError(RuntimeError):
     """More requests wait than --max-queued-requests allows (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
+# The most passes one step may run for a request (`--num-scheduler-steps`): a new request waits
+# for its executor's current step, so more would add to its time to first token.
+MAX_SCHEDULER_STEPS = 32
+
+
 @dataclass(slots=True)
 class EngineConfig:
     served_model_name: str
@@ -105,12 +110,17 @@ class EngineConfig:
     trust_request_chat_template: bool = False  # render chat templates that clients send
     async_scheduling: bool = False  # schedule each step while the executor runs the one before
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first (`RequestStream`)
+    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(
+                f"--num-scheduler-steps must be within 1..{MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}"
+            )
 
 
 class NoExecutorError(RuntimeError):
@@ -175,7 +185,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         if self.step_workers is not None:
             settings = LaneSettings(
-                self.config.enable_prefix_caching, self.config.async_scheduling, self.grammars.settings
+                self.config.enable_prefix_caching,
+                self.config.async_scheduling,
+                self.grammars.settings,
+                self.config.num_scheduler_steps,
             )
             self.step_workers.start(settings, self._on_reports, self._on_worker_lost)
         for executor_id, executor, info in self._pending:
@@ -249,7 +262,11 @@ class Engine:
             assert isinstance(executor, ExecutorClient), "worker processes drive remote executors"
             lane = self.step_workers.open_lane(executor_id, executor, info)
         else:
-            scheduler = Scheduler(SchedulerConfig.for_executor(info, self.config.enable_prefix_caching))
+            scheduler = Scheduler(
+                SchedulerConfig.for_executor(
+                    info, self.config.enable_prefix_caching, self.config.num_scheduler_steps
+                )
+            )
             lane = ExecutorLane(
                 executor_id, executor, scheduler, self._on_lane_event, self.config.async_scheduling
             )

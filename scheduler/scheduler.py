@@ -36,9 +36,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    # Multi-step decoding (vLLM's --num-scheduler-steps): a request that samples in a step runs
+    # up to this many passes in it, one token each, so every per-step cost is paid once for them.
+    num_scheduler_steps: int = 1
 
     @classmethod
-    def for_executor(cls, info: ExecutorInfo, enable_prefix_caching: bool = True) -> SchedulerConfig:
+    def for_executor(
+        cls, info: ExecutorInfo, enable_prefix_caching: bool = True, num_scheduler_steps: int = 1
+    ) -> SchedulerConfig:
         """Scheduling within what an executor reported in its capacity handshake."""
         return cls(
             num_blocks=info.num_blocks,
@@ -47,6 +52,7 @@ class SchedulerConfig:
             max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=info.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            num_scheduler_steps=num_scheduler_steps,
         )
 
 
@@ -134,6 +140,11 @@ class Scheduler:
         sampling: list[Request] = []
 
         running, kv = RequestStatus.RUNNING, self.kv
+        # NOTE: a step that admits requests runs one pass, so their first tokens come after it
+        # (vLLM's multi-step does the same with prefills); only steps of running requests run more.
+        multi_step = self.config.num_scheduler_steps > 1 and not (
+            self.waiting and len(self.running) < self.config.max_num_seqs
+        )
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -144,13 +155,16 @@ class Scheduler:
                 continue  # its in-flight step decides what comes next
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
-            if not kv.fits_held_blocks(request, num_new):  # NOTE: most decode steps fit
-                new_blocks = self._allocate_or_preempt(request, num_new, plan, stats)
+            num_steps = self._num_steps(request, request.num_computed_tokens + num_new) if multi_step else 1
+            # NOTE: the slots of a multi-step request's later passes are allocated with its first.
+            num_slots = num_new + num_steps - 1
+            if not kv.fits_held_blocks(request, num_slots):  # NOTE: most decode steps fit
+                new_blocks = self._allocate_or_preempt(request, num_slots, plan, stats)
                 if new_blocks is None:
                     continue  # the request itself was preempted
                 if new_blocks:
                     plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
-            self._grant(request, num_new, plan, stats, scheduled, sampling)
+            self._grant(request, num_new, num_steps, plan, stats, scheduled, sampling)
             budget -= num_new
 
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
@@ -180,7 +194,7 @@ class Scheduler:
                     num_computed_tokens=num_hit_tokens,
                 )
             )
-            self._grant(request, num_new, plan, stats, scheduled, sampling)
+            self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
             budget -= num_new
 
         stats.requests = scheduled
@@ -195,16 +209,32 @@ class Scheduler:
             return False
         return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
 
+    def _num_steps(self, request: Request, num_computed: int) -> int:
+        """The passes a request runs in a multi-step plan: one unless its first pass computes up
+        to its last known token (``num_computed`` after it: it samples), then up to
+        ``num_scheduler_steps`` but no more than the tokens it may still sample; one for a
+        constrained request (each token needs its mask)."""
+        num_pending = request.num_pending_tokens
+        num_output = len(request.output_token_ids)
+        known = len(request.prompt_token_ids) + num_output + num_pending
+        if num_computed < known or request.grammar is not None:
+            return 1
+        return max(
+            1, min(self.config.num_scheduler_steps, request.max_output_tokens - num_output - num_pending)
+        )
+
     def _grant(
         self,
         request: Request,
         num_new: int,
+        num_steps: int,
         plan: StepPlan,
         stats: StepStats,
         scheduled: list[Request],
         sampling: list[Request],
     ) -> None:
-        """Puts ``num_new`` tokens of a request in the plan; the executor will hold them."""
+        """Puts ``num_new`` tokens of a request in the plan, and ``num_steps - 1`` passes after
+        them if it samples (`_num_steps`); the executor will hold them."""
         plan.num_scheduled_tokens[request.req_id] = num_new
         stats.num_scheduled_tokens += num_new
         num_computed = request.num_computed_tokens
@@ -215,8 +245,12 @@ class Scheduler:
         request.num_computed_tokens = num_computed = num_computed + num_new
         if num_computed >= num_prompt + len(request.output_token_ids) + request.num_pending_tokens:
             # NOTE: this step samples the request's next token (its value comes with the result).
-            request.num_pending_tokens += 1
+            request.num_pending_tokens += num_steps
             sampling.append(request)
+            if num_steps > 1:  # the later passes compute a token each: the one sampled before
+                plan.num_steps[request.req_id] = num_steps
+                request.num_computed_tokens += num_steps - 1
+                stats.num_scheduled_tokens += num_steps - 1
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan, stats: StepStats
@@ -247,8 +281,12 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Appends the sampled tokens and applies the token stop rules (the plan's tokens were
-        counted as computed when it was scheduled)."""
+        counted as computed when it was scheduled). A multi-step plan's result names a request
+        once per token it sampled: its stop rules run after each, and the tokens its later
+        passes sampled after a stop are dropped (a constrained request runs one pass)."""
+        multi_step = bool(plan.num_steps)
         updates = []
+        by_request: dict[str, RequestUpdate] = {}  # multi-step: each request's update so far
         constrained = []
         requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id, logprobs in zip(
@@ -258,15 +296,29 @@ class Scheduler:
             if request is None or request.status is not running:
                 continue  # aborted (or preempted) while the step ran
             request.num_pending_tokens -= 1
+            if multi_step:
+                update = by_request.get(req_id)
+                if update is not None:  # a later pass's token
+                    if update.finished is None:
+                        request.append_output(token_id, logprobs)
+                        update.new_token_ids.append(token_id)
+                        update.new_logprobs.append(logprobs)
+                        update.finished = request.check_stop()
+                    continue
             request.append_output(token_id, logprobs)
-            updates.append(RequestUpdate(request, [token_id], [logprobs]))
+            update = RequestUpdate(request, [token_id], [logprobs])
+            updates.append(update)
             if request.grammar is not None:
                 constrained.append(request.grammar)
+            elif multi_step:  # its stop rules before its next pass's token
+                by_request[req_id] = update
+                update.finished = request.check_stop()
         if constrained:  # NOTE: the stop rules read the masks: all of them advance first
             advance_masks(constrained)
         finished = []
         for update in updates:
-            update.finished = update.request.check_stop()
+            if update.finished is None:
+                update.finished = update.request.check_stop()
             if update.finished is not None:
                 finished.append(update)
         if finished:

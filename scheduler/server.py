@@ -154,6 +154,7 @@ class SchedulerConfig:
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
     async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first
+    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
     step_transport: str = DEFAULT_STEP_TRANSPORT  # one of executor_client.STEP_TRANSPORTS
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
@@ -214,6 +215,7 @@ async def serve_scheduler(
             trust_request_chat_template=config.trust_request_chat_template,
             async_scheduling=config.async_scheduling,
             stream_interval=config.stream_interval,
+            num_scheduler_steps=config.num_scheduler_steps,
         ),
         tokenizer,
         executors,

@@ -90,6 +90,7 @@ class LaneSettings:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     grammar: GrammarSettings | None = None  # to build matchers for constrained requests
+    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
 
 
 class StepWorker:
@@ -171,7 +172,10 @@ class StepWorker:
     ) -> None:
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
         client = AioExecutorClient.from_spec(self.spec, address, instance_id)
-        scheduler = Scheduler(SchedulerConfig.for_executor(info, self.settings.enable_prefix_caching))
+        settings = self.settings
+        scheduler = Scheduler(
+            SchedulerConfig.for_executor(info, settings.enable_prefix_caching, settings.num_scheduler_steps)
+        )
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 
         def on_event(lane: ExecutorLane, event: LaneEvent) -> None:

@@ -96,6 +96,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         api_server_count=config.api_server_count,
         async_scheduling=config.async_scheduling,
         stream_interval=config.stream_interval,
+        num_scheduler_steps=config.num_scheduler_steps,
     )
     return [
         "scheduler",
@@ -332,6 +333,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,
             stream_interval=args.stream_interval,
+            num_scheduler_steps=args.num_scheduler_steps,
             client_call=args.client_call,
             scheduler_log_level=args.scheduler_log_level,
             seed=args.seed,

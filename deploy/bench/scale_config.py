@@ -41,6 +41,7 @@ class ScaleConfig:
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool = False
     stream_interval: int = 1  # the scheduler's --stream-interval
+    num_scheduler_steps: int = 1  # the scheduler's --num-scheduler-steps
     client_call: str = CLIENT_CALLS[0]
     scheduler_log_level: str = "warning"
     seed: int = 0

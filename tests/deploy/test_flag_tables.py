@@ -60,6 +60,7 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         routing="least-load",
         max_queued_requests=5,
         stream_interval=4,
+        num_scheduler_steps=8,
         step_transport="stream",
         step_timeout_s=9.5,
         connect_timeout_s=7.0,

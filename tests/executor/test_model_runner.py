@@ -321,6 +321,68 @@ def test_bitmask_confines_its_request_and_a_bad_one_is_refused_before_the_forwar
     assert runner.execute(whole).sampled_token_ids == [allowed]
 
 
+# ------------------------------------------------------------------------ multi-step decoding
+
+
+def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> None:
+    """Four passes per step (greedy, seeded, penalised, with logprobs and min_tokens, prefills
+    chunked under a small budget) give every request the tokens and logprobs one pass per step
+    gives: each later pass feeds back the token the one before sampled."""
+    stop = greedy_reference(stories_dir, PROMPT, 8)[2]
+    specs = [
+        *others(),
+        target(),
+        DrivenRequest("min", PROMPT, 7, SamplingOptions(temperature=0, min_tokens=3, stop_token_ids=(stop,))),
+    ]
+
+    def run(num_steps: int, token_budget: int) -> list[DrivenRequest]:
+        requests = [DrivenRequest(r.req_id, r.prompt, r.max_new_tokens, r.sampling) for r in specs]
+        runner = make_runner(stories_dir, seed=5)
+        outputs(StepDriver(runner, num_steps=num_steps), requests, token_budget)
+        assert runner.batch.num_reqs == 0
+        return requests
+
+    def same(a: list[DrivenRequest], b: list[DrivenRequest]) -> None:
+        for x, y in zip(a, b, strict=True):
+            assert x.output == y.output, x.req_id
+            for lx, ly in zip(x.logprobs, y.logprobs, strict=True):  # float sums of other batches
+                assert (lx is None) == (ly is None), x.req_id
+                if lx is not None and ly is not None:
+                    assert (lx.rank, lx.top_token_ids) == (ly.rank, ly.top_token_ids)
+                    assert lx.logprob == pytest.approx(ly.logprob, abs=1e-4)
+
+    single = run(num_steps=1, token_budget=10_000)
+    same(run(num_steps=4, token_budget=10_000), single)
+    same(run(num_steps=3, token_budget=7), single)  # prefills chunked: only sampling requests run on
+    assert any(r.logprobs[0] is not None for r in single)
+
+
+def test_multi_step_plan_is_refused_where_it_cannot_run(stories_dir: Path) -> None:
+    """More than one pass for a request that samples nothing in the first, or whose blocks do not
+    hold the later passes' tokens, is a PlanError before any forward; the KV cache is as it was."""
+    runner = make_runner(stories_dir)
+    caches = [cache.clone() for cache in runner.kv_caches]
+
+    def new(block_ids: list[int]) -> NewRequest:
+        return NewRequest("a", list(PROMPT), len(PROMPT), GREEDY, block_ids=block_ids, num_computed_tokens=0)
+
+    chunk = StepPlan(0, [new([5])], num_scheduled_tokens={"a": 2}, num_steps={"a": 2})
+    with pytest.raises(PlanError, match="samples no token in the first"):
+        runner.execute(chunk)
+    block_size = runner.block_size
+    full = [1, *random_prompt(block_size - 1, seed=2)]  # fills its one block: no slot for a second pass
+    tight = StepPlan(
+        1,
+        [NewRequest("b", full, len(full), GREEDY, block_ids=[6], num_computed_tokens=0)],
+        num_scheduled_tokens={"b": len(full)},
+        num_steps={"b": 2},
+    )
+    with pytest.raises(PlanError, match="beyond its blocks"):
+        runner.execute(tight)
+    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
+    assert runner.batch.num_reqs == 0
+
+
 # ------------------------------------------------------------------------------------ info
 
 

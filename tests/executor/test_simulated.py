@@ -137,6 +137,45 @@ def test_bitmasks_are_checked_as_the_real_runner_checks_them() -> None:
     assert runner.execute(whole).sampled_token_ids == [77]
 
 
+def test_multi_step_plans_sample_the_tokens_single_steps_would_and_take_each_pass_s_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request with three passes samples at three positions, the tokens three steps would give
+    it; a request in the middle of its prefill cannot run more than one; each pass is modelled."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(simulated.time, "sleep", sleeps.append)
+    latency = LatencyModel(base_s=0.02, per_token_s=0.0001, per_seq_s=0.001)
+    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
+    plan = StepPlan(
+        1,
+        new_requests=[new("a", [1, 2]), new("b", [3, 4])],
+        num_scheduled_tokens={"a": 5, "b": 5},
+        num_steps={"a": 3},
+    )
+    result = runner.execute(plan)
+    assert result.sampled_req_ids == ["a", "b", "a", "a"]
+    assert result.sampled_token_ids == [
+        runner.token_for("a", 5),
+        runner.token_for("b", 5),
+        runner.token_for("a", 6),
+        runner.token_for("a", 7),
+    ]
+    assert runner.stats.modeled_s == pytest.approx(
+        latency.step_seconds(10, 2) + 2 * latency.step_seconds(1, 1)
+    )
+    assert sum(sleeps) <= runner.stats.modeled_s
+    after = runner.execute(StepPlan(2, num_scheduled_tokens={"a": 1}))  # it goes on from its last token
+    assert after.sampled_token_ids == [runner.token_for("a", 8)]
+    with pytest.raises(PlanError, match="samples no token in the first"):
+        runner.execute(
+            StepPlan(3, new_requests=[new("c", [5, 6])], num_scheduled_tokens={"c": 2}, num_steps={"c": 2})
+        )
+    with pytest.raises(PlanError, match="beyond its blocks"):
+        runner.execute(
+            StepPlan(4, new_requests=[new("d", [7, 8])], num_scheduled_tokens={"d": 5}, num_steps={"d": 5})
+        )
+
+
 def test_tokens_are_deterministic_and_eos_only_when_asked() -> None:
     never = SimulatedRunner(SimulatedConfig(vocab_size=8, eos_token_ids=(2, 5)))
     tokens = [never.token_for(f"req-{i}", p) for i in range(50) for p in range(20)]

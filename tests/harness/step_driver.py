@@ -42,11 +42,14 @@ class StepDriver:
 
     Blocks come from a shuffled pool, so block tables are never contiguous. It is a test
     harness for the executor's contract, not a scheduler: no preemption, no admission control.
+    ``num_steps`` above 1 plans multi-step decoding: a request that samples in a step runs up to
+    that many passes in it (no more than it has tokens left to make), with blocks for them all.
     """
 
-    def __init__(self, runner, token_budget: int = 10_000, seed: int = 0) -> None:
+    def __init__(self, runner, token_budget: int = 10_000, seed: int = 0, num_steps: int = 1) -> None:
         self.runner = runner
         self.token_budget = token_budget
+        self.num_steps = num_steps
         self.block_size = runner.block_size
         self.free_blocks = list(range(1, runner.num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
@@ -72,7 +75,12 @@ class StepDriver:
             if num_new <= 0:
                 break
             budget -= num_new
-            needed = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.block_ids)
+            samples = req.num_computed_tokens + num_new == len(req.tokens)
+            passes = min(self.num_steps, req.max_new_tokens - len(req.output)) if samples else 1
+            if passes > 1:
+                plan.num_steps[req.req_id] = passes
+            num_slots = num_new + passes - 1
+            needed = -(-(req.num_computed_tokens + num_slots) // self.block_size) - len(req.block_ids)
             new_blocks = [self.free_blocks.pop() for _ in range(max(0, needed))]
             req.block_ids += new_blocks
             if not req.sent:
@@ -93,7 +101,7 @@ class StepDriver:
         result = self.runner.execute(plan)
         by_id = {r.req_id: r for r in active}
         for req_id, num_new in plan.num_scheduled_tokens.items():
-            by_id[req_id].num_computed_tokens += num_new
+            by_id[req_id].num_computed_tokens += num_new + plan.num_steps.get(req_id, 1) - 1
         for req_id, token, logprobs in zip(
             result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):

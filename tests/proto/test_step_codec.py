@@ -126,6 +126,35 @@ def test_info_round_trip_and_identity() -> None:
     assert info_from_proto(pb.ExecutorInfo.FromString(msg.SerializeToString())) == info
 
 
+def test_multi_step_counts_travel_per_scheduled_request() -> None:
+    """`num_steps` names only the requests that run more than one pass; the wire lists a count
+    per scheduled request (none at all for a plan without), and the decoded plan is the same."""
+    plan = _mixed_plan()
+    assert not plan_to_proto(plan).num_steps
+    plan.num_steps = {"a-new": 4, "z-new": 2}
+    assert plan_to_proto(plan).num_steps == [2, 1, 4, 1]
+    assert _wire_plan(plan) == plan
+
+
+@pytest.mark.parametrize(
+    ("counts", "bitmask", "message"),
+    [
+        ([2], False, "1 num_steps for 2 scheduled"),
+        ([2, 0], False, "runs no pass"),
+        ([2, 1], True, "constrained request cannot run several passes"),
+    ],
+)
+def test_bad_multi_step_counts_are_refused(counts: list[int], bitmask: bool, message: str) -> None:
+    msg = pb.StepRequest(
+        step_id=1, scheduled_req_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_steps=counts
+    )
+    if bitmask:
+        msg.bitmask.req_ids.append("a")
+        msg.bitmask.words = b"\0\0\0\0"
+    with pytest.raises(CodecError, match=message):
+        plan_from_proto(msg)
+
+
 def test_scheduled_lists_of_different_lengths_are_refused() -> None:
     msg = pb.StepRequest(step_id=1, scheduled_req_ids=["a", "b"], num_scheduled_tokens=[1])
     with pytest.raises(CodecError, match="2 scheduled_req_ids but 1"):

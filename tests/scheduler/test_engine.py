@@ -12,6 +12,7 @@ from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.engine import (
+    MAX_SCHEDULER_STEPS,
     EngineConfig,
     ModelNotFoundError,
     NoExecutorError,
@@ -75,6 +76,9 @@ def test_a_stream_interval_groups_each_streams_tokens(tokenizer: Tokenizer) -> N
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="--stream-interval"):
         EngineConfig("m", stream_interval=0)
+    for num_steps in (0, MAX_SCHEDULER_STEPS + 1):
+        with pytest.raises(ValueError, match="--num-scheduler-steps"):
+            EngineConfig("m", num_scheduler_steps=num_steps)
 
 
 def test_siblings_of_an_n_request_run_on_one_executor(tokenizer: Tokenizer) -> None:

@@ -47,7 +47,7 @@ class CheckedExecutor:
         self.check(plan)
         result = self.runner.execute(plan)
         for req_id, num in plan.num_scheduled_tokens.items():
-            self.sent[req_id].num_computed_tokens += num
+            self.sent[req_id].num_computed_tokens += num + plan.num_steps.get(req_id, 1) - 1
         for req_id, token in zip(result.sampled_req_ids, result.sampled_token_ids, strict=True):
             self.sent[req_id].token_ids.append(token)
         assert self.runner.num_requests == len(self.sent) and all(map(self.runner.holds, self.sent))
@@ -76,10 +76,17 @@ class CheckedExecutor:
         assert sent <= set(plan.num_scheduled_tokens), "a request sent but not scheduled"
 
         written: dict[int, str] = {}
-        for req_id, num in plan.num_scheduled_tokens.items():
+        for req_id, num_scheduled in plan.num_scheduled_tokens.items():
             assert req_id in self.sent, f"{req_id} scheduled without having been sent whole"
             st = self.sent[req_id]
             req = self.scheduler.requests[req_id]
+            # NOTE: a multi-step request's later passes compute one token each (the one sampled before).
+            num_steps = plan.num_steps.get(req_id, 1)
+            num = num_scheduled + num_steps - 1
+            if num_steps > 1:
+                assert st.num_computed_tokens + num_scheduled == len(st.token_ids), "it samples first"
+                assert num_steps <= cfg.num_scheduler_steps and req.grammar is None
+                assert len(req.output_token_ids) + num_steps <= req.max_output_tokens, "no token past max"
             # NOTE: the scheduler counts the plan's tokens as computed once it is scheduled.
             assert st.num_computed_tokens == req.num_computed_tokens - num
             assert st.token_ids == req.all_token_ids, "executor and scheduler disagree on tokens"
@@ -134,7 +141,8 @@ class Run:
         assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(plan.num_scheduled_tokens) <= cfg.max_num_seqs
         assert len(sched.running) <= cfg.max_num_seqs
-        assert stats.num_scheduled_tokens == plan.total_num_scheduled_tokens
+        later_passes = sum(n - 1 for n in plan.num_steps.values())
+        assert stats.num_scheduled_tokens == plan.total_num_scheduled_tokens + later_passes
         result = self.executor.step(plan)
         updates = sched.update_from_output(plan, result)
         self.updates.append(updates)
@@ -630,10 +638,11 @@ def test_fail_step_resends_the_failed_plans_drops() -> None:
     assert set(run.outputs) == {"c"}
 
 
+@pytest.mark.parametrize("num_scheduler_steps", [1, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_keeps_every_invariant(seed: int) -> None:
+def test_random_workload_keeps_every_invariant(seed: int, num_scheduler_steps: int) -> None:
     """Random arrivals, aborts and failed steps on a small pool: every plan is consistent, the pool
-    stays whole, and every request ends returning all its blocks."""
+    stays whole, and every request ends returning all its blocks (multi-step plans too)."""
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
     run = new_run(
@@ -642,6 +651,7 @@ def test_random_workload_keeps_every_invariant(seed: int) -> None:
         block_size=bs,
         max_num_batched_tokens=rng.randint(8, 24),
         max_num_seqs=rng.randint(2, 6),
+        num_scheduler_steps=num_scheduler_steps,
     )
     sched = run.scheduler
     prefixes = [prompt_of(rng.randint(2, 9), s) for s in range(3)]
@@ -670,3 +680,67 @@ def test_random_workload_keeps_every_invariant(seed: int) -> None:
     run.until_done()
     assert added == 40 and failures > 0
     assert sched.total_preemptions > 0
+
+
+# ------------------------------------------------------------------------ multi-step decoding
+
+
+def test_multi_step_runs_decodes_ahead_with_blocks_for_every_pass() -> None:
+    """With four passes per step: the step that admits requests runs one pass (their first tokens
+    come after it); then each step runs four passes for every running request, with the blocks
+    for all of them allocated with the first, no pass past max_tokens, and every token counted."""
+    run = new_run(num_scheduler_steps=4)
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(5), max_tokens=10))
+    sched.add_request(make_request("b", prompt_of(6, 1), max_tokens=6))
+    admit = run.step()
+    assert not admit.num_steps and admit.num_scheduled_tokens == {"a": 5, "b": 6}
+    decode = run.step()
+    assert decode.num_steps == {"a": 4, "b": 4} and decode.num_scheduled_tokens == {"a": 1, "b": 1}
+    # a: 6 known tokens + 3 more passes = 9 slots, 3 blocks of 4; b: 7 + 3 = 10, 3 blocks.
+    assert [len(sched.kv.get_block_ids(r)) for r in "ab"] == [3, 3]
+    assert [len(sched.requests[r].output_token_ids) for r in "ab"] == [5, 5]
+    last = run.step()
+    assert last.num_steps == {"a": 4}  # b has one token left: one pass; a has five
+    assert run.finished == {"b": RequestStatus.FINISHED_LENGTH}
+    run.until_done()
+    assert run.outputs == {
+        "a": [output_token(k) for k in range(1, 11)],
+        "b": [output_token(k, "b", 6) for k in range(1, 7)],
+    }
+
+
+def test_multi_step_drops_tokens_sampled_after_a_stop() -> None:
+    """EOS (or a stop token id) sampled in a step's second pass ends the request there: the
+    tokens its later passes sampled are not output, and its blocks all come back."""
+    for params in ({"eos_after": 3}, {"stop_token_ids": [output_token(3)]}):
+        eos_after = params.pop("eos_after", None)
+        outputs = []
+        for num_steps in (1, 4):
+            run = new_run(eos_after, num_scheduler_steps=num_steps)  # type: ignore[arg-type]
+            run.scheduler.add_request(make_request("a", prompt_of(NUM_PROMPT), max_tokens=9, **params))
+            run.until_done()
+            outputs.append((run.outputs, run.finished, run.stop_reasons))
+        assert outputs[0] == outputs[1]
+        assert len(outputs[1][0]["a"]) == 3
+
+
+@pytest.mark.parametrize("num_blocks", [14, 500])
+def test_multi_step_gives_the_outputs_of_single_steps(num_blocks: int) -> None:
+    """A crowded run (chunked prefills, prefix sharing, preemption when the pool is small) gives
+    every request the same tokens with four passes per step as with one."""
+    shared = prompt_of(9, 3)
+    outputs = []
+    for num_steps in (1, 4):
+        run = new_run(
+            num_blocks=num_blocks, max_num_batched_tokens=12, max_num_seqs=6, num_scheduler_steps=num_steps
+        )
+        for i in range(12):
+            run.scheduler.add_request(
+                make_request(f"r{i}", [*shared, *prompt_of(3 + i % 5, i)], max_tokens=3 + i % 7)
+            )
+        run.until_done()
+        outputs.append(run.outputs)
+        if num_steps > 1:
+            assert any(p.num_steps for p in run.executor.plans)
+    assert outputs[0] == outputs[1]

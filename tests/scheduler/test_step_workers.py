@@ -19,8 +19,16 @@ import pytest
 import torch
 from harness.cluster import processes, wait_until
 from harness.pools import check_prefix_routing, idle_pools, pools
-from harness.serve import complete_over, greedy_workload, start_executors, start_scheduler, worker_pids
+from harness.serve import (
+    complete_over,
+    greedy_workload,
+    metric_total,
+    start_executors,
+    start_scheduler,
+    worker_pids,
+)
 
+from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.block_pool import BlockPool
@@ -198,17 +206,23 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("api_server_count", "stream_interval", "client_call"),
-    [(1, 1, "generate"), (2, 1, "generate-many"), (2, 4, "generate")],
+    ("api_server_count", "stream_interval", "client_call", "num_scheduler_steps"),
+    [(1, 1, "generate", 1), (2, 1, "generate-many", 4), (2, 4, "generate", 1)],
 )
 def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
-    stories_dir: Path, tmp_path: Path, api_server_count: int, stream_interval: int, client_call: str
+    stories_dir: Path,
+    tmp_path: Path,
+    api_server_count: int,
+    stream_interval: int,
+    client_call: str,
+    num_scheduler_steps: int,
 ) -> None:
     """With API server processes, a worker sends the tokens of sequences that go on straight to
     them, so the front's copies lack those: a killed worker's sequences resume from what the API
     processes streamed. With `--stream-interval` the tokens the dead worker held back are
     computed again, and the streams still equal transformers. The streams go as Generate calls,
-    or over one GenerateMany call (as the gateway sends them)."""
+    or over one GenerateMany call (as the gateway sends them). `--num-scheduler-steps 4` (with
+    async scheduling) gives the same tokens."""
     _, requests, expected = greedy_workload(stories_dir, 11, NUM_STREAMS, NUM_NEW)
     with processes(tmp_path) as procs:
         addresses = start_executors(procs, stories_dir, ["e0", "e1"])
@@ -223,6 +237,8 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
             str(api_server_count),
             "--stream-interval",
             str(stream_interval),
+            "--num-scheduler-steps",
+            str(num_scheduler_steps),
         )
         address = scheduler.wait_ready()["address"]
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
@@ -233,6 +249,10 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
         outputs, reasons = complete_over(client_call, address, requests)
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
+        # Both executors' streams need NUM_NEW steps each of one pass, a quarter of them of four.
+        metrics = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+        num_steps = metric_total(metrics, "npuserve:step_seconds_count")
+        assert (num_steps < 2 * NUM_NEW) == (num_scheduler_steps > 1), num_steps
 
         # Routing sees each worker's prefix cache exactly.
         check_prefix_routing(stub, ["e0", "e1"], torch.Generator().manual_seed(11))
