@@ -99,11 +99,18 @@ def assert_greedy_within_tolerance(reference: torch.nn.Module, request: DrivenRe
 
 
 @pytest.mark.slow  # runs models for seconds
-@pytest.mark.parametrize("token_budget", [10_000, 100], ids=["whole-prefill", "chunked-prefill"])
-def test_batched_greedy_follows_transformers(model_dir: Path, device: str, token_budget: int) -> None:
+@pytest.mark.parametrize(
+    ("token_budget", "num_steps"),
+    [(10_000, 1), (100, 1), (10_000, 4)],
+    ids=["whole-prefill", "chunked-prefill", "multi-step"],
+)
+def test_batched_greedy_follows_transformers(
+    model_dir: Path, device: str, token_budget: int, num_steps: int
+) -> None:
+    """Multi-step plans run their later passes as paged decodes, a token each."""
     runner = make_runner(model_dir, device)
     requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts())]
-    StepDriver(runner, token_budget=token_budget).run(requests)
+    StepDriver(runner, token_budget=token_budget, num_steps=num_steps).run(requests)
     reference = reference_model(model_dir)
     for request in requests:
         assert_greedy_within_tolerance(reference, request)
@@ -152,7 +159,6 @@ def test_prefill_logits_within_bfloat16_tolerance(model_dir: Path, device: str) 
 
 
 # --------------------------------------------------------------------------- npuserve serve
-
 
 
 @pytest.fixture(scope="module")
