@@ -142,9 +142,7 @@ class Scheduler:
         running, kv = RequestStatus.RUNNING, self.kv
         # NOTE: a step that admits requests runs one pass, so their first tokens come after it
         # (vLLM's multi-step does the same with prefills); only steps of running requests run more.
-        multi_step = self.config.num_scheduler_steps > 1 and not (
-            self.waiting and len(self.running) < self.config.max_num_seqs
-        )
+        multi_step = self.config.num_scheduler_steps > 1 and not self._may_admit()
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -200,6 +198,13 @@ class Scheduler:
         stats.requests = scheduled
         plan.bitmask = step_bitmask(sampling)
         return plan, stats
+
+    def _may_admit(self) -> bool:
+        """Whether the first waiting request may start this step: a sequence slot is free, and
+        blocks for its tokens (prefix-cache hits aside, which only need fewer)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self.kv.pool.num_free_blocks * self.config.block_size >= self.waiting[0].num_tokens
 
     @staticmethod
     def _may_run_ahead(request: Request) -> bool:

@@ -744,3 +744,23 @@ def test_multi_step_gives_the_outputs_of_single_steps(num_blocks: int) -> None:
         if num_steps > 1:
             assert any(p.num_steps for p in run.executor.plans)
     assert outputs[0] == outputs[1]
+
+
+def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
+    """A waiting request that the free blocks could not hold does not hold the running ones to
+    one pass a step; once blocks are back, the step that admits it runs one pass."""
+    run = new_run(num_blocks=13, num_scheduler_steps=4)  # 12 usable blocks of 4 tokens
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(10), max_tokens=9))
+    sched.add_request(make_request("b", prompt_of(10, 1), max_tokens=9))
+    run.step()  # both admitted, one pass: 3 blocks each
+    assert run.step().num_steps == {"a": 4, "b": 4}  # 14 slots each: 4 blocks, 4 left free
+    sched.add_request(make_request("c", prompt_of(20, 2), max_tokens=2))  # needs 5 blocks
+    stalled = run.step()
+    assert stalled.num_steps == {"a": 4, "b": 4} and not stalled.new_requests
+    assert [r.req_id for r in sched.waiting] == ["c"]
+    assert run.finished == {"a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_LENGTH}
+    admitted = run.step()
+    assert [r.req_id for r in admitted.new_requests] == ["c"] and not admitted.num_steps
+    run.until_done()
+    assert [len(run.outputs[r]) for r in "abc"] == [9, 9, 2]
