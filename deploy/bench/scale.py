@@ -220,13 +220,13 @@ def saturation_notes(results: Sequence[Result]) -> list[str]:
             )
     fit = cost_model(results)
     if fit is not None:
-        per_step_ms, per_seq_us = fit
+        per_step_ms, per_token_us = fit
         notes.append(
-            f"scheduler CPU per step ~ {per_step_ms:.2f} ms + {per_seq_us:.0f} us x sequences in the step "
-            f"(least squares over these runs, every scheduler process summed): one core's worth drives at "
-            f"most ~{1e3 / per_step_ms:,.0f} steps/s, ~{1e6 / per_seq_us:,.0f} tokens/s"
-            if per_step_ms > 0 and per_seq_us > 0
-            else f"scheduler CPU per step fit: {per_step_ms:.2f} ms + {per_seq_us:.0f} us x sequences"
+            f"scheduler CPU per step ~ {per_step_ms:.2f} ms + {per_token_us:.0f} us x tokens sampled in the "
+            f"step (least squares over these runs, every scheduler process summed): one core's worth drives "
+            f"at most ~{1e3 / per_step_ms:,.0f} steps/s, ~{1e6 / per_token_us:,.0f} tokens/s"
+            if per_step_ms > 0 and per_token_us > 0
+            else f"scheduler CPU per step fit: {per_step_ms:.2f} ms + {per_token_us:.0f} us x tokens sampled"
         )
     peak = max(results, key=lambda r: r.output_tokens_per_s)
     notes.append(
@@ -238,9 +238,14 @@ def saturation_notes(results: Sequence[Result]) -> list[str]:
 
 
 def cost_model(results: Sequence[Result]) -> tuple[float, float] | None:
-    """(ms per step, us per sequence): the line through scheduler CPU per step against
-    sequences per step, by least squares; None when the runs do not spread enough to fit."""
-    points = [(r.seqs_per_step, r.scheduler_cpu_ms_per_step) for r in results]
+    """(ms per step, us per token): the line through scheduler CPU per step against the output
+    tokens sampled per step (one per sequence, or up to `--num-scheduler-steps`), by least
+    squares; None when the runs do not spread enough to fit."""
+    points = [
+        (r.output_tokens_per_s / r.steps_per_s, r.scheduler_cpu_ms_per_step)
+        for r in results
+        if r.steps_per_s > 0
+    ]
     points = [(x, y) for x, y in points if not math.isnan(y)]
     if len(points) < 2:
         return None

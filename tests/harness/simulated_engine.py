@@ -124,6 +124,7 @@ async def simulated_engine(
     routing: str = "prefix-aware",
     max_queued_requests: int | None = None,
     stream_interval: int = 1,
+    num_scheduler_steps: int = 1,
 ) -> AsyncIterator[SimulatedEngine]:
     """A started engine over ``num_executors`` simulated executors ``e0, e1, ...``, each pausing
     after ``pause_at`` steps; ``failing`` maps some of them to (the number of steps they serve,
@@ -138,7 +139,11 @@ async def simulated_engine(
         (name, executor, executor.info()) for name, executor in controlled.items()
     ]
     engine_config = EngineConfig(
-        MODEL, routing=routing, max_queued_requests=max_queued_requests, stream_interval=stream_interval
+        MODEL,
+        routing=routing,
+        max_queued_requests=max_queued_requests,
+        stream_interval=stream_interval,
+        num_scheduler_steps=num_scheduler_steps,
     )
     engine = Engine(engine_config, tokenizer, executors)
     engine.start()

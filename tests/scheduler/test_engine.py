@@ -27,12 +27,18 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 7) % 500 + 3 for i in range(n)]
 
 
-def test_concurrent_requests_stream_their_tokens_to_completion(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_concurrent_requests_stream_their_tokens_to_completion(
+    tokenizer: Tokenizer, num_scheduler_steps: int
+) -> None:
     """Six requests over two executors: each streams exactly its tokens, in order, then "length"
-    with its usage; the prompt comes with the first output; both executors take work."""
+    with its usage; the prompt comes with the first output; both executors take work. With
+    `--num-scheduler-steps 4` the same tokens come, several a step."""
 
     async def scenario() -> None:
-        async with simulated_engine(tokenizer, num_executors=2) as sim:
+        async with simulated_engine(
+            tokenizer, num_executors=2, num_scheduler_steps=num_scheduler_steps
+        ) as sim:
             lengths = [(5 + 3 * i, 4 + i) for i in range(6)]
             results = await asyncio.gather(
                 *(
@@ -52,6 +58,10 @@ def test_concurrent_requests_stream_their_tokens_to_completion(tokenizer: Tokeni
             assert all(sampled > 0 for sampled in sim.sampled_by().values()), sim.sampled_by()
             assert sum(sim.sampled_by().values()) == sum(m for _, m in lengths)
             assert sim.engine.num_active_requests == 0
+            # One token a step per sequence, or more: the executors ran later passes.
+            stats = [e.simulated.stats for e in sim.executors.values()]
+            num_seq_steps, num_sampled = sum(s.num_seqs for s in stats), sum(s.num_sampled for s in stats)
+            assert (num_sampled > num_seq_steps) == (num_scheduler_steps > 1), (num_sampled, num_seq_steps)
 
     asyncio.run(scenario())
 
