@@ -484,8 +484,9 @@ class Engine:
                 assert self.stream_processes is not None, "tokens packed for API processes"
                 for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
                     self.stream_processes.forward(key, pack)
-            num_tokens = len(report.updates) + report.num_relayed_tokens
-            self._dispatch(lane, apply_report(report, self._sequences.get), num_tokens)
+            num_tokens = sum(len(update[1]) for update in report.updates) + report.num_relayed_tokens
+            event = apply_report(report, self._sequences.get)
+            self._dispatch(lane, event, (report.num_sequences, num_tokens))
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
         if self.stream_processes is not None and self.stream_processes.behind():
@@ -595,8 +596,9 @@ class Engine:
                 parked, self._parked = self._parked, []
                 self._fail_over(parked, "no scheduler worker came back", count=False)
 
-    def _dispatch(self, lane: Lane, event: LaneEvent, num_tokens: int | None = None) -> None:
-        """``num_tokens``: the step's tokens, when some were relayed before (`_relay_reported`)."""
+    def _dispatch(self, lane: Lane, event: LaneEvent, sampled: tuple[int, int] | None = None) -> None:
+        """``sampled``: the sequences that sampled in the step and their tokens, when the event
+        does not hold them all (a worker relayed some to the API processes); else counted here."""
         now = time.monotonic()
         client_of_seq, unstarted = self._client_of_seq, self._unstarted
         for update in event.updates:  # NOTE: once per token: the common case stays in this loop
@@ -635,7 +637,9 @@ class Engine:
                 self._forget_if_finished(client)
             if request.status != RequestStatus.FINISHED_STOPPED:
                 self._record_finish(request, request.status.value, now)
-        self._record_step(lane, event, len(event.updates) if num_tokens is None else num_tokens)
+        if sampled is None:
+            sampled = len(event.updates), sum(len(update.new_token_ids) for update in event.updates)
+        self._record_step(lane, event, *sampled)
         if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
             self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:
@@ -700,10 +704,10 @@ class Engine:
             tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
             self.metrics.time_per_output_token.observe(tpot)
 
-    def _record_step(self, lane: Lane, event: LaneEvent, num_tokens: int) -> None:
+    def _record_step(self, lane: Lane, event: LaneEvent, num_sequences: int, num_tokens: int) -> None:
         m = self.metrics
         if event.stats is not None:
-            m.step(lane.executor_id, event.step_seconds, num_tokens)
+            m.step(lane.executor_id, event.step_seconds, num_tokens, num_sequences)
             # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
             if event.stats.num_prompt_tokens:
                 m.prompt_tokens.inc(event.stats.num_prompt_tokens)

@@ -247,11 +247,18 @@ class SchedulerMetrics:
             )
         counter.inc()
 
-    def step(self, executor_id: str, seconds: float, num_tokens: int) -> None:
-        """One step of an executor, which sampled ``num_tokens`` tokens. Gathered without a lock
-        (the step path runs this per step) and added to the series when they are read (`render`)."""
+    def step(
+        self, executor_id: str, seconds: float, num_tokens: int, num_sequences: int | None = None
+    ) -> None:
+        """One step of an executor, in which ``num_sequences`` sequences (default: one per token)
+        sampled ``num_tokens`` tokens: with multi-step decoding several each, so a token's share
+        of the step, its inter-token latency, is the step over the tokens per sequence. Gathered
+        without a lock (the step path runs this per step) and added to the series when they are
+        read (`render`)."""
         self._steps.add(seconds)
-        self._inter_token.add(seconds, num_tokens)
+        if num_tokens:
+            per_token = seconds if num_sequences is None else seconds * num_sequences / num_tokens
+            self._inter_token.add(per_token, num_tokens)
         self._generated += num_tokens
         self.executors.step(executor_id, seconds)
 

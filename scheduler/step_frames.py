@@ -64,6 +64,7 @@ class LaneReport:
     # (API process index, incarnation) -> the tokens for its streams (`_pack_unsent`).
     relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
     num_relayed_tokens: int = 0  # tokens of this step in `relayed`, or held back for it
+    num_sequences: int = 0  # sequences that sampled in this step (relayed or not)
     error: str | None = None
     lane_down: bool = False
     stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
@@ -131,6 +132,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
         evacuated=[evacuated(r) for r in event.evacuated],
         relayed={key: (len(items), pickle.dumps(items, protocol=5)) for key, items in relayed.items()},
         num_relayed_tokens=num_relayed_tokens,
+        num_sequences=len(event.updates),
         error=event.error,
         lane_down=event.lane_down,
         stats=None

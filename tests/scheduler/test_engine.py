@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from harness.serve import metric_total
 from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
 
 from npuserve.executor.local import LocalExecutor
@@ -62,6 +63,8 @@ def test_concurrent_requests_stream_their_tokens_to_completion(
             stats = [e.simulated.stats for e in sim.executors.values()]
             num_seq_steps, num_sampled = sum(s.num_seqs for s in stats), sum(s.num_sampled for s in stats)
             assert (num_sampled > num_seq_steps) == (num_scheduler_steps > 1), (num_sampled, num_seq_steps)
+            generated = metric_total(sim.engine.metrics.render(), "vllm:generation_tokens_total")
+            assert generated == sum(m for _, m in lengths)  # tokens, not sequences, per step
 
     asyncio.run(scenario())
 

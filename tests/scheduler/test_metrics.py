@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+from harness.serve import metric_total
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from npuserve.scheduler.metrics import LATENCY_BUCKETS, HistogramTally, SchedulerMetrics
@@ -40,6 +42,17 @@ def test_steps_show_in_the_series_once_they_are_read() -> None:
     assert 'npuserve:step_seconds_count{model_name="m"} 4.0' in text
     assert 'npuserve:executor_step_seconds_count{executor="e0",model_name="m"} 3.0' in text
     assert 'vllm:generation_tokens_total{model_name="m"} 13.0' in metrics.render()  # not added twice
+
+
+def test_a_multi_step_steps_tokens_share_it_as_their_inter_token_latency() -> None:
+    """Two sequences that sampled four tokens each in a 0.08 s step: eight tokens, each 0.02 s
+    after the one before on average (a client gets them in bursts of four)."""
+    metrics = SchedulerMetrics("m")
+    metrics.step("e0", 0.08, 8, 2)
+    text = metrics.render()
+    assert 'vllm:generation_tokens_total{model_name="m"} 8.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 8.0' in text
+    assert metric_total(text, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.16)
 
 
 def test_a_tally_observes_one_at_a_time_into_a_histogram_of_another_layout() -> None:

@@ -253,6 +253,7 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
         metrics = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
         num_steps = metric_total(metrics, "npuserve:step_seconds_count")
         assert (num_steps < 2 * NUM_NEW) == (num_scheduler_steps > 1), num_steps
+        assert metric_total(metrics, "vllm:generation_tokens_total") == NUM_STREAMS * NUM_NEW
 
         # Routing sees each worker's prefix cache exactly.
         check_prefix_routing(stub, ["e0", "e1"], torch.Generator().manual_seed(11))
