@@ -59,7 +59,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("api_server_count", "stream_interval", "client_call", "num_scheduler_steps"),
-    [(1, 1, "generate", 1), (2, 1, "generate-many", 4), (2, 4, "generate", 1)],
+    [(1, 1, "generate", 1), (2, 4, "generate-many", 4)],
 )
 def test_sigkill_one_executor_mid_run(
     stories_dir: Path, api_server_count: int, stream_interval: int, client_call: str, num_scheduler_steps: int
@@ -67,8 +67,9 @@ def test_sigkill_one_executor_mid_run(
     """With API server processes the front's copies lack the tokens its worker sent straight
     to them: a moved request takes its output from the worker first. With `--stream-interval`
     the worker also holds some back: they reach the client before the request moves. The
-    streams go as Generate calls, or over one GenerateMany call (as the gateway sends them).
-    With `--num-scheduler-steps` the dead executor may have been several passes into a step."""
+    streams go as Generate calls (one API process, the defaults), or over one GenerateMany call
+    (as the gateway sends them) with `--stream-interval 4` and `--num-scheduler-steps 4`: the dead
+    executor may have been several passes into a step."""
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
