@@ -21,7 +21,7 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
     # fmt: off
     command = [
         sys.executable, "-m", "npuserve.deploy.bench.scale",
-        "--executors", "1,2", "--concurrency", "8", "--warmup", "1", "--duration", "2",
+        "--executors", "1,2", "--concurrency", "8", "--warmup", "0.5", "--duration", "1",
         "--prompt-len", "16-32", "--output-len", "8-16", "--block-size", "16", "--max-num-seqs", "16",
         "--scheduler-workers", "1", "--api-server-count", "2", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
     ]
