@@ -52,6 +52,11 @@ class LatencyModel:
     def step_seconds(self, num_tokens: int, num_seqs: int) -> float:
         return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
 
+    def decode_passes_seconds(self, num_passes: int, num_tokens: int) -> float:
+        """``num_passes`` passes of one-token sequences, ``num_tokens`` of them in all (the
+        later passes of a multi-step plan): the sum of their `step_seconds`."""
+        return num_passes * self.base_s + (self.per_token_s + self.per_seq_s) * num_tokens
+
 
 @dataclass(slots=True)
 class SimulatedConfig:
@@ -186,9 +191,11 @@ class SimulatedRunner:
         num_seqs = len(plan.num_scheduled_tokens)
         latency = self.config.latency
         modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
-        for num_continuing in _later_pass_sizes(plan.num_steps):  # one token each
-            modeled += latency.step_seconds(num_continuing, num_continuing)
-            num_tokens += num_continuing
+        if plan.num_steps:  # each later pass: one token for each request that runs it
+            num_passes = max(plan.num_steps.values()) - 1
+            num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
+            modeled += latency.decode_passes_seconds(num_passes, num_later)
+            num_tokens += num_later
         done = time.perf_counter()
         remaining = start + modeled - done
         if remaining > 0:
@@ -326,10 +333,3 @@ class SimulatedRunner:
         vocab = self.config.vocab_size
         top_ids = [(token + i) % vocab for i in range(min(state.num_logprobs, vocab))]
         return TokenLogprobs(0.0, 1, top_ids, [0.0 if i == 0 else -20.0 for i in range(len(top_ids))])
-
-
-def _later_pass_sizes(num_steps: dict[str, int]) -> list[int]:
-    """How many requests run each pass after a multi-step plan's first."""
-    if not num_steps:
-        return []
-    return [sum(1 for n in num_steps.values() if n > index) for index in range(1, max(num_steps.values()))]
