@@ -322,7 +322,8 @@ class Scheduler:
             advance_masks(constrained)
         finished = []
         for update in updates:
-            if update.finished is None:
+            # NOTE: a multi-step plan's unconstrained requests had their stop rules run above.
+            if not multi_step or update.request.grammar is not None:
                 update.finished = update.request.check_stop()
             if update.finished is not None:
                 finished.append(update)
