@@ -175,6 +175,9 @@ class RequestStream:
         )
         if result.stop_str is not None:
             delta.finish_reason, delta.stop_reason = "stop", result.stop_str
+            # NOTE: the tokens after the one that completed it (a multi-step step's, or a
+            # `--stream-interval` group's) are no part of the output, nor of its usage.
+            state.num_output_tokens -= len(token_ids) - kept
         elif update.finished is not None:
             delta.text += state.detokenizer.flush()
             delta.finish_reason, delta.stop_reason = update.finished, update.stop_reason

@@ -91,6 +91,23 @@ def test_a_stop_string_ends_the_output_before_it(tokenizer: Tokenizer) -> None:
         assert (last.finish_reason, last.stop_reason, outputs[-1].finished) == ("stop", "little", True)
 
 
+def test_a_stop_string_inside_an_update_of_several_tokens_counts_only_those_kept(
+    tokenizer: Tokenizer,
+) -> None:
+    """A multi-step step (or a `--stream-interval` group) brings a sequence several tokens at
+    once: those after the one that completed the stop string are dropped from its text, its
+    token ids and its usage."""
+    stream = make_stream(tokenizer, SamplingParams(stop=["little"]))
+    assert stream.add(SequenceUpdate(0, STORY[:4], [None] * 4, None, None, None, 4, 0)) is None
+    # "little" ends at the 9th token; the 10th to 12th came with it.
+    assert stream.add(SequenceUpdate(0, STORY[4:12], [None] * 8, None, None, None, 12, 0)) == "little"
+    outputs = drain(stream)
+    assert "".join(o.completions[0].text for o in outputs) == "Once upon a time, there was a "
+    assert [t for o in outputs for t in o.completions[0].token_ids] == STORY[:9]
+    assert outputs[-1].finished and outputs[-1].usage is not None
+    assert outputs[-1].usage.completion_tokens == 9
+
+
 def test_siblings_finish_apart_and_the_stream_ends_with_the_last(tokenizer: Tokenizer) -> None:
     stream = make_stream(tokenizer, SamplingParams(n=2, max_tokens=2))
     feed(stream, 0, STORY[0])
