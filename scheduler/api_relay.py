@@ -36,9 +36,11 @@ log = structlog.get_logger(__name__)
 START_TIMEOUT_S = 120.0
 # Items (a token each, or a `--stream-interval` group) relayed to one API process and not yet
 # applied there. NOTE: what waits here is latency for every stream of the process, new ones'
-# first tokens included. 512 is about 50 ms of an API process's work under load; 16384 let the
-# streams fall up to 1.6 s behind the engine (clients' TTFT 5x the engine's, 16 x 1024 streams).
-MAX_UNACKED_ITEMS = 512
+# first tokens included. 128 is about 7 ms of an API process's work under load. At 16 x 1024
+# streams (scale bench, 3 interleaved runs each) 512 held the clients' TTFT p99 at 412-581 ms and
+# 5.6-7.6% of the streams without a first token, 128 at 249-283 ms and 3.7-4.6%, for the same
+# CPU per token; 16384 let the streams fall up to 1.6 s behind the engine.
+MAX_UNACKED_ITEMS = 128
 EXIT_TIMEOUT_S = 10.0
 DELIVERED_TIMEOUT_S = 30.0  # for an API process to say what its streams hold (a worker died)
 
