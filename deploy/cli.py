@@ -285,6 +285,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    from npuserve.deploy.launcher import disable_grpc_fork_handlers
+
+    disable_grpc_fork_handlers()  # NOTE: first: no command has started gRPC yet
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format == "json")
     sys.exit(COMMANDS[args.command](args))

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.deploy.launcher import disable_grpc_fork_handlers
 from npuserve.kernels.npu_emulation import EMULATE_ENV
 from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
+
+# NOTE: the tests launch processes (`Launcher`) while their own gRPC clients run, as `serve` does.
+disable_grpc_fork_handlers()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.deploy.launcher import Launcher, LaunchError
+from npuserve.deploy.launcher import GRPC_FORK_SUPPORT_ENV, Launcher, LaunchError, disable_grpc_fork_handlers
 
 PYTHON = [sys.executable]
 # Run as `python -c CODE --ready-file PATH`: sys.argv[2] is the ready file.
@@ -34,6 +34,31 @@ def test_ready_children_return_what_they_wrote(tmp_path: Path) -> None:
         codes = launcher.stop(grace_s=5)
     assert codes == {"c0": -signal.SIGTERM, "c1": -signal.SIGTERM}
     assert not any(tmp_path.glob("*.ready.json"))
+
+
+def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launching process and its children run gRPC without fork handlers (which can abort a
+    child between fork and exec); an operator's own setting is left as it is."""
+    reports = (
+        READY
+        + f"write_ready_file(Path(sys.argv[2]), {{'env': os.environ.get({GRPC_FORK_SUPPORT_ENV!r})}}); time.sleep(60)"
+    )
+    for preset, expected in ((None, "0"), ("1", "1")):
+        if preset is None:
+            monkeypatch.delenv(GRPC_FORK_SUPPORT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(GRPC_FORK_SUPPORT_ENV, preset)
+        disable_grpc_fork_handlers()
+        assert os.environ[GRPC_FORK_SUPPORT_ENV] == expected
+        launcher = Launcher(tmp_path)
+        child = launcher.start("c", ["-c", reports], command=PYTHON)
+        try:
+            (ready,) = launcher.wait_ready([child], timeout_s=30)
+        finally:
+            launcher.stop(grace_s=5)
+        assert ready["env"] == expected
 
 
 def test_not_ready_names_the_child_and_an_exit_shows_its_log(tmp_path: Path) -> None:
