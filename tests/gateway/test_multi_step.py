@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness.serve import Served, collect, greedy_request, openai_client, serve_checked
+from harness.demo_story import ONCE, ONCE_60, stream_the_story
+from harness.serve import Served, collect, greedy_request, serve_checked, streamed_chat_with_logprobs
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.scheduler.tokenizer import Tokenizer
@@ -18,11 +19,6 @@ pytestmark = pytest.mark.slow  # a scheduler, its worker and API processes, an e
 
 openai = pytest.importorskip("openai")
 
-ONCE = "Once upon a time"
-ONCE_60 = (
-    ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a "
-    "big, red ball. She wanted to play with it, but it was too high.\nLily"
-)
 PASSES = 4
 
 
@@ -31,16 +27,6 @@ def served() -> Iterator[Served]:
     flags = ("--num-scheduler-steps", str(PASSES), "--scheduler-workers", "1", "--api-server-count", "2")
     with serve_checked(None, "--kv-cache-memory", "0.02", *flags) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(served: Served) -> openai.OpenAI:
-    return openai_client(served)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def tokens_until(served: Served, stop: str) -> int:
@@ -56,16 +42,7 @@ def test_the_known_story_in_bursts_streamed_or_not(client: openai.OpenAI, model:
     whole = client.completions.create(model=model, prompt=ONCE, temperature=0, max_tokens=60)
     assert whole.choices[0].text == ONCE_60 and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 60
-    chunks = list(
-        client.completions.create(
-            model=model,
-            prompt=ONCE,
-            temperature=0,
-            max_tokens=60,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_the_story(client, model)
     texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert "".join(texts) == ONCE_60
     assert len(texts) < 60 / 2  # up to four tokens a chunk: the passes' tokens come together
@@ -105,24 +82,8 @@ def test_a_stop_string_inside_a_burst_cuts_the_text_and_the_usage(
 def test_chat_logprobs_come_one_per_token(client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "A cat"}]
     whole = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=21)
-    chunks = list(
-        client.chat.completions.create(
-            model=model,
-            messages=messages,
-            temperature=0,
-            max_tokens=21,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
-        whole.choices[0].message.content
-    )
-    entries = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
+    chunks, text, entries = streamed_chat_with_logprobs(client, model, messages, 21)
+    assert text == whole.choices[0].message.content
     assert len(entries) == 21 == chunks[-1].usage.completion_tokens
     assert all(
         len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries

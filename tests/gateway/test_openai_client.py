@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from harness.serve import Served, openai_client, serve_checked
+from harness.demo_story import ONCE, ONCE_60, stream_the_story
+from harness.serve import Served, serve_checked, streamed_chat_with_logprobs
 
 from npuserve.deploy.demo_model import DEMO_MODEL_NAME
 from npuserve.proto import scheduler_pb2 as pb
@@ -22,27 +23,11 @@ pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes 
 
 openai = pytest.importorskip("openai")
 
-ONCE = "Once upon a time"
-ONCE_60 = (
-    ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a "
-    "big, red ball. She wanted to play with it, but it was too high.\nLily"
-)
-
 
 @pytest.fixture(scope="module")
 def served(api_key: str) -> Iterator[Served]:
     with serve_checked(None, "--kv-cache-memory", "0.02", "--api-key", api_key) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(served: Served) -> openai.OpenAI:
-    return openai_client(served)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def grpc_text(served: Served, **request: object) -> tuple[str, pb.GenerateResponse]:
@@ -77,16 +62,7 @@ def test_greedy_completion_is_the_known_story_and_the_grpc_output(
 
 
 def test_streaming_completion_with_usage(client: openai.OpenAI, model: str) -> None:
-    chunks = list(
-        client.completions.create(
-            model=model,
-            prompt=ONCE,
-            temperature=0,
-            max_tokens=60,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_the_story(client, model)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ONCE_60
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     last = chunks[-1]
@@ -166,22 +142,9 @@ def test_chat_matches_grpc_and_streams_logprobs(client: openai.OpenAI, served: S
     text, last = grpc_text(served, chat=prompt, sampling=pb.SamplingParams(temperature=0, max_tokens=20))
     assert choice.message.content == text and chat.usage.prompt_tokens == last.usage.prompt_tokens
 
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        temperature=0,
-        max_tokens=20,
-        logprobs=True,
-        top_logprobs=2,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+    chunks, streamed, entries = streamed_chat_with_logprobs(client, model, messages, 20)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    entries = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
+    assert streamed == text
     assert len(entries) == 20
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from harness.serve import Served, openai_client, serve_checked
+from harness.serve import Served, serve_checked
 
 pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes of their own
 
@@ -61,11 +61,6 @@ def served(api_key: str) -> Iterator[Served]:
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     with serve_checked(None, *flags) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(served: Served) -> openai.OpenAI:
-    return openai_client(served)
 
 
 def ask(client: openai.OpenAI, prompt: str, tool_choice: Any, **extra: Any) -> Any:

@@ -123,6 +123,30 @@ def openai_client(served: Served) -> Any:
     return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
+def streamed_chat_with_logprobs(
+    client: Any, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[list[Any], str, list[Any]]:
+    """A greedy chat streamed through the official `openai` ``client`` with 2 top logprobs and
+    the usage: (its chunks, its text, its logprob entries in order)."""
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            temperature=0,
+            max_tokens=max_tokens,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    entries = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    return chunks, text, entries
+
+
 def labelled_metric(stub: pb_grpc.SchedulerStub, name: str, label: str = "executor") -> dict[str, float]:
     """One series of the scheduler's metrics (``name`` as exported, e.g. with ``_total``), by the
     value of its label ``label``."""
