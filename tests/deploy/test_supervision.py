@@ -62,17 +62,19 @@ STORY_STARTS = [
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+FLAGS = ("--num-executors", "2", "--kv-cache-memory", "0.02", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    flags = (
-        "--num-executors",
-        "2",
-        "--kv-cache-memory",
-        "0.02",
-        "--shutdown-timeout",
-        str(SHUTDOWN_TIMEOUT_S),
-    )
-    with serve(None, *flags) as served:
+    with serve(None, *FLAGS) as served:
+        yield served
+
+
+@pytest.fixture
+def draining() -> Iterator[Served]:
+    """A serve of its own for the test that ends it (so that a rerun gets a live one too)."""
+    with serve(None, *FLAGS) as served:
         yield served
 
 
@@ -206,7 +208,8 @@ def test_a_killed_scheduler_restarts_on_its_port_and_the_gateway_reconnects(serv
     assert_idle_and_intact(served)
 
 
-def test_sigterm_drains_streams_refuses_new_requests_and_every_process_exits(served: Served) -> None:
+def test_sigterm_drains_streams_refuses_new_requests_and_every_process_exits(draining: Served) -> None:
+    served = draining
     assert served.process is not None
     pids = [served.process.pid, *child_pids(served.process.pid)]
     deaths = len(log_lines(served, "process died"))
