@@ -148,11 +148,14 @@ class RequestStream:
             self.finish_reasons[index] = reason
             self._num_unfinished -= 1
 
-    def _count(self, state: SequenceState, update: SequenceUpdate) -> None:
+    def _count(self, state: SequenceState, update: SequenceUpdate, num_dropped: int = 0) -> None:
+        """The sequence's output count after ``update``, less its last ``num_dropped`` tokens
+        (those after a stop string: a multi-step step's, or a `--stream-interval` group's)."""
         # NOTE: an end relayed by the core may count fewer than the tokens a worker sent here
         # directly (`step_frames`): the count never goes down.
-        if update.num_output_tokens > state.num_output_tokens:
-            state.num_output_tokens = update.num_output_tokens
+        num_output_tokens = update.num_output_tokens - num_dropped
+        if num_output_tokens > state.num_output_tokens:
+            state.num_output_tokens = num_output_tokens
         state.num_cached_tokens = update.num_cached_tokens
 
     def add(self, update: SequenceUpdate) -> str | None:
@@ -161,11 +164,11 @@ class RequestStream:
         state = self.sequences[update.choice]
         if state.finished:
             return None  # a step that ran while its stop was on the way
-        self._count(state, update)
         token_ids = update.token_ids
         state.token_ids += token_ids
         result = state.detokenizer.update(token_ids)
         kept = result.num_tokens_kept  # tokens after a stop string are not part of the output
+        self._count(state, update, len(token_ids) - kept)
         logprobs = update.logprobs
         delta = CompletionDelta(
             update.choice,
@@ -175,9 +178,6 @@ class RequestStream:
         )
         if result.stop_str is not None:
             delta.finish_reason, delta.stop_reason = "stop", result.stop_str
-            # NOTE: the tokens after the one that completed it (a multi-step step's, or a
-            # `--stream-interval` group's) are no part of the output, nor of its usage.
-            state.num_output_tokens -= len(token_ids) - kept
         elif update.finished is not None:
             delta.text += state.detokenizer.flush()
             delta.finish_reason, delta.stop_reason = update.finished, update.stop_reason
