@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.demo_story import ONCE, ONCE_60
 from harness.step_driver import DrivenRequest, StepDriver
 from tokenizers import Tokenizer
 
@@ -11,18 +12,13 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.proto.step_plan import SamplingOptions
 
-# From the model's SOURCE.txt: greedy, 60 new tokens after "Once upon a time".
-PROMPT_IDS = [1, 403, 407, 261, 378]
-EXPECTED_TEXT = (
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-    "One day, she saw a big, red ball. She wanted to play with it, but it was too high.\nLily"
-)
+PROMPT_IDS = [1, 403, 407, 261, 378]  # ONCE
 
 
 def test_greedy_continuation_matches_source(stories_dir: Path) -> None:
     tokenizer = Tokenizer.from_file(str(stories_dir / "tokenizer.json"))
-    assert tokenizer.encode("Once upon a time").ids == PROMPT_IDS
+    assert tokenizer.encode(ONCE).ids == PROMPT_IDS
     runner = ModelRunner(ExecutorConfig(model=str(stories_dir), kv_cache_memory_gib=0.01))
     request = DrivenRequest("story", PROMPT_IDS, 60, SamplingOptions(temperature=0))
     StepDriver(runner, token_budget=4).run([request])  # chunked prefill, then decode
-    assert tokenizer.decode(PROMPT_IDS + request.output) == EXPECTED_TEXT
+    assert tokenizer.decode(PROMPT_IDS + request.output) == ONCE + ONCE_60

@@ -29,13 +29,14 @@ def served() -> Iterator[Served]:
         yield served
 
 
-def tokens_until(served: Served, stop: str) -> int:
-    """How many of ONCE's greedy output tokens it takes to complete ``stop`` (over gRPC)."""
+@pytest.fixture(scope="module")
+def tokens_to_lily(served: Served) -> int:
+    """How many of ONCE's greedy output tokens it takes to complete "Lily" (over gRPC)."""
     tokenizer = Tokenizer.from_pretrained(DEMO_MODEL_DIR)
     prompt = tokenizer.encode(ONCE)
     ids, text, _ = collect(served.stub(), greedy_request(prompt, 60))
     assert text == ONCE_60
-    return next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(prompt + ids[:k]))
+    return next(k for k in range(1, len(ids) + 1) if "Lily" in tokenizer.decode(prompt + ids[:k]))
 
 
 def test_the_known_story_in_bursts_streamed_or_not(client: openai.OpenAI, model: str) -> None:
@@ -54,11 +55,10 @@ def test_the_known_story_in_bursts_streamed_or_not(client: openai.OpenAI, model:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_inside_a_burst_cuts_the_text_and_the_usage(
-    client: openai.OpenAI, served: Served, model: str, stream: bool
+    client: openai.OpenAI, tokens_to_lily: int, model: str, stream: bool
 ) -> None:
     kept = ", there was a little girl named "
-    expected_tokens = tokens_until(served, "Lily")
-    assert expected_tokens % PASSES, "the stop string must end inside a step's tokens"
+    assert tokens_to_lily % PASSES, "the stop string must end inside a step's tokens"
     response = client.completions.create(
         model=model,
         prompt=ONCE,
@@ -76,7 +76,7 @@ def test_a_stop_string_inside_a_burst_cuts_the_text_and_the_usage(
     else:
         text, finish, usage = response.choices[0].text, response.choices[0].finish_reason, response.usage
     assert (text, finish) == (kept, "stop")
-    assert usage.completion_tokens == expected_tokens  # the tokens after the stop are not counted
+    assert usage.completion_tokens == tokens_to_lily  # the tokens after the stop are not counted
 
 
 def test_chat_logprobs_come_one_per_token(client: openai.OpenAI, model: str) -> None:

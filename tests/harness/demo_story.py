@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 ONCE = "Once upon a time"
-ONCE_60 = (  # its first 60 greedy tokens
+ONCE_60 = (  # its first 60 greedy tokens, as the model's SOURCE.txt records them
     ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a "
     "big, red ball. She wanted to play with it, but it was too high.\nLily"
 )
