@@ -133,7 +133,10 @@ class GenerateManyCall:
             self._forget(generation)
             return
         generation.opening, generation.opened = None, opened
-        opened.stream.listen(functools.partial(self._on_output, generation))
+        opened.stream.listen(
+            functools.partial(self._on_output, generation),
+            functools.partial(self._on_text, generation, opened.stream.request_id),
+        )
 
     def _on_output(self, generation: _Generation, output: GenerateOutput) -> None:
         """Runs where the stream makes its outputs (the relay from the core, the engine's step
@@ -157,6 +160,18 @@ class GenerateManyCall:
         # NOTE: closed once the caller is done with this output: a stop string that ended the
         # stream here is reported to the core (by the caller) before the stream's close.
         asyncio.get_running_loop().call_soon(generation.close)
+
+    def _on_text(
+        self, generation: _Generation, request_id: str, choice: int, text: str, token_ids: list[int]
+    ) -> None:
+        """An output of new text and ids only (the usual one): the event `_on_output` would
+        write for it, written straight away."""
+        stream_id = generation.stream_id
+        if self._generations.get(stream_id) is not generation:
+            return  # closed already
+        response = self._event(stream_id).response
+        response.request_id = request_id
+        response.completions.add(index=choice, text=text, token_ids=token_ids)
 
     def _forget(self, generation: _Generation) -> None:
         if self._generations.get(generation.stream_id) is generation:

@@ -68,6 +68,12 @@ class SequenceUpdate(NamedTuple):
     num_cached_tokens: int
 
 
+class TextListener(Protocol):
+    """Takes one sequence's new text and token ids, when that is all an output would say."""
+
+    def __call__(self, choice: int, text: str, token_ids: list[int]) -> None: ...
+
+
 class OutputSink(Protocol):
     """Where the engine sends a client request's sequence updates."""
 
@@ -120,6 +126,7 @@ class RequestStream:
         self.arrival_time = time.monotonic()
         self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         self._deliver: Callable[[GenerateOutput], None] = self.queue.put_nowait  # see `listen`
+        self._on_text: TextListener | None = None  # see `listen`
         self.sequences = [
             SequenceState(
                 IncrementalDetokenizer(
@@ -160,13 +167,29 @@ class RequestStream:
 
     def add(self, update: SequenceUpdate) -> str | None:
         # NOTE: runs for every token of every stream (or every `--stream-interval` of them):
-        # what most tokens need costs no copy (whole token lists, no logprobs).
+        # what most tokens need costs no copy (whole token lists, no logprobs), and, with a text
+        # listener (`listen`), no output objects either.
         state = self.sequences[update.choice]
         if state.finished:
             return None  # a step that ran while its stop was on the way
         token_ids = update.token_ids
         state.token_ids += token_ids
         result = state.detokenizer.update(token_ids)
+        if (
+            update.finished is None
+            and result.stop_str is None
+            and self._on_text is not None
+            and self._sent_prompt
+            and (self.stream_interval == 1 or (state.held is None and len(token_ids) >= self.stream_interval))
+            and not any(update.logprobs)
+        ):
+            # The usual update: text and ids that end nothing, for a listener of text.
+            if update.num_output_tokens > state.num_output_tokens:
+                state.num_output_tokens = update.num_output_tokens
+            state.num_cached_tokens = update.num_cached_tokens
+            state.streamed = True
+            self._on_text(update.choice, result.text, token_ids)
+            return None
         kept = result.num_tokens_kept  # tokens after a stop string are not part of the output
         self._count(state, update, len(token_ids) - kept)
         logprobs = update.logprobs
@@ -231,13 +254,18 @@ class RequestStream:
             )
         self._deliver(output)
 
-    def listen(self, listener: Callable[[GenerateOutput], None]) -> None:
+    def listen(self, listener: Callable[[GenerateOutput], None], on_text: TextListener | None = None) -> None:
         """Hands each output to ``listener`` as it is made (any made already first), rather than
         queueing it for `outputs`: a client that writes outputs as they come (`GenerateMany`)
-        then costs no task switch per output."""
+        then costs no task switch per output.
+
+        With ``on_text``, an output that would carry only one sequence's new text and ids (no
+        prompt, logprobs, end or usage: most of them) is handed to it as those instead, with no
+        output made for it."""
         while not self.queue.empty():
             listener(self.queue.get_nowait())
         self._deliver = listener
+        self._on_text = on_text
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         """The client's outputs, each merging what waited behind it, up to the last; raises the

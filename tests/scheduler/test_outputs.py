@@ -240,3 +240,41 @@ def test_a_slow_reader_gets_one_output_with_everything_that_arrived(tokenizer: T
             assert outputs[0].usage is not None and outputs[0].usage.completion_tokens == 20
 
     asyncio.run(scenario())
+
+
+def test_a_text_listener_hears_what_the_outputs_would_say(tokenizer: Tokenizer) -> None:
+    # The same updates into a stream with only an output listener and into one that also takes
+    # text (`GenerateMany`'s usual event): the outputs they amount to are the same, outputs made
+    # only where there is more than text to say (the prompt, logprobs, an end, a held group).
+    def run(stream_interval: int, group: int, with_text: bool) -> tuple[list[GenerateOutput], int]:
+        params = SamplingParams(n=2, max_tokens=12, stop=["little"], logprobs=1)
+        stream = make_stream(tokenizer, params, stream_interval)
+        heard: list[GenerateOutput] = []
+        texts = []
+
+        def on_text(choice: int, text: str, token_ids: list[int]) -> None:
+            texts.append(choice)
+            heard.append(GenerateOutput("r", [CompletionDelta(choice, text, token_ids)]))
+
+        stream.listen(heard.append, on_text if with_text else None)
+        for start in range(0, 12, group):
+            token_ids = STORY[start : start + group]
+            logprobs = [
+                TokenLogprobs(-1.0, 1, [t], [-1.0]) if start + i in (4, 5) else None
+                for i, t in enumerate(token_ids)
+            ]
+            for choice in (0, 1):
+                state = stream.sequences[choice]
+                finished = "length" if choice == 1 and start + group >= 8 else None
+                num_output = state.num_output_tokens + len(token_ids)
+                if not state.finished:
+                    stream.add(
+                        SequenceUpdate(choice, token_ids, logprobs, finished, None, None, num_output, 0)
+                    )
+        return heard, len(texts)
+
+    for stream_interval, group in ((1, 1), (1, 2), (4, 1), (4, 4)):
+        plain, none_heard = run(stream_interval, group, with_text=False)
+        with_text, num_texts = run(stream_interval, group, with_text=True)
+        assert with_text == plain and none_heard == 0
+        assert num_texts > 0 if group >= stream_interval else num_texts == 0
