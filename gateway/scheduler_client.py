@@ -50,7 +50,10 @@ class GenerateCall:
     """One generation; `next()` gives updates until None, `cancel()` aborts it.
 
     It goes over the channel's `GenerateMany` call; a scheduler that does not know that call
-    (an older one, mid-upgrade) gets a `Generate` call instead, and so does every later one."""
+    (an older one, mid-upgrade) gets a `Generate` call instead, and so does every later one. So
+    does a generation whose call ended, before it got anything, with a status grpc's client lost
+    (`GenerateFailed.status_lost`): its own call gets the scheduler's answer (an older one's,
+    otherwise seen as an internal error), or its tokens."""
 
     def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
         self._client = client
@@ -58,6 +61,7 @@ class GenerateCall:
         self._stub_index = stub_index
         self._stream: GenerateStream | None = None
         self._call: grpc.aio.UnaryStreamCall | None = None
+        self._answered = False  # a response came
         if client.multiplexed:
             self._stream = client.generators[stub_index].generate(request)
         else:
@@ -68,9 +72,10 @@ class GenerateCall:
             try:
                 msg = await self._stream.read()
             except GenerateFailed as exc:
-                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._client.multiplexed = False
+                elif not exc.status_lost or self._answered:
                     raise from_status(exc.code, exc.details, exc.field) from None
-                self._client.multiplexed = False
                 self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
                 return await self.next()
         else:
@@ -83,6 +88,7 @@ class GenerateCall:
                 msg = None
         if msg is None:
             return None
+        self._answered = True
         return convert.update_of(msg)
 
     def cancel(self) -> None:

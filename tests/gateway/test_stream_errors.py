@@ -17,6 +17,7 @@ from npuserve.gateway.app import create_app
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.error_details import field_status
+from npuserve.proto.generate_many import LOST_STATUS_DETAILS, GenerateFailed, GenerateManyClient
 
 LOGPROBS_REFUSAL = "logprobs must be in [0, 20], got 21"
 
@@ -109,6 +110,30 @@ def test_a_clean_stream_and_a_whole_response() -> None:
     assert body["choices"][0]["text"] == "Hello world!" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert body["model"] == "fake" and body["id"].startswith("cmpl-")
+
+
+class LostStatusStream:
+    """A GenerateMany generation whose call ended while a request was being written: grpc's
+    client then loses the status the scheduler sent (this fake's UNIMPLEMENTED)."""
+
+    async def read(self) -> None:
+        lost = grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), LOST_STATUS_DETAILS
+        )
+        raise GenerateFailed.of_call(lost)
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_generation_whose_call_lost_its_status_goes_over_a_generate_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(GenerateManyClient, "generate", lambda self, request: LostStatusStream())
+    streamed, whole = run(completion("ok"), completion("ok", stream=False))
+    assert streamed.status_code == 200, streamed.text
+    assert [json.loads(c)["choices"][0]["text"] for c in events(streamed)[:-1]] == ["Hello", " world", "!"]
+    assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == "Hello world!"
 
 
 @pytest.mark.parametrize("prompt", ["dies-midstream", "fails-midstream"])
