@@ -80,7 +80,14 @@ class GenerateManyCall:
                 if len(self._gathering.events):
                     response, self._gathering = self._gathering, pb.GenerateManyResponse()
                     yield response
-                if not self._generations and (not self._reading or self._draining()):
+                # NOTE: what was gathered while a response was being written (the last
+                # generation's end, say) is sent before the call ends.
+                if (
+                    not self._generations
+                    and not self._full
+                    and not len(self._gathering.events)
+                    and (not self._reading or self._draining())
+                ):
                     return
         finally:
             reader.cancel()
