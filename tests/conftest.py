@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,11 @@ from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
 # NOTE: the tests launch processes (`Launcher`) while their own gRPC clients run, as `serve` does.
 disable_grpc_fork_handlers()
+# One torch thread per process (this one and those it starts) unless the caller sets it: the
+# suite runs two test files at once, each with executors and a reference model, all on tiny
+# models, and threads of several processes spinning against each other for the same cores
+# cost more CPU than they save (three process-heavy files: 233 s with the default, 180 s so).
+torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
