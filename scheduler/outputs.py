@@ -184,9 +184,7 @@ class RequestStream:
             and not any(update.logprobs)
         ):
             # The usual update: text and ids that end nothing, for a listener of text.
-            if update.num_output_tokens > state.num_output_tokens:
-                state.num_output_tokens = update.num_output_tokens
-            state.num_cached_tokens = update.num_cached_tokens
+            self._count(state, update)
             state.streamed = True
             self._on_text(update.choice, result.text, token_ids)
             return None
