@@ -24,33 +24,13 @@ disable_grpc_fork_handlers()
 torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 
-TESTS_DIR = Path(__file__).parent
-# The folders whose files hold the longest process scenarios, longest first (see below).
-LONGEST_FIRST = ("scheduler", "executor", "deploy", "gateway")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A `slow` test (processes, deadlines) runs once more if it fails: the suite runs on every
     core, and a scenario that waits on processes can miss a deadline when two run at once. One
-    that fails twice fails the run.
-
-    Files with slow tests go first, the scheduler's (its multi-process scenarios run a minute
-    each) before the others, and a file's tests keep their order: the workers take whole files
-    in this order (`--no-loadscope-reorder`: xdist's own order, most tests first, took the
-    files of few but long scenarios last), and a heavy file taken last runs alone at the end."""
-    has_slow: set[Path] = set()
+    that fails twice fails the run."""
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=1))
-            has_slow.add(item.path)
-
-    def order(item: pytest.Item) -> tuple[bool, int]:
-        folder = item.path.relative_to(TESTS_DIR).parts[0]
-        return item.path not in has_slow, LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(
-            LONGEST_FIRST
-        )
-
-    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")
