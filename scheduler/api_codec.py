@@ -159,18 +159,24 @@ def fill_response(
         usage_msg.cached_prompt_tokens = usage.cached_prompt_tokens
 
 
+def fill_text(
+    msg: pb.GenerateResponse, request_id: str, choice: int, text: str, token_ids: list[int]
+) -> None:
+    """Writes an output of one sequence's new text and ids only (the usual one: no prompt,
+    logprobs, end or usage) into the empty ``msg``, as `fill_response` would, from those alone
+    (`RequestStream.listen`'s ``on_text``)."""
+    msg.request_id = request_id
+    msg.completions.add(index=choice, text=text, token_ids=token_ids)
+
+
 def _add_completion(
     completions: RepeatedCompositeFieldContainer[pb.Completion],
     delta: CompletionDelta,
     tokenizer: Tokenizer,
     error: str | None,
 ) -> None:
-    msg = completions.add(index=delta.index, text=delta.text)
     token_ids = delta.token_ids
-    if len(token_ids) == 1:
-        msg.token_ids.append(token_ids[0])  # the usual single token: cheaper than extend
-    elif token_ids:
-        msg.token_ids.extend(token_ids)
+    msg = completions.add(index=delta.index, text=delta.text, token_ids=token_ids)
     if delta.finish_reason:
         msg.finish_reason = delta.finish_reason
         if delta.finish_reason == "error" and error:

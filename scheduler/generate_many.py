@@ -176,9 +176,7 @@ class GenerateManyCall:
         stream_id = generation.stream_id
         if self._generations.get(stream_id) is not generation:
             return  # closed already
-        response = self._event(stream_id).response
-        response.request_id = request_id
-        response.completions.add(index=choice, text=text, token_ids=token_ids)
+        api_codec.fill_text(self._event(stream_id).response, request_id, choice, text, token_ids)
 
     def _forget(self, generation: _Generation) -> None:
         if self._generations.get(generation.stream_id) is generation:

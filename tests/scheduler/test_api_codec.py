@@ -11,6 +11,7 @@ import pytest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.api_codec import (
+    fill_text,
     output_to_proto,
     pool_state_to_proto,
     prompt_from_proto,
@@ -140,6 +141,17 @@ def test_outputs_with_logprobs_stop_reasons_errors_and_usage(tokenizer: Tokenize
 
     quiet = output_to_proto(dataclasses.replace(output, usage=None), tokenizer, return_prompt=False)
     assert not quiet.HasField("prompt") and not quiet.HasField("usage")
+
+
+@pytest.mark.parametrize("token_ids", [[403], [403, 407, 261]])
+def test_a_text_output_is_written_as_its_whole_output_would_be(
+    tokenizer: Tokenizer, token_ids: list[int]
+) -> None:
+    text = tokenizer.decode(token_ids)
+    msg = pb.GenerateResponse()
+    fill_text(msg, "r1", 1, text, token_ids)
+    output = GenerateOutput("r1", [CompletionDelta(1, text, token_ids)])
+    assert msg == output_to_proto(output, tokenizer, return_prompt=True)
 
 
 def test_pool_state_round_trip() -> None:
