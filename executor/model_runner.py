@@ -41,11 +41,13 @@ from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backe
 from npuserve.proto.plan_checks import check_num_steps
 from npuserve.proto.step_plan import (
     ExecutorInfo,
+    FirstPassAnswer,
     StepPlan,
     StepResult,
     StepTimings,
     TokenBitmask,
     TokenLogprobs,
+    take_first_pass_only,
 )
 
 log = structlog.get_logger(__name__)
@@ -133,8 +135,11 @@ class ModelRunner:
         return self.batch.num_reqs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         """Runs one step. A repeated step id returns the earlier result (retries are idempotent).
+
+        ``on_first_pass``: takes the tokens of the requests that run only a multi-step plan's first
+        pass as soon as it is done (`take_first_pass_only`); the result then leaves them out.
 
         A plan that contradicts the executor's state raises `PlanError`; any failure drops the
         state of every request in the plan, which the scheduler then fails or re-sends whole.
@@ -142,7 +147,7 @@ class ModelRunner:
         if self._last_result is not None and plan.step_id == self._last_result.step_id:
             return self._last_result
         try:
-            result = self._execute(plan)
+            result = self._execute(plan, on_first_pass)
         except Exception:
             for req_id in [*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests)]:
                 self.batch.remove(req_id)
@@ -150,7 +155,7 @@ class ModelRunner:
         self._last_result = result
         return result
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None) -> StepResult:
         start = time.perf_counter()
         self._update_states(plan)
         result = StepResult(step_id=plan.step_id)
@@ -166,6 +171,10 @@ class ModelRunner:
         allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         timings = StepTimings()
         self._run_pass(inputs, sampled_req_ids, allowed, result, timings, start)
+        if on_first_pass is not None and plan.has_first_pass_only:
+            early = take_first_pass_only(result, plan.num_steps)
+            if early.sampled_req_ids:
+                on_first_pass(early)
         # Multi-step decoding: each later pass feeds back the tokens the one before sampled.
         for index in range(1, max(plan.num_steps.values(), default=1)):
             pass_start = time.perf_counter()

@@ -57,7 +57,7 @@ from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.server import ExecutorStopping
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -348,13 +348,13 @@ class GroupLeader:
     def num_requests(self) -> int:
         return self.runner.num_requests
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         with self._lock:
             if self.lost is not None:
                 raise GroupLost(f"tensor-parallel group lost: {self.lost}")
             self._send(("step", plan))
             try:
-                return self.runner.execute(plan)
+                return self.runner.execute(plan, on_first_pass)
             except PlanError:
                 raise  # every rank refused the same plan the same way: the group is intact
             except Exception as exc:

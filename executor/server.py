@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import queue
 import socket
 import threading
 import uuid
@@ -55,7 +56,7 @@ from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, bind_target, message_
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_codec import CodecError
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from npuserve.executor.parallel import ParallelConfig
@@ -89,7 +90,7 @@ class StepRunner(Protocol):
 
     def info(self) -> ExecutorInfo: ...
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult: ...
 
     @property
     def num_requests(self) -> int:
@@ -125,6 +126,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if self._profiler.enabled
             else None
         )
+        # Runs the steps whose first-pass answer goes out before they end (`early_results`).
+        self._answering = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="executor-answer")
         self.serving = True  # steps accepted
         self.draining = False  # Health says not serving, steps go on
 
@@ -161,7 +164,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._streams.add(context)
         try:
             for request in request_iterator:
-                yield self._step(request)
+                if request.early_results:
+                    yield from self._step_answers(request)
+                else:
+                    yield self._step(request)
         finally:
             self._streams.discard(context)
 
@@ -190,8 +196,22 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self._on_step_thread(self._profiler.stop)  # keep what was recorded
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
+        self._answering.shutdown(wait=True)
 
-    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+    def _step_answers(self, request: pb.StepRequest) -> Iterator[pb.StepResponse]:
+        """A step's early answer (`early_results`), sent while its later passes run, then its result."""
+        answers: queue.SimpleQueue[pb.StepResponse | None] = queue.SimpleQueue()
+
+        def answer_early(early: StepResult) -> None:
+            answers.put(step_codec.result_to_proto(early))
+
+        final = self._answering.submit(self._step, request, answer_early)
+        final.add_done_callback(lambda _: answers.put(None))
+        while (answer := answers.get()) is not None:
+            yield answer
+        yield final.result()
+
+    def _step(self, request: pb.StepRequest, on_first_pass: FirstPassAnswer | None = None) -> pb.StepResponse:
         if request.executor_instance_id and request.executor_instance_id != self.instance_id:
             raise ExecutorRestarted(
                 "this executor restarted and holds none of the scheduler's requests; reconnect"
@@ -200,7 +220,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
-            result = self._on_step_thread(self._runner.execute, plan)
+            result = self._on_step_thread(self._runner.execute, plan, on_first_pass)
             self._last_step_id = plan.step_id
         t = result.timings
         log.debug(

@@ -24,11 +24,13 @@ from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
 from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request, check_num_steps
 from npuserve.proto.step_plan import (
     ExecutorInfo,
+    FirstPassAnswer,
     NewRequest,
     StepPlan,
     StepResult,
     StepTimings,
     TokenLogprobs,
+    take_first_pass_only,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -175,9 +177,11 @@ class SimulatedRunner:
         c = self.config
         return simulated_token(request_key(req_id, c.seed), position, c.vocab_size, c.eos_token_ids)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         """Runs one step, as `ModelRunner.execute` does: a repeated step id returns the earlier
-        result; a refused plan drops the state of every request it names and raises."""
+        result; a refused plan drops the state of every request it names and raises; with
+        ``on_first_pass``, the first pass's answer for the requests that run only it comes once
+        that pass's modelled time has passed."""
         if self._last_result is not None and plan.step_id == self._last_result.step_id:
             return self._last_result
         start = time.perf_counter()
@@ -191,16 +195,19 @@ class SimulatedRunner:
         num_seqs = len(plan.num_scheduled_tokens)
         latency = self.config.latency
         modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+        if on_first_pass is not None and plan.has_first_pass_only:
+            early = take_first_pass_only(result, plan.num_steps)
+            if early.sampled_req_ids:
+                self._sleep_until(start + modeled, time.perf_counter())
+                on_first_pass(early)
         if plan.num_steps:  # each later pass: one token for each request that runs it
+            self._run_later_passes(plan.num_steps, result)
             num_passes = max(plan.num_steps.values()) - 1
             num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
             modeled += latency.decode_passes_seconds(num_passes, num_later)
             num_tokens += num_later
         done = time.perf_counter()
-        remaining = start + modeled - done
-        if remaining > 0:
-            time.sleep(remaining)
-        elif num_seqs:
+        if not self._sleep_until(start + modeled, done) and num_seqs:
             self.stats.num_overruns += 1
         end = time.perf_counter()
         result.timings = StepTimings(prepare_s=done - start, forward_s=end - done, total_s=end - start)
@@ -213,6 +220,14 @@ class SimulatedRunner:
         s.busy_s += end - start
         self._last_result = result
         return result
+
+    @staticmethod
+    def _sleep_until(deadline: float, now: float) -> bool:
+        """Sleeps from ``now`` until ``deadline`` (perf_counter); False when it had passed."""
+        remaining = deadline - now
+        if remaining > 0:
+            time.sleep(remaining)
+        return remaining > 0
 
     def _execute(self, plan: StepPlan) -> StepResult:
         requests = self._requests
@@ -261,8 +276,6 @@ class SimulatedRunner:
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(self._logprobs(state, token))
                 state.num_tokens += 1
-        if plan.num_steps:
-            self._run_later_passes(plan.num_steps, result)
         return result
 
     def _run_later_passes(self, num_steps: dict[str, int], result: StepResult) -> None:

@@ -95,7 +95,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class StepRequest(_message.Message):
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_RESULTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -116,7 +117,8 @@ class StepRequest(_message.Message):
     bitmask: TokenBitmask
     executor_instance_id: str
     num_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    early_results: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("req_ids", "words")
@@ -155,20 +157,22 @@ class StepTimings(_message.Message):
     def __init__(self, prepare_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining")
+    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: SampledLogprobs
     timings: StepTimings
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    partial: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -190,6 +190,7 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
             prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
         ),
         draining=result.draining,
+        partial=result.partial,
     )
     asked = [(i, lp) for i, lp in enumerate(result.logprobs) if lp is not None]
     if asked:  # NOTE: only the tokens whose request asked for logprobs travel
@@ -223,6 +224,7 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
             prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
         ),
         draining=msg.draining,
+        partial=msg.partial,
     )
 
 

@@ -8,6 +8,7 @@ the scheduler can build plans; the gRPC converters map it to and from protobuf.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from npuserve.proto.kv_layout import cdiv
@@ -101,6 +102,12 @@ class StepPlan:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    @property
+    def has_first_pass_only(self) -> bool:
+        """A multi-step plan in which some requests run only the first pass (those it admits,
+        say): their tokens can be answered before the later passes (`early_results`)."""
+        return 0 < len(self.num_steps) < len(self.num_scheduled_tokens)
+
 
 @dataclass(slots=True)
 class TokenLogprobs:
@@ -129,6 +136,33 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
     draining: bool = False  # the executor drains: no new requests for it
+    # The first pass's tokens of the requests that run only that pass, answered before the
+    # step's final result (`take_first_pass_only`); the final result does not name them.
+    partial: bool = False
+
+
+# Takes a multi-step plan's early answer: the tokens of the requests that run only its first pass.
+FirstPassAnswer = Callable[[StepResult], None]
+
+
+def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepResult:
+    """Moves the tokens of requests that run only the first pass (absent from ``num_steps``) out
+    of ``result``, which holds a multi-step plan's first pass, into a partial result of their own."""
+    early = StepResult(step_id=result.step_id, partial=True)
+    kept = StepResult(step_id=result.step_id)
+    for req_id, token_id, logprobs in zip(
+        result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
+    ):
+        into = kept if req_id in num_steps else early
+        into.sampled_req_ids.append(req_id)
+        into.sampled_token_ids.append(token_id)
+        into.logprobs.append(logprobs)
+    result.sampled_req_ids, result.sampled_token_ids, result.logprobs = (
+        kept.sampled_req_ids,
+        kept.sampled_token_ids,
+        kept.logprobs,
+    )
+    return early
 
 
 @dataclass(slots=True)

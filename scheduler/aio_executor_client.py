@@ -53,6 +53,8 @@ class AioPendingStep:
         self.stream = stream  # the StepStream call it went on; None: a unary call
 
     async def result(self) -> StepResult:
+        """The step's next answer: its early answer first (`StepResult.partial`) when it has one
+        (`AioExecutorClient.answers_early`), then its result."""
         client = self.client
         if self.stream is None:
             try:
@@ -124,11 +126,21 @@ class AioExecutorClient:
     def open_stream(self) -> Any | None:
         return self._stream
 
-    async def submit(self, plan: StepPlan) -> AioPendingStep:
-        """Sends a step (over a stream: now; read its result with ``.result()``, in order)."""
+    @property
+    def answers_early(self) -> bool:
+        """Whether a multi-step plan's first-pass-only requests are answered after that pass,
+        before the step's result (`early_results`): over the step stream."""
+        return self.streams
+
+    async def submit(self, plan: StepPlan, early_results: bool = False) -> AioPendingStep:
+        """Sends a step (over a stream: now; read its result with ``.result()``, in order).
+
+        ``early_results``: where the client `answers_early`, a multi-step plan's first-pass-only
+        requests come in an answer of their own before its result (read both with ``.result()``)."""
         request = addressed_step(plan, self.instance_id)
         if not self.streams:
             return AioPendingStep(self, request, None)
+        request.early_results = early_results and plan.has_first_pass_only
         if self._stream is None:
             self._stream = self.stub.StepStream(metadata=self.metadata)
         stream = self._stream

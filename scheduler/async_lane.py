@@ -111,7 +111,7 @@ class AsyncExecutorLane(ExecutorLane):
         sent_at = time.perf_counter()
         pending: AsyncPendingStep
         try:
-            pending = await self.client.submit(plan)
+            pending = await self.client.submit(plan, early_results=self.scheduler.config.early_first_tokens)
         except Exception as exc:
             pending = _Refused(exc)
         self._in_flight.append(InFlightStep(plan, stats, pending, sent_at))
@@ -119,8 +119,12 @@ class AsyncExecutorLane(ExecutorLane):
 
     async def _land_on_loop(self) -> None:
         step = self._in_flight.popleft()
+        pending = cast(AsyncPendingStep, step.pending)
         try:
-            result = await cast(AsyncPendingStep, step.pending).result()
+            result = await pending.result()
+            while result.partial:  # the first tokens of the requests it admitted, say
+                self._answered_early(step, result)
+                result = await pending.result()
         except Exception as exc:
             later = self._failed(exc)
             for after in later:
@@ -129,3 +133,9 @@ class AsyncExecutorLane(ExecutorLane):
             self._fail_steps([step, *later], exc)
             return
         self._landed(step, result)
+
+    def _answered_early(self, step: InFlightStep, result: StepResult) -> None:
+        """The tokens of the requests that ran only the step's first pass, before its result:
+        reported now, with no step counted."""
+        updates = self.scheduler.update_from_output(step.plan, result)
+        self.on_event(self, LaneEvent(updates=updates))

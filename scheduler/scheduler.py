@@ -39,10 +39,18 @@ class SchedulerConfig:
     # Multi-step decoding (vLLM's --num-scheduler-steps): a request that samples in a step runs
     # up to this many passes in it, one token each, so every per-step cost is paid once for them.
     num_scheduler_steps: int = 1
+    # The executor answers the requests that run only a step's first pass (the ones it admits)
+    # as soon as that pass is done (`early_results`, over the step stream): a step that admits
+    # requests then runs every pass for the running ones; otherwise it runs one pass.
+    early_first_tokens: bool = False
 
     @classmethod
     def for_executor(
-        cls, info: ExecutorInfo, enable_prefix_caching: bool = True, num_scheduler_steps: int = 1
+        cls,
+        info: ExecutorInfo,
+        enable_prefix_caching: bool = True,
+        num_scheduler_steps: int = 1,
+        early_first_tokens: bool = False,
     ) -> SchedulerConfig:
         """Scheduling within what an executor reported in its capacity handshake."""
         return cls(
@@ -53,6 +61,7 @@ class SchedulerConfig:
             max_model_len=info.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             num_scheduler_steps=num_scheduler_steps,
+            early_first_tokens=early_first_tokens,
         )
 
 
@@ -141,8 +150,12 @@ class Scheduler:
 
         running, kv = RequestStatus.RUNNING, self.kv
         # NOTE: a step that admits requests runs one pass, so their first tokens come after it
-        # (vLLM's multi-step does the same with prefills); only steps of running requests run more.
-        multi_step = self.config.num_scheduler_steps > 1 and not self._may_admit()
+        # (vLLM's multi-step does the same with prefills), unless the executor answers them after
+        # the first of its passes (`early_first_tokens`): the admitted requests run one pass, the
+        # running ones all of theirs.
+        multi_step = self.config.num_scheduler_steps > 1 and (
+            self.config.early_first_tokens or not self._may_admit()
+        )
         for request in list(self.running):
             if budget <= 0:
                 break

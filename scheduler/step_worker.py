@@ -174,7 +174,12 @@ class StepWorker:
         client = AioExecutorClient.from_spec(self.spec, address, instance_id)
         settings = self.settings
         scheduler = Scheduler(
-            SchedulerConfig.for_executor(info, settings.enable_prefix_caching, settings.num_scheduler_steps)
+            SchedulerConfig.for_executor(
+                info,
+                settings.enable_prefix_caching,
+                settings.num_scheduler_steps,
+                early_first_tokens=client.answers_early,
+            )
         )
         scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
 

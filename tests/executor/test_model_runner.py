@@ -326,8 +326,9 @@ def test_bitmask_confines_its_request_and_a_bad_one_is_refused_before_the_forwar
 
 def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> None:
     """Four passes per step (greedy, seeded, penalised, with logprobs and min_tokens, prefills
-    chunked under a small budget) give every request the tokens and logprobs one pass per step
-    gives: each later pass feeds back the token the one before sampled."""
+    chunked under a small budget, new requests answered after the first pass) give every request
+    the tokens and logprobs one pass per step gives: each later pass feeds back the token the one
+    before sampled."""
     stop = greedy_reference(stories_dir, PROMPT, 8)[2]
     specs = [
         *others(),
@@ -335,11 +336,13 @@ def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> 
         DrivenRequest("min", PROMPT, 7, SamplingOptions(temperature=0, min_tokens=3, stop_token_ids=(stop,))),
     ]
 
-    def run(num_steps: int, token_budget: int) -> list[DrivenRequest]:
+    def run(num_steps: int, token_budget: int, answer_early: bool = False) -> list[DrivenRequest]:
         requests = [DrivenRequest(r.req_id, r.prompt, r.max_new_tokens, r.sampling) for r in specs]
         runner = make_runner(stories_dir, seed=5)
-        outputs(StepDriver(runner, num_steps=num_steps), requests, token_budget)
+        driver = StepDriver(runner, num_steps=num_steps, answer_early=answer_early)
+        outputs(driver, requests, token_budget)
         assert runner.batch.num_reqs == 0
+        assert bool(driver.early_answers) == answer_early
         return requests
 
     def same(a: list[DrivenRequest], b: list[DrivenRequest]) -> None:
@@ -354,6 +357,8 @@ def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> 
     single = run(num_steps=1, token_budget=10_000)
     same(run(num_steps=4, token_budget=10_000), single)
     same(run(num_steps=3, token_budget=7), single)  # prefills chunked: only sampling requests run on
+    # New requests run one pass, answered early, while the running ones run their four.
+    same(run(num_steps=4, token_budget=7, answer_early=True), single)
     assert any(r.logprobs[0] is not None for r in single)
 
 

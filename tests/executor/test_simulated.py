@@ -24,6 +24,7 @@ from npuserve.proto.step_plan import (
     NewRequest,
     SamplingOptions,
     StepPlan,
+    StepResult,
     TokenBitmask,
     bitmask_words,
 )
@@ -191,6 +192,37 @@ def test_tokens_are_deterministic_and_eos_only_when_asked() -> None:
         outputs += runner.execute(plan).sampled_token_ids
         plan = StepPlan(step + 1, num_scheduled_tokens={"e": 1})
     assert outputs[2] == 2 and 2 not in outputs[:2] + outputs[3:]
+
+
+def test_the_first_pass_only_requests_are_answered_after_the_first_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``on_first_pass`` a request that runs one pass of a multi-step plan is answered once
+    that pass's modelled time is up, before the later passes; the result names the others only."""
+    events: list[object] = []
+    monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
+    latency = LatencyModel(base_s=0.02, per_token_s=0.0001, per_seq_s=0.001)
+    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
+    plan = StepPlan(
+        1,
+        new_requests=[new("a", [1, 2]), new("b", [3, 4])],
+        num_scheduled_tokens={"a": 5, "b": 5},
+        num_steps={"a": 3},
+    )
+    result = runner.execute(plan, on_first_pass=events.append)
+    early = StepResult(1, ["b"], [runner.token_for("b", 5)], [None], partial=True)
+    assert events == ["sleep", early, "sleep"]
+    assert result.sampled_req_ids == ["a"] * 3 and not result.partial
+    assert result.sampled_token_ids == [runner.token_for("a", k) for k in (5, 6, 7)]
+    # Nothing to answer early: every request runs all its passes, or none runs more than one.
+    quiet: list[StepResult] = []
+    more_blocks = [CachedRequest("a", [5]), CachedRequest("b", [6])]
+    every = StepPlan(
+        2, cached_requests=more_blocks, num_scheduled_tokens={"a": 1, "b": 1}, num_steps={"a": 2, "b": 2}
+    )
+    runner.execute(every, quiet.append)
+    runner.execute(StepPlan(3, num_scheduled_tokens={"a": 1, "b": 1}), quiet.append)
+    assert not quiet
 
 
 def test_steps_take_the_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
 
 SLOW_STEP_S = 0.5
 
@@ -19,7 +19,7 @@ class FaultyRunner:
     def info(self) -> ExecutorInfo:
         return self._info
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         if plan.step_id == 0:
             raise RuntimeError("device lost")
         if plan.step_id == 1:

@@ -10,6 +10,7 @@ from npuserve.proto.step_plan import (
     NewRequest,
     SamplingOptions,
     StepPlan,
+    StepResult,
     TokenLogprobs,
 )
 
@@ -44,12 +45,23 @@ class StepDriver:
     harness for the executor's contract, not a scheduler: no preemption, no admission control.
     ``num_steps`` above 1 plans multi-step decoding: a request that samples in a step runs up to
     that many passes in it (no more than it has tokens left to make), with blocks for them all.
+    With ``answer_early`` a new request runs one pass, and the runner answers it after that pass
+    (`on_first_pass`); ``early_answers`` keeps those answers.
     """
 
-    def __init__(self, runner, token_budget: int = 10_000, seed: int = 0, num_steps: int = 1) -> None:
+    def __init__(
+        self,
+        runner,
+        token_budget: int = 10_000,
+        seed: int = 0,
+        num_steps: int = 1,
+        answer_early: bool = False,
+    ) -> None:
         self.runner = runner
         self.token_budget = token_budget
         self.num_steps = num_steps
+        self.answer_early = answer_early
+        self.early_answers: list[StepResult] = []
         self.block_size = runner.block_size
         self.free_blocks = list(range(1, runner.num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
@@ -77,6 +89,8 @@ class StepDriver:
             budget -= num_new
             samples = req.num_computed_tokens + num_new == len(req.tokens)
             passes = min(self.num_steps, req.max_new_tokens - len(req.output)) if samples else 1
+            if self.answer_early and not req.sent:
+                passes = 1
             if passes > 1:
                 plan.num_steps[req.req_id] = passes
             num_slots = num_new + passes - 1
@@ -98,7 +112,16 @@ class StepDriver:
             elif new_blocks:
                 plan.cached_requests.append(CachedRequest(req.req_id, new_blocks))
             plan.num_scheduled_tokens[req.req_id] = num_new
-        result = self.runner.execute(plan)
+        if self.answer_early:
+            early: list[StepResult] = []
+            result = self.runner.execute(plan, on_first_pass=early.append)
+            self.early_answers += early
+            for answer in reversed(early):  # NOTE: a request is named in one answer only
+                result.sampled_req_ids[:0] = answer.sampled_req_ids
+                result.sampled_token_ids[:0] = answer.sampled_token_ids
+                result.logprobs[:0] = answer.logprobs
+        else:
+            result = self.runner.execute(plan)
         by_id = {r.req_id: r for r in active}
         for req_id, num_new in plan.num_scheduled_tokens.items():
             by_id[req_id].num_computed_tokens += num_new + plan.num_steps.get(req_id, 1) - 1

@@ -25,6 +25,7 @@ from npuserve.proto.step_plan import (
     StepResult,
     StepTimings,
     TokenLogprobs,
+    take_first_pass_only,
 )
 
 
@@ -96,6 +97,22 @@ def test_result_round_trip_keeps_logprobs_per_token() -> None:
     )
     assert _wire_result(result) == result
     assert result_to_proto(result).logprobs.indices == [0, 2]  # only the tokens that asked
+    early = take_first_pass_only(result, {"b": 3})  # a partial answer travels as one
+    assert _wire_result(early) == early and early.partial
+
+
+def test_the_first_pass_only_requests_are_taken_out_of_a_result() -> None:
+    """A multi-step plan whose first pass some requests run alone (those it admits): their tokens
+    leave the first pass's result, in order, for an early answer; the others' stay."""
+    plan = StepPlan(1, num_scheduled_tokens={"new": 5, "a": 1, "b": 1}, num_steps={"a": 4, "b": 2})
+    assert plan.has_first_pass_only
+    assert not StepPlan(1, num_scheduled_tokens={"a": 1}, num_steps={"a": 4}).has_first_pass_only
+    assert not StepPlan(1, num_scheduled_tokens={"a": 1, "new": 5}).has_first_pass_only
+    asked = TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[7], top_logprobs=[-0.5])
+    result = StepResult(1, ["a", "new", "b", "other"], [8, 7, 9, 3], [None, asked, None, None])
+    early = take_first_pass_only(result, plan.num_steps)
+    assert early == StepResult(1, ["new", "other"], [7, 3], [asked, None], partial=True)
+    assert result == StepResult(1, ["a", "b"], [8, 9], [None, None])
 
 
 def test_result_without_logprobs_sends_none() -> None:

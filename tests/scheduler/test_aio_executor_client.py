@@ -1,6 +1,7 @@
 """`AioExecutorClient` against a real executor server over real gRPC: steps over either
 transport, a refused step and a late one leave the client usable, pipelined steps come back in
-order, and a step sent after a refused one fails with an executor error (not a cancellation)."""
+order, a step sent after a refused one fails with an executor error (not a cancellation), and
+a multi-step plan's admitted requests are answered before its result when asked."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from harness.faulty_runner import FaultyRunner
 
 from npuserve.executor.server import start_executor_server
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
+from npuserve.proto.step_plan import ExecutorInfo, NewRequest, SamplingOptions, StepPlan, StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
 
@@ -85,3 +87,67 @@ def test_an_executor_that_is_not_there_is_unavailable() -> None:
         await client.close()
 
     asyncio.run(run())
+
+
+def _two_request_plans(step_id: int) -> tuple[StepPlan, StepPlan]:
+    """Request "a" admitted alone, then a step where it runs four passes and "b" is admitted."""
+    greedy = SamplingOptions(temperature=0)
+    admit_a = StepPlan(
+        step_id, [NewRequest("a", [1, 2, 3], 3, greedy, [1, 2], 0)], num_scheduled_tokens={"a": 3}
+    )
+    both = StepPlan(
+        step_id + 1,
+        [NewRequest("b", [4, 5], 2, greedy, [3], 0)],
+        num_scheduled_tokens={"a": 1, "b": 2},
+        num_steps={"a": 4},
+    )
+    return admit_a, both
+
+
+@pytest.mark.parametrize("mode", ["unary", "stream"])
+def test_the_requests_a_multi_step_plan_admits_are_answered_before_its_result(mode: str) -> None:
+    """Over the step stream, with `early_results`, the requests that run only the first pass of a
+    multi-step plan come in a partial answer before the plan's result, which names the others;
+    between them they hold the tokens of one answer. Unary calls answer once, whatever is asked."""
+    runner = SimulatedRunner(
+        SimulatedConfig(latency=LatencyModel(0.0, 0.0, 0.0), num_blocks=16, block_size=4)
+    )
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+
+    async def run() -> None:
+        with ExecutorClient(running.address, timeout_s=10) as handshake:
+            handshake.info()
+            instance_id = handshake.instance_id
+        client = AioExecutorClient(running.address, instance_id, mode == "stream", 10)
+        assert client.answers_early == (mode == "stream")
+        admit_a, both = _two_request_plans(0)
+        await client.step(admit_a)
+        pending = await client.submit(both, early_results=True)
+        answers = [await pending.result()]
+        if mode == "stream":
+            answers.append(await pending.result())
+        a_tokens = [runner.token_for("a", k) for k in range(4, 8)]
+        b_token = runner.token_for("b", 2)
+        if mode == "stream":
+            early, final = answers
+            assert early == StepResult(1, ["b"], [b_token], [None], partial=True)
+            assert (final.sampled_req_ids, final.sampled_token_ids, final.partial) == (
+                ["a"] * 4,
+                a_tokens,
+                False,
+            )
+        else:
+            (whole,) = answers
+            assert whole.sampled_token_ids == [a_tokens[0], b_token, *a_tokens[1:]] and not whole.partial
+        # Not asked for: one answer over the stream too.
+        await client.step(StepPlan(2, finished_req_ids=["a", "b"]))
+        admit_a, both = _two_request_plans(3)
+        await client.step(admit_a)
+        whole = await client.step(both)
+        assert len(whole.sampled_req_ids) == 5 and not whole.partial
+        await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop(grace_s=0)

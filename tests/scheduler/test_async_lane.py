@@ -1,14 +1,19 @@
 """`AsyncExecutorLane`, the lane a scheduler worker runs on its event loop: commands reach the
 scheduler between steps (a call answers through its future), and an executor that cannot be
-reached takes the lane down with every request handed back (evacuated) for another executor.
+reached takes the lane down with every request handed back (evacuated) for another executor, and
+a request admitted beside running ones (multi-step) is answered before its step lands.
 Its steps over a live executor are the scenarios' (`test_step_workers`, `test_failover`)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
+from npuserve.executor.server import start_executor_server
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
+from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -53,3 +58,59 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
         assert lane._task is not None and lane._task.done()
 
     asyncio.run(run())
+
+
+def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_step_lands() -> None:
+    """With multi-step decoding over the step stream, a request admitted while another runs is
+    answered after the step's first pass: its first token is reported in an event of its own (no
+    step counted) before the step's result, which carries the running request's passes."""
+    latency = LatencyModel(base_s=0.05, per_token_s=0.0, per_seq_s=0.0)
+    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=16, block_size=4))
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+
+    async def run() -> None:
+        events: list[LaneEvent] = []
+        woken = asyncio.Event()
+
+        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
+            events.append(event)
+            woken.set()
+
+        async def room() -> bool:
+            return True
+
+        async def until(done: Callable[[], bool]) -> None:
+            for _ in range(200):  # NOTE: bounded: each step takes 50 ms a pass
+                if done():
+                    return
+                woken.clear()
+                await asyncio.wait_for(woken.wait(), 10)
+            raise AssertionError("the lane did not get there")
+
+        with ExecutorClient(running.address, timeout_s=10) as handshake:
+            handshake.info()
+            instance_id = handshake.instance_id
+        client = AioExecutorClient(running.address, instance_id, True, 10)
+        config = SchedulerConfig(num_blocks=16, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+        scheduler = Scheduler(config)
+        lane = AsyncExecutorLane("e0", client, scheduler, on_event, False, room)
+        lane.start()
+        a, b = _request("a"), _request("b")
+        lane.submit([a])
+        await until(lambda: bool(a.output_token_ids))
+        lane.submit([b])
+        await until(lambda: a.status.is_finished and b.status.is_finished)
+        first_b = next(i for i, e in enumerate(events) if any(u.request is b for u in e.updates))
+        assert events[first_b].stats is None and [u.request for u in events[first_b].updates] == [b]
+        landed = events[first_b + 1]  # the step that admitted b lands with a's passes
+        assert landed.stats is not None and [u.request for u in landed.updates] == [a]
+        assert len(landed.updates[0].new_token_ids) > 1  # its passes after the first
+        for request in (a, b):
+            assert request.output_token_ids == [runner.token_for(request.req_id, k) for k in range(4, 12)]
+        await lane.aclose(5)
+        scheduler.check_integrity(expect_idle=True)
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop(grace_s=0)

@@ -725,15 +725,21 @@ def test_multi_step_drops_tokens_sampled_after_a_stop() -> None:
         assert len(outputs[1][0]["a"]) == 3
 
 
+@pytest.mark.parametrize("early_first_tokens", [False, True])
 @pytest.mark.parametrize("num_blocks", [14, 500])
-def test_multi_step_gives_the_outputs_of_single_steps(num_blocks: int) -> None:
+def test_multi_step_gives_the_outputs_of_single_steps(num_blocks: int, early_first_tokens: bool) -> None:
     """A crowded run (chunked prefills, prefix sharing, preemption when the pool is small) gives
-    every request the same tokens with four passes per step as with one."""
+    every request the same tokens with four passes per step as with one, whether the steps that
+    admit requests run one pass or (`early_first_tokens`) four for the running requests."""
     shared = prompt_of(9, 3)
     outputs = []
     for num_steps in (1, 4):
         run = new_run(
-            num_blocks=num_blocks, max_num_batched_tokens=12, max_num_seqs=6, num_scheduler_steps=num_steps
+            num_blocks=num_blocks,
+            max_num_batched_tokens=12,
+            max_num_seqs=6,
+            num_scheduler_steps=num_steps,
+            early_first_tokens=early_first_tokens,
         )
         for i in range(12):
             run.scheduler.add_request(
@@ -744,6 +750,25 @@ def test_multi_step_gives_the_outputs_of_single_steps(num_blocks: int) -> None:
         if num_steps > 1:
             assert any(p.num_steps for p in run.executor.plans)
     assert outputs[0] == outputs[1]
+
+
+def test_with_early_first_tokens_a_step_that_admits_runs_every_pass_for_the_running() -> None:
+    """When the executor answers the first pass's requests early, a step that admits requests
+    runs its passes for the running ones and one pass for the admitted."""
+    run = new_run(num_scheduler_steps=4, early_first_tokens=True)
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(5), max_tokens=10))
+    assert not run.step().num_steps  # only an admission: one pass
+    sched.add_request(make_request("b", prompt_of(6, 1), max_tokens=6))
+    both = run.step()
+    assert both.num_steps == {"a": 4} and [r.req_id for r in both.new_requests] == ["b"]
+    assert both.has_first_pass_only
+    assert [len(sched.requests[r].output_token_ids) for r in "ab"] == [5, 1]
+    run.until_done()
+    assert run.outputs == {
+        "a": [output_token(k) for k in range(1, 11)],
+        "b": [output_token(k, "b", 6) for k in range(1, 7)],
+    }
 
 
 def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
