@@ -167,7 +167,8 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
                 "default": 1,
                 "help": "multi-step decoding: each step runs up to this many forward passes for the "
                 "sequences that sample in it, a token each, so the scheduler's per-step costs are paid "
-                "once for them; new requests wait for the executor's current step",
+                "once for them; new requests wait for the executor's current step, and over the step "
+                "stream get their first token after their own pass",
             },
         ),
         Flag(

@@ -152,9 +152,10 @@ class Scheduler:
         # NOTE: a step that admits requests runs one pass, so their first tokens come after it
         # (vLLM's multi-step does the same with prefills), unless the executor answers them after
         # the first of its passes (`early_first_tokens`): the admitted requests run one pass, the
-        # running ones all of theirs.
+        # running ones all of theirs. Not while the token budget holds admissions back (a queue
+        # of prompts): longer steps would only admit the rest later.
         multi_step = self.config.num_scheduler_steps > 1 and (
-            self.config.early_first_tokens or not self._may_admit()
+            not self._may_admit() or (self.config.early_first_tokens and self._budget_admits_all())
         )
         for request in list(self.running):
             if budget <= 0:
@@ -218,6 +219,20 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         return self.kv.pool.num_free_blocks * self.config.block_size >= self.waiting[0].num_tokens
+
+    def _budget_admits_all(self) -> bool:
+        """Whether this step's token budget covers every waiting request that a sequence slot
+        could take (their prompts whole, as if nothing were cached)."""
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        slots = self.config.max_num_seqs - len(self.running)
+        for request in self.waiting:  # NOTE: stops at the budget or at the free slots
+            if slots <= 0:
+                return True
+            budget -= request.num_tokens
+            if budget < 0:
+                return False
+            slots -= 1
+        return True
 
     @staticmethod
     def _may_run_ahead(request: Request) -> bool:

@@ -771,6 +771,20 @@ def test_with_early_first_tokens_a_step_that_admits_runs_every_pass_for_the_runn
     }
 
 
+def test_with_early_first_tokens_a_queue_the_budget_cannot_take_is_admitted_in_one_pass_steps() -> None:
+    """Prompts waiting beyond one step's token budget: the steps that admit them run one pass,
+    so the next admission does not wait for the running requests' later passes."""
+    run = new_run(num_scheduler_steps=4, early_first_tokens=True, max_num_batched_tokens=12)
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(5), max_tokens=20))
+    run.step()
+    for name in "bcd":  # 3 x 8 prompt tokens: more than a step's budget of 12
+        sched.add_request(make_request(name, prompt_of(8, ord(name)), max_tokens=2))
+    assert not run.step().num_steps
+    run.until_done()
+    assert [len(run.outputs[r]) for r in "abcd"] == [20, 2, 2, 2]
+
+
 def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
     """A waiting request that the free blocks could not hold does not hold the running ones to
     one pass a step; once blocks are back, the step that admits it runs one pass."""
