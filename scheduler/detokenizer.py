@@ -76,7 +76,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._prefix_text = ""
+        # The text of ids[prefix_offset:read_offset]; None: not decoded yet (see `_decode_step`).
+        self._prefix_text: str | None = ""
         self._pending = ""  # decoded, checked for stop strings, not yet sent
         # NOTE: a stand-in tokenizer with only `decode` (tests) decodes every token.
         self._pieces: StreamPieces | None = getattr(tokenizer, "stream_pieces", None)
@@ -199,18 +200,27 @@ class IncrementalDetokenizer:
     def _decode_step(self, force: bool) -> str:
         """The text the unread ids add, or "" while they end inside a character (unless `force`).
 
-        Costs two decodes of the window, whatever the output's length.
+        Costs up to two decodes of the window, whatever the output's length.
         """
-        window = self._ids[self._prefix_offset :]
-        text = self._decode(window)
-        if not force and (len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR)):
+        ids = self._ids
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        text = self._decode(ids[self._prefix_offset :])
+        if not force and (len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR)):
             self._steady = False  # ids are left unread
             return ""
-        delta = text[len(self._prefix_text) :]
+        delta = text[len(prefix_text) :]
         # The ids just read become the next window's already-emitted part.
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset :])
-        self._steady = _ends_whole(self._prefix_text)
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        last = self._pieces[ids[-1]] if self._pieces is not None else None
+        if isinstance(last, tuple) and last[1]:
+            # NOTE: ending in a plain token, its text is whole and non-empty (`stream_pieces`);
+            # it is decoded only if it is needed, which it is not when a plain token comes next.
+            self._prefix_text, self._steady = None, True
+        else:
+            self._prefix_text = prefix_text = self._decode(ids[self._prefix_offset :])
+            self._steady = _ends_whole(prefix_text)
         return delta
 
     def _compact(self) -> None:
