@@ -124,8 +124,8 @@ class RequestStream:
         self.stream_interval = stream_interval
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
-        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        self._deliver: Callable[[GenerateOutput], None] = self.queue.put_nowait  # see `listen`
+        self._queue: asyncio.Queue[GenerateOutput] | None = None  # see `queue`
+        self._deliver: Callable[[GenerateOutput], None] = self._enqueue  # see `listen`
         self._on_text: TextListener | None = None  # see `listen`
         self.sequences = [
             SequenceState(
@@ -147,6 +147,17 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return self._num_unfinished == 0
+
+    @property
+    def queue(self) -> asyncio.Queue[GenerateOutput]:
+        """The outputs made for `outputs` (made on first use: a stream that is listened to from
+        its start, as `GenerateMany`'s are, never needs one)."""
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        return self._queue
+
+    def _enqueue(self, output: GenerateOutput) -> None:
+        self.queue.put_nowait(output)
 
     def _mark_finished(self, index: int, reason: str) -> None:
         state = self.sequences[index]
@@ -260,8 +271,8 @@ class RequestStream:
         With ``on_text``, an output that would carry only one sequence's new text and ids (no
         prompt, logprobs, end or usage: most of them) is handed to it as those instead, with no
         output made for it."""
-        while not self.queue.empty():
-            listener(self.queue.get_nowait())
+        while self._queue is not None and not self._queue.empty():
+            listener(self._queue.get_nowait())
         self._deliver = listener
         self._on_text = on_text
 
