@@ -137,28 +137,31 @@ class IncrementalDetokenizer:
     def _prime(self, prompt: list[int]) -> None:
         """Puts the prompt's last ids in the window so the first output ids decode in context."""
         start = max(0, len(prompt) - INITIAL_CONTEXT_TOKENS)
+        ids = prompt[start:]
+        text = self._decode(ids)
         # NOTE: the window's text must not be empty (a sentencepiece decoder would then strip the
         # first output token's leading space) nor start inside a multi-byte character; if it does,
         # reach twice as far back.
-        while start > 0 and self._window_start_is_bad(prompt[start:]):
+        while start > 0 and (not text or text.startswith(REPLACEMENT_CHAR)):
             start = max(0, len(prompt) - 2 * (len(prompt) - start))
-        self._ids = prompt[start:]
-        self._read_offset = self._complete_chars_end(self._ids)
-        self._prefix_text = self._decode(self._ids[: self._read_offset])
-        self._steady = self._read_offset == len(self._ids) and _ends_whole(self._prefix_text)
+            ids = prompt[start:]
+            text = self._decode(ids)
+        self._ids = ids
+        self._read_offset = self._complete_chars_end(ids, text)
+        if self._read_offset < len(ids):
+            text = self._decode(ids[: self._read_offset])
+        self._prefix_text = text
+        self._steady = self._read_offset == len(ids) and _ends_whole(text)
 
-    def _complete_chars_end(self, ids: list[int]) -> int:
-        """How many of `ids` end on a whole character: a prompt's trailing partial bytes count as output."""
-        if not self._decode(ids).endswith(REPLACEMENT_CHAR):
+    def _complete_chars_end(self, ids: list[int], text: str) -> int:
+        """How many of `ids` (whose text is ``text``) end on a whole character: a prompt's
+        trailing partial bytes count as output."""
+        if not text.endswith(REPLACEMENT_CHAR):
             return len(ids)
         for back in range(1, min(MAX_PARTIAL_CHAR_TOKENS, len(ids)) + 1):
             if not self._decode(ids[: len(ids) - back]).endswith(REPLACEMENT_CHAR):
                 return len(ids) - back
         return len(ids)
-
-    def _window_start_is_bad(self, ids: list[int]) -> bool:
-        text = self._decode(ids)
-        return not text or text.startswith(REPLACEMENT_CHAR)
 
     def _next_text(self, token_id: int) -> str:
         """Adds one id to the window; returns the text it adds (see `_decode_step`)."""
