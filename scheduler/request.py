@@ -193,6 +193,37 @@ class Request:
         if (len(self.prompt_token_ids) + len(self.output_token_ids)) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
+    def append_outputs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestStatus | None:
+        """Appends the tokens a multi-step plan's passes sampled, one each, up to the first that
+        `check_stop`'s rules would end the request on (a request with a grammar runs one pass and
+        is never here); the lists lose the tokens after it. Returns how it finished, or None."""
+        params, output = self.params, self.output_token_ids
+        num_before = len(output)
+        stop_ids = params.stop_token_ids
+        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        first_stoppable = params.min_tokens - num_before - 1  # the index that reaches min_tokens
+        length_at = self.max_output_tokens - num_before - 1
+        finished = None
+        for i, token_id in enumerate(token_ids):
+            if i >= first_stoppable and (token_id in stop_ids or token_id in eos_ids):
+                if token_id in stop_ids:
+                    self.stop_reason = token_id
+                finished = RequestStatus.FINISHED_STOPPED
+            elif i >= length_at:
+                finished = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            del token_ids[i + 1 :], logprobs[i + 1 :]
+            break
+        output += token_ids
+        self.output_logprobs += logprobs
+        num_prompt, block_size = len(self.prompt_token_ids), self.block_size
+        if (num_prompt + len(output)) // block_size > (num_prompt + num_before) // block_size:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
+        return finished
+
     def add_reported_output(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
         """Tokens a scheduler worker sampled, onto the front's copy: no matcher to advance (the
         worker's has) and no block hashes yet (`reset_for_recompute` extends them if the copy is

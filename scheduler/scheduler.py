@@ -317,41 +317,46 @@ class Scheduler:
         counted as computed when it was scheduled). A multi-step plan's result names a request
         once per token it sampled: its stop rules run after each, and the tokens its later
         passes sampled after a stop are dropped (a constrained request runs one pass)."""
-        multi_step = bool(plan.num_steps)
-        updates = []
-        by_request: dict[str, RequestUpdate] = {}  # multi-step: each request's update so far
-        constrained = []
+        updates: list[RequestUpdate] = []
         requests, running = self.requests, RequestStatus.RUNNING
-        for req_id, token_id, logprobs in zip(
-            result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
-        ):
-            request = requests.get(req_id)
-            if request is None or request.status is not running:
-                continue  # aborted (or preempted) while the step ran
-            request.num_pending_tokens -= 1
-            if multi_step:
+        if plan.num_steps:
+            # NOTE: each request's tokens first, then its stop rules over them at once.
+            by_request: dict[str, RequestUpdate] = {}
+            for req_id, token_id, logprobs in zip(
+                result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
+            ):
                 update = by_request.get(req_id)
-                if update is not None:  # a later pass's token
-                    if update.finished is None:
-                        request.append_output(token_id, logprobs)
-                        update.new_token_ids.append(token_id)
-                        update.new_logprobs.append(logprobs)
-                        update.finished = request.check_stop()
+                if update is not None:
+                    update.new_token_ids.append(token_id)
+                    update.new_logprobs.append(logprobs)
                     continue
-            request.append_output(token_id, logprobs)
-            update = RequestUpdate(request, [token_id], [logprobs])
-            updates.append(update)
+                request = requests.get(req_id)
+                if request is None or request.status is not running:
+                    continue  # aborted (or preempted) while the step ran
+                update = by_request[req_id] = RequestUpdate(request, [token_id], [logprobs])
+                updates.append(update)
+        else:
+            for req_id, token_id, logprobs in zip(
+                result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
+            ):
+                request = requests.get(req_id)
+                if request is not None and request.status is running:
+                    updates.append(RequestUpdate(request, [token_id], [logprobs]))
+        constrained = []
+        for update in updates:
+            request = update.request
+            request.num_pending_tokens -= len(update.new_token_ids)
+            if request.grammar is None and plan.num_steps:
+                update.finished = request.append_outputs(update.new_token_ids, update.new_logprobs)
+                continue
+            request.append_output(update.new_token_ids[0], update.new_logprobs[0])
             if request.grammar is not None:
                 constrained.append(request.grammar)
-            elif multi_step:  # its stop rules before its next pass's token
-                by_request[req_id] = update
-                update.finished = request.check_stop()
         if constrained:  # NOTE: the stop rules read the masks: all of them advance first
             advance_masks(constrained)
         finished = []
         for update in updates:
-            # NOTE: a multi-step plan's unconstrained requests had their stop rules run above.
-            if not multi_step or update.request.grammar is not None:
+            if not plan.num_steps or update.request.grammar is not None:
                 update.finished = update.request.check_stop()
             if update.finished is not None:
                 finished.append(update)

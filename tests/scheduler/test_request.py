@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from npuserve.scheduler.block_hash import extend_block_hashes, hash_block_tokens
@@ -206,3 +208,38 @@ def test_check_stop_rules() -> None:
     req = make_request([5, 6], max_model_len=3)
     req.append_output(4, None)
     assert req.check_stop() == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_passes_tokens_go_in_as_one_token_at_a_time_would() -> None:
+    """append_outputs (a multi-step plan's tokens of one request) keeps exactly the tokens that
+    appending them one by one with check_stop after each keeps, ends the same way with the same
+    stop reason, and leaves the same block hashes."""
+    rng = random.Random(3)
+    for trial in range(600):
+        options: dict[str, object] = {
+            "max_tokens": rng.choice([None, 1, 3, 9]),
+            "min_tokens": rng.choice([0, 0, 2, 5]),
+            "stop_token_ids": rng.choice([[], [7], [7, 8]]),
+            "ignore_eos": rng.random() < 0.3,
+        }
+        options["min_tokens"] = min(options["min_tokens"], options["max_tokens"] or 99)  # type: ignore[type-var]
+        prompt = [5] * rng.randint(1, 9)
+        before = [rng.choice([4, 6]) for _ in range(rng.randint(0, 3))]
+        passes = [rng.choice([2, 4, 6, 7, 8, 11]) for _ in range(rng.randint(1, 8))]  # 2 is EOS
+        one, bulk = (make_request(prompt, max_model_len=24, **options) for _ in range(2))  # type: ignore[arg-type]
+        for req in (one, bulk):
+            for token in before:
+                req.append_output(token, None)
+        if before and one.check_stop() is not None:
+            continue
+        finished = None
+        for token in passes:
+            one.append_output(token, None)
+            finished = one.check_stop()
+            if finished is not None:
+                break
+        tokens, logprobs = list(passes), [None] * len(passes)
+        assert bulk.append_outputs(tokens, logprobs) == finished, trial
+        assert bulk.output_token_ids == one.output_token_ids and tokens == one.output_token_ids[len(before) :]
+        assert bulk.output_logprobs == one.output_logprobs and len(logprobs) == len(tokens)
+        assert (bulk.stop_reason, bulk.block_hashes) == (one.stop_reason, one.block_hashes), trial
