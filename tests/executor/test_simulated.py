@@ -138,13 +138,9 @@ def test_bitmasks_are_checked_as_the_real_runner_checks_them() -> None:
     assert runner.execute(whole).sampled_token_ids == [77]
 
 
-def test_multi_step_plans_sample_the_tokens_single_steps_would_and_take_each_pass_s_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A request with three passes samples at three positions, the tokens three steps would give
-    it; a request in the middle of its prefill cannot run more than one; each pass is modelled."""
-    sleeps: list[float] = []
-    monkeypatch.setattr(simulated.time, "sleep", sleeps.append)
+def three_passes_for_a() -> tuple[SimulatedRunner, StepPlan]:
+    """A runner with a step time per pass, and a plan that admits "a" for three passes and "b"
+    for one."""
     latency = LatencyModel(base_s=0.02, per_token_s=0.0001, per_seq_s=0.001)
     runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
     plan = StepPlan(
@@ -153,6 +149,18 @@ def test_multi_step_plans_sample_the_tokens_single_steps_would_and_take_each_pas
         num_scheduled_tokens={"a": 5, "b": 5},
         num_steps={"a": 3},
     )
+    return runner, plan
+
+
+def test_multi_step_plans_sample_the_tokens_single_steps_would_and_take_each_pass_s_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request with three passes samples at three positions, the tokens three steps would give
+    it; a request in the middle of its prefill cannot run more than one; each pass is modelled."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(simulated.time, "sleep", sleeps.append)
+    runner, plan = three_passes_for_a()
+    latency = runner.config.latency
     result = runner.execute(plan)
     assert result.sampled_req_ids == ["a", "b", "a", "a"]
     assert result.sampled_token_ids == [
@@ -201,14 +209,7 @@ def test_the_first_pass_only_requests_are_answered_after_the_first_pass(
     that pass's modelled time is up, before the later passes; the result names the others only."""
     events: list[object] = []
     monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
-    latency = LatencyModel(base_s=0.02, per_token_s=0.0001, per_seq_s=0.001)
-    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
-    plan = StepPlan(
-        1,
-        new_requests=[new("a", [1, 2]), new("b", [3, 4])],
-        num_scheduled_tokens={"a": 5, "b": 5},
-        num_steps={"a": 3},
-    )
+    runner, plan = three_passes_for_a()
     result = runner.execute(plan, on_first_pass=events.append)
     early = StepResult(1, ["b"], [runner.token_for("b", 5)], [None], partial=True)
     assert events == ["sleep", early, "sleep"]
