@@ -197,26 +197,17 @@ class Request:
         self, token_ids: list[int], logprobs: list[TokenLogprobs | None]
     ) -> RequestStatus | None:
         """Appends the tokens a multi-step plan's passes sampled, one each, up to the first that
-        `check_stop`'s rules would end the request on (a request with a grammar runs one pass and
-        is never here); the lists lose the tokens after it. Returns how it finished, or None."""
-        params, output = self.params, self.output_token_ids
+        `check_stop`'s token rules end the request on (a request with a grammar runs one pass and
+        is never here); the lists lose the tokens after it. Returns how it finished, or None.
+        NOTE: one token at a time, `append_output` then `check_stop` cost less."""
+        output = self.output_token_ids
         num_before = len(output)
-        stop_ids = params.stop_token_ids
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
-        first_stoppable = params.min_tokens - num_before - 1  # the index that reaches min_tokens
-        length_at = self.max_output_tokens - num_before - 1
         finished = None
         for i, token_id in enumerate(token_ids):
-            if i >= first_stoppable and (token_id in stop_ids or token_id in eos_ids):
-                if token_id in stop_ids:
-                    self.stop_reason = token_id
-                finished = RequestStatus.FINISHED_STOPPED
-            elif i >= length_at:
-                finished = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
-            del token_ids[i + 1 :], logprobs[i + 1 :]
-            break
+            finished = self._token_stop(token_id, num_before + i + 1)
+            if finished is not None:
+                del token_ids[i + 1 :], logprobs[i + 1 :]
+                break
         output += token_ids
         self.output_logprobs += logprobs
         num_prompt, block_size = len(self.prompt_token_ids), self.block_size
@@ -247,22 +238,25 @@ class Request:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def check_stop(self) -> RequestStatus | None:
-        """Stop rules that need no text: the constraint (complete, or broken), EOS, stop token
-        ids, max_tokens, the context length."""
+        """Stop rules that need no text, after an output token: the constraint (complete, or
+        broken), then the token's (`_token_stop`)."""
         if self.grammar is not None:
             if self.grammar.error is not None:
                 self.error = self.grammar.error
                 return RequestStatus.FINISHED_ERROR
             if self.grammar.is_complete:
                 return RequestStatus.FINISHED_STOPPED
-        num_output_tokens = len(self.output_token_ids)
+        return self._token_stop(self.output_token_ids[-1], len(self.output_token_ids))
+
+    def _token_stop(self, token_id: int, num_output_tokens: int) -> RequestStatus | None:
+        """Whether output token ``token_id``, the ``num_output_tokens``-th, ends the request:
+        EOS and stop token ids once there are min_tokens, then max_tokens and the context length."""
         params = self.params
         if num_output_tokens >= params.min_tokens:
-            last = self.output_token_ids[-1]
-            if last in params.stop_token_ids:
-                self.stop_reason = last
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and last in self.eos_token_ids:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
