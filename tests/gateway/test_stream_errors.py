@@ -17,7 +17,7 @@ from npuserve.gateway.app import create_app
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.error_details import field_status
-from npuserve.proto.generate_many import LOST_STATUS_DETAILS, GenerateFailed, GenerateManyClient
+from npuserve.proto.generate_many import LOST_STATUS_DETAILS
 
 LOGPROBS_REFUSAL = "logprobs must be in [0, 20], got 21"
 
@@ -69,10 +69,12 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
 
 
 async def exchange(
-    requests: list[tuple[str, dict]], max_request_bytes: int = 1 << 20
+    requests: list[tuple[str, dict]],
+    max_request_bytes: int = 1 << 20,
+    scheduler: pb_grpc.SchedulerServicer | None = None,
 ) -> list[httpx.Response]:
     server = grpc.aio.server()
-    pb_grpc.add_SchedulerServicer_to_server(FakeScheduler(), server)
+    pb_grpc.add_SchedulerServicer_to_server(scheduler or FakeScheduler(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     app = create_app(f"127.0.0.1:{port}", max_request_bytes=max_request_bytes)
@@ -112,25 +114,21 @@ def test_a_clean_stream_and_a_whole_response() -> None:
     assert body["model"] == "fake" and body["id"].startswith("cmpl-")
 
 
-class LostStatusStream:
-    """A GenerateMany generation whose call ended while a request was being written: grpc's
-    client then loses the status the scheduler sent (this fake's UNIMPLEMENTED)."""
+class LostStatusScheduler(FakeScheduler):
+    """Ends each GenerateMany call as grpc's client reports a call whose status it lost (a call
+    that ended while one of its requests was being written: `LOST_STATUS_DETAILS`)."""
 
-    async def read(self) -> None:
-        lost = grpc.aio.AioRpcError(
-            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), LOST_STATUS_DETAILS
-        )
-        raise GenerateFailed.of_call(lost)
-
-    def cancel(self) -> None:
-        pass
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        await context.abort(grpc.StatusCode.INTERNAL, LOST_STATUS_DETAILS)
+        yield pb.GenerateManyResponse()  # NOTE: never reached; it makes this a stream handler
 
 
-def test_a_generation_whose_call_lost_its_status_goes_over_a_generate_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(GenerateManyClient, "generate", lambda self, request: LostStatusStream())
-    streamed, whole = run(completion("ok"), completion("ok", stream=False))
+def test_a_generation_whose_call_lost_its_status_goes_over_a_generate_call() -> None:
+    streamed, whole = asyncio.run(
+        exchange([completion("ok"), completion("ok", stream=False)], scheduler=LostStatusScheduler())
+    )
     assert streamed.status_code == 200, streamed.text
     assert [json.loads(c)["choices"][0]["text"] for c in events(streamed)[:-1]] == ["Hello", " world", "!"]
     assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == "Hello world!"
