@@ -112,22 +112,21 @@ class StepDriver:
             elif new_blocks:
                 plan.cached_requests.append(CachedRequest(req.req_id, new_blocks))
             plan.num_scheduled_tokens[req.req_id] = num_new
+        early: list[StepResult] = []
         if self.answer_early:
-            early: list[StepResult] = []
             result = self.runner.execute(plan, on_first_pass=early.append)
             self.early_answers += early
-            for answer in reversed(early):  # NOTE: a request is named in one answer only
-                result.sampled_req_ids[:0] = answer.sampled_req_ids
-                result.sampled_token_ids[:0] = answer.sampled_token_ids
-                result.logprobs[:0] = answer.logprobs
         else:
             result = self.runner.execute(plan)
         by_id = {r.req_id: r for r in active}
         for req_id, num_new in plan.num_scheduled_tokens.items():
             by_id[req_id].num_computed_tokens += num_new + plan.num_steps.get(req_id, 1) - 1
-        for req_id, token, logprobs in zip(
-            result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
-        ):
+        sampled = [
+            entry
+            for answer in (*early, result)  # NOTE: a request is named in one answer only
+            for entry in zip(answer.sampled_req_ids, answer.sampled_token_ids, answer.logprobs, strict=True)
+        ]
+        for req_id, token, logprobs in sampled:
             req = by_id[req_id]
             req.output.append(token)
             req.logprobs.append(logprobs)
