@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from npuserve.deploy.bench.machine import MachineInfo
     from npuserve.deploy.bench.runner import CaseResult
     from npuserve.deploy.bench.scale_measure import Result
     from npuserve.deploy.bench.serving_metrics import BenchSummary
@@ -178,9 +179,16 @@ def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
     return "\n".join(lines)
 
 
-def serving_json(workload: dict[str, Any], summaries: Sequence[BenchSummary]) -> dict[str, Any]:
-    """The workload, every variant's summary row and the ratios."""
-    return {"workload": workload, "variants": [s.row() for s in summaries], "ratios": compare(summaries)}
+def serving_json(
+    workload: dict[str, Any], summaries: Sequence[BenchSummary], host: MachineInfo
+) -> dict[str, Any]:
+    """The workload, every variant's summary row, the ratios and the machine."""
+    return {
+        "workload": workload,
+        "variants": [s.row() for s in summaries],
+        "ratios": compare(summaries),
+        "machine": host.row(),
+    }
 
 
 def plot_serving(summaries: Sequence[BenchSummary], path: Path, title: str = "") -> None:
@@ -335,6 +343,11 @@ def plot_scale(results: Sequence[Result], path: Path) -> None:
         axes[0].legend()
 
 
-def scale_json(config: Any, results: Sequence[Result], notes: list[str]) -> dict[str, Any]:
+def scale_json(config: Any, results: Sequence[Result], notes: list[str], host: MachineInfo) -> dict[str, Any]:
     config_row = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-    return {"config": config_row, "results": [asdict(r) for r in results], "notes": notes}
+    return {
+        "config": config_row,
+        "results": [asdict(r) for r in results],
+        "notes": notes,
+        "machine": host.row(),
+    }

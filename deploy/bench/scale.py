@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import itertools
 import math
-import os
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from npuserve.deploy.bench import report
+from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.scale_config import (
     SATURATED_GAIN,
     START_TIMEOUT_S,
@@ -353,6 +352,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
         print(f"npuserve bench-scale: error: {exc}", file=sys.stderr)
         return 2
     started_at = time.monotonic()
+    host = machine.describe()  # NOTE: before the sweep starts its processes
     try:
         results = run_sweep(config)
     except LaunchError as exc:
@@ -361,7 +361,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     notes = saturation_notes(results)
     print(report.format_scale_table(results))
     print()
-    print(f"machine: {os.cpu_count()} CPUs shared by the client, the scheduler and the simulated executors")
+    print(f"machine: {host.summary()}; shared by the client, the scheduler and the simulated executors")
     for note in notes:
         print(f"- {note}")
     for result in results:
@@ -370,7 +370,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             print(format_profile(result))
     print(f"\n({time.monotonic() - started_at:.0f} s)")
     written = report.write_json(
-        report.output_path(args.output_json, "bench-scale"), report.scale_json(config, results, notes)
+        report.output_path(args.output_json, "bench-scale"), report.scale_json(config, results, notes, host)
     )
     print(f"results: {written}", file=sys.stderr)
     if args.plot:

@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from npuserve.deploy.bench import report
+from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
@@ -360,6 +360,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"npuserve bench: error: {exc}", file=sys.stderr)
         return 2
     summaries: list[BenchSummary] = []
+    host = machine.describe()  # NOTE: before any variant starts its processes
+    print(f"machine: {host.summary()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="npuserve-bench-model-") as scratch:
         try:
             if args.preset:
@@ -381,7 +383,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report.format_serving_table(summaries))
     workload_row = {**asdict(workload), "model": args.preset or model}
     written = report.write_json(
-        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, summaries)
+        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, summaries, host)
     )
     print(f"results: {written}", file=sys.stderr)
     if args.plot:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.deploy.bench import report
+from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench import serving as benchmark
 from npuserve.deploy.bench.report import LatencyStats, compare, format_serving_table, percentile
 from npuserve.deploy.bench.serving_metrics import RequestRecord, summarize
@@ -141,11 +141,15 @@ def test_table_json_and_ratios(tmp_path: Path) -> None:
     assert "grpc / offline throughput: 0.50" in table
     assert "TTFT p99 (ms)" in table and "offline" in table.splitlines()[0]
     path = tmp_path / "bench.json"
-    report.write_json(path, report.serving_json({"num_requests": 1, "request_rate": math.inf}, [fast, slow]))
+    host = machine.describe()
+    report.write_json(
+        path, report.serving_json({"num_requests": 1, "request_rate": math.inf}, [fast, slow], host)
+    )
     payload = json.loads(path.read_text())
     assert payload["workload"]["request_rate"] is None
     assert [v["variant"] for v in payload["variants"]] == ["offline", "grpc"]
     assert payload["ratios"][0]["output_throughput"] == pytest.approx(0.5)
+    assert payload["machine"]["python_ns_per_op"] == host.python_ns_per_op > 0
 
 
 # -- variants and flags ---------------------------------------------------------------------------------
