@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from npuserve.scheduler.stream_pieces import StreamPiece, StreamPieces, continues_utf8, utf8_length
+from npuserve.scheduler.stream_pieces import StreamPieces
 from npuserve.scheduler.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -84,8 +84,11 @@ class IncrementalDetokenizer:
         # The window is all emitted, its text non-empty and not ending in U+FFFD: a token with a
         # stream piece adds that piece.
         self._steady = False
-        # The bytes of a character begun right after whole text, held (byte-fallback tokens).
-        self._char: bytearray | None = None
+        # The bytes of byte-fallback tokens that came right after whole text, held until they
+        # decode (see `_next_in_run`); `_run_exact`: the token before them is not a byte token
+        # (its bytes would join the run's), so how an invalid run decodes is known too.
+        self._run: bytearray | None = None
+        self._run_exact = False
         self._stop_str: str | None = None
         self._finished = False
         self._prime(list(prompt_token_ids))
@@ -165,40 +168,57 @@ class IncrementalDetokenizer:
 
     def _next_text(self, token_id: int) -> str:
         """Adds one id to the window; returns the text it adds (see `_decode_step`)."""
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         pieces = self._pieces
-        if self._steady and pieces is not None:
+        if pieces is None:
+            return self._decode_step(force=False)
+        if self._steady:
             piece = pieces[token_id]
             if isinstance(piece, tuple):
                 # What `_decode_step` does, its decodes known in advance.
-                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._prefix_offset, self._read_offset = self._read_offset, len(ids)
                 delta, self._prefix_text = piece
                 self._steady = bool(self._prefix_text)
                 return delta
-            if piece is not None:  # a byte that leaves the text inside a character, or bad
+            if piece is not None:  # a non-ASCII byte: the text now ends inside a character or bad
                 self._steady = False
-                self._char = bytearray((piece,)) if utf8_length(piece) else None
+                self._run = bytearray((piece,))
+                before = ids[-2]
+                self._run_exact = before not in pieces.ascii_bytes and not isinstance(pieces[before], int)
                 return ""
-        elif self._char is not None and pieces is not None:
-            return self._continue_char(self._char, pieces[token_id])
+        elif self._run is not None:
+            return self._next_in_run(self._run, token_id, pieces)
         return self._decode_step(force=False)
 
-    def _continue_char(self, char: bytearray, piece: StreamPiece | int | None) -> str:
-        """Holds the bytes of a character begun after whole text until it is whole, then emits it
-        as `_decode_step` would; anything else is decoded."""
-        self._char = None
-        if not isinstance(piece, int) or not continues_utf8(char, piece):
-            return self._decode_step(force=False)
-        char.append(piece)
-        if len(char) < utf8_length(char[0]):
-            self._char = char
-            return ""
-        text = char.decode()
-        if text == REPLACEMENT_CHAR:  # NOTE: U+FFFD itself makes `_decode_step` wait for more
-            return self._decode_step(force=False)
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text, self._steady = text, True
-        return text
+    def _next_in_run(self, run: bytearray, token_id: int, pieces: StreamPieces) -> str:
+        """What `_decode_step` returns for one more id after a run of held bytes, worked out from
+        the bytes: ByteFallback decodes a run of byte tokens to its UTF-8 text, or, when the run
+        is not valid UTF-8, to one U+FFFD per byte (which only says where the window's text ends:
+        the run's validity alone, since the text before it is whole). Anything else is decoded."""
+        piece = pieces[token_id]
+        value = piece if isinstance(piece, int) else pieces.ascii_bytes.get(token_id)
+        if value is not None:  # the run goes on
+            run.append(value)
+            try:
+                text = run.decode()
+            except UnicodeDecodeError:
+                return ""  # NOTE: the window's text ends in U+FFFD: `_decode_step` waits too
+            self._run = None
+            if text.endswith(REPLACEMENT_CHAR):  # U+FFFD itself makes `_decode_step` wait
+                return self._decode_step(force=False)
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._prefix_text, self._steady = text, True
+            return text
+        self._run = None
+        if isinstance(piece, tuple) and self._run_exact:
+            # The run, held because it is not valid UTF-8, becomes a U+FFFD per byte; the token
+            # after it adds its piece.
+            delta = REPLACEMENT_CHAR * len(run) + piece[0]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._prefix_text, self._steady = delta, True
+            return delta
+        return self._decode_step(force=False)
 
     def _decode_step(self, force: bool) -> str:
         """The text the unread ids add, or "" while they end inside a character (unless `force`).

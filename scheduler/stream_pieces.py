@@ -15,7 +15,8 @@ With the sentencepiece decoder ('▁' -> ' ', ByteFallback, Fuse, Strip ' ') byt
 too, after text that does not end in U+FFFD (so its last bytes are whole characters): an ASCII byte
 is plain, and any other byte leaves the text ending inside a character or on an invalid byte, which
 decodes to a trailing U+FFFD. Its entry is the byte's value: the detokenizer holds it, and the
-bytes that follow, until they make a whole character (`utf8_length`, `continues_utf8`).
+byte tokens that follow, until they decode: ByteFallback turns a run of byte tokens into its UTF-8
+text, or into one U+FFFD per byte when the run is not valid UTF-8.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from typing import Any
 StreamPiece = tuple[str, str]
 
 REPLACEMENT_CHAR = "\ufffd"
-# The second byte's range after these UTF-8 lead bytes (RFC 3629: no overlong forms, no
-# surrogates, nothing above U+10FFFF); every other continuation byte is 0x80..0xBF.
-_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
 def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
@@ -81,21 +79,6 @@ def has_known_bytes(decoder: dict[str, Any] | None) -> bool:
     )
 
 
-def utf8_length(lead: int) -> int:
-    """The length of the UTF-8 character that byte `lead` begins; 0 when it begins none."""
-    if 0xC2 <= lead <= 0xDF:
-        return 2
-    if 0xE0 <= lead <= 0xEF:
-        return 3
-    return 4 if 0xF0 <= lead <= 0xF4 else 0
-
-
-def continues_utf8(head: bytes | bytearray, byte: int) -> bool:
-    """Whether `byte` may follow `head`, the first bytes of an unfinished UTF-8 character."""
-    low, high = _SECOND_BYTE.get(head[0], (0x80, 0xBF)) if len(head) == 1 else (0x80, 0xBF)
-    return low <= byte <= high
-
-
 def _pattern(step: dict[str, Any]) -> str | None:
     pattern = step.get("pattern") or {}
     return pattern.get("String")
@@ -136,6 +119,7 @@ class StreamPieces(dict[int, "StreamPiece | int | None"]):
         added_ids: set[int],
         anchor: int,
         known_bytes: bool = False,
+        id_of: Callable[[str], int | None] | None = None,
     ) -> None:
         super().__init__()
         self._decode = decode
@@ -144,6 +128,14 @@ class StreamPieces(dict[int, "StreamPiece | int | None"]):
         self._anchor = anchor
         self._anchor_text = decode([anchor])
         self._known_bytes = known_bytes
+        # With `known_bytes`: the ids of the ASCII byte tokens ('<0x41>'), whose pieces are plain
+        # text but whose bytes join a run of byte tokens around them. Empty otherwise.
+        self.ascii_bytes: dict[int, int] = {}
+        if known_bytes and id_of is not None:
+            for value in range(0x80):
+                token_id = id_of(f"<0x{value:02X}>")
+                if token_id is not None and byte_value(token_of(token_id) or "") == value:
+                    self.ascii_bytes[token_id] = value
 
     def __missing__(self, token_id: int) -> StreamPiece | int | None:
         piece = self._piece(token_id)

@@ -152,7 +152,12 @@ class Tokenizer:
             return None
         added = set(self._backend.get_added_tokens_decoder())
         return StreamPieces(
-            self._backend.decode, self._backend.id_to_token, added, anchor[0], has_known_bytes(decoder)
+            self._backend.decode,
+            self._backend.id_to_token,
+            added,
+            anchor[0],
+            has_known_bytes(decoder),
+            self._backend.token_to_id,
         )
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from npuserve.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from npuserve.scheduler.stream_pieces import continues_utf8, has_fixed_pieces, has_known_bytes, utf8_length
+from npuserve.scheduler.stream_pieces import has_fixed_pieces, has_known_bytes
 from npuserve.scheduler.tokenizer import Tokenizer
 
 BYTE_ID_OFFSET = 3  # '<0x00>' is id 3 in stories260K
@@ -211,25 +211,50 @@ def test_cleanup_of_spaces_has_no_pieces() -> None:
     assert cleaned.stream_pieces is None
 
 
-def test_utf8_prefixes_match_the_codec() -> None:
-    """`utf8_length` and `continues_utf8` accept exactly the starts of valid UTF-8 characters."""
-    for lead in range(256):
-        length = utf8_length(lead)
-        starts = [n for n in (2, 3, 4) for b in range(0x80, 0xC0) if completes(bytes([lead, b]), n)]
-        assert length == (starts[0] if starts else 0), hex(lead)
-        if not length:
-            continue
-        for second in range(256):
-            head = bytes([lead, second])
-            assert continues_utf8(head[:1], second) == completes(head, length), head
-    for head in ("中".encode()[:2], "😀".encode()[:2], "😀".encode()[:3]):
-        assert [continues_utf8(head, b) for b in (0x7F, 0x80, 0xBF, 0xC0)] == [False, True, True, False]
+@pytest.mark.parametrize("byte_share", [0.5, 0.9])
+def test_runs_of_bytes_stream_what_decoding_does(stories_dir: Path, byte_share: float) -> None:
+    """Any ids at all, most of them byte tokens (stray, partial and invalid runs, ASCII bytes inside
+    runs, specials between them): holding byte runs streams what decoding the window does."""
+    tok = Tokenizer.from_pretrained(stories_dir)
+    pieces = tok.stream_pieces
+    assert pieces is not None and len(pieces.ascii_bytes) == 128
+    rng = random.Random(7)
+    for trial in range(60):
+        ids = [
+            rng.randrange(BYTE_ID_OFFSET, BYTE_ID_OFFSET + 256)
+            if rng.random() < byte_share
+            else rng.randrange(tok.vocab_size)
+            for _ in range(120)
+        ]
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.choice([0, 1, 7]))]
+        chunks = chunks_of(rng, ids)
+        options: dict[str, Any] = {"skip_special_tokens": trial % 2 == 0}
+        fast = streamed(IncrementalDetokenizer(tok, prompt, **options), chunks)
+        slow = streamed(IncrementalDetokenizer(DecodeOnly(tok), prompt, **options), chunks)  # type: ignore[arg-type]
+        assert fast == slow, f"trial {trial}"
 
 
-def completes(head: bytes, length: int) -> bool:
-    """Whether continuation bytes after `head` make one valid character of `length` bytes (all
-    bytes after the second may be any of 0x80..0xBF)."""
-    try:
-        return len((head + b"\x80" * (length - len(head))).decode()) == 1
-    except UnicodeDecodeError:
-        return False
+def test_a_held_run_is_streamed_without_decoding(stories_dir: Path) -> None:
+    """After a plain token, an invalid run of bytes and the plain token after it come out as one
+    U+FFFD per byte and that token's piece, and a run that becomes a character as the character,
+    with no decoding at all."""
+    tok = Tokenizer.from_pretrained(stories_dir)
+    the = tok.encode("the", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("Once upon a time", add_special_tokens=False))
+    calls = 0
+    decode = tok.decode
+
+    def counted(ids: list[int], skip_special_tokens: bool = True) -> str:
+        nonlocal calls
+        calls += 1
+        return decode(ids, skip_special_tokens=skip_special_tokens)
+
+    detok.tokenizer.decode = counted  # type: ignore[method-assign]
+    stray = [BYTE_ID_OFFSET + b for b in (0xE4, 0x41, 0x80)]  # a lead byte, 'A', a stray byte
+    texts = [detok.update([i]).text for i in the + stray + the + byte_ids("中") + byte_ids("😀")]
+    assert texts == [" the", "", "", "", "\ufffd" * 3 + " the", "", "", "中", "", "", "", "😀"]
+    assert calls == 0
+
+
+def byte_ids(char: str) -> list[int]:
+    return [BYTE_ID_OFFSET + b for b in char.encode("utf-8")]
