@@ -24,6 +24,8 @@ INITIAL_CONTEXT_TOKENS = 6
 MAX_PARTIAL_CHAR_TOKENS = 3
 # Ids before the window are dropped once this many pile up (keeps memory O(window), amortised).
 COMPACT_AFTER_TOKENS = 1024
+# The bytes that begin a UTF-8 character of two or more bytes (RFC 3629).
+MIN_LEAD_BYTE, MAX_LEAD_BYTE = 0xC2, 0xF4
 
 
 class DetokenizerUpdate(NamedTuple):
@@ -89,6 +91,7 @@ class IncrementalDetokenizer:
         # (its bytes would join the run's), so how an invalid run decodes is known too.
         self._run: bytearray | None = None
         self._run_exact = False
+        self._run_valid = False  # the run is a valid start of UTF-8 text: it may still decode
         self._stop_str: str | None = None
         self._finished = False
         self._prime(list(prompt_token_ids))
@@ -184,8 +187,13 @@ class IncrementalDetokenizer:
             if piece is not None:  # a non-ASCII byte: the text now ends inside a character or bad
                 self._steady = False
                 self._run = bytearray((piece,))
+                self._run_valid = MIN_LEAD_BYTE <= piece <= MAX_LEAD_BYTE
                 before = ids[-2]
-                self._run_exact = before not in pieces.ascii_bytes and not isinstance(pieces[before], int)
+                # NOTE: an ASCII byte token alone in the window (its one character) turns into one
+                # U+FFFD when it joins an invalid run, which leaves the run's delta as it is.
+                self._run_exact = not isinstance(pieces[before], int) and (
+                    before not in pieces.ascii_bytes or self._prefix_offset == len(ids) - 2
+                )
                 return ""
         elif self._run is not None:
             return self._next_in_run(self._run, token_id, pieces)
@@ -200,10 +208,15 @@ class IncrementalDetokenizer:
         value = piece if isinstance(piece, int) else pieces.ascii_bytes.get(token_id)
         if value is not None:  # the run goes on
             run.append(value)
+            if not self._run_valid:
+                return ""  # NOTE: the window's text ends in U+FFFD: `_decode_step` waits too
             try:
                 text = run.decode()
-            except UnicodeDecodeError:
-                return ""  # NOTE: the window's text ends in U+FFFD: `_decode_step` waits too
+            except UnicodeDecodeError as exc:
+                # Cut short (the codec reached the end inside the run's one character), it may yet
+                # become that character; invalid, it never will.
+                self._run_valid = exc.start == 0 and exc.end == len(run)
+                return ""
             self._run = None
             if text.endswith(REPLACEMENT_CHAR):  # U+FFFD itself makes `_decode_step` wait
                 return self._decode_step(force=False)
