@@ -203,11 +203,10 @@ class Request:
         output = self.output_token_ids
         num_before = len(output)
         finished = None
-        for i, token_id in enumerate(token_ids):
-            finished = self._token_stop(token_id, num_before + i + 1)
-            if finished is not None:
-                del token_ids[i + 1 :], logprobs[i + 1 :]
-                break
+        at = self._first_stop_candidate(token_ids, num_before)
+        if at is not None:
+            finished = self._token_stop(token_ids[at], num_before + at + 1)
+            del token_ids[at + 1 :], logprobs[at + 1 :]
         output += token_ids
         self.output_logprobs += logprobs
         num_prompt, block_size = len(self.prompt_token_ids), self.block_size
@@ -247,6 +246,27 @@ class Request:
             if self.grammar.is_complete:
                 return RequestStatus.FINISHED_STOPPED
         return self._token_stop(self.output_token_ids[-1], len(self.output_token_ids))
+
+    @cached_property
+    def _stop_ids(self) -> frozenset[int]:
+        """The ids `_token_stop` stops on once min_tokens are out (cached as `max_output_tokens`)."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return frozenset((*self.params.stop_token_ids, *eos))
+
+    def _first_stop_candidate(self, token_ids: list[int], num_before: int) -> int | None:
+        """The index of the first of ``token_ids`` (after ``num_before`` output tokens) that
+        `_token_stop` ends the request on, found without a call per token; None if none does."""
+        if not token_ids:
+            return None
+        at_limit = self.max_output_tokens - num_before - 1  # the token that reaches max_tokens
+        if at_limit <= 0:
+            return 0
+        stop_ids = self._stop_ids
+        if stop_ids and not stop_ids.isdisjoint(token_ids):
+            for i in range(max(0, self.params.min_tokens - num_before - 1), min(len(token_ids), at_limit)):
+                if token_ids[i] in stop_ids:
+                    return i
+        return at_limit if at_limit < len(token_ids) else None
 
     def _token_stop(self, token_id: int, num_output_tokens: int) -> RequestStatus | None:
         """Whether output token ``token_id``, the ``num_output_tokens``-th, ends the request:
