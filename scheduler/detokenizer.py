@@ -153,21 +153,20 @@ class IncrementalDetokenizer:
             ids = prompt[start:]
             text = self._decode(ids)
         self._ids = ids
-        self._read_offset = self._complete_chars_end(ids, text)
-        if self._read_offset < len(ids):
-            text = self._decode(ids[: self._read_offset])
+        self._read_offset, text = self._complete_chars_end(ids, text)
         self._prefix_text = text
         self._steady = self._read_offset == len(ids) and _ends_whole(text)
 
-    def _complete_chars_end(self, ids: list[int], text: str) -> int:
-        """How many of `ids` (whose text is ``text``) end on a whole character: a prompt's
-        trailing partial bytes count as output."""
+    def _complete_chars_end(self, ids: list[int], text: str) -> tuple[int, str]:
+        """How many of `ids` (whose text is ``text``) end on a whole character, and their text:
+        a prompt's trailing partial bytes count as output."""
         if not text.endswith(REPLACEMENT_CHAR):
-            return len(ids)
+            return len(ids), text
         for back in range(1, min(MAX_PARTIAL_CHAR_TOKENS, len(ids)) + 1):
-            if not self._decode(ids[: len(ids) - back]).endswith(REPLACEMENT_CHAR):
-                return len(ids) - back
-        return len(ids)
+            head = self._decode(ids[: len(ids) - back])
+            if not head.endswith(REPLACEMENT_CHAR):
+                return len(ids) - back, head
+        return len(ids), text
 
     def _texts(self, new_token_ids: Sequence[int]) -> str:
         """The text several ids add: `_next_text` of each, its usual case (a plain token in a
