@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -155,6 +156,41 @@ def compare(summaries: Sequence[BenchSummary]) -> list[dict[str, Any]]:
     return out
 
 
+def median_round(rounds: Sequence[Sequence[BenchSummary]]) -> list[BenchSummary]:
+    """Per variant (the rounds' columns), its round of median output throughput (the lower
+    middle one for an even count): what the table shows when the variants ran several rounds."""
+    columns = zip(*rounds, strict=True)
+    return [sorted(c, key=lambda s: s.output_throughput)[(len(c) - 1) // 2] for c in columns]
+
+
+def round_ratios(rounds: Sequence[Sequence[BenchSummary]]) -> list[dict[str, Any]]:
+    """Every variant after the first over the first, round by round (they ran interleaved, so
+    each round's pair shared the machine's state), and the median of those ratios."""
+    out = []
+    for index in range(1, len(rounds[0])):
+        values = [
+            r[index].output_throughput / r[0].output_throughput for r in rounds if r[0].output_throughput
+        ]
+        out.append(
+            {
+                "variant": rounds[0][index].variant,
+                "baseline": rounds[0][0].variant,
+                "output_throughput": values,
+                "median": statistics.median(values) if values else None,
+            }
+        )
+    return out
+
+
+def format_round_ratios(rounds: Sequence[Sequence[BenchSummary]]) -> str:
+    return "\n".join(
+        f"{r['variant']} / {r['baseline']} throughput over {len(rounds)} rounds: "
+        + ", ".join(f"{v:.2f}" for v in r["output_throughput"])
+        + f"; median {cell(r['median'], '.2f')}"
+        for r in round_ratios(rounds)
+    )
+
+
 def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
     """One column per variant, one line per metric; then each variant against the first."""
     width = max(12, *(len(s.variant) + 2 for s in summaries))
@@ -180,15 +216,23 @@ def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
 
 
 def serving_json(
-    workload: dict[str, Any], summaries: Sequence[BenchSummary], host: MachineInfo
+    workload: dict[str, Any],
+    rounds: Sequence[Sequence[BenchSummary]],
+    host: MachineInfo,
 ) -> dict[str, Any]:
-    """The workload, every variant's summary row, the ratios and the machine."""
-    return {
+    """The workload, every variant's summary row (of its median round) and the ratios, each
+    round's rows and ratios when there were several, and the machine."""
+    summaries = median_round(rounds)
+    payload: dict[str, Any] = {
         "workload": workload,
         "variants": [s.row() for s in summaries],
         "ratios": compare(summaries),
         "machine": host.row(),
     }
+    if len(rounds) > 1:
+        payload["rounds"] = [[s.row() for s in r] for r in rounds]
+        payload["round_ratios"] = round_ratios(rounds)
+    return payload
 
 
 def plot_serving(summaries: Sequence[BenchSummary], path: Path, title: str = "") -> None:

@@ -260,6 +260,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     out.add_argument("--plot", type=Path, help="write a PNG of throughput, TTFT and ITL per variant")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many rounds, interleaved; report each variant's median round "
+        "and each round's ratios with their median",
+    )
     add_logging_flags(out, level="warning")
 
 
@@ -356,10 +363,12 @@ def run_bench(args: argparse.Namespace) -> int:
             temperature=args.temperature,
         )
         variants = parse_variants(args)
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     except ValueError as exc:
         print(f"npuserve bench: error: {exc}", file=sys.stderr)
         return 2
-    summaries: list[BenchSummary] = []
+    rounds: list[list[BenchSummary]] = []
     host = machine.describe()  # NOTE: before any variant starts its processes
     print(f"machine: {host.summary()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="npuserve-bench-model-") as scratch:
@@ -375,21 +384,28 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"{workload.output_len}, rate {workload.request_rate} req/s; model {args.preset or model}",
                 flush=True,
             )
-            for variant in variants:
-                summaries.append(_run_variant(variant, args, model, load_format, workload, requests))
+            for index in range(args.repeat):
+                if args.repeat > 1:
+                    print(f"round {index + 1} of {args.repeat}", flush=True)
+                rounds.append(
+                    [_run_variant(v, args, model, load_format, workload, requests) for v in variants]
+                )
         except (BenchError, ValueError) as exc:
             print(f"npuserve bench: error: {exc}", file=sys.stderr)
             return 1
+    summaries = report.median_round(rounds)
     print(report.format_serving_table(summaries))
+    if len(rounds) > 1 and len(variants) > 1:
+        print(report.format_round_ratios(rounds))
     workload_row = {**asdict(workload), "model": args.preset or model}
     written = report.write_json(
-        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, summaries, host)
+        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, rounds, host)
     )
     print(f"results: {written}", file=sys.stderr)
     if args.plot:
         title = f"{args.preset or Path(model).name}: {workload.num_requests} requests"
         report.plot_serving(summaries, args.plot, title)
-    failed = [s for s in summaries if s.num_failed]
+    failed = [s for r in rounds for s in r if s.num_failed]
     for s in failed:
         print(
             f"npuserve bench: {s.variant}: {s.num_failed} requests failed: {s.first_error}", file=sys.stderr

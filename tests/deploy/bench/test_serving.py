@@ -14,7 +14,7 @@ import pytest
 from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench import serving as benchmark
 from npuserve.deploy.bench.report import LatencyStats, compare, format_serving_table, percentile
-from npuserve.deploy.bench.serving_metrics import RequestRecord, summarize
+from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.workload import FIRST_TOKEN_ID, WorkloadConfig, build_workload, warmup_requests
 
 VOCAB = 512
@@ -143,13 +143,46 @@ def test_table_json_and_ratios(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     host = machine.describe()
     report.write_json(
-        path, report.serving_json({"num_requests": 1, "request_rate": math.inf}, [fast, slow], host)
+        path, report.serving_json({"num_requests": 1, "request_rate": math.inf}, [[fast, slow]], host)
     )
     payload = json.loads(path.read_text())
     assert payload["workload"]["request_rate"] is None
     assert [v["variant"] for v in payload["variants"]] == ["offline", "grpc"]
     assert payload["ratios"][0]["output_throughput"] == pytest.approx(0.5)
     assert payload["machine"]["python_ns_per_op"] == host.python_ns_per_op > 0
+    assert "rounds" not in payload
+
+
+def summary_at(variant: str, duration_s: float) -> BenchSummary:
+    """A variant's summary of one request whose one output token took ``duration_s``."""
+    return summarize(variant, [RequestRecord(10, 0.0, [0.1], end_time=duration_s)], duration_s=duration_s)
+
+
+def test_rounds_report_the_median_round_and_each_rounds_ratio(tmp_path: Path) -> None:
+    """With --repeat, each variant's table column is its median round, and the ratios are taken
+    round by round (the variants ran interleaved) and their median reported."""
+    rounds = [
+        [summary_at("offline", 1.0), summary_at("grpc", 1.1)],  # grpc 10/11 of offline
+        [summary_at("offline", 2.0), summary_at("grpc", 1.0)],  # x2: offline had a slow round
+        [summary_at("offline", 1.0), summary_at("grpc", 1.25)],  # x0.8
+    ]
+    median = report.median_round(rounds)
+    assert [s.output_throughput for s in median] == [pytest.approx(1.0), pytest.approx(1 / 1.1)]
+    (ratios,) = report.round_ratios(rounds)
+    assert ratios["output_throughput"] == [pytest.approx(1 / 1.1), pytest.approx(2.0), pytest.approx(0.8)]
+    assert ratios["median"] == pytest.approx(1 / 1.1)
+    assert report.format_round_ratios(rounds) == (
+        "grpc / offline throughput over 3 rounds: 0.91, 2.00, 0.80; median 0.91"
+    )
+    path = report.write_json(tmp_path / "b.json", report.serving_json({}, rounds, machine.describe()))
+    payload = json.loads(path.read_text())
+    assert [len(r) for r in payload["rounds"]] == [2, 2, 2]
+    assert payload["round_ratios"][0]["median"] == pytest.approx(1 / 1.1)
+    assert payload["ratios"][0]["output_throughput"] == pytest.approx(1 / 1.1)  # median rounds
+
+
+def test_repeat_must_be_positive() -> None:
+    assert benchmark.run_bench(_args("--repeat", "0")) == 2
 
 
 # -- variants and flags ---------------------------------------------------------------------------------
