@@ -74,9 +74,14 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
 
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids that end a request once min_tokens are out: its stop token ids, and EOS unless
+        it ignores EOS."""
+        return tuple(self.stop_token_ids) + (() if self.ignore_eos else eos_token_ids)
+
     def to_options(self, eos_token_ids: tuple[int, ...]) -> SamplingOptions:
         """What the executor needs: sampling knobs, and the tokens min_tokens must hold back."""
-        stop_ids = tuple(self.stop_token_ids) + (() if self.ignore_eos else eos_token_ids)
+        stop_ids = self.stop_ids(eos_token_ids)
         return SamplingOptions(
             temperature=self.temperature,
             top_k=0 if self.top_k == -1 else self.top_k,
@@ -249,9 +254,8 @@ class Request:
 
     @cached_property
     def _stop_ids(self) -> frozenset[int]:
-        """The ids `_token_stop` stops on once min_tokens are out (cached as `max_output_tokens`)."""
-        eos = () if self.params.ignore_eos else self.eos_token_ids
-        return frozenset((*self.params.stop_token_ids, *eos))
+        """`SamplingParams.stop_ids`, as a set (cached as `max_output_tokens`)."""
+        return frozenset(self.params.stop_ids(self.eos_token_ids))
 
     def _first_stop_candidate(self, token_ids: list[int], num_before: int) -> int | None:
         """The index of the first of ``token_ids`` (after ``num_before`` output tokens) that
@@ -272,12 +276,10 @@ class Request:
         """Whether output token ``token_id``, the ``num_output_tokens``-th, ends the request:
         EOS and stop token ids once there are min_tokens, then max_tokens and the context length."""
         params = self.params
-        if num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+        if num_output_tokens >= params.min_tokens and token_id in self._stop_ids:
+            if token_id in params.stop_token_ids:  # NOTE: EOS is no stop reason
                 self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
