@@ -118,7 +118,7 @@ class IncrementalDetokenizer:
         elif len(new_token_ids) == 1:  # nothing is held back: the text goes out as it comes
             text = self._next_text(new_token_ids[0])
         else:
-            text = self._texts(new_token_ids)
+            text = "".join([self._next_text(token_id) for token_id in new_token_ids])
         if self._prefix_offset >= COMPACT_AFTER_TOKENS:
             self._compact()
         return DetokenizerUpdate(text, None, len(new_token_ids))
@@ -167,27 +167,6 @@ class IncrementalDetokenizer:
             if not head.endswith(REPLACEMENT_CHAR):
                 return len(ids) - back, head
         return len(ids), text
-
-    def _texts(self, new_token_ids: Sequence[int]) -> str:
-        """The text several ids add: `_next_text` of each, its usual case (a plain token in a
-        steady window) written out here, where it costs less than the call."""
-        pieces = self._pieces
-        if pieces is None:
-            return "".join([self._next_text(token_id) for token_id in new_token_ids])
-        ids = self._ids
-        parts: list[str] = []
-        for token_id in new_token_ids:
-            if self._steady:
-                piece = pieces[token_id]
-                if isinstance(piece, tuple):
-                    ids.append(token_id)
-                    self._prefix_offset, self._read_offset = len(ids) - 1, len(ids)
-                    delta, self._prefix_text = piece
-                    self._steady = bool(self._prefix_text)
-                    parts.append(delta)
-                    continue
-            parts.append(self._next_text(token_id))
-        return "".join(parts)
 
     def _next_text(self, token_id: int) -> str:
         """Adds one id to the window; returns the text it adds (see `_decode_step`)."""
