@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.byte_tokens import BYTE_ID_OFFSET, byte_ids
 
 from npuserve.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from npuserve.scheduler.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-BYTE_ID_OFFSET = 3  # '<0x00>' is id 3 in stories260K
 MULTIBYTE_CHARS = "😀🎉👍é中文字ß한Ж€\n"
 
 
@@ -29,10 +29,6 @@ def tok(stories_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf(stories_dir: Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(stories_dir)
-
-
-def byte_ids(char: str) -> list[int]:
-    return [BYTE_ID_OFFSET + b for b in char.encode("utf-8")]
 
 
 def random_stream(rng: random.Random, length: int, specials: bool = True) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.byte_tokens import BYTE_ID_OFFSET, byte_ids
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -17,7 +18,6 @@ from npuserve.scheduler.detokenizer import DetokenizerUpdate, IncrementalDetoken
 from npuserve.scheduler.stream_pieces import has_fixed_pieces, has_known_bytes
 from npuserve.scheduler.tokenizer import Tokenizer
 
-BYTE_ID_OFFSET = 3  # '<0x00>' is id 3 in stories260K
 REPLACE_SPACE = {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}
 REPLACE_FFFD = {"type": "Replace", "pattern": {"String": "\ufffd"}, "content": "?"}
 STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
@@ -254,7 +254,3 @@ def test_a_held_run_is_streamed_without_decoding(stories_dir: Path) -> None:
     texts = [detok.update([i]).text for i in the + stray + the + byte_ids("中") + byte_ids("😀")]
     assert texts == [" the", "", "", "", "\ufffd" * 3 + " the", "", "", "中", "", "", "", "😀"]
     assert calls == 0
-
-
-def byte_ids(char: str) -> list[int]:
-    return [BYTE_ID_OFFSET + b for b in char.encode("utf-8")]
