@@ -21,7 +21,6 @@ DIES = ["-c", "exit 3"]
 LIVES = ["-c", "sleep 60"]
 
 
-
 def supervised(tmp_path: Path, children: dict[str, tuple[Role, list[str]]]) -> tuple[Supervisor, FakeClock]:
     clock = FakeClock()
     launcher = Launcher(tmp_path)
@@ -95,23 +94,25 @@ def test_the_scheduler_in_a_crash_loop_ends_serving(tmp_path: Path) -> None:
         supervisor.launcher.stop(grace_s=1)
 
 
-# Drains (ignores) the first SIGTERM, dies of the second.
-DRAINS_FOREVER = ["-c", "trap 'trap - TERM' TERM; while :; do sleep 0.05; done"]
+def drains_forever(trapped: Path) -> list[str]:
+    """A shell that drains (ignores) the first SIGTERM and dies of the second; it creates
+    ``trapped`` once its trap is set."""
+    return ["-c", f"trap 'trap - TERM' TERM; : > '{trapped}'; while :; do sleep 0.05; done"]
 
 
 def test_a_second_signal_during_the_drain_stops_every_process_at_once(tmp_path: Path) -> None:
+    roles: dict[str, Role] = {"executor-0": "executor", "scheduler": "scheduler", "gateway": "gateway"}
+    trapped = {name: tmp_path / f"{name}.trapped" for name in roles}
     supervisor, _ = supervised(
-        tmp_path,
-        {
-            "executor-0": ("executor", DRAINS_FOREVER),
-            "scheduler": ("scheduler", DRAINS_FOREVER),
-            "gateway": ("gateway", DRAINS_FOREVER),
-        },
+        tmp_path, {name: (role, drains_forever(trapped[name])) for name, role in roles.items()}
     )
     shutdown = Shutdown()
     shutdown.on_signal()  # the first: drain
     try:
-        time.sleep(0.3)  # the shells have set their traps
+        deadline = time.monotonic() + 30
+        while not all(path.exists() for path in trapped.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(path.exists() for path in trapped.values()), "the shells did not set their traps"
         second = threading.Timer(0.5, shutdown.on_signal)  # arrives while the front drains
         second.start()
         supervisor.drain(shutdown, timeout_s=60)
