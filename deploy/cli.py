@@ -10,27 +10,21 @@ import argparse
 import secrets
 import sys
 import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from npuserve.deploy.logs import configure_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from npuserve.deploy.bench.runner_flags import add_runner_bench_flags
-    from npuserve.deploy.bench.scale import add_scale_bench_flags
-    from npuserve.deploy.bench.serving import add_bench_flags
-    from npuserve.deploy.doctor.command import add_doctor_flags
-    from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.executor_flags import add_executor_flags
     from npuserve.deploy.flags import add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
-    from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS, add_scheduler_flags
+    from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
     from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
-    parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="executors, scheduler and the OpenAI-compatible gateway")
     add_executor_flags(serve)
     serve.set_defaults(port=8000, host="127.0.0.1")
     SCHEDULER.add(serve, only=SERVING_FIELDS)
@@ -47,18 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_shutdown_timeout_flag(serve)
     add_logging_flags(serve)
 
-    executor = commands.add_parser("executor", help="one executor: a model on one device, over gRPC")
+
+def add_executor_command_flags(executor: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
+    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
+
     add_executor_flags(executor)
     add_executor_cluster_flags(executor)
     add_shutdown_timeout_flag(executor)
     add_logging_flags(executor)
 
-    scheduler = commands.add_parser("scheduler", help="the scheduler, driving running executors")
+
+def add_scheduler_command_flags(scheduler: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.scheduler_flags import add_scheduler_flags
+    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
+
     add_scheduler_flags(scheduler)
     add_shutdown_timeout_flag(scheduler)
     add_logging_flags(scheduler)
 
-    gateway = commands.add_parser("gateway", help="the OpenAI-compatible REST gateway of a running scheduler")
+
+def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.gateway_flags import add_gateway_flags
+    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
+
     gateway.add_argument("--scheduler", required=True, help="the scheduler's gRPC address, HOST:PORT")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
@@ -67,28 +76,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_shutdown_timeout_flag(gateway)
     add_logging_flags(gateway)
 
-    doctor = commands.add_parser("doctor", help="check the driver, CANN, versions, NPUs and a model")
+
+def add_doctor_command_flags(doctor: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.doctor.command import add_doctor_flags
+    from npuserve.deploy.flags import add_logging_flags
+
     add_doctor_flags(doctor)
     add_logging_flags(doctor)
 
-    add_bench_flags(
-        commands.add_parser(
-            "bench", help="serving throughput, TTFT and inter-token latency, offline or over gRPC"
-        )
-    )
-    add_runner_bench_flags(
-        commands.add_parser(
-            "bench-runner",
-            help="decode throughput of the ModelRunner, against transformers on the same weights",
-        )
-    )
-    add_scale_bench_flags(
-        commands.add_parser(
-            "bench-scale",
-            help="how far one scheduler scales over many simulated executors",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-    )
+
+def add_serving_bench_flags(bench: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.bench.serving import add_bench_flags
+
+    add_bench_flags(bench)
+
+
+def add_runner_bench_command_flags(bench: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.bench.runner_flags import add_runner_bench_flags
+
+    add_runner_bench_flags(bench)
+
+
+def add_scale_bench_command_flags(bench: argparse.ArgumentParser) -> None:
+    from npuserve.deploy.bench.scale import add_scale_bench_flags
+
+    add_scale_bench_flags(bench)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command with its flags; with ``only``, the other commands without theirs.
+
+    NOTE: a command's flags import what the command runs (the bench flags import the engine), so
+    `main` builds only the command it runs: each of the processes `serve` starts parses faster.
+    """
+    parser = argparse.ArgumentParser(prog="npuserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        subparser = commands.add_parser(name, help=command.help, formatter_class=command.formatter_class)
+        if only is None or only == name:
+            command.add_flags(subparser)
     return parser
 
 
@@ -272,15 +298,44 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     return run_scale_bench(args)
 
 
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter
+
+
 COMMANDS = {
-    "bench": run_serving_bench,
-    "serve": run_serve,
-    "executor": run_executor,
-    "scheduler": run_scheduler,
-    "gateway": run_gateway,
-    "bench-runner": run_bench_runner,
-    "doctor": run_doctor,
-    "bench-scale": run_scale_bench,
+    "serve": Command("executors, scheduler and the OpenAI-compatible gateway", add_serve_flags, run_serve),
+    "executor": Command(
+        "one executor: a model on one device, over gRPC", add_executor_command_flags, run_executor
+    ),
+    "scheduler": Command(
+        "the scheduler, driving running executors", add_scheduler_command_flags, run_scheduler
+    ),
+    "gateway": Command(
+        "the OpenAI-compatible REST gateway of a running scheduler", add_gateway_command_flags, run_gateway
+    ),
+    "doctor": Command(
+        "check the driver, CANN, versions, NPUs and a model", add_doctor_command_flags, run_doctor
+    ),
+    "bench": Command(
+        "serving throughput, TTFT and inter-token latency, offline or over gRPC",
+        add_serving_bench_flags,
+        run_serving_bench,
+    ),
+    "bench-runner": Command(
+        "decode throughput of the ModelRunner, against transformers on the same weights",
+        add_runner_bench_command_flags,
+        run_bench_runner,
+    ),
+    "bench-scale": Command(
+        "how far one scheduler scales over many simulated executors",
+        add_scale_bench_command_flags,
+        run_scale_bench,
+        argparse.RawDescriptionHelpFormatter,
+    ),
 }
 
 
@@ -288,9 +343,11 @@ def main(argv: list[str] | None = None) -> None:
     from npuserve.deploy.launcher import disable_grpc_fork_handlers
 
     disable_grpc_fork_handlers()  # NOTE: first: no command has started gRPC yet
-    args = build_parser().parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    named = arguments[0] if arguments and arguments[0] in COMMANDS else None
+    args = build_parser(only=named).parse_args(arguments)
     configure_logging(args.log_level, args.log_format == "json")
-    sys.exit(COMMANDS[args.command](args))
+    sys.exit(COMMANDS[args.command].run(args))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
-from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS
-from npuserve.scheduler.server import SchedulerConfig
+from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, SchedulerConfig
 
 
 def _scheduler_config(

@@ -26,14 +26,9 @@ from npuserve.proto import step_codec
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, client_channel, message_size_options
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
-# How steps reach an executor: a unary call each, or one long-lived stream per executor (the
-# default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
-# 256-1,024 streams, within the noise at 4,096 and over 4 executors, and about a third less CPU
-# on the executors' side).
-STEP_TRANSPORTS = ("unary", "stream")
-DEFAULT_STEP_TRANSPORT = "stream"
 # NOTE: stopping a profile exports its trace, which takes long after a busy profile.
 PROFILE_EXPORT_TIMEOUT_S = 600.0
 

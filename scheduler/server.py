@@ -15,9 +15,8 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -38,9 +37,14 @@ from npuserve.scheduler.engine import (
     Engine,
     EngineConfig,
 )
-from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT, ClientSpec
+from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
+from npuserve.scheduler.service_config import (
+    SchedulerConfig,
+    default_api_server_count,
+    default_scheduler_workers,
+)
 from npuserve.scheduler.step_workers import StepWorkerPool
 from npuserve.scheduler.tokenizer import Tokenizer
 
@@ -49,10 +53,6 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 SERVER_STOP_GRACE_S = 1.0  # after the drain: for the answers of calls other than Generate
 INTEGRITY_SETTLE_S = 5.0
-
-
-MAX_DEFAULT_WORKERS = 16
-MAX_DEFAULT_API_SERVERS = 8
 
 
 class SchedulerServicer(PublicApiServicer):
@@ -138,44 +138,6 @@ class SchedulerServicer(PublicApiServicer):
     ) -> pb.GetMetricsResponse:
         self.engine.refresh_gauges()
         return pb.GetMetricsResponse(text=self.engine.metrics.render())
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    model: str  # model directory (tokenizer, chat template)
-    executors: list[str]  # executor addresses (empty: discover them in the registry)
-    served_model_name: str | None = None
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False  # render chat templates that clients send
-    enable_prefix_caching: bool = True
-    routing: str = "prefix-aware"
-    max_queued_requests: int | None = None
-    scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
-    api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
-    async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
-    stream_interval: int = 1  # tokens per streamed delta after a sequence's first
-    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
-    step_transport: str = DEFAULT_STEP_TRANSPORT  # one of executor_client.STEP_TRANSPORTS
-    step_timeout_s: float = 60.0
-    connect_timeout_s: float = 120.0
-    registry: str | None = None  # redis://HOST:PORT/DB where executors register
-    registry_prefix: str = "npuserve"
-    cluster_token: str | None = None  # presented to executors on every call
-    tls_ca: bytes | None = None  # PEM roots: talk TLS to executors and verify them against these
-    api_key: str | None = None  # clients of the public API present it (Health stays open)
-    tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def default_api_server_count() -> int:
-    """This process alone below 8 cores; above, one API process per 4 cores, at most 8."""
-    cores = len(os.sched_getaffinity(0))
-    return 1 if cores < 8 else min(MAX_DEFAULT_API_SERVERS, cores // 4)
-
-
-def default_scheduler_workers() -> int:
-    """One worker process per core but one (the front's), at least one, at most 16."""
-    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
 
 
 async def serve_scheduler(

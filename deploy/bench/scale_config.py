@@ -8,7 +8,7 @@ from pathlib import Path
 
 from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT
+from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0

@@ -34,7 +34,7 @@ from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
-from npuserve.scheduler.executor_client import DEFAULT_STEP_TRANSPORT
+from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
 ENGINE_FIELDS = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -20,7 +21,18 @@ def test_every_command_runs_without_grpcs_fork_handlers(monkeypatch: pytest.Monk
         return 0
 
     monkeypatch.delenv(GRPC_FORK_SUPPORT_ENV, raising=False)
-    monkeypatch.setitem(cli.COMMANDS, "doctor", command)
+    monkeypatch.setitem(cli.COMMANDS, "doctor", dataclasses.replace(cli.COMMANDS["doctor"], run=command))
     with pytest.raises(SystemExit) as exited:
         cli.main(["doctor"])
     assert exited.value.code == 0 and seen == ["0"]
+
+
+def test_a_command_is_parsed_with_its_own_flags_alone() -> None:
+    """`main` builds only the named command's flags: the processes `serve` starts parse quickly."""
+    parser = cli.build_parser(only="gateway")
+    args = parser.parse_args(["gateway", "--scheduler", "127.0.0.1:1", "--port", "0"])
+    assert (args.command, args.scheduler, args.port) == ("gateway", "127.0.0.1:1", 0)
+    with pytest.raises(SystemExit):  # the executor's flags were not built
+        parser.parse_args(["executor", "--model", "m"])
+    full = cli.build_parser()
+    assert full.parse_args(["executor", "--model", "m"]).model == "m"

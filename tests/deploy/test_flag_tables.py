@@ -17,7 +17,7 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.parallel import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
-from npuserve.scheduler.server import SchedulerConfig
+from npuserve.scheduler.service_config import SchedulerConfig
 
 
 def parse(command: str, *flags: str):

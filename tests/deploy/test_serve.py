@@ -190,7 +190,9 @@ BAD_REQUESTS = [
 
 def test_bad_requests_are_refused_and_serving_goes_on(stories_without_template: Path) -> None:
     # Request templates trusted, so an invalid one reaches the template compiler.
-    with serve(stories_without_template, "--kv-cache-memory", "0.02", "--trust-request-chat-template") as served:
+    with serve(
+        stories_without_template, "--kv-cache-memory", "0.02", "--trust-request-chat-template"
+    ) as served:
         stub = served.stub()
         for request, code, words, field in BAD_REQUESTS:
             with pytest.raises(grpc.RpcError) as caught:

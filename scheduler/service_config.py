@@ -1,0 +1,58 @@
+"""What the scheduler service runs with (`npuserve scheduler`'s flags, `scheduler_flags`).
+
+NOTE: apart from `server`, so that reading the flags (`npuserve serve`, which starts the
+scheduler as a process of its own) does not import the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# How steps reach an executor: a unary call each, or one long-lived stream per executor (the
+# default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
+# 256-1,024 streams, within the noise at 4,096 and over 4 executors, and about a third less CPU
+# on the executors' side).
+STEP_TRANSPORTS = ("unary", "stream")
+DEFAULT_STEP_TRANSPORT = "stream"
+MAX_DEFAULT_WORKERS = 16
+MAX_DEFAULT_API_SERVERS = 8
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    model: str  # model directory (tokenizer, chat template)
+    executors: list[str]  # executor addresses (empty: discover them in the registry)
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False  # render chat templates that clients send
+    enable_prefix_caching: bool = True
+    routing: str = "prefix-aware"
+    max_queued_requests: int | None = None
+    scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
+    api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
+    async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
+    stream_interval: int = 1  # tokens per streamed delta after a sequence's first
+    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
+    step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
+    step_timeout_s: float = 60.0
+    connect_timeout_s: float = 120.0
+    registry: str | None = None  # redis://HOST:PORT/DB where executors register
+    registry_prefix: str = "npuserve"
+    cluster_token: str | None = None  # presented to executors on every call
+    tls_ca: bytes | None = None  # PEM roots: talk TLS to executors and verify them against these
+    api_key: str | None = None  # clients of the public API present it (Health stays open)
+    tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_api_server_count() -> int:
+    """This process alone below 8 cores; above, one API process per 4 cores, at most 8."""
+    cores = len(os.sched_getaffinity(0))
+    return 1 if cores < 8 else min(MAX_DEFAULT_API_SERVERS, cores // 4)
+
+
+def default_scheduler_workers() -> int:
+    """One worker process per core but one (the front's), at least one, at most 16."""
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
