@@ -2,11 +2,14 @@
 
 Paged attention gathers each request's context from the cache into a padded batch and runs
 ``scaled_dot_product_attention`` with one boolean mask that encodes both the context lengths and
-causality within the query. Grouped-query attention folds the query heads that share a KV head
+causality within the query. A step that mixes decodes with longer queries (prefill chunks) runs
+two such batches, so that no decode is padded to a chunk's length. Grouped-query attention folds the query heads that share a KV head
 into the query-length axis, so keys and values are never repeated.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,34 +28,22 @@ class TorchBackend(KernelBackend):
         ) = None
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        state = metadata.backend_state
-        device = metadata.seq_lens.device
-        block_size = metadata.block_size
-        seq_lens = metadata.seq_lens.long()  # [B]
-        query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()  # [B]
-        key_pos = torch.arange(metadata.max_seq_len, device=device)  # [S]
-        block_table = metadata.block_table.long()  # [B, NB]
-        # [B, S]: cache slot of every context position. NOTE: positions past a request's length
-        # read slot 0 of the null block, which is zeroed at allocation and never written: the
-        # unwritten tail of a request's last block may hold anything (NaN included), and a NaN
-        # value would survive SDPA's mask (0 * NaN), while the null block is always finite.
-        slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
-        state["context_slots"] = torch.where(key_pos < seq_lens[:, None], slots, 0)
-        query_pos = torch.arange(metadata.max_query_len, device=device)  # [Q]
-        context_lens = seq_lens - query_lens  # [B]
-        # [B, Q, S]: query i of request b sees key j iff j <= context_len + i and j < seq_len.
-        last_visible = context_lens[:, None, None] + query_pos[None, :, None]  # [B, Q, 1]
-        state["mask"] = (key_pos <= last_visible) & (key_pos < seq_lens[:, None, None])
-        if metadata.max_query_len > 1 and metadata.num_reqs > 1:
-            token_req = torch.repeat_interleave(
-                torch.arange(metadata.num_reqs, device=device), query_lens
-            )  # [T]
-            token_query_pos = (
-                torch.arange(metadata.num_tokens, device=device)
-                - (metadata.query_start_loc.long()[token_req])
-            )  # [T]
-            state["token_index"] = (token_req, token_query_pos)
-        state["gqa_masks"] = {}
+        """One padded batch for the step, or two when it mixes decodes with longer queries.
+
+        NOTE: padding every request to the longest query costs B * Q_max * S_max in SDPA: a decode
+        next to a 300-token prefill chunk would be padded to 300 query rows. The decodes (one
+        query token each) therefore form a batch of their own.
+        """
+        query_lens = metadata.query_lens_host
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        if not decodes or len(decodes) == metadata.num_reqs:
+            metadata.backend_state["batches"] = [_padded_batch(metadata, None)]
+            return
+        others = [i for i, n in enumerate(query_lens) if n > 1]
+        metadata.backend_state["batches"] = [
+            _padded_batch(metadata, decodes),
+            _padded_batch(metadata, others),
+        ]
 
     def write_kv_cache(
         self,
@@ -73,55 +64,18 @@ class TorchBackend(KernelBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_heads, num_kv_heads, head_size = check_attention_shapes(query, kv_cache, metadata)
-        if "mask" not in metadata.backend_state:
+        _, num_kv_heads, _ = check_attention_shapes(query, kv_cache, metadata)
+        if "batches" not in metadata.backend_state:
             self.prepare(metadata)
-        state = metadata.backend_state
-        group = num_heads // num_kv_heads
-        num_reqs, max_q, max_s = metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len
-
-        padded = self._pad_query(query, metadata)  # [B, Q, H, D]
-        # [B, Hkv, Q * G, D]: the G query heads of one KV head become extra query rows.
-        q = (
-            padded.view(num_reqs, max_q, num_kv_heads, group, head_size)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(num_reqs, num_kv_heads, max_q * group, head_size)
-        )
-        slots = state["context_slots"].reshape(-1)  # [B * S]
-        k = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, slots)
-        v = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, slots)
-        k = k.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)  # [B, Hkv, S, D]
-        v = v.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)
-        mask = state["gqa_masks"].get(group)
-        if mask is None:
-            mask = state["mask"].repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, Q * G, S]
-            state["gqa_masks"][group] = mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out = (
-            out.view(num_reqs, num_kv_heads, max_q, group, head_size)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(num_reqs, max_q, num_heads, head_size)
-        )
-        return self._unpad_output(out, metadata)  # [T, H, D]
-
-    @staticmethod
-    def _pad_query(query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """[T, H, D] -> [B, Q, H, D]."""
-        num_reqs, max_q = metadata.num_reqs, metadata.max_query_len
-        if num_reqs == 1 or max_q == 1:  # one request, or decode only: no padding at all
-            return query.view(num_reqs, max_q, *query.shape[1:])
-        token_req, token_query_pos = metadata.backend_state["token_index"]
-        padded = query.new_zeros(num_reqs, max_q, *query.shape[1:])
-        padded[token_req, token_query_pos] = query
-        return padded
-
-    @staticmethod
-    def _unpad_output(out: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """[B, Q, H, D] -> [T, H, D]."""
-        if metadata.num_reqs == 1 or metadata.max_query_len == 1:
-            return out.reshape(metadata.num_tokens, *out.shape[2:])
-        token_req, token_query_pos = metadata.backend_state["token_index"]
-        return out[token_req, token_query_pos]
+        batches: list[_PaddedBatch] = metadata.backend_state["batches"]
+        if len(batches) == 1:
+            return _attend(query, kv_cache, batches[0], num_kv_heads, scale)
+        out = torch.empty_like(query)  # [T, H, D]
+        for batch in batches:
+            assert batch.token_rows is not None
+            rows = query.index_select(0, batch.token_rows)  # [T_b, H, D]
+            out.index_copy_(0, batch.token_rows, _attend(rows, kv_cache, batch, num_kv_heads, scale))
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Same arithmetic as Hugging Face's LlamaRMSNorm: normalise in float32, scale in x.dtype.
@@ -177,3 +131,113 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: in
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.view(num_tokens, -1)
+
+
+@dataclass
+class _PaddedBatch:
+    """Some requests of a step padded into one SDPA batch: ``B`` requests, ``Q`` query rows and
+    ``S`` key positions each."""
+
+    num_reqs: int
+    max_q: int
+    max_s: int
+    token_rows: torch.Tensor | None  # [T_b] the step's token rows of these requests (None: all)
+    context_slots: torch.Tensor  # [B, S] cache slot of every key position
+    mask: torch.Tensor  # [B, Q, S] query i of request b sees key j
+    token_index: tuple[torch.Tensor, torch.Tensor] | None  # ([T_b], [T_b]): request, query row
+    gqa_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, 1, Q * G, S]
+
+
+def _padded_batch(metadata: AttentionMetadata, requests: list[int] | None) -> _PaddedBatch:
+    """The batch of ``requests`` (indices into the step's requests; None: every request)."""
+    device = metadata.seq_lens.device
+    block_size = metadata.block_size
+    query_start = metadata.query_start_loc.long()  # [B + 1]
+    seq_lens = metadata.seq_lens.long()  # [B]
+    query_lens = query_start[1:] - query_start[:-1]  # [B]
+    block_table = metadata.block_table.long()  # [B, NB]
+    token_rows = None
+    if requests is None:
+        max_q, max_s = metadata.max_query_len, metadata.max_seq_len
+    else:
+        max_q = max(metadata.query_lens_host[i] for i in requests)
+        max_s = max(metadata.seq_lens_host[i] for i in requests)
+        index = torch.tensor(requests, device=device)  # [B_b]
+        starts, query_lens, seq_lens = query_start[index], query_lens[index], seq_lens[index]
+        block_table = block_table[index, : -(-max_s // block_size)]
+    num_reqs = int(seq_lens.shape[0])
+    padded = max_q > 1 and num_reqs > 1
+    if padded or requests is not None:
+        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)  # [T_b]
+        token_query_pos = torch.arange(token_req.shape[0], device=device) - _starts(query_lens)[token_req]
+        if requests is not None:  # [T_b]: the step's token rows of these requests, in order
+            token_rows = starts[token_req] + token_query_pos
+    key_pos = torch.arange(max_s, device=device)  # [S]
+    # [B, S]: cache slot of every context position. NOTE: positions past a request's length
+    # read slot 0 of the null block, which is zeroed at allocation and never written: the
+    # unwritten tail of a request's last block may hold anything (NaN included), and a NaN
+    # value would survive SDPA's mask (0 * NaN), while the null block is always finite.
+    slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
+    context_slots = torch.where(key_pos < seq_lens[:, None], slots, 0)
+    query_pos = torch.arange(max_q, device=device)  # [Q]
+    context_lens = seq_lens - query_lens  # [B]
+    # [B, Q, S]: query i of request b sees key j iff j <= context_len + i and j < seq_len.
+    last_visible = context_lens[:, None, None] + query_pos[None, :, None]  # [B, Q, 1]
+    mask = (key_pos <= last_visible) & (key_pos < seq_lens[:, None, None])
+    token_index = (token_req, token_query_pos) if padded else None
+    return _PaddedBatch(num_reqs, max_q, max_s, token_rows, context_slots, mask, token_index)
+
+
+def _starts(lengths: torch.Tensor) -> torch.Tensor:
+    """[B] lengths -> [B] where each begins in their concatenation."""
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def _attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: _PaddedBatch, num_kv_heads: int, scale: float
+) -> torch.Tensor:
+    """query: [T_b, H, D], the batch's query rows -> [T_b, H, D]."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    group = num_heads // num_kv_heads
+    num_reqs, max_q, max_s = batch.num_reqs, batch.max_q, batch.max_s
+    padded = _pad_query(query, batch)  # [B, Q, H, D]
+    # [B, Hkv, Q * G, D]: the G query heads of one KV head become extra query rows.
+    q = (
+        padded.view(num_reqs, max_q, num_kv_heads, group, head_size)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(num_reqs, num_kv_heads, max_q * group, head_size)
+    )
+    slots = batch.context_slots.reshape(-1)  # [B * S]
+    k = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, slots)
+    v = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, slots)
+    k = k.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)
+    mask = batch.gqa_masks.get(group)
+    if mask is None:
+        mask = batch.mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, Q * G, S]
+        batch.gqa_masks[group] = mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = (
+        out.view(num_reqs, num_kv_heads, max_q, group, head_size)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(num_reqs, max_q, num_heads, head_size)
+    )
+    return _unpad_output(out, batch)  # [T_b, H, D]
+
+
+def _pad_query(query: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
+    """[T_b, H, D] -> [B, Q, H, D]."""
+    if batch.token_index is None:  # one request, or decodes only: no padding at all
+        return query.view(batch.num_reqs, batch.max_q, *query.shape[1:])
+    token_req, token_query_pos = batch.token_index
+    padded = query.new_zeros(batch.num_reqs, batch.max_q, *query.shape[1:])
+    padded[token_req, token_query_pos] = query
+    return padded
+
+
+def _unpad_output(out: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
+    """[B, Q, H, D] -> [T_b, H, D]."""
+    if batch.token_index is None:
+        return out.reshape(batch.num_reqs * batch.max_q, *out.shape[2:])
+    token_req, token_query_pos = batch.token_index
+    return out[token_req, token_query_pos]

@@ -18,6 +18,7 @@ import torch
 
 from npuserve.kernels import (
     NULL_BLOCK_ID,
+    AttentionMetadata,
     build_attention_metadata,
     cdiv,
     kv_cache_shape,
@@ -173,28 +174,34 @@ def write_context(
     backend.write_kv_cache(keys, values, cache, metadata)
 
 
+def step_metadata(scenario: Scenario, extra_columns: int = 0) -> AttentionMetadata:
+    """The metadata of this step's requests (their new tokens after their context)."""
+    table = scenario.block_table(extra_columns)
+    requests = scenario.requests
+    query_lens = np.array([r.query_len for r in requests])
+    rows = np.repeat(np.arange(len(requests)), query_lens)
+    positions = np.concatenate([np.arange(r.context_len, r.seq_len) for r in requests])
+    return build_attention_metadata(
+        query_lens=query_lens,
+        seq_lens=np.array([r.seq_len for r in requests]),
+        block_table=table,
+        slot_mapping=slot_mapping(table, rows, positions, scenario.block_size),
+        block_size=scenario.block_size,
+        device=CPU,
+    )
+
+
 def run_step(
     scenario: Scenario,
     cache: torch.Tensor,
     backend: TorchBackend,
     scale: float,
     extra_columns: int = 0,
+    metadata: AttentionMetadata | None = None,
 ) -> torch.Tensor:
     """This step: write the new tokens' K/V, then attention. Returns [T, H, D]."""
-    table = scenario.block_table(extra_columns)
+    metadata = metadata or step_metadata(scenario, extra_columns)
     requests = scenario.requests
-    query_lens = np.array([r.query_len for r in requests])
-    seq_lens = np.array([r.seq_len for r in requests])
-    rows = np.repeat(np.arange(len(requests)), query_lens)
-    positions = np.concatenate([np.arange(r.context_len, r.seq_len) for r in requests])
-    metadata = build_attention_metadata(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_table=table,
-        slot_mapping=slot_mapping(table, rows, positions, scenario.block_size),
-        block_size=scenario.block_size,
-        device=CPU,
-    )
     keys = torch.cat([r.keys[r.context_len :] for r in requests])
     values = torch.cat([r.values[r.context_len :] for r in requests])
     query = torch.cat([r.query for r in requests])
@@ -430,3 +437,26 @@ def test_random_seeds(seed: int) -> None:
     scale = head_size**-0.5
     out = run_step(scenario, cache, backend, scale, extra_columns=int(rng.integers(0, 3)))
     check_against_reference(scenario, out, scale)
+
+
+def test_a_mixed_step_pads_its_decodes_apart_from_its_chunks() -> None:
+    """Decodes next to prefill chunks form a batch of one query row each (no decode is padded to
+    a chunk's length); a step of decodes alone is one batch."""
+    mixed = make_scenario(
+        5, block_size=16, head_size=32, group=2, dtype=torch.float32, num_reqs=6, kinds=("decode", "chunked")
+    )
+    query_lens = [r.query_len for r in mixed.requests]
+    assert 1 in query_lens and max(query_lens) > 1, "the scenario mixes decodes and chunks"
+    backend = TorchBackend()
+    cache = mixed.new_cache()
+    write_context(mixed, cache, backend, np.random.default_rng(5))
+    metadata = step_metadata(mixed)
+    check_against_reference(mixed, run_step(mixed, cache, backend, 0.2, metadata=metadata), 0.2)
+    assert [b.max_q for b in metadata.backend_state["batches"]] == [1, max(query_lens)]
+
+    decode_only = make_scenario(
+        5, block_size=16, head_size=32, group=2, dtype=torch.float32, num_reqs=6, kinds=("decode",)
+    )
+    metadata = step_metadata(decode_only)
+    backend.prepare(metadata)
+    assert [b.max_q for b in metadata.backend_state["batches"]] == [1]
