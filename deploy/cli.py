@@ -300,6 +300,9 @@ def run_scale_bench(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class Command:
+    """One `npuserve` command: its help line, what adds its flags (importing what they need) and
+    what runs it."""
+
     help: str
     add_flags: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
