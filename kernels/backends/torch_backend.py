@@ -3,8 +3,9 @@
 Paged attention gathers each request's context from the cache into a padded batch and runs
 ``scaled_dot_product_attention`` with one boolean mask that encodes both the context lengths and
 causality within the query. A step that mixes decodes with longer queries (prefill chunks) runs
-two such batches, so that no decode is padded to a chunk's length. Grouped-query attention folds the query heads that share a KV head
-into the query-length axis, so keys and values are never repeated.
+two such batches, so that no decode is padded to a chunk's length. Grouped-query attention folds
+the query heads that share a KV head into the query-length axis, so keys and values are never
+repeated.
 """
 
 from __future__ import annotations
@@ -138,14 +139,23 @@ class _PaddedBatch:
     """Some requests of a step padded into one SDPA batch: ``B`` requests, ``Q`` query rows and
     ``S`` key positions each."""
 
-    num_reqs: int
-    max_q: int
-    max_s: int
     token_rows: torch.Tensor | None  # [T_b] the step's token rows of these requests (None: all)
     context_slots: torch.Tensor  # [B, S] cache slot of every key position
     mask: torch.Tensor  # [B, Q, S] query i of request b sees key j
     token_index: tuple[torch.Tensor, torch.Tensor] | None  # ([T_b], [T_b]): request, query row
     gqa_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, 1, Q * G, S]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def max_q(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def max_s(self) -> int:
+        return self.mask.shape[2]
 
 
 def _padded_batch(metadata: AttentionMetadata, requests: list[int] | None) -> _PaddedBatch:
@@ -185,7 +195,7 @@ def _padded_batch(metadata: AttentionMetadata, requests: list[int] | None) -> _P
     last_visible = context_lens[:, None, None] + query_pos[None, :, None]  # [B, Q, 1]
     mask = (key_pos <= last_visible) & (key_pos < seq_lens[:, None, None])
     token_index = (token_req, token_query_pos) if padded else None
-    return _PaddedBatch(num_reqs, max_q, max_s, token_rows, context_slots, mask, token_index)
+    return _PaddedBatch(token_rows, context_slots, mask, token_index)
 
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:
