@@ -200,7 +200,8 @@ def run_step(
     metadata: AttentionMetadata | None = None,
 ) -> torch.Tensor:
     """This step: write the new tokens' K/V, then attention. Returns [T, H, D]."""
-    metadata = metadata or step_metadata(scenario, extra_columns)
+    if metadata is None:
+        metadata = step_metadata(scenario, extra_columns)
     requests = scenario.requests
     keys = torch.cat([r.keys[r.context_len :] for r in requests])
     values = torch.cat([r.values[r.context_len :] for r in requests])
