@@ -143,9 +143,9 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             "async_scheduling",
             "--async-scheduling",
             {
-                "action": "store_true",
+                "action": argparse.BooleanOptionalAction,
                 "help": "schedule and send each step while the executor runs the one before "
-                "(steps go over the streaming transport)",
+                "(steps go over the streaming transport; default: on, unless --step-transport unary)",
             },
         ),
         Flag(

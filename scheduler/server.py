@@ -44,6 +44,7 @@ from npuserve.scheduler.service_config import (
     SchedulerConfig,
     default_api_server_count,
     default_scheduler_workers,
+    pipelines_steps,
 )
 from npuserve.scheduler.step_workers import StepWorkerPool
 from npuserve.scheduler.tokenizer import Tokenizer
@@ -150,8 +151,9 @@ async def serve_scheduler(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
+    async_scheduling = pipelines_steps(config.async_scheduling, config.step_transport)
     # NOTE: pipelined steps need the streaming transport (the executor runs them in order).
-    transport = "stream" if config.async_scheduling else config.step_transport
+    transport = "stream" if async_scheduling else config.step_transport
     spec = ClientSpec(transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
     make_client = spec.connect
 
@@ -175,7 +177,7 @@ async def serve_scheduler(
             routing=config.routing,
             max_queued_requests=config.max_queued_requests,
             trust_request_chat_template=config.trust_request_chat_template,
-            async_scheduling=config.async_scheduling,
+            async_scheduling=async_scheduling,
             stream_interval=config.stream_interval,
             num_scheduler_steps=config.num_scheduler_steps,
         ),

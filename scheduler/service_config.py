@@ -32,7 +32,8 @@ class SchedulerConfig:
     max_queued_requests: int | None = None
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
-    async_scheduling: bool = False  # build step N+1 while the executor runs step N (stream transport)
+    # Build step N+1 while the executor runs step N (stream transport); None: `pipelines_steps`.
+    async_scheduling: bool | None = None
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first
     num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
     step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
@@ -56,3 +57,13 @@ def default_api_server_count() -> int:
 def default_scheduler_workers() -> int:
     """One worker process per core but one (the front's), at least one, at most 16."""
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
+
+
+def pipelines_steps(async_scheduling: bool | None, step_transport: str) -> bool:
+    """Whether lanes schedule each step while the executor runs the one before: as asked, and
+    by default whenever steps go over the streaming transport (as vLLM turns it on by default).
+
+    The step's round trip and the lane's scheduling then overlap the executor's compute: on
+    stories260K over gRPC (`npuserve bench --compare offline,grpc-stream`, 2 cores) a median
+    1.01x of in-process throughput against 0.82x without."""
+    return step_transport == "stream" if async_scheduling is None else async_scheduling

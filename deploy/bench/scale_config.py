@@ -39,7 +39,7 @@ class ScaleConfig:
     routing: str = "prefix-aware"
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: the scheduler's default (on over the stream transport)
     stream_interval: int = 1  # the scheduler's --stream-interval
     num_scheduler_steps: int = 1  # the scheduler's --num-scheduler-steps
     client_call: str = CLIENT_CALLS[0]

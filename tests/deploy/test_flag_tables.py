@@ -73,6 +73,15 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(default))) == default
 
 
+@pytest.mark.parametrize(("flags", "async_scheduling"), [((), None), (("--async-scheduling",), True), (("--no-async-scheduling",), False)])  # fmt: skip
+def test_async_scheduling_is_left_to_the_scheduler_unless_asked(
+    flags: tuple[str, ...], async_scheduling: bool | None
+) -> None:
+    config = SCHEDULER.from_args(parse("scheduler", "--model", "m", "--executors", "h:1", *flags))
+    assert config.async_scheduling is async_scheduling
+    assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(config))) == config
+
+
 def test_secrets_stay_out_of_the_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"PEM")

@@ -60,7 +60,10 @@ STREAMS = [
 @pytest.mark.parametrize(("path", "body"), STREAMS, ids=["completion", "batched-n3", "chat"])
 def test_closing_a_stream_aborts_the_request(served: Served, path: str, body: dict) -> None:
     tokens_before = served.metric("vllm:generation_tokens_total")
-    with httpx.Client(base_url=served.url, timeout=30) as http, http.stream("POST", path, json=body) as response:
+    with (
+        httpx.Client(base_url=served.url, timeout=30) as http,
+        http.stream("POST", path, json=body) as response,
+    ):
         assert response.status_code == 200
         lines = response.iter_lines()  # NOTE: held, since a collected iterator closes the stream
         events = read_events(lines, 3)
