@@ -153,6 +153,9 @@ class ExecutorLane:
         self._in_flight: deque[InFlightStep] = deque()
         self._may_step = may_step or (lambda: True)
         self._last_landed = 0.0
+        # The executor's seconds per forward pass, over the multi-pass steps that landed back
+        # to back (an average that moves with the batch): when their next step is due.
+        self.pass_seconds = 0.0
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -364,12 +367,23 @@ class ExecutorLane:
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
         self._last_landed = now
+        passes = num_passes(step.plan)
+        if passes > 1:
+            per_pass = seconds / passes
+            self.pass_seconds = (
+                per_pass if not self.pass_seconds else 0.8 * self.pass_seconds + 0.2 * per_pass
+            )
         self.on_event(
             self,
             LaneEvent(
                 updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
             ),
         )
+
+
+def num_passes(plan: StepPlan) -> int:
+    """The forward passes a step runs: its multi-step requests' most, else one."""
+    return max(plan.num_steps.values(), default=1)
 
 
 class PendingStep(Protocol):

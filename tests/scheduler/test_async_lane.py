@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from npuserve.executor.server import start_executor_server
+from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
@@ -24,6 +24,25 @@ def _request(req_id: str) -> Request:
     return Request(req_id, [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
 
 
+async def _room() -> bool:
+    return True
+
+
+def _paced_executor(pass_s: float, num_blocks: int) -> tuple[SimulatedRunner, RunningExecutor]:
+    """A simulated executor serving on loopback whose every forward pass takes ``pass_s``."""
+    latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
+    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=num_blocks, block_size=4))
+    return runner, start_executor_server(runner, "127.0.0.1", 0, "sim")
+
+
+def _stream_client(address: str) -> AioExecutorClient:
+    """A step-stream client of the executor at ``address``, after the front's handshake."""
+    with ExecutorClient(address, timeout_s=10) as handshake:
+        handshake.info()
+        instance_id = handshake.instance_id
+    return AioExecutorClient(address, instance_id, True, 10)
+
+
 def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_back() -> None:
     async def run() -> None:
         events: list[LaneEvent] = []
@@ -34,12 +53,9 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
             if event.lane_down:
                 down.set()
 
-        async def room() -> bool:
-            return True
-
         client = AioExecutorClient("127.0.0.1:1", "", True, 5)
         scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
-        lane = AsyncExecutorLane("e0", client, scheduler, on_event, True, room)
+        lane = AsyncExecutorLane("e0", client, scheduler, on_event, True, _room)
         lane.start()
         assert await asyncio.wrap_future(lane.call(lambda s: s.num_unfinished)) == 0
         lane.submit([_request("r1"), _request("r2")])
@@ -64,9 +80,7 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
     """With multi-step decoding over the step stream, a request admitted while another runs is
     answered after the step's first pass: its first token is reported in an event of its own (no
     step counted) before the step's result, which carries the running request's passes."""
-    latency = LatencyModel(base_s=0.05, per_token_s=0.0, per_seq_s=0.0)
-    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=16, block_size=4))
-    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+    runner, running = _paced_executor(pass_s=0.05, num_blocks=16)
 
     async def run() -> None:
         events: list[LaneEvent] = []
@@ -76,9 +90,6 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
             events.append(event)
             woken.set()
 
-        async def room() -> bool:
-            return True
-
         async def until(done: Callable[[], bool]) -> None:
             for _ in range(200):  # NOTE: bounded: each step takes 50 ms a pass
                 if done():
@@ -87,13 +98,10 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
                 await asyncio.wait_for(woken.wait(), 10)
             raise AssertionError("the lane did not get there")
 
-        with ExecutorClient(running.address, timeout_s=10) as handshake:
-            handshake.info()
-            instance_id = handshake.instance_id
-        client = AioExecutorClient(running.address, instance_id, True, 10)
+        client = _stream_client(running.address)
         config = SchedulerConfig(num_blocks=16, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
         scheduler = Scheduler(config)
-        lane = AsyncExecutorLane("e0", client, scheduler, on_event, False, room)
+        lane = AsyncExecutorLane("e0", client, scheduler, on_event, False, _room)
         lane.start()
         a, b = _request("a"), _request("b")
         lane.submit([a])
@@ -107,6 +115,68 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
         assert len(landed.updates[0].new_token_ids) > 1  # its passes after the first
         for request in (a, b):
             assert request.output_token_ids == [runner.token_for(request.req_id, k) for k in range(4, 12)]
+        await lane.aclose(5)
+        scheduler.check_integrity(expect_idle=True)
+
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> None:
+    """With async scheduling and multi-step decoding, the step after a multi-pass one is sent
+    shortly before that one ends, not as it starts: a request that arrives early in a step joins
+    the next one (one step landed before its first token), as without async scheduling, rather
+    than the one after it (two landed). Landed steps are counted, not times measured; the
+    executor's passes are 100 ms each so the request comes well before the last one."""
+    runner, running = _paced_executor(pass_s=0.1, num_blocks=64)
+
+    async def run() -> None:
+        events: list[LaneEvent] = []
+        landed = asyncio.Event()
+
+        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
+            events.append(event)
+            if event.stats is not None:
+                landed.set()
+
+        async def next_landing() -> None:
+            landed.clear()
+            await asyncio.wait_for(landed.wait(), 10)
+
+        client = _stream_client(running.address)
+        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+        scheduler = Scheduler(config)
+        lane = AsyncExecutorLane("e0", client, scheduler, on_event, True, _room)
+        lane.start()
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
+        lane.submit([a])
+        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
+            await next_landing()
+        assert lane.pass_seconds > 0
+        await asyncio.sleep(0.05)  # into the first pass of the step in flight
+        since = len(events)
+        b = _request("b")
+        lane.submit([b])
+        for _ in range(200):  # NOTE: bounded: a step is 400 ms
+            if b.output_token_ids:
+                break
+            await asyncio.sleep(0.01)
+        steps_before_b = [
+            e for e in events[since:] if e.stats is not None and all(u.request is not b for u in e.updates)
+        ]
+        assert b.output_token_ids and len(steps_before_b) == 1
+        for _ in range(500):
+            if a.status.is_finished and b.status.is_finished:
+                break
+            await asyncio.sleep(0.02)
+        for request in (a, b):
+            want = request.params.max_tokens
+            assert request.output_token_ids == [
+                runner.token_for(request.req_id, k) for k in range(4, 4 + want)
+            ]
         await lane.aclose(5)
         scheduler.check_integrity(expect_idle=True)
 
