@@ -111,7 +111,7 @@ class AsyncExecutorLane(ExecutorLane):
             await asyncio.wait({landing}, timeout=delay_s)
             if not landing.done():
                 self._apply_commands()  # what came meanwhile (new requests) joins the next step
-                if self.alive and self.scheduler.has_work() and await self._has_room():
+                if self.alive and not self._stopping and self.scheduler.has_work() and await self._has_room():
                     await self._launch_on_loop()
         except asyncio.CancelledError:  # the lane is closing
             landing.cancel()

@@ -442,18 +442,30 @@ def test_random_seeds(seed: int) -> None:
 
 def test_a_mixed_step_pads_its_decodes_apart_from_its_chunks() -> None:
     """Decodes next to prefill chunks form a batch of one query row each (no decode is padded to
-    a chunk's length); a step of decodes alone is one batch."""
+    a chunk's length), and each longer query is attended on its own, over its own context (a
+    prompt's first chunk, with none before it, by SDPA's causal kernel: no mask); a step of
+    decodes alone is one batch."""
     mixed = make_scenario(
-        5, block_size=16, head_size=32, group=2, dtype=torch.float32, num_reqs=6, kinds=("decode", "chunked")
+        5,
+        block_size=16,
+        head_size=32,
+        group=2,
+        dtype=torch.float32,
+        num_reqs=8,
+        kinds=("decode", "chunked", "prefill"),
     )
-    query_lens = [r.query_len for r in mixed.requests]
-    assert 1 in query_lens and max(query_lens) > 1, "the scenario mixes decodes and chunks"
     backend = TorchBackend()
     cache = mixed.new_cache()
     write_context(mixed, cache, backend, np.random.default_rng(5))
     metadata = step_metadata(mixed)
     check_against_reference(mixed, run_step(mixed, cache, backend, 0.2, metadata=metadata), 0.2)
-    assert [b.max_q for b in metadata.backend_state["batches"]] == [1, max(query_lens)]
+    query_lens, seq_lens = metadata.query_lens_host, metadata.seq_lens_host
+    longer = [(q, s) for q, s in zip(query_lens, seq_lens, strict=True) if q > 1]
+    assert 1 in query_lens and any(q < s for q, s in longer) and any(q == s for q, s in longer)
+    assert [b.max_q for b in metadata.backend_state["batches"]] == [1]
+    chunks = metadata.backend_state["chunks"]
+    assert [(c.num_rows, int(c.context_slots.shape[0])) for c in chunks] == longer
+    assert [c.mask is None for c in chunks] == [q == s for q, s in longer]
 
     decode_only = make_scenario(
         5, block_size=16, head_size=32, group=2, dtype=torch.float32, num_reqs=6, kinds=("decode",)
