@@ -63,7 +63,9 @@ def pipelines_steps(async_scheduling: bool | None, step_transport: str) -> bool:
     """Whether lanes schedule each step while the executor runs the one before: as asked, and
     by default whenever steps go over the streaming transport (as vLLM turns it on by default).
 
-    The step's round trip and the lane's scheduling then overlap the executor's compute: on
-    stories260K over gRPC (`npuserve bench --compare offline,grpc-stream`, 2 cores) a median
-    1.01x of in-process throughput against 0.82x without."""
+    The step's round trip and the lane's scheduling then overlap the executor's compute: over
+    gRPC (`npuserve bench --compare offline,grpc-stream`, 2 cores) the ~150M Llama preset kept
+    a median 0.98x of in-process throughput over nine rounds against 0.88x without, and
+    stories260K, whose steps are shorter, 0.97x of the mean tokens/s against 0.91x (medians of
+    9 rounds: 0.92x and 0.90x)."""
     return step_transport == "stream" if async_scheduling is None else async_scheduling
