@@ -161,29 +161,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def StepStream(
         self, request_iterator: Iterator[pb.StepRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResponse]:
-        """The steps of one scheduler lane, in order. A step that has already arrived when the one
-        before it ends starts at once, while that one's answer is sent: the executor does not
-        wait for the answer's send, nor for the next step's read and decoding, between steps
-        (the scheduler's async scheduling sends it that early)."""
         self._streams.add(context)
-        requests = _ReadAhead(request_iterator)
         try:
-            running: futures.Future[pb.StepResponse] | None = None  # the next step, started
-            while True:
-                if running is None:
-                    request = requests.get()
-                    if request is None:
-                        return
-                    if request.early_results:
-                        yield from self._step_answers(request)
-                        continue
-                    running = self._start_step(request)
-                response = running.result()  # NOTE: its error, if any, after the answers before it
-                following, running = requests.ready(), None
-                if following is not None and not following.early_results:
-                    requests.get()  # NOTE: the one just seen
-                    running = self._start_step(following)
-                yield response
+            for request in request_iterator:
+                if request.early_results:
+                    yield from self._step_answers(request)
+                else:
+                    yield self._step(request)
         finally:
             self._streams.discard(context)
 
@@ -213,12 +197,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
         self._answering.shutdown(wait=True)
-
-    def _start_step(self, request: pb.StepRequest) -> futures.Future[pb.StepResponse]:
-        try:
-            return self._answering.submit(self._step, request)
-        except RuntimeError:  # NOTE: the pool is shut down: so is this executor
-            raise ExecutorStopping("the executor is shutting down; send the step to another") from None
 
     def _step_answers(self, request: pb.StepRequest) -> Iterator[pb.StepResponse]:
         """A step's early answer (`early_results`), sent while its later passes run, then its result."""
@@ -259,49 +237,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         response = step_codec.result_to_proto(result)
         response.draining = self.draining
         return response
-
-
-class _ReadAhead:
-    """A StepStream's requests, read on a thread of their own as they come, so that the handler
-    can see whether the next step has arrived without waiting for it."""
-
-    _END = object()
-    _NOTHING = object()
-
-    def __init__(self, request_iterator: Iterator[pb.StepRequest]) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._peeked: Any = self._NOTHING
-        threading.Thread(
-            target=self._read, args=(request_iterator,), name="step-stream-read", daemon=True
-        ).start()
-
-    def _read(self, request_iterator: Iterator[pb.StepRequest]) -> None:
-        try:
-            for request in request_iterator:
-                self._queue.put(request)
-            self._queue.put(self._END)
-        except BaseException as exc:  # NOTE: the stream's failure, raised where the handler reads
-            self._queue.put(exc)
-
-    def get(self) -> pb.StepRequest | None:
-        """The next request, waiting for it; None once the client is done sending (raises the
-        stream's failure)."""
-        item = self._queue.get() if self._peeked is self._NOTHING else self._peeked
-        self._peeked = self._END if item is self._END else self._NOTHING  # NOTE: the end stays
-        if item is self._END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def ready(self) -> pb.StepRequest | None:
-        """The next request if it has arrived, left to `get`; None if not (or the stream ended)."""
-        if self._peeked is self._NOTHING:
-            try:
-                self._peeked = self._queue.get_nowait()
-            except queue.Empty:
-                return None
-        return self._peeked if isinstance(self._peeked, pb.StepRequest) else None
 
 
 # --------------------------------------------------------------------------------------------

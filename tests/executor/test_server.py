@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,7 @@ from harness.step_driver import DrivenRequest, StepDriver
 from npuserve.deploy.launcher import Child, Launcher, LaunchError
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.server import _ReadAhead, start_executor_server
-from npuserve.proto import executor_pb2 as pb
+from npuserve.executor.server import start_executor_server
 from npuserve.proto.step_plan import ExecutorInfo, SamplingOptions, StepPlan, StepResult
 from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
@@ -211,31 +209,3 @@ def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
 
 def test_rpc_error_without_status_is_unknown() -> None:
     assert ExecutorError.from_rpc_error(grpc.RpcError()).code == "UNKNOWN"
-
-
-def test_a_step_stream_reads_ahead_in_order_and_raises_its_failure_where_it_is_read() -> None:
-    """The StepStream's reader: requests come in order, `ready` shows one that has arrived
-    without taking it, the end stays the end, and the stream's failure is raised by `get`."""
-
-    def failing() -> Iterator[pb.StepRequest]:
-        yield pb.StepRequest(step_id=1)
-        yield pb.StepRequest(step_id=2)
-        raise RuntimeError("stream broken")
-
-    requests = _ReadAhead(failing())
-    first = requests.get()
-    assert first is not None and first.step_id == 1
-    for _ in range(500):  # NOTE: bounded: the reader thread puts the second soon
-        following = requests.ready()
-        if following is not None:
-            break
-        time.sleep(0.01)
-    assert following is not None and following.step_id == 2 and requests.ready() is following
-    assert requests.get() is following
-    with pytest.raises(RuntimeError, match="stream broken"):
-        requests.get()
-
-    ended = _ReadAhead(iter([pb.StepRequest(step_id=3)]))
-    third = ended.get()
-    assert third is not None and third.step_id == 3
-    assert ended.get() is None and ended.get() is None and ended.ready() is None
