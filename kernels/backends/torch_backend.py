@@ -11,7 +11,7 @@ B * Q_max * S_max of masked scores, where alone they cost the sum of their Q * S
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +37,14 @@ class TorchBackend(KernelBackend):
         to 300 query rows, and 32 prompts of 128-384 tokens cost 110 ms a layer on 2 cores
         (stories260K) against about 18 ms one by one.
         """
-        query_lens = metadata.query_lens_host
+        block_table = metadata.block_table.long()  # [B, NB]
         if metadata.is_decode_only:
-            metadata.backend_state["batches"] = [_padded_batch(metadata, None)]
+            metadata.backend_state["batches"] = [_decode_batch(metadata, block_table, None)]
             metadata.backend_state["chunks"] = []
             return
-        decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        metadata.backend_state["batches"] = [_padded_batch(metadata, decodes)] if decodes else []
-        metadata.backend_state["chunks"] = _query_chunks(metadata)
+        decodes = [i for i, n in enumerate(metadata.query_lens_host) if n == 1]
+        metadata.backend_state["batches"] = [_decode_batch(metadata, block_table, decodes)] if decodes else []
+        metadata.backend_state["chunks"] = _query_chunks(metadata, block_table)
 
     def write_kv_cache(
         self,
@@ -68,14 +68,14 @@ class TorchBackend(KernelBackend):
         _, num_kv_heads, _ = check_attention_shapes(query, kv_cache, metadata)
         if "batches" not in metadata.backend_state:
             self.prepare(metadata)
-        batches: list[_PaddedBatch] = metadata.backend_state["batches"]
+        batches: list[_DecodeBatch] = metadata.backend_state["batches"]
         chunks: list[_QueryChunk] = metadata.backend_state["chunks"]
         if not chunks:
             return _attend(query, kv_cache, batches[0], num_kv_heads, scale)
         out = torch.empty_like(query)  # [T, H, D]
         for batch in batches:
             assert batch.token_rows is not None
-            rows = query.index_select(0, batch.token_rows)  # [T_b, H, D]
+            rows = query.index_select(0, batch.token_rows)  # [B_d, H, D]
             out.index_copy_(0, batch.token_rows, _attend(rows, kv_cache, batch, num_kv_heads, scale))
         for chunk in chunks:
             end = chunk.row_start + chunk.num_rows
@@ -141,67 +141,52 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: in
 
 
 @dataclass
-class _PaddedBatch:
-    """Some requests of a step padded into one SDPA batch: ``B`` requests, ``Q`` query rows and
-    ``S`` key positions each."""
+class _DecodeBatch:
+    """The decodes of a step (one query token each) padded into one SDPA batch: ``B`` requests
+    and ``S`` key positions each."""
 
-    token_rows: torch.Tensor | None  # [T_b] the step's token rows of these requests (None: all)
+    token_rows: torch.Tensor | None  # [B] the step's query row of each (None: every row, in order)
     context_slots: torch.Tensor  # [B, S] cache slot of every key position
-    mask: torch.Tensor  # [B, Q, S] query i of request b sees key j
-    token_index: tuple[torch.Tensor, torch.Tensor] | None  # ([T_b], [T_b]): request, query row
-    gqa_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, 1, Q * G, S]
+    mask: torch.Tensor  # [B, S] key j is in request b's context
 
     @property
     def num_reqs(self) -> int:
         return self.mask.shape[0]
 
     @property
-    def max_q(self) -> int:
+    def max_s(self) -> int:
         return self.mask.shape[1]
 
-    @property
-    def max_s(self) -> int:
-        return self.mask.shape[2]
+
+def _key_slots(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_table: [..., NB], key_pos: [S] -> [..., S], the cache slot of each key position."""
+    return block_table[..., key_pos // block_size] * block_size + key_pos % block_size
 
 
-def _padded_batch(metadata: AttentionMetadata, requests: list[int] | None) -> _PaddedBatch:
-    """The batch of ``requests`` (indices into the step's requests; None: every request)."""
+def _decode_batch(
+    metadata: AttentionMetadata, block_table: torch.Tensor, requests: list[int] | None
+) -> _DecodeBatch:
+    """The batch of the decodes ``requests`` (indices into the step's requests; None: every
+    request, a step of decodes alone); ``block_table``: [B, NB] the step's, as int64."""
     device = metadata.seq_lens.device
     block_size = metadata.block_size
-    query_start = metadata.query_start_loc.long()  # [B + 1]
     seq_lens = metadata.seq_lens.long()  # [B]
-    query_lens = query_start[1:] - query_start[:-1]  # [B]
-    block_table = metadata.block_table.long()  # [B, NB]
     token_rows = None
-    if requests is None:
-        max_q, max_s = metadata.max_query_len, metadata.max_seq_len
-    else:
-        max_q = max(metadata.query_lens_host[i] for i in requests)
+    max_s = metadata.max_seq_len
+    if requests is not None:
         max_s = max(metadata.seq_lens_host[i] for i in requests)
-        index = torch.tensor(requests, device=device)  # [B_b]
-        starts, query_lens, seq_lens = query_start[index], query_lens[index], seq_lens[index]
+        index = torch.tensor(requests, device=device)  # [B_d]
+        token_rows = metadata.query_start_loc.long()[index]  # a decode's one query row
+        seq_lens = seq_lens[index]
         block_table = block_table[index, : -(-max_s // block_size)]
-    num_reqs = int(seq_lens.shape[0])
-    padded = max_q > 1 and num_reqs > 1
-    if padded or requests is not None:
-        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)  # [T_b]
-        token_query_pos = torch.arange(token_req.shape[0], device=device) - _starts(query_lens)[token_req]
-        if requests is not None:  # [T_b]: the step's token rows of these requests, in order
-            token_rows = starts[token_req] + token_query_pos
     key_pos = torch.arange(max_s, device=device)  # [S]
-    # [B, S]: cache slot of every context position. NOTE: positions past a request's length
-    # read slot 0 of the null block, which is zeroed at allocation and never written: the
-    # unwritten tail of a request's last block may hold anything (NaN included), and a NaN
-    # value would survive SDPA's mask (0 * NaN), while the null block is always finite.
-    slots = block_table[:, key_pos // block_size] * block_size + key_pos % block_size
-    context_slots = torch.where(key_pos < seq_lens[:, None], slots, 0)
-    query_pos = torch.arange(max_q, device=device)  # [Q]
-    context_lens = seq_lens - query_lens  # [B]
-    # [B, Q, S]: query i of request b sees key j iff j <= context_len + i and j < seq_len.
-    last_visible = context_lens[:, None, None] + query_pos[None, :, None]  # [B, Q, 1]
-    mask = (key_pos <= last_visible) & (key_pos < seq_lens[:, None, None])
-    token_index = (token_req, token_query_pos) if padded else None
-    return _PaddedBatch(token_rows, context_slots, mask, token_index)
+    mask = key_pos < seq_lens[:, None]  # [B, S]
+    # NOTE: positions past a request's length read slot 0 of the null block, which is zeroed at
+    # allocation and never written: the unwritten tail of a request's last block may hold
+    # anything (NaN included), and a NaN value would survive SDPA's mask (0 * NaN), while the
+    # null block is always finite.
+    context_slots = torch.where(mask, _key_slots(block_table, key_pos, block_size), 0)
+    return _DecodeBatch(token_rows, context_slots, mask)
 
 
 @dataclass(slots=True)
@@ -214,10 +199,10 @@ class _QueryChunk:
     mask: torch.Tensor | None  # [Q, S] causal from the bottom right; None when Q == S (no context)
 
 
-def _query_chunks(metadata: AttentionMetadata) -> list[_QueryChunk]:
-    """Every request of the step whose query is longer than one token."""
+def _query_chunks(metadata: AttentionMetadata, block_table: torch.Tensor) -> list[_QueryChunk]:
+    """Every request of the step whose query is longer than one token; ``block_table``: [B, NB]
+    the step's, as int64."""
     block_size = metadata.block_size
-    block_table = metadata.block_table.long()  # [B, NB]
     device = block_table.device
     chunks = []
     row_start = 0
@@ -226,7 +211,7 @@ def _query_chunks(metadata: AttentionMetadata) -> list[_QueryChunk]:
     ):
         if num_rows > 1:
             key_pos = torch.arange(seq_len, device=device)  # [S]
-            slots = block_table[index, key_pos // block_size] * block_size + key_pos % block_size
+            slots = _key_slots(block_table[index], key_pos, block_size)
             mask = None
             if num_rows < seq_len:  # query i sees keys up to its own position, context + i
                 mask = torch.ones(num_rows, seq_len, dtype=torch.bool, device=device).tril(seq_len - num_rows)
@@ -254,56 +239,21 @@ def _attend_chunk(
     return out[0].transpose(0, 1)
 
 
-def _starts(lengths: torch.Tensor) -> torch.Tensor:
-    """[B] lengths -> [B] where each begins in their concatenation."""
-    return torch.cumsum(lengths, 0) - lengths
-
-
 def _attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, batch: _PaddedBatch, num_kv_heads: int, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: _DecodeBatch, num_kv_heads: int, scale: float
 ) -> torch.Tensor:
-    """query: [T_b, H, D], the batch's query rows -> [T_b, H, D]."""
+    """query: [B, H, D], the batch's query rows -> [B, H, D]."""
     num_heads, head_size = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
-    num_reqs, max_q, max_s = batch.num_reqs, batch.max_q, batch.max_s
-    padded = _pad_query(query, batch)  # [B, Q, H, D]
-    # [B, Hkv, Q * G, D]: the G query heads of one KV head become extra query rows.
-    q = (
-        padded.view(num_reqs, max_q, num_kv_heads, group, head_size)
-        .permute(0, 2, 1, 3, 4)
-        .reshape(num_reqs, num_kv_heads, max_q * group, head_size)
-    )
+    num_reqs, max_s = batch.num_reqs, batch.max_s
+    # [B, Hkv, G, D]: the G query heads of one KV head are its query rows, so keys and values
+    # are never repeated.
+    q = query.view(num_reqs, num_kv_heads, group, head_size)
     slots = batch.context_slots.reshape(-1)  # [B * S]
     k = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, slots)
     v = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, slots)
     k = k.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)  # [B, Hkv, S, D]
     v = v.view(num_reqs, max_s, num_kv_heads, head_size).transpose(1, 2)
-    mask = batch.gqa_masks.get(group)
-    if mask is None:
-        mask = batch.mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, Q * G, S]
-        batch.gqa_masks[group] = mask
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    out = (
-        out.view(num_reqs, num_kv_heads, max_q, group, head_size)
-        .permute(0, 2, 1, 3, 4)
-        .reshape(num_reqs, max_q, num_heads, head_size)
-    )
-    return _unpad_output(out, batch)  # [T_b, H, D]
-
-
-def _pad_query(query: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
-    """[T_b, H, D] -> [B, Q, H, D]."""
-    if batch.token_index is None:  # one request, or decodes only: no padding at all
-        return query.view(batch.num_reqs, batch.max_q, *query.shape[1:])
-    token_req, token_query_pos = batch.token_index
-    padded = query.new_zeros(batch.num_reqs, batch.max_q, *query.shape[1:])
-    padded[token_req, token_query_pos] = query
-    return padded
-
-
-def _unpad_output(out: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
-    """[B, Q, H, D] -> [T_b, H, D]."""
-    if batch.token_index is None:
-        return out.reshape(batch.num_reqs * batch.max_q, *out.shape[2:])
-    token_req, token_query_pos = batch.token_index
-    return out[token_req, token_query_pos]
+    mask = batch.mask[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+    return out.reshape(num_reqs, num_heads, head_size)

@@ -462,7 +462,9 @@ def test_a_mixed_step_pads_its_decodes_apart_from_its_chunks() -> None:
     query_lens, seq_lens = metadata.query_lens_host, metadata.seq_lens_host
     longer = [(q, s) for q, s in zip(query_lens, seq_lens, strict=True) if q > 1]
     assert 1 in query_lens and any(q < s for q, s in longer) and any(q == s for q, s in longer)
-    assert [b.max_q for b in metadata.backend_state["batches"]] == [1]
+    (decodes,) = metadata.backend_state["batches"]  # one query row each: the decodes' own rows
+    rows = np.cumsum([0, *query_lens])[:-1]
+    assert decodes.token_rows.tolist() == [int(r) for r, q in zip(rows, query_lens, strict=True) if q == 1]
     chunks = metadata.backend_state["chunks"]
     assert [(c.num_rows, int(c.context_slots.shape[0])) for c in chunks] == longer
     assert [c.mask is None for c in chunks] == [q == s for q, s in longer]
@@ -472,4 +474,5 @@ def test_a_mixed_step_pads_its_decodes_apart_from_its_chunks() -> None:
     )
     metadata = step_metadata(decode_only)
     backend.prepare(metadata)
-    assert [b.max_q for b in metadata.backend_state["batches"]] == [1]
+    assert [b.num_reqs for b in metadata.backend_state["batches"]] == [6]
+    assert metadata.backend_state["chunks"] == []
