@@ -176,7 +176,7 @@ class ModelRunner:
             if early.sampled_req_ids:
                 on_first_pass(early)
         # Multi-step decoding: each later pass feeds back the tokens the one before sampled.
-        for index in range(1, max(plan.num_steps.values(), default=1)):
+        for index in range(1, plan.num_passes):
             pass_start = time.perf_counter()
             req_ids = [r for r, n in plan.num_steps.items() if n > index]
             self._run_pass(

@@ -202,9 +202,9 @@ class SimulatedRunner:
                 on_first_pass(early)
         if plan.num_steps:  # each later pass: one token for each request that runs it
             self._run_later_passes(plan.num_steps, result)
-            num_passes = max(plan.num_steps.values()) - 1
+            num_later_passes = plan.num_passes - 1
             num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
-            modeled += latency.decode_passes_seconds(num_passes, num_later)
+            modeled += latency.decode_passes_seconds(num_later_passes, num_later)
             num_tokens += num_later
         done = time.perf_counter()
         if not self._sleep_until(start + modeled, done) and num_seqs:

@@ -99,6 +99,11 @@ class StepPlan:
     num_steps: dict[str, int] = field(default_factory=dict)
 
     @property
+    def num_passes(self) -> int:
+        """The forward passes the step runs: its multi-step requests' most, else one."""
+        return max(self.num_steps.values(), default=1)
+
+    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 

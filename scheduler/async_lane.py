@@ -17,7 +17,7 @@ from typing import cast
 
 from npuserve.proto.step_plan import StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lane import AsyncPendingStep, ExecutorLane, InFlightStep, LaneEvent, num_passes
+from npuserve.scheduler.lane import AsyncPendingStep, ExecutorLane, InFlightStep, LaneEvent
 from npuserve.scheduler.scheduler import Scheduler
 
 IDLE_WAIT_S = 0.5  # a lane with nothing to do looks at its commands this often anyway
@@ -132,7 +132,7 @@ class AsyncExecutorLane(ExecutorLane):
         the streams without a first token from 204-238 to 108-141, for the same tokens/s; a
         lead of one pass lost 6% of the tokens/s (one worker's loop serves many lanes: a
         launch can come late)."""
-        passes = num_passes(running.plan)
+        passes = running.plan.num_passes
         if passes <= 1 or not self.pass_seconds:
             return 0.0
         elapsed_s = time.perf_counter() - max(running.sent_at, self._last_landed)

@@ -367,7 +367,7 @@ class ExecutorLane:
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
         self._last_landed = now
-        passes = num_passes(step.plan)
+        passes = step.plan.num_passes
         if passes > 1:
             per_pass = seconds / passes
             self.pass_seconds = (
@@ -379,11 +379,6 @@ class ExecutorLane:
                 updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
             ),
         )
-
-
-def num_passes(plan: StepPlan) -> int:
-    """The forward passes a step runs: its multi-step requests' most, else one."""
-    return max(plan.num_steps.values(), default=1)
 
 
 class PendingStep(Protocol):
