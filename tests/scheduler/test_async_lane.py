@@ -7,7 +7,8 @@ Its steps over a live executor are the scenarios' (`test_step_workers`, `test_fa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
@@ -43,15 +44,44 @@ def _stream_client(address: str) -> AioExecutorClient:
     return AioExecutorClient(address, instance_id, True, 10)
 
 
+class _Events:
+    """A lane's `on_event`: keeps every event, and sets ``woken`` for those ``wakes`` picks."""
+
+    def __init__(self, wakes: Callable[[LaneEvent], bool] = lambda event: True) -> None:
+        self.seen: list[LaneEvent] = []
+        self.woken = asyncio.Event()
+        self.wakes = wakes
+
+    def __call__(self, lane: ExecutorLane, event: LaneEvent) -> None:
+        self.seen.append(event)
+        if self.wakes(event):
+            self.woken.set()
+
+
+async def _close_after_generating(
+    lane: AsyncExecutorLane, runner: SimulatedRunner, *requests: Request
+) -> None:
+    """Each of ``requests`` (a prompt of 4 tokens) ran to its ``max_tokens`` with the simulated
+    executor's tokens; the lane closes with its pool idle and whole."""
+    for request in requests:
+        want = request.params.max_tokens
+        assert want is not None
+        assert request.output_token_ids == [runner.token_for(request.req_id, k) for k in range(4, 4 + want)]
+    await lane.aclose(5)
+    lane.scheduler.check_integrity(expect_idle=True)
+
+
+def _run_against(running: RunningExecutor, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    try:
+        asyncio.run(run())
+    finally:
+        running.stop(grace_s=0)
+
+
 def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_back() -> None:
     async def run() -> None:
-        events: list[LaneEvent] = []
-        down = asyncio.Event()
-
-        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
-            events.append(event)
-            if event.lane_down:
-                down.set()
+        on_event = _Events(lambda event: event.lane_down)
+        events, down = on_event.seen, on_event.woken
 
         client = AioExecutorClient("127.0.0.1:1", "", True, 5)
         scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
@@ -83,12 +113,8 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
     runner, running = _paced_executor(pass_s=0.05, num_blocks=16)
 
     async def run() -> None:
-        events: list[LaneEvent] = []
-        woken = asyncio.Event()
-
-        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
-            events.append(event)
-            woken.set()
+        on_event = _Events()
+        events, woken = on_event.seen, on_event.woken
 
         async def until(done: Callable[[], bool]) -> None:
             for _ in range(200):  # NOTE: bounded: each step takes 50 ms a pass
@@ -113,15 +139,9 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
         landed = events[first_b + 1]  # the step that admitted b lands with a's passes
         assert landed.stats is not None and [u.request for u in landed.updates] == [a]
         assert len(landed.updates[0].new_token_ids) > 1  # its passes after the first
-        for request in (a, b):
-            assert request.output_token_ids == [runner.token_for(request.req_id, k) for k in range(4, 12)]
-        await lane.aclose(5)
-        scheduler.check_integrity(expect_idle=True)
+        await _close_after_generating(lane, runner, a, b)
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop(grace_s=0)
+    _run_against(running, run)
 
 
 def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> None:
@@ -133,13 +153,8 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
     runner, running = _paced_executor(pass_s=0.1, num_blocks=64)
 
     async def run() -> None:
-        events: list[LaneEvent] = []
-        landed = asyncio.Event()
-
-        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
-            events.append(event)
-            if event.stats is not None:
-                landed.set()
+        on_event = _Events(lambda event: event.stats is not None)
+        events, landed = on_event.seen, on_event.woken
 
         async def next_landing() -> None:
             landed.clear()
@@ -172,15 +187,6 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
             if a.status.is_finished and b.status.is_finished:
                 break
             await asyncio.sleep(0.02)
-        for request in (a, b):
-            want = request.params.max_tokens
-            assert request.output_token_ids == [
-                runner.token_for(request.req_id, k) for k in range(4, 4 + want)
-            ]
-        await lane.aclose(5)
-        scheduler.check_integrity(expect_idle=True)
+        await _close_after_generating(lane, runner, a, b)
 
-    try:
-        asyncio.run(run())
-    finally:
-        running.stop(grace_s=0)
+    _run_against(running, run)
