@@ -1,9 +1,11 @@
 """The executor's gRPC server: one ModelRunner behind the `npuserve.executor.v1.Executor` service.
 
-Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`). A
-single lock keeps steps from overlapping, whichever RPC (unary `Step` or the `StepStream`) brings
-them. One interceptor (`StatusInterceptor`) turns exceptions into status codes: a plan the runner
-refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
+Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`); a
+`StepStream` does so as a pipeline (`step_stream`), so that a step sent while the one before it
+ran starts as that one ends. A single lock keeps steps from overlapping, whichever RPC (unary
+`Step` or a `StepStream`) brings them. One interceptor (`StatusInterceptor`) turns exceptions
+into status codes: a plan the runner refuses is INVALID_ARGUMENT, anything else INTERNAL, and
+the process keeps serving either way.
 With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
 `Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
 port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
@@ -47,6 +49,7 @@ from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled, StepProfiler
+from npuserve.executor.step_stream import StepStreamPipeline
 from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
@@ -111,7 +114,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     """
 
     def __init__(
-        self, runner: StepRunner, executor_id: str, version: str, profiler: StepProfiler | None = None
+        self,
+        runner: StepRunner,
+        executor_id: str,
+        version: str,
+        profiler: StepProfiler | None = None,
+        *,
+        pipelined_streams: bool = True,
     ) -> None:
         self._runner = runner
         self.instance_id = uuid.uuid4().hex
@@ -120,13 +129,16 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
+        # A StepStream's steps read, run and answered on threads of their own (`step_stream`).
+        self._pipelined_streams = pipelined_streams
         self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
         self._step_thread = (
             futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
             if self._profiler.enabled
             else None
         )
-        # Runs the steps whose first-pass answer goes out before they end (`early_results`).
+        # Runs the steps whose first-pass answer goes out before they end (`early_results`) of a
+        # StepStream that is not pipelined.
         self._answering = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="executor-answer")
         self.serving = True  # steps accepted
         self.draining = False  # Health says not serving, steps go on
@@ -163,6 +175,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     ) -> Iterator[pb.StepResponse]:
         self._streams.add(context)
         try:
+            if self._pipelined_streams:
+                pipeline = StepStreamPipeline(request_iterator, self._read, self._run, self._answer)
+                try:
+                    yield from pipeline.answers()
+                finally:
+                    pipeline.close()
+                return
             for request in request_iterator:
                 if request.early_results:
                     yield from self._step_answers(request)
@@ -212,11 +231,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         yield final.result()
 
     def _step(self, request: pb.StepRequest, on_first_pass: FirstPassAnswer | None = None) -> pb.StepResponse:
+        plan, _ = self._read(request)
+        return self._answer(self._run(plan, on_first_pass))
+
+    def _read(self, request: pb.StepRequest) -> tuple[StepPlan, bool]:
+        """A step's plan, and whether its first pass is answered early (`early_results`)."""
         if request.executor_instance_id and request.executor_instance_id != self.instance_id:
             raise ExecutorRestarted(
                 "this executor restarted and holds none of the scheduler's requests; reconnect"
             )
-        plan = step_codec.plan_from_proto(request)
+        return step_codec.plan_from_proto(request), request.early_results
+
+    def _run(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
@@ -234,6 +260,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             sample_s=t.sample_s,
             total_s=t.total_s,
         )
+        return result
+
+    def _answer(self, result: StepResult) -> pb.StepResponse:
         response = step_codec.result_to_proto(result)
         response.draining = self.draining
         return response
@@ -354,11 +383,14 @@ def start_executor_server(
     cluster_token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
     profile_dir: Path | None = None,
+    pipelined_streams: bool = True,
 ) -> RunningExecutor:
     """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads.
 
     ``cluster_token``: refuse calls that do not present it; ``tls``: (private key, certificate
-    chain) in PEM, to serve over TLS; ``profile_dir``: allow profiles, written there.
+    chain) in PEM, to serve over TLS; ``profile_dir``: allow profiles, written there;
+    ``pipelined_streams``: run each StepStream's steps as a pipeline (`step_stream`), as an
+    executor process does (False: in the call's handler, one step at a time).
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
@@ -374,7 +406,7 @@ def start_executor_server(
     version = npuserve_version()
     info = runner.info()
     profiler = StepProfiler(profile_dir, info.device, executor_id)
-    servicer = ExecutorServicer(runner, executor_id, version, profiler)
+    servicer = ExecutorServicer(runner, executor_id, version, profiler, pipelined_streams=pipelined_streams)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()
     return RunningExecutor(server, servicer, bound, _connect_address(host, bound), executor_id, version, info)

@@ -1,6 +1,6 @@
 """`AioExecutorClient` against a real executor server over real gRPC: steps over either
 transport, a refused step and a late one leave the client usable, pipelined steps come back in
-order, a step sent after a refused one fails with an executor error (not a cancellation), and
+order (whether the executor runs them as a pipeline or one at a time), a step sent after a refused one fails with an executor error (not a cancellation), and
 a multi-step plan's admitted requests are answered before its result when asked."""
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ INFO = ExecutorInfo(
 )  # fmt: skip
 
 
-@pytest.fixture
-def executor() -> Iterator[tuple[str, str]]:
-    """(address, instance id) of a running executor server."""
-    running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty")
+@pytest.fixture(params=["pipelined", "one step at a time"])
+def executor(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(address, instance id) of a running executor server, its StepStreams pipelined (as an
+    executor process's) or not (as the simulated fleet's)."""
+    pipelined = request.param == "pipelined"
+    running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty", pipelined_streams=pipelined)
     with ExecutorClient(running.address, timeout_s=10) as handshake:
         handshake.info()
         instance_id = handshake.instance_id
@@ -73,6 +75,16 @@ def test_pipelined_steps_come_back_in_order_and_a_refusal_fails_those_after_it(
         with pytest.raises(ExecutorError):  # the stream ended with the refusal: not a cancellation
             await after.result()
         assert await client.step(StepPlan(step_id=5)) == StepResult(step_id=5)  # a new stream
+        # Sent back to back, so that a pipelined executor has each step before the one before
+        # it ends: a refusal still comes after the answer of the step before it, and ends the
+        # stream there.
+        done, refused, after = [await client.submit(StepPlan(step_id=i)) for i in (6, 0, 7)]
+        assert await done.result() == StepResult(step_id=6)
+        with pytest.raises(ExecutorError) as failure:
+            await refused.result()
+        assert failure.value.code == "INTERNAL"
+        with pytest.raises(ExecutorError):
+            await after.result()
         await client.close()
 
     asyncio.run(run())
