@@ -7,9 +7,10 @@ and for N+1 to be received and decoded, with two hand-offs between gRPC's thread
 thread takes the next plan as soon as it finishes a step, and the reading, encoding and sending
 overlap the next step's run. On stories260K over gRPC (`npuserve bench --compare
 offline,grpc-stream`, 2 cores) the step thread's idle time between decode steps went from
-1.2-2.0 ms to 0.20-0.26 ms. There, with the scheduler and the client on the same two cores, the
-work moved into the steps (a decode step took 1.43x its thread's CPU time, as before): it pays
-where the executor has cores to spare, or waits on its device while the answers are written.
+0.7-2.0 ms to 0.19-0.25 ms (medians per round). There, with the scheduler and the client on the
+same two cores, the work moved into the steps (a decode step took 1.43x its thread's CPU time,
+as before, and tokens/s stayed within the noise): it pays where the executor has cores to
+spare, or waits on its device while the answers are written.
 
 Order is the stream's: answers go back in the order the steps came, a step's early answer
 (`early_results`) before its result; a failure (a plan that cannot be read, a step that fails, a
