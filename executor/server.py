@@ -222,7 +222,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         answers: queue.SimpleQueue[pb.StepResponse | None] = queue.SimpleQueue()
 
         def answer_early(early: StepResult) -> None:
-            answers.put(step_codec.result_to_proto(early))
+            answers.put(self._answer(early))  # NOTE: encoded as every answer is, as the pipeline does
 
         final = self._answering.submit(self._step, request, answer_early)
         final.add_done_callback(lambda _: answers.put(None))

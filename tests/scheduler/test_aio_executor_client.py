@@ -1,7 +1,8 @@
 """`AioExecutorClient` against a real executor server over real gRPC: steps over either
 transport, a refused step and a late one leave the client usable, pipelined steps come back in
-order (whether the executor runs them as a pipeline or one at a time), a step sent after a refused one fails with an executor error (not a cancellation), and
-a multi-step plan's admitted requests are answered before its result when asked."""
+order (whether the executor runs them as a pipeline or one at a time), a step sent after a
+refused one fails with an executor error (not a cancellation), and a multi-step plan's admitted
+requests are answered before its result when asked."""
 
 from __future__ import annotations
 
