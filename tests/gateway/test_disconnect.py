@@ -23,10 +23,10 @@ def served(stories_dir: Path) -> Iterator[Served]:
         yield served
 
 
-def assert_aborted(served: Served, tokens_before: float, max_tokens: int) -> None:
-    """The request is gone and its blocks are back before it could have run to its end: fewer
-    tokens were generated since ``tokens_before`` than max_tokens of one sequence (no wall-clock
-    bound; the deadline only guards against a hang)."""
+def assert_aborted(served: Served, tokens_before: float, body: dict) -> None:
+    """The request is gone and its blocks are back before it could have run to its end: its
+    sequences generated fewer tokens since ``tokens_before`` than their ``max_tokens`` (no
+    wall-clock bound; the deadline only guards against a hang)."""
     deadline = time.monotonic() + 60
     while True:
         check = served.integrity(expect_idle=True, timeout_s=0)
@@ -37,7 +37,14 @@ def assert_aborted(served: Served, tokens_before: float, max_tokens: int) -> Non
         time.sleep(0.02)
     assert all(e.num_requests == 0 and e.num_free_blocks == e.num_blocks for e in check.executors)
     generated = served.metric("vllm:generation_tokens_total") - tokens_before
-    assert generated < max_tokens, f"{generated} tokens: the request ran on instead of being aborted"
+    tokens_to_end = num_sequences(body) * body["max_tokens"]
+    assert generated < tokens_to_end, f"{generated} tokens: the request ran on instead of being aborted"
+
+
+def num_sequences(body: dict) -> int:
+    """The sequences a completion or chat request runs: ``n`` for each of its prompts."""
+    prompt = body.get("prompt")
+    return (len(prompt) if isinstance(prompt, list) else 1) * body.get("n", 1)
 
 
 def read_events(lines: Iterator[str], count: int) -> list[str]:
@@ -70,14 +77,14 @@ def test_closing_a_stream_aborts_the_request(served: Served, path: str, body: di
         assert all('"finish_reason":null' in event for event in events)
         assert served.integrity(expect_idle=False).executors[0].num_requests > 0
         assert served.metric("vllm:num_requests_running") > 0
-    assert_aborted(served, tokens_before, body["max_tokens"])
+    assert_aborted(served, tokens_before, body)
 
 
 def test_a_non_streaming_client_that_times_out_aborts_the_request(served: Served) -> None:
     tokens_before = served.metric("vllm:generation_tokens_total")
     with httpx.Client(base_url=served.url, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=LONG)
-    assert_aborted(served, tokens_before, LONG["max_tokens"])
+    assert_aborted(served, tokens_before, LONG)
 
 
 def test_serving_goes_on_after_disconnects(served: Served) -> None:
