@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,14 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
     """SIGTERM this process when its parent dies (Linux; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child_setup(nice: int) -> None:  # pragma: no cover - runs in the child before exec
+    """Before exec, in a Linux child: it dies with its parent and runs ``nice`` lower (before any
+    thread starts, so every thread it makes inherits it)."""
+    die_with_parent()
+    if nice:
+        os.nice(nice)
 
 
 def python_module(module: str = CLI_MODULE) -> list[str]:
@@ -93,6 +102,7 @@ class Launch:
     command: tuple[str, ...] | None
     ready_file: bool
     new_session: bool
+    nice: int = 0
 
 
 @dataclass
@@ -165,12 +175,14 @@ class Launcher:
         log_path: Path | None = None,
         ready_file: bool = True,
         new_session: bool = False,
+        nice: int = 0,
     ) -> Child:
         """Runs ``command`` (default: ``python -m npuserve.deploy.cli``) with ``args`` and, unless
         ``ready_file`` is False, ``--ready-file``. ``env`` adds to this process's environment;
         ``log_path`` takes the child's stdout and stderr; ``new_session`` keeps a terminal's
-        Ctrl-C from reaching it (the launcher stops it)."""
-        launch = Launch(tuple(args), env, tuple(command) if command else None, ready_file, new_session)
+        Ctrl-C from reaching it (the launcher stops it); ``nice`` lowers its CPU priority
+        (`cpu_priority`)."""
+        launch = Launch(tuple(args), env, tuple(command) if command else None, ready_file, new_session, nice)
         child = self._spawn(name, launch, log_path)
         self.children.append(child)
         return child
@@ -201,13 +213,15 @@ class Launcher:
                 env={**os.environ, **(launch.env or {})},
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=partial(_child_setup, launch.nice) if sys.platform == "linux" else None,
                 start_new_session=launch.new_session,
             )
         finally:
             if output is not None:
                 output.close()
-        log.info("process started", name=name, pid=process.pid)
+        log.info(
+            "process started", name=name, pid=process.pid, **({"nice": launch.nice} if launch.nice else {})
+        )
         return Child(name, process, ready_path, log_path, launch)
 
     def wait_ready(

@@ -26,7 +26,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
-from npuserve.executor.platform import EMULATED_NPU_DEVICE, resolve_dtype, resolve_target
+from npuserve.executor.platform import resolve_dtype, resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     AllowedTokens,
@@ -40,6 +40,7 @@ from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
 from npuserve.proto.plan_checks import check_num_steps
 from npuserve.proto.step_plan import (
+    EMULATED_NPU_DEVICE,
     ExecutorInfo,
     FirstPassAnswer,
     StepPlan,

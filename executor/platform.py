@@ -67,10 +67,6 @@ class PlatformError(ValueError):
     """The machine cannot run what was asked; the message names the cause and the fix."""
 
 
-# `ExecutorInfo.device` of an emulated NPU: the npu kernels and rules, the tensors on the CPU.
-EMULATED_NPU_DEVICE = "npu (emulated on cpu)"
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where an executor runs: the torch device its tensors live on, and the device family whose

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 import torch
 
-from npuserve.executor.platform import EMULATED_NPU_DEVICE
+from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 
 log = structlog.get_logger(__name__)
 

@@ -26,9 +26,15 @@ from typing import Protocol
 
 import structlog
 
-from npuserve.executor.platform import EMULATED_NPU_DEVICE
 from npuserve.proto.kv_layout import cdiv
-from npuserve.proto.step_plan import ExecutorInfo, NewRequest, SamplingOptions, StepPlan, StepResult
+from npuserve.proto.step_plan import (
+    ExecutorInfo,
+    NewRequest,
+    SamplingOptions,
+    StepPlan,
+    StepResult,
+    computes_on_cpu,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +77,7 @@ def largest_prefill(info: ExecutorInfo, max_tokens: int | None = None) -> list[i
 
 def warmup_steps(info: ExecutorInfo) -> list[list[WarmupRequest]]:
     """The requests of each warm-up step: the largest prefill, then one decode per batch size."""
-    on_cpu = info.device in ("cpu", EMULATED_NPU_DEVICE)
+    on_cpu = computes_on_cpu(info.device)
     prefill = largest_prefill(info, CPU_MAX_PREFILL_TOKENS if on_cpu else None)
     steps = [[WarmupRequest(n, n) for n in prefill]]
     context = max(1, min(info.block_size, info.max_model_len))  # one block per decode request

@@ -170,6 +170,15 @@ def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepR
     return early
 
 
+# `ExecutorInfo.device` of the npu backend run on the CPU through its operators' emulation.
+EMULATED_NPU_DEVICE = "npu (emulated on cpu)"
+
+
+def computes_on_cpu(device: str) -> bool:
+    """Whether an executor on ``device`` (`ExecutorInfo.device`) computes on its host's CPU."""
+    return device in ("cpu", EMULATED_NPU_DEVICE)
+
+
 @dataclass(slots=True)
 class ExecutorInfo:
     """The capacity handshake: what an executor can hold, reported before any step."""

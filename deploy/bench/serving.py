@@ -29,6 +29,7 @@ from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
+from npuserve.deploy.cpu_priority import control_plane_nice
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
@@ -129,8 +130,9 @@ class ServerSpec:
 
 @contextlib.contextmanager
 def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]:
-    """Starts executors and a scheduler on loopback, as `npuserve serve` does, and yields the
-    scheduler's gRPC address; stops every process after.
+    """Starts executors and a scheduler on loopback, as `npuserve serve` does (the scheduler at
+    `cpu_priority`'s niceness next to executors on the CPU), and yields the scheduler's gRPC
+    address; stops every process after.
 
     NOTE: the processes are launched here rather than through `npuserve serve`, which also
     starts the REST gateway: the benchmark measures the gRPC split alone.
@@ -145,9 +147,11 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
             )
             for i in range(spec.num_executors)
         ]
-        addresses = ",".join(str(r["address"]) for r in launcher.wait_ready(executors, timeout_s))
+        ready = launcher.wait_ready(executors, timeout_s)
+        addresses = ",".join(str(r["address"]) for r in ready)
         scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
-        (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args)], timeout_s)
+        nice = control_plane_nice(str(r["info"]["device"]) for r in ready)
+        (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args, nice=nice)], timeout_s)
         yield str(info["address"])
     except LaunchError as exc:
         raise BenchError(f"the gRPC server did not start: {exc}") from None

@@ -61,6 +61,33 @@ def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
         assert ready["env"] == expected
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a child's niceness is set where it forks (Linux)")
+def test_a_child_started_nicer_runs_so_with_its_threads_and_its_restarts(tmp_path: Path) -> None:
+    """``nice`` lowers the child's priority before it runs anything, so the threads it starts
+    have it too; a restart keeps it; the other children keep the launcher's own."""
+    reports = (
+        READY
+        + "import threading; seen = []; thread = threading.Thread(target=lambda: seen.append(os.nice(0))); "
+        + "thread.start(); thread.join(); "
+        + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0]}); time.sleep(60)"
+    )
+    own = os.nice(0)
+    launcher = Launcher(tmp_path)
+    nicer = launcher.start("nicer", ["-c", reports], command=PYTHON, nice=5)
+    plain = launcher.start("plain", ["-c", reports], command=PYTHON)
+    try:
+        ready = launcher.wait_ready([nicer, plain], timeout_s=30)
+        os.kill(nicer.pid, signal.SIGKILL)
+        nicer.process.wait(timeout=10)
+        (restarted,) = launcher.wait_ready([launcher.restart(nicer)], timeout_s=30)
+    finally:
+        launcher.stop(grace_s=5)
+    expected = min(own + 5, 19)
+    assert ready[0] == {"nice": expected, "thread_nice": expected}
+    assert ready[1] == {"nice": own, "thread_nice": own}
+    assert restarted == ready[0]
+
+
 def test_not_ready_names_the_child_and_an_exit_shows_its_log(tmp_path: Path) -> None:
     launcher = Launcher(tmp_path)
     slow = launcher.start("slow", ["-c", "import time; time.sleep(60)"], command=PYTHON)

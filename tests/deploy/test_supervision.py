@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -39,6 +40,7 @@ from harness.serve import (
     serve_child,
 )
 
+from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.proto import scheduler_pb2 as pb
 
@@ -102,6 +104,31 @@ def restarted(served: Served, name: str, old_pid: int) -> Callable[[], tuple[int
         return child if child is not None and child[0] != old_pid and child[1].exists() else None
 
     return check
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The niceness of each thread of process ``pid`` (Linux sets it per thread)."""
+    nices = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            nices.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+def test_the_control_plane_yields_the_cores_to_executors_computing_on_them(served: Served) -> None:
+    """Executors on the CPU: the scheduler (every process and thread of it) and the gateway run
+    at `CONTROL_PLANE_NICE` below the executors, which keep serve's own priority."""
+    serve_pid = served.process.pid  # type: ignore[union-attr]
+    own = set(thread_nices(serve_pid))
+    nicer = {min(n + CONTROL_PLANE_NICE, 19) for n in own}
+    scheduler, _ = wait_for(lambda: serve_child(serve_pid, "scheduler"), "the scheduler runs")
+    gateway, _ = wait_for(lambda: serve_child(serve_pid, "gateway"), "the gateway runs")
+    executor, _ = wait_for(lambda: serve_child(serve_pid, "executor-0"), "an executor runs")
+    scheduler_processes = [scheduler, *child_pids(scheduler)]
+    assert len(scheduler_processes) >= 2, "the front and at least one step worker"
+    for pid in (*scheduler_processes, gateway):
+        assert thread_nices(pid) == nicer, pid
+    assert thread_nices(executor) == own
 
 
 def assert_idle_and_intact(served: Served) -> None:

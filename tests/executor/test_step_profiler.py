@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.executor.platform import EMULATED_NPU_DEVICE
 from npuserve.executor.step_profiler import ProfilingDisabled, StepProfiler
+from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 
 
 @pytest.mark.parametrize(

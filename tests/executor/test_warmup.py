@@ -10,7 +10,6 @@ from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.platform import EMULATED_NPU_DEVICE
 from npuserve.executor.warmup import (
     CPU_MAX_PREFILL_TOKENS,
     decode_batch_sizes,
@@ -19,7 +18,7 @@ from npuserve.executor.warmup import (
     warmup_steps,
 )
 from npuserve.kernels import NULL_BLOCK_ID
-from npuserve.proto.step_plan import ExecutorInfo, SamplingOptions, StepPlan, StepResult
+from npuserve.proto.step_plan import EMULATED_NPU_DEVICE, ExecutorInfo, SamplingOptions, StepPlan, StepResult
 
 PROMPT = [1, 403, 407, 261, 378]
 
