@@ -174,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for child, info in zip(executors, ready, strict=True):
             address_of[child.name] = str(info["address"])
             supervisor.watch(child, "executor", partial(executor_args, _port(address_of[child.name])))
-        nice = control_plane_nice(str(info["info"]["device"]) for info in ready)
+        nice = control_plane_nice(ready)
         scheduler = launcher.start(
             "scheduler",
             scheduler_args(args.scheduler_port),

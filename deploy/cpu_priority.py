@@ -13,7 +13,8 @@ Executors on NPUs leave the host's cores to the control plane, which then keeps 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from npuserve.proto.step_plan import computes_on_cpu
 
@@ -22,7 +23,8 @@ from npuserve.proto.step_plan import computes_on_cpu
 CONTROL_PLANE_NICE = 10
 
 
-def control_plane_nice(executor_devices: Iterable[str]) -> int:
-    """The niceness the scheduler and the gateway start with next to executors on these devices
-    (`ExecutorInfo.device`, as their ready files report it)."""
-    return CONTROL_PLANE_NICE if any(computes_on_cpu(device) for device in executor_devices) else 0
+def control_plane_nice(executors_ready: Iterable[Mapping[str, Any]]) -> int:
+    """The niceness the scheduler and the gateway start with next to these executors (what
+    their ready files say: `ExecutorInfo` under "info")."""
+    on_cpu = any(computes_on_cpu(str(ready["info"]["device"])) for ready in executors_ready)
+    return CONTROL_PLANE_NICE if on_cpu else 0

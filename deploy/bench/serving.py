@@ -150,7 +150,7 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
         ready = launcher.wait_ready(executors, timeout_s)
         addresses = ",".join(str(r["address"]) for r in ready)
         scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
-        nice = control_plane_nice(str(r["info"]["device"]) for r in ready)
+        nice = control_plane_nice(ready)
         (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args, nice=nice)], timeout_s)
         yield str(info["address"])
     except LaunchError as exc:

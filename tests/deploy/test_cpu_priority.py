@@ -21,4 +21,5 @@ from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 )
 def test_the_control_plane_is_nicer_only_next_to_executors_on_the_cpu(devices: list[str], nice: int) -> None:
     assert CONTROL_PLANE_NICE > 0
-    assert control_plane_nice(iter(devices)) == nice
+    ready = [{"address": f"127.0.0.1:{7000 + i}", "info": {"device": d}} for i, d in enumerate(devices)]
+    assert control_plane_nice(iter(ready)) == nice
