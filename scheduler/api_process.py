@@ -254,6 +254,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
         settings.tls,
     )
     link.start()
+    await prompts.wait_started()  # NOTE: their imports would take the CPU of the first requests' steps
     link.pipe.send(("ready", port))
     log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
 

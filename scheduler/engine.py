@@ -128,6 +128,7 @@ class NoExecutorError(RuntimeError):
 
 
 MAX_FAILOVERS = 3  # executors a request may lose before it fails
+PROCESS_START_TIMEOUT_S = 60.0  # how long a scheduler waits for its processes before it serves anyway
 
 
 def new_request_id() -> str:
@@ -175,6 +176,7 @@ class Engine:
         self.stream_processes: StreamProcesses | None = None
         self._held_acks: list[WorkerHandle] = []
         self._gauge_task: asyncio.Task[None] | None = None
+        self._serves_prompts = False
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
@@ -195,6 +197,7 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
+        self._serves_prompts = serve_prompts
         if serve_prompts:
             self.prompts.start()
         if self.tokenizer.size_bound is None:
@@ -202,6 +205,20 @@ class Engine:
                 "this tokenizer may turn any length of text into one token: long prompts are "
                 "tokenized (off the event loop) before their length is checked"
             )
+
+    async def wait_started(self, timeout_s: float = PROCESS_START_TIMEOUT_S) -> bool:
+        """Waits, up to ``timeout_s``, for the processes `start` started (scheduler workers, render
+        processes) to finish starting; whether they did. Until then their imports take the CPU
+        the steps would use, so a scheduler says it is ready only after this."""
+        waits = [self.prompts.wait_started()] if self._serves_prompts else []
+        if self.step_workers is not None:
+            waits.append(self.step_workers.wait_started())
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+        except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
+            log.warning("the scheduler's processes are still starting", waited_s=timeout_s)
+            return False
+        return True
 
     def stop(self) -> None:
         if self._gauge_task is not None:

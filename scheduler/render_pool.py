@@ -141,6 +141,8 @@ class RenderPool:
         self._background = BackgroundTasks()
         self._closed = False
         self._start_error: str | None = None  # why the last worker to start failed, until one starts
+        self._first_starts_left = size  # workers whose first start has not succeeded or failed yet
+        self._first_starts_done = asyncio.Event()
 
     @property
     def worker_pids(self) -> set[int]:
@@ -151,7 +153,13 @@ class RenderPool:
         """Starts the workers in the background (a spawned interpreter takes a moment)."""
         self._idle = asyncio.Queue()
         for _ in range(self.size):
-            self._background.spawn(self._add_worker())
+            self._background.spawn(self._add_worker(first=True))
+        if not self.size:
+            self._first_starts_done.set()
+
+    async def wait_started(self) -> None:
+        """Returns once each of `start`'s workers has started, or failed to (and is retried)."""
+        await self._first_starts_done.wait()
 
     def close(self) -> None:
         """Kills the workers (a worker still starting is killed once it has started)."""
@@ -200,19 +208,29 @@ class RenderPool:
             self._release(worker)
         return outcome
 
-    async def _add_worker(self) -> None:
+    async def _add_worker(self, first: bool = False) -> None:
         while not self._closed:
             try:
                 worker = await asyncio.to_thread(_Worker, self.memory_bytes)
             except (RuntimeError, OSError) as exc:
                 log.error("a chat template worker did not start; retrying", pool=self.name, error=str(exc))
                 self._start_error = str(exc)
+                first = self._first_start_ended(first)
                 await asyncio.sleep(WORKER_START_RETRY_S)
                 continue
             self._start_error = None
             self._workers.add(worker)
             self._release(worker)
+            self._first_start_ended(first)
             return
+
+    def _first_start_ended(self, first: bool) -> bool:
+        """Counts a worker's first start as ended; False, what ``first`` is from then on."""
+        if first:
+            self._first_starts_left -= 1
+            if not self._first_starts_left:
+                self._first_starts_done.set()
+        return False
 
     def _release(self, worker: _Worker) -> None:
         if self._closed:

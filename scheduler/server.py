@@ -222,6 +222,7 @@ async def serve_scheduler(
             config.tls,
         )
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    await engine.wait_started()
     log.info(
         "scheduler serving",
         address=address,

@@ -13,7 +13,8 @@ Wire, both ways over one `multiprocessing` pipe (`pipe_link`), each message a li
                    | ("submit", lane_key, [Request])
                    | ("finish", lane_key, [req_id], RequestStatus) | ("down", lane_key, reason)
                    | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
-  worker -> front: `LaneReport` | ("reply", call_id, ok, value or error text)
+  worker -> front: ("started",), once, when its loop runs
+                   | `LaneReport` | ("reply", call_id, ok, value or error text)
 Everything sent in one turn of the loop leaves as one message, so a busy worker reports many
 lanes' steps per message. The front acknowledges each message of reports once it has handled it
 (("ack",)); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's lanes start no new
@@ -110,6 +111,7 @@ class StepWorker:
             self.conn, self._received, self._front_gone, asyncio.get_running_loop(), self.window.sent
         )
         self.pipe.start()
+        self.pipe.send(("started",))  # NOTE: its imports are done: it steps at full speed from here
         try:
             await self.done.wait()
         finally:

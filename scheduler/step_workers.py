@@ -143,6 +143,7 @@ class WorkerHandle:
         self._call_ids = itertools.count()
         self.closing = False
         self.alive = False  # its process runs (False from its death until it is started again)
+        self.started = asyncio.Event()  # its process has started serving its pipe (this start's)
         self.history = RestartHistory()  # its deaths, under serve's restart policy
 
     @property
@@ -171,6 +172,7 @@ class WorkerHandle:
         link = PipeLink(front_end, self._received, lambda: self._closed(link), pool.loop)
         self.process, self.link = process, link
         self.alive = True
+        self.started = asyncio.Event()
         link.start()
         log.info("scheduler worker started", worker=self.index, pid=process.pid)
 
@@ -191,6 +193,8 @@ class WorkerHandle:
         for item in batch:
             if isinstance(item, LaneReport):
                 reports.append(item)
+            elif item[0] == "started":
+                self.started.set()
             else:
                 self._resolve(*item[1:])
         if reports:
@@ -260,6 +264,10 @@ class StepWorkerPool:
         self.lane_settings, self.on_reports, self.on_lost = settings, on_reports, on_lost
         for worker in self.workers:
             worker.start()
+
+    async def wait_started(self) -> None:
+        """Returns once every worker's process has started (imported what it runs)."""
+        await asyncio.gather(*(worker.started.wait() for worker in self.workers))
 
     def open_lane(self, executor_id: str, executor: ExecutorClient, info: ExecutorInfo) -> RemoteLane:
         """A lane on the running worker with the fewest; ValueError while none runs."""

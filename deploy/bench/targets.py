@@ -94,6 +94,7 @@ class OfflineTarget:
         engine_config = EngineConfig(self.config.model, enable_prefix_caching=self.enable_prefix_caching)
         self.engine = Engine(engine_config, Tokenizer.from_pretrained(self.config.model), executors)
         self.engine.start()
+        await self.engine.wait_started()
         self.max_model_len = self.engine.max_model_len
 
     async def close(self) -> None:

@@ -56,6 +56,15 @@ def test_renders_in_a_worker_process() -> None:
     assert run(main) == "user: Once upon a time"
 
 
+def test_wait_started_returns_once_every_worker_serves() -> None:
+    async def main() -> tuple[int, int]:
+        async with started(2) as pool:
+            await asyncio.wait_for(pool.wait_started(), 60)
+            return len(pool.worker_pids), pool._idle.qsize()  # type: ignore[union-attr]
+
+    assert run(main) == (2, 2)
+
+
 def test_endless_render_is_stopped_its_worker_replaced_and_others_go_on() -> None:
     async def main() -> str:
         async with started(2, timeout_s=1.0) as pool:
@@ -132,6 +141,7 @@ def test_a_pool_whose_workers_cannot_start_fails_renders_at_once(monkeypatch: py
         pool = RenderPool("test", 2)
         pool.start()
         try:
+            await asyncio.wait_for(pool.wait_started(), 60)  # NOTE: tried once each, not forever
             with pytest.raises(RenderUnavailable, match="exit code 1"):
                 await asyncio.wait_for(pool.render(job(ECHO)), 30)
         finally:

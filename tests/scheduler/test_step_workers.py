@@ -28,6 +28,7 @@ from harness.serve import (
     worker_pids,
 )
 
+from npuserve.deploy.process_name import STEP_WORKER
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
@@ -245,6 +246,9 @@ def test_scheduler_workers_serve_exactly_and_survive_a_worker_kill(
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
         first_pids = worker_pids(scheduler)
         assert len(first_pids) == 2, "one worker process per executor here"
+        # Ready means its processes have started: each worker runs under its role's name, which
+        # it takes once its imports are done (they would take the first steps' CPU).
+        assert {Path(f"/proc/{pid}/comm").read_text().strip() for pid in first_pids.values()} == {STEP_WORKER}
 
         # 32 concurrent greedy streams over both workers equal transformers.
         outputs, reasons = complete_over(client_call, address, requests)
