@@ -121,7 +121,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
-    from npuserve.deploy.cpu_priority import control_plane_nice
+    from npuserve.deploy.cpu_priority import control_plane_priority
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
     from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
@@ -169,18 +169,18 @@ def run_serve(args: argparse.Namespace) -> int:
         for index in range(num_executors):
             env = {**device_env(args.device, index, num_executors, args.tensor_parallel_size), **token_env}
             name = f"executor-{index}"
-            executors.append(launcher.start(name, executor_args(0), env, new_session=True))
+            executors.append(launcher.start(name, executor_args(0), env, own_process_group=True))
         ready = launcher.wait_ready(executors, args.startup_timeout)
         for child, info in zip(executors, ready, strict=True):
             address_of[child.name] = str(info["address"])
             supervisor.watch(child, "executor", partial(executor_args, _port(address_of[child.name])))
-        nice = control_plane_nice(ready)
+        priority = control_plane_priority(ready)
         scheduler = launcher.start(
             "scheduler",
             scheduler_args(args.scheduler_port),
             {**token_env, **key_env},
-            new_session=True,
-            nice=nice,
+            own_process_group=True,
+            priority=priority,
         )
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
         supervisor.watch(scheduler, "scheduler", partial(scheduler_args, _port(str(info["address"]))))
@@ -188,8 +188,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "gateway",
             gateway_args(str(info["address"]), args.port),
             key_env or None,
-            new_session=True,
-            nice=nice,
+            own_process_group=True,
+            priority=priority,
         )
         (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
         url_port = urllib.parse.urlsplit(str(url_info["url"])).port or args.port

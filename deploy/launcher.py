@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from npuserve.deploy.cpu_priority import DEFAULT_PRIORITY, CpuPriority
 from npuserve.proto.ready_file import read_ready_file
 
 log = structlog.get_logger(__name__)
@@ -57,12 +58,14 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _child_setup(nice: int) -> None:  # pragma: no cover - runs in the child before exec
-    """Before exec, in a Linux child: it dies with its parent and runs ``nice`` lower (before any
-    thread starts, so every thread it makes inherits it)."""
+def _child_setup(priority: CpuPriority, own_process_group: bool) -> None:  # pragma: no cover - in the child
+    """Before exec, in a Linux child: it dies with its parent, leads a process group of its own
+    if asked, and runs at ``priority`` (before any thread starts, so every thread it makes
+    inherits it)."""
     die_with_parent()
-    if nice:
-        os.nice(nice)
+    if own_process_group:
+        os.setpgid(0, 0)
+    priority.apply()
 
 
 def python_module(module: str = CLI_MODULE) -> list[str]:
@@ -101,8 +104,8 @@ class Launch:
     env: dict[str, str] | None
     command: tuple[str, ...] | None
     ready_file: bool
-    new_session: bool
-    nice: int = 0
+    own_process_group: bool
+    priority: CpuPriority = DEFAULT_PRIORITY
 
 
 @dataclass
@@ -174,15 +177,17 @@ class Launcher:
         command: Sequence[str] | None = None,
         log_path: Path | None = None,
         ready_file: bool = True,
-        new_session: bool = False,
-        nice: int = 0,
+        own_process_group: bool = False,
+        priority: CpuPriority = DEFAULT_PRIORITY,
     ) -> Child:
         """Runs ``command`` (default: ``python -m npuserve.deploy.cli``) with ``args`` and, unless
         ``ready_file`` is False, ``--ready-file``. ``env`` adds to this process's environment;
-        ``log_path`` takes the child's stdout and stderr; ``new_session`` keeps a terminal's
-        Ctrl-C from reaching it (the launcher stops it); ``nice`` lowers its CPU priority
-        (`cpu_priority`)."""
-        launch = Launch(tuple(args), env, tuple(command) if command else None, ready_file, new_session, nice)
+        ``log_path`` takes the child's stdout and stderr; ``own_process_group`` keeps a
+        terminal's Ctrl-C from reaching it (the launcher stops it) while it stays in this
+        process's session, where its `cpu_priority` counts against its siblings'."""
+        launch = Launch(
+            tuple(args), env, tuple(command) if command else None, ready_file, own_process_group, priority
+        )
         child = self._spawn(name, launch, log_path)
         self.children.append(child)
         return child
@@ -213,14 +218,20 @@ class Launcher:
                 env={**os.environ, **(launch.env or {})},
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
-                preexec_fn=partial(_child_setup, launch.nice) if sys.platform == "linux" else None,
-                start_new_session=launch.new_session,
+                preexec_fn=(
+                    partial(_child_setup, launch.priority, launch.own_process_group)
+                    if sys.platform == "linux"
+                    else None
+                ),
+                # NOTE: where no setup runs in the child, a session of its own is the way to a group.
+                start_new_session=launch.own_process_group and sys.platform != "linux",
             )
         finally:
             if output is not None:
                 output.close()
+        priority = launch.priority.describe()
         log.info(
-            "process started", name=name, pid=process.pid, **({"nice": launch.nice} if launch.nice else {})
+            "process started", name=name, pid=process.pid, **({"priority": priority} if priority else {})
         )
         return Child(name, process, ready_path, log_path, launch)
 

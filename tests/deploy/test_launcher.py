@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from npuserve.deploy.cpu_priority import CpuPriority
 from npuserve.deploy.launcher import GRPC_FORK_SUPPORT_ENV, Launcher, LaunchError, disable_grpc_fork_handlers
 
 PYTHON = [sys.executable]
@@ -62,18 +63,25 @@ def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a child's niceness is set where it forks (Linux)")
-def test_a_child_started_nicer_runs_so_with_its_threads_and_its_restarts(tmp_path: Path) -> None:
-    """``nice`` lowers the child's priority before it runs anything, so the threads it starts
-    have it too; a restart keeps it; the other children keep the launcher's own."""
+def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_restarts(
+    tmp_path: Path,
+) -> None:
+    """``priority`` lowers the child's niceness and policy before it runs anything, so the
+    threads it starts have them too; a restart keeps them; the other children keep the
+    launcher's own. A child in its own process group stays in the launcher's session."""
     reports = (
         READY
         + "import threading; seen = []; thread = threading.Thread(target=lambda: seen.append(os.nice(0))); "
-        + "thread.start(); thread.join(); "
-        + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0]}); time.sleep(60)"
+        + "thread.start(); thread.join(); idle = os.sched_getscheduler(0) == os.SCHED_IDLE; "
+        + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0], 'idle': idle, "
+        + "'group': os.getpgid(0) == os.getpid(), 'sid': os.getsid(0)}); time.sleep(60)"
     )
     own = os.nice(0)
     launcher = Launcher(tmp_path)
-    nicer = launcher.start("nicer", ["-c", reports], command=PYTHON, nice=5)
+    priority = CpuPriority(nice=5, idle=True)
+    nicer = launcher.start(
+        "nicer", ["-c", reports], command=PYTHON, priority=priority, own_process_group=True
+    )
     plain = launcher.start("plain", ["-c", reports], command=PYTHON)
     try:
         ready = launcher.wait_ready([nicer, plain], timeout_s=30)
@@ -83,8 +91,9 @@ def test_a_child_started_nicer_runs_so_with_its_threads_and_its_restarts(tmp_pat
     finally:
         launcher.stop(grace_s=5)
     expected = min(own + 5, 19)
-    assert ready[0] == {"nice": expected, "thread_nice": expected}
-    assert ready[1] == {"nice": own, "thread_nice": own}
+    sid = os.getsid(0)
+    assert ready[0] == {"nice": expected, "thread_nice": expected, "idle": True, "group": True, "sid": sid}
+    assert ready[1] == {"nice": own, "thread_nice": own, "idle": False, "group": False, "sid": sid}
     assert restarted == ready[0]
 
 

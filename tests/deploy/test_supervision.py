@@ -40,7 +40,7 @@ from harness.serve import (
     serve_child,
 )
 
-from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE
+from npuserve.deploy.cpu_priority import CONTROL_PLANE
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.proto import scheduler_pb2 as pb
 
@@ -106,29 +106,33 @@ def restarted(served: Served, name: str, old_pid: int) -> Callable[[], tuple[int
     return check
 
 
-def thread_nices(pid: int) -> set[int]:
-    """The niceness of each thread of process ``pid`` (Linux sets it per thread)."""
-    nices = set()
+def thread_priorities(pid: int) -> set[tuple[int, int]]:
+    """The (niceness, scheduling policy) of each thread of process ``pid`` (Linux sets them per
+    thread)."""
+    priorities = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            nices.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
-    return nices
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            priorities.add((int(fields[16]), int(fields[38])))
+    return priorities
 
 
 def test_the_control_plane_yields_the_cores_to_executors_computing_on_them(served: Served) -> None:
     """Executors on the CPU: the scheduler (every process and thread of it) and the gateway run
-    at `CONTROL_PLANE_NICE` below the executors, which keep serve's own priority."""
+    as idle work (`CONTROL_PLANE`), the executors at serve's own priority; all in serve's
+    session, where those priorities count against each other."""
     serve_pid = served.process.pid  # type: ignore[union-attr]
-    own = set(thread_nices(serve_pid))
-    nicer = {min(n + CONTROL_PLANE_NICE, 19) for n in own}
+    own = thread_priorities(serve_pid)
+    lower = {(min(n + CONTROL_PLANE.nice, 19), os.SCHED_IDLE) for n, _ in own}
     scheduler, _ = wait_for(lambda: serve_child(serve_pid, "scheduler"), "the scheduler runs")
     gateway, _ = wait_for(lambda: serve_child(serve_pid, "gateway"), "the gateway runs")
     executor, _ = wait_for(lambda: serve_child(serve_pid, "executor-0"), "an executor runs")
     scheduler_processes = [scheduler, *child_pids(scheduler)]
     assert len(scheduler_processes) >= 2, "the front and at least one step worker"
     for pid in (*scheduler_processes, gateway):
-        assert thread_nices(pid) == nicer, pid
-    assert thread_nices(executor) == own
+        assert thread_priorities(pid) == lower, pid
+    assert thread_priorities(executor) == own
+    assert {os.getsid(pid) for pid in (scheduler, gateway, executor)} == {os.getsid(serve_pid)}
 
 
 def assert_idle_and_intact(served: Served) -> None:

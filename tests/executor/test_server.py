@@ -52,7 +52,7 @@ def _start_executor(model_dir: Path, tmp: Path) -> ExecutorProcess:
         "executor",
         ["executor", *flags, "--log-level", "debug"],
         log_path=tmp / "executor.log",
-        new_session=True,
+        own_process_group=True,
     )
     try:
         (ready,) = launcher.wait_ready([child], START_TIMEOUT_S)
