@@ -60,11 +60,14 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
 
 def _child_setup(priority: CpuPriority, own_process_group: bool) -> None:  # pragma: no cover - in the child
     """Before exec, in a Linux child: it dies with its parent, leads a process group of its own
-    if asked, and runs at ``priority`` (before any thread starts, so every thread it makes
+    if asked (writing to serve's terminal still), and runs at ``priority`` (before any thread starts, so every thread it makes
     inherits it)."""
     die_with_parent()
     if own_process_group:
         os.setpgid(0, 0)
+        # NOTE: out of the terminal's foreground group, a write to it stops the child where the
+        # terminal says `tostop`; ignored, the signal lets the write through (and exec keeps it).
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     priority.apply()
 
 

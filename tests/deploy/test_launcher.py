@@ -71,10 +71,11 @@ def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_re
     launcher's own. A child in its own process group stays in the launcher's session."""
     reports = (
         READY
-        + "import threading; seen = []; thread = threading.Thread(target=lambda: seen.append(os.nice(0))); "
+        + "import signal, threading; seen = []; thread = threading.Thread(target=lambda: seen.append(os.nice(0))); "
         + "thread.start(); thread.join(); idle = os.sched_getscheduler(0) == os.SCHED_IDLE; "
         + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0], 'idle': idle, "
-        + "'group': os.getpgid(0) == os.getpid(), 'sid': os.getsid(0)}); time.sleep(60)"
+        + "'group': os.getpgid(0) == os.getpid(), 'sid': os.getsid(0), "
+        + "'writes_from_background': signal.getsignal(signal.SIGTTOU) == signal.SIG_IGN}); time.sleep(60)"
     )
     own = os.nice(0)
     launcher = Launcher(tmp_path)
@@ -92,8 +93,16 @@ def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_re
         launcher.stop(grace_s=5)
     expected = min(own + 5, 19)
     sid = os.getsid(0)
-    assert ready[0] == {"nice": expected, "thread_nice": expected, "idle": True, "group": True, "sid": sid}
-    assert ready[1] == {"nice": own, "thread_nice": own, "idle": False, "group": False, "sid": sid}
+    in_group = {"group": True, "sid": sid, "writes_from_background": True}
+    assert ready[0] == {"nice": expected, "thread_nice": expected, "idle": True, **in_group}
+    assert ready[1] == {
+        "nice": own,
+        "thread_nice": own,
+        "idle": False,
+        "group": False,
+        "sid": sid,
+        "writes_from_background": signal.getsignal(signal.SIGTTOU) == signal.SIG_IGN,  # as here
+    }
     assert restarted == ready[0]
 
 
