@@ -6,15 +6,14 @@ torch thread per core busy for the length of a step (intra-op parallel regions);
 and the gateway's processes work in bursts between steps. At the same priority the kernel's fair
 share lets such a burst preempt a compute thread in the middle of a parallel region, and the
 whole region then waits for that one thread. So when an executor computes on this host's CPU,
-the scheduler and the gateway start as the host's idle work (`CONTROL_PLANE`: Linux's
-SCHED_IDLE, and nice 10 where that policy is missing): they run on every core a compute thread
-leaves free, and a compute thread that wakes takes its core back at once, instead of waiting
-for the burst's share of it.
+the scheduler and the gateway start at nice 10 (`CONTROL_PLANE`): a burst then runs mostly in
+the executor's idle moments, and still gets about a tenth of a busy core, so nothing starves.
 
-They cannot starve for long: an executor only runs the steps the scheduler sends, so it idles
-when the scheduler falls behind, and the scheduler then has the cores. A host that also runs
-other CPU-bound work would delay them, which is why this applies only next to CPU executors.
-Executors on NPUs leave the host's cores to the control plane, which then keeps the default.
+NOTE: not SCHED_IDLE, though it took stories260K over gRPC 16-18% further than nice 10 on 2 cores
+(a compute thread that wakes takes its core back at once): an idle-policy task gets a core only
+when no other task in its group wants one, so any CPU-bound work sharing serve's session (a load
+generator, a build) starves it. With two busy loops in serve's session a 64-token completion took
+23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0 (README).
 
 NOTE: Linux shares the CPU between sessions first (autogroups), and a priority counts only
 within its session: serve keeps every child in its own session (`Launcher`'s process groups).
@@ -22,7 +21,6 @@ within its session: serve keeps every child in its own session (`Launcher`'s pro
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,24 +35,20 @@ class CpuPriority:
     inherit it)."""
 
     nice: int = 0
-    idle: bool = False  # Linux's SCHED_IDLE: runs where no other thread wants the core
 
     def apply(self) -> None:
-        """Lowers this process's priority to this one (never raises it)."""
+        """Lowers this process's priority by ``nice`` (never raises it)."""
         if self.nice:
             os.nice(self.nice)
-        if self.idle and hasattr(os, "SCHED_IDLE"):
-            with contextlib.suppress(OSError):  # NOTE: the nice above stays where it is refused
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     def describe(self) -> str:
-        return ", ".join([*(["idle"] if self.idle else []), *([f"nice {self.nice}"] if self.nice else [])])
+        return f"nice {self.nice}" if self.nice else ""
 
 
 DEFAULT_PRIORITY = CpuPriority()
 # stories260K over gRPC on 2 cores, one server re-prioritised between interleaved rounds: nice 10
-# alone gave 3% more tokens/s than nice 0, SCHED_IDLE 16-18% more than nice 10 (README).
-CONTROL_PLANE = CpuPriority(nice=10, idle=True)
+# gave 3% more tokens/s than nice 0 (README).
+CONTROL_PLANE = CpuPriority(nice=10)
 
 
 def control_plane_priority(executors_ready: Iterable[Mapping[str, Any]]) -> CpuPriority:

@@ -26,25 +26,22 @@ from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 def test_the_control_plane_yields_only_next_to_executors_on_the_cpu(
     devices: list[str], priority: CpuPriority
 ) -> None:
-    assert CONTROL_PLANE.idle and CONTROL_PLANE.nice > 0
+    assert CONTROL_PLANE.nice > 0
     ready = [{"address": f"127.0.0.1:{7000 + i}", "info": {"device": d}} for i, d in enumerate(devices)]
     assert control_plane_priority(iter(ready)) == priority
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's scheduling policies")
-def test_applying_a_priority_sets_the_idle_policy_and_the_niceness_in_the_process() -> None:
-    """In a fresh process (a priority can only be lowered): the policy and the niceness, and a
-    thread started after has both."""
+def test_applying_a_priority_lowers_the_process_and_the_threads_it_starts() -> None:
+    """In a fresh process (a priority can only be lowered): its niceness, and a thread started
+    after has it too; the policy stays the default one (SCHED_IDLE would starve, see the module)."""
     script = (
         "import os, threading; from npuserve.deploy.cpu_priority import CpuPriority\n"
-        "base = os.nice(0); CpuPriority(nice=3, idle=True).apply(); seen = []\n"
-        "t = threading.Thread(target=lambda: seen.append((os.sched_getscheduler(0), os.nice(0) - base)))\n"
-        "t.start(); t.join(); print(os.sched_getscheduler(0) == os.SCHED_IDLE, seen[0][0] == os.SCHED_IDLE,"
-        " os.nice(0) - base, seen[0][1])"
+        "base = os.nice(0); CpuPriority(nice=3).apply(); seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.nice(0) - base))\n"
+        "t.start(); t.join(); print(os.sched_getscheduler(0) == os.SCHED_OTHER, os.nice(0) - base, seen[0])"
     )
     base = os.nice(0)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "True", str(min(base + 3, 19) - base), str(min(base + 3, 19) - base)]
-    assert (
-        DEFAULT_PRIORITY.describe() == "" and CONTROL_PLANE.describe() == f"idle, nice {CONTROL_PLANE.nice}"
-    )
+    lowered = str(min(base + 3, 19) - base)
+    assert out.split() == ["True", lowered, lowered]
+    assert DEFAULT_PRIORITY.describe() == "" and CONTROL_PLANE.describe() == f"nice {CONTROL_PLANE.nice}"

@@ -66,20 +66,20 @@ def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
 def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_restarts(
     tmp_path: Path,
 ) -> None:
-    """``priority`` lowers the child's niceness and policy before it runs anything, so the
-    threads it starts have them too; a restart keeps them; the other children keep the
+    """``priority`` lowers the child's niceness before it runs anything, so the
+    threads it starts have it too; a restart keeps it; the other children keep the
     launcher's own. A child in its own process group stays in the launcher's session."""
     reports = (
         READY
         + "import signal, threading; seen = []; thread = threading.Thread(target=lambda: seen.append(os.nice(0))); "
-        + "thread.start(); thread.join(); idle = os.sched_getscheduler(0) == os.SCHED_IDLE; "
-        + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0], 'idle': idle, "
+        + "thread.start(); thread.join(); "
+        + "write_ready_file(Path(sys.argv[2]), {'nice': os.nice(0), 'thread_nice': seen[0], "
         + "'group': os.getpgid(0) == os.getpid(), 'sid': os.getsid(0), "
         + "'writes_from_background': signal.getsignal(signal.SIGTTOU) == signal.SIG_IGN}); time.sleep(60)"
     )
     own = os.nice(0)
     launcher = Launcher(tmp_path)
-    priority = CpuPriority(nice=5, idle=True)
+    priority = CpuPriority(nice=5)
     nicer = launcher.start(
         "nicer", ["-c", reports], command=PYTHON, priority=priority, own_process_group=True
     )
@@ -94,11 +94,10 @@ def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_re
     expected = min(own + 5, 19)
     sid = os.getsid(0)
     in_group = {"group": True, "sid": sid, "writes_from_background": True}
-    assert ready[0] == {"nice": expected, "thread_nice": expected, "idle": True, **in_group}
+    assert ready[0] == {"nice": expected, "thread_nice": expected, **in_group}
     assert ready[1] == {
         "nice": own,
         "thread_nice": own,
-        "idle": False,
         "group": False,
         "sid": sid,
         "writes_from_background": signal.getsignal(signal.SIGTTOU) == signal.SIG_IGN,  # as here
