@@ -121,7 +121,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
-    from npuserve.deploy.cpu_priority import control_plane_priority
+    from npuserve.deploy.cpu_priority import control_plane_nice
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
     from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
@@ -174,13 +174,13 @@ def run_serve(args: argparse.Namespace) -> int:
         for child, info in zip(executors, ready, strict=True):
             address_of[child.name] = str(info["address"])
             supervisor.watch(child, "executor", partial(executor_args, _port(address_of[child.name])))
-        priority = control_plane_priority(ready)
+        nice = control_plane_nice(ready)
         scheduler = launcher.start(
             "scheduler",
             scheduler_args(args.scheduler_port),
             {**token_env, **key_env},
             own_process_group=True,
-            priority=priority,
+            nice=nice,
         )
         (info,) = launcher.wait_ready([scheduler], args.startup_timeout)
         supervisor.watch(scheduler, "scheduler", partial(scheduler_args, _port(str(info["address"]))))
@@ -189,7 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
             gateway_args(str(info["address"]), args.port),
             key_env or None,
             own_process_group=True,
-            priority=priority,
+            nice=nice,
         )
         (url_info,) = launcher.wait_ready([gateway], args.startup_timeout)
         url_port = urllib.parse.urlsplit(str(url_info["url"])).port or args.port

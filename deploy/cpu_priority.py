@@ -6,8 +6,8 @@ torch thread per core busy for the length of a step (intra-op parallel regions);
 and the gateway's processes work in bursts between steps. At the same priority the kernel's fair
 share lets such a burst preempt a compute thread in the middle of a parallel region, and the
 whole region then waits for that one thread. So when an executor computes on this host's CPU,
-the scheduler and the gateway start at nice 10 (`CONTROL_PLANE`): a burst then runs mostly in
-the executor's idle moments, and still gets about a tenth of a busy core, so nothing starves.
+the scheduler and the gateway start at nice 10 (`CONTROL_PLANE_NICE`): a burst then runs mostly
+in the executor's idle moments, and still gets about a tenth of a busy core, so nothing starves.
 
 NOTE: not SCHED_IDLE, though it took stories260K over gRPC 16-18% further than nice 10 on 2 cores
 (a compute thread that wakes takes its core back at once): an idle-policy task gets a core only
@@ -16,43 +16,24 @@ generator, a build) starves it. With two busy loops in serve's session a 64-toke
 23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0 (README).
 
 NOTE: Linux shares the CPU between sessions first (autogroups), and a priority counts only
-within its session: serve keeps every child in its own session (`Launcher`'s process groups).
+within its session: serve keeps every child in serve's session (`Launcher`'s process groups).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from npuserve.proto.step_plan import computes_on_cpu
 
-
-@dataclass(frozen=True, slots=True)
-class CpuPriority:
-    """A process's CPU priority, set in it before it starts any thread (threads and children
-    inherit it)."""
-
-    nice: int = 0
-
-    def apply(self) -> None:
-        """Lowers this process's priority by ``nice`` (never raises it)."""
-        if self.nice:
-            os.nice(self.nice)
-
-    def describe(self) -> str:
-        return f"nice {self.nice}" if self.nice else ""
+# Nice 10: a weight of 110 against a compute thread's 1024, about a tenth of a contended core.
+# stories260K over gRPC on 2 cores, one server re-prioritised between interleaved rounds: 3% more
+# tokens/s than nice 0 (README "Serve a model").
+CONTROL_PLANE_NICE = 10
 
 
-DEFAULT_PRIORITY = CpuPriority()
-# stories260K over gRPC on 2 cores, one server re-prioritised between interleaved rounds: nice 10
-# gave 3% more tokens/s than nice 0 (README).
-CONTROL_PLANE = CpuPriority(nice=10)
-
-
-def control_plane_priority(executors_ready: Iterable[Mapping[str, Any]]) -> CpuPriority:
-    """The priority the scheduler and the gateway start with next to these executors (what
+def control_plane_nice(executors_ready: Iterable[Mapping[str, Any]]) -> int:
+    """The niceness the scheduler and the gateway start with next to these executors (what
     their ready files say: `ExecutorInfo` under "info")."""
     on_cpu = any(computes_on_cpu(str(ready["info"]["device"])) for ready in executors_ready)
-    return CONTROL_PLANE if on_cpu else DEFAULT_PRIORITY
+    return CONTROL_PLANE_NICE if on_cpu else 0

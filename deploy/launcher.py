@@ -28,7 +28,6 @@ from typing import Any
 
 import structlog
 
-from npuserve.deploy.cpu_priority import DEFAULT_PRIORITY, CpuPriority
 from npuserve.proto.ready_file import read_ready_file
 
 log = structlog.get_logger(__name__)
@@ -58,17 +57,18 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _child_setup(priority: CpuPriority, own_process_group: bool) -> None:  # pragma: no cover - in the child
+def _child_setup(nice: int, own_process_group: bool) -> None:  # pragma: no cover - in the child
     """Before exec, in a Linux child: it dies with its parent, leads a process group of its own
-    if asked (writing to serve's terminal still), and runs at ``priority`` (before any thread starts, so every thread it makes
-    inherits it)."""
+    if asked (still writing to the terminal), and runs ``nice`` lower (before any thread starts,
+    so every thread it makes inherits it)."""
     die_with_parent()
     if own_process_group:
         os.setpgid(0, 0)
         # NOTE: out of the terminal's foreground group, a write to it stops the child where the
         # terminal says `tostop`; ignored, the signal lets the write through (and exec keeps it).
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    priority.apply()
+    if nice:
+        os.nice(nice)
 
 
 def python_module(module: str = CLI_MODULE) -> list[str]:
@@ -108,7 +108,7 @@ class Launch:
     command: tuple[str, ...] | None
     ready_file: bool
     own_process_group: bool
-    priority: CpuPriority = DEFAULT_PRIORITY
+    nice: int = 0
 
 
 @dataclass
@@ -181,15 +181,15 @@ class Launcher:
         log_path: Path | None = None,
         ready_file: bool = True,
         own_process_group: bool = False,
-        priority: CpuPriority = DEFAULT_PRIORITY,
+        nice: int = 0,
     ) -> Child:
         """Runs ``command`` (default: ``python -m npuserve.deploy.cli``) with ``args`` and, unless
         ``ready_file`` is False, ``--ready-file``. ``env`` adds to this process's environment;
         ``log_path`` takes the child's stdout and stderr; ``own_process_group`` keeps a
         terminal's Ctrl-C from reaching it (the launcher stops it) while it stays in this
-        process's session, where its `cpu_priority` counts against its siblings'."""
+        process's session, where ``nice`` (`cpu_priority`) counts against its siblings'."""
         launch = Launch(
-            tuple(args), env, tuple(command) if command else None, ready_file, own_process_group, priority
+            tuple(args), env, tuple(command) if command else None, ready_file, own_process_group, nice
         )
         child = self._spawn(name, launch, log_path)
         self.children.append(child)
@@ -222,7 +222,7 @@ class Launcher:
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
                 preexec_fn=(
-                    partial(_child_setup, launch.priority, launch.own_process_group)
+                    partial(_child_setup, launch.nice, launch.own_process_group)
                     if sys.platform == "linux"
                     else None
                 ),
@@ -232,9 +232,8 @@ class Launcher:
         finally:
             if output is not None:
                 output.close()
-        priority = launch.priority.describe()
         log.info(
-            "process started", name=name, pid=process.pid, **({"priority": priority} if priority else {})
+            "process started", name=name, pid=process.pid, **({"nice": launch.nice} if launch.nice else {})
         )
         return Child(name, process, ready_path, log_path, launch)
 

@@ -470,7 +470,7 @@ class LocalRanks:
             ]
             env = {variable: devices[rank]} if variable is not None else {}
             env[TP_RANK_ENV] = ""  # NOTE: the rank is in the flags; an inherited one must not count
-            # NOTE: a session of their own: a terminal's Ctrl-C reaches rank 0, which stops them.
+            # NOTE: a process group of their own: a terminal's Ctrl-C reaches rank 0, which stops them.
             child = self.launcher.start(f"rank-{rank}", args, env, ready_file=False, own_process_group=True)
             log.info("tensor-parallel rank started", rank=rank, pid=child.pid)
 

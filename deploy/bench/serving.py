@@ -29,7 +29,7 @@ from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
-from npuserve.deploy.cpu_priority import control_plane_priority
+from npuserve.deploy.cpu_priority import control_plane_nice
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
@@ -131,7 +131,7 @@ class ServerSpec:
 @contextlib.contextmanager
 def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]:
     """Starts executors and a scheduler on loopback, as `npuserve serve` does (the scheduler at
-    `cpu_priority`'s priority next to executors on the CPU), and yields the scheduler's gRPC
+    `cpu_priority`'s niceness next to executors on the CPU), and yields the scheduler's gRPC
     address; stops every process after.
 
     NOTE: the processes are launched here rather than through `npuserve serve`, which also
@@ -150,9 +150,8 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
         ready = launcher.wait_ready(executors, timeout_s)
         addresses = ",".join(str(r["address"]) for r in ready)
         scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
-        priority = control_plane_priority(ready)
-        scheduler = launcher.start("scheduler", scheduler_args, priority=priority)
-        (info,) = launcher.wait_ready([scheduler], timeout_s)
+        nice = control_plane_nice(ready)
+        (info,) = launcher.wait_ready([launcher.start("scheduler", scheduler_args, nice=nice)], timeout_s)
         yield str(info["address"])
     except LaunchError as exc:
         raise BenchError(f"the gRPC server did not start: {exc}") from None

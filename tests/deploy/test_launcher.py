@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.deploy.cpu_priority import CpuPriority
 from npuserve.deploy.launcher import GRPC_FORK_SUPPORT_ENV, Launcher, LaunchError, disable_grpc_fork_handlers
 
 PYTHON = [sys.executable]
@@ -66,7 +65,7 @@ def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
 def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_restarts(
     tmp_path: Path,
 ) -> None:
-    """``priority`` lowers the child's niceness before it runs anything, so the
+    """``nice`` lowers the child's priority before it runs anything, so the
     threads it starts have it too; a restart keeps it; the other children keep the
     launcher's own. A child in its own process group stays in the launcher's session."""
     reports = (
@@ -79,10 +78,7 @@ def test_a_child_started_at_a_lower_priority_runs_so_with_its_threads_and_its_re
     )
     own = os.nice(0)
     launcher = Launcher(tmp_path)
-    priority = CpuPriority(nice=5)
-    nicer = launcher.start(
-        "nicer", ["-c", reports], command=PYTHON, priority=priority, own_process_group=True
-    )
+    nicer = launcher.start("nicer", ["-c", reports], command=PYTHON, nice=5, own_process_group=True)
     plain = launcher.start("plain", ["-c", reports], command=PYTHON)
     try:
         ready = launcher.wait_ready([nicer, plain], timeout_s=30)

@@ -43,7 +43,7 @@ from harness.serve import (
     serve_child,
 )
 
-from npuserve.deploy.cpu_priority import CONTROL_PLANE
+from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.proto import scheduler_pb2 as pb
 
@@ -126,11 +126,11 @@ def thread_priorities(pid: int) -> set[tuple[int, int]]:
 
 def test_the_control_plane_yields_the_cores_to_executors_computing_on_them(served: Served) -> None:
     """Executors on the CPU: the scheduler (every process and thread of it) and the gateway run
-    at nice 10 (`CONTROL_PLANE`) with the default policy, the executors at serve's own priority;
+    `CONTROL_PLANE_NICE` lower, with serve's policy, the executors at serve's own priority;
     all in serve's session, where those priorities count against each other."""
     serve_pid = served.process.pid  # type: ignore[union-attr]
     own = thread_priorities(serve_pid)
-    lower = {(min(n + CONTROL_PLANE.nice, 19), policy) for n, policy in own}
+    lower = {(min(n + CONTROL_PLANE_NICE, 19), policy) for n, policy in own}
     scheduler, _ = wait_for(lambda: serve_child(serve_pid, "scheduler"), "the scheduler runs")
     gateway, _ = wait_for(lambda: serve_child(serve_pid, "gateway"), "the gateway runs")
     executor, _ = wait_for(lambda: serve_child(serve_pid, "executor-0"), "an executor runs")
