@@ -176,7 +176,6 @@ class Engine:
         self.stream_processes: StreamProcesses | None = None
         self._held_acks: list[WorkerHandle] = []
         self._gauge_task: asyncio.Task[None] | None = None
-        self._serves_prompts = False
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
@@ -197,7 +196,6 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
-        self._serves_prompts = serve_prompts
         if serve_prompts:
             self.prompts.start()
         if self.tokenizer.size_bound is None:
@@ -206,19 +204,17 @@ class Engine:
                 "tokenized (off the event loop) before their length is checked"
             )
 
-    async def wait_started(self, timeout_s: float = PROCESS_START_TIMEOUT_S) -> bool:
+    async def wait_started(self, timeout_s: float = PROCESS_START_TIMEOUT_S) -> None:
         """Waits, up to ``timeout_s``, for the processes `start` started (scheduler workers, render
-        processes) to finish starting; whether they did. Until then their imports take the CPU
-        the steps would use, so a scheduler says it is ready only after this."""
-        waits = [self.prompts.wait_started()] if self._serves_prompts else []
+        processes) to finish starting. Until then their imports take the CPU the steps would use,
+        so a scheduler says it is ready only after this."""
+        waits = [self.prompts.wait_started()]
         if self.step_workers is not None:
             waits.append(self.step_workers.wait_started())
         try:
             await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
         except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
             log.warning("the scheduler's processes are still starting", waited_s=timeout_s)
-            return False
-        return True
 
     def stop(self) -> None:
         if self._gauge_task is not None:

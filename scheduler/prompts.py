@@ -81,10 +81,9 @@ class PromptProcessor:
 
     async def wait_started(self) -> None:
         """Returns once the render processes `start` started are up (or failed to start)."""
-        if self.tokenizer.has_chat_template:
-            await self._model_renders.wait_started()
-        if self._request_renders is not None:
-            await self._request_renders.wait_started()
+        for pool in (self._model_renders, self._request_renders):
+            if pool is not None:
+                await pool.wait_started()
 
     def close(self) -> None:
         for pool in (self._model_renders, self._request_renders):

@@ -142,7 +142,7 @@ class RenderPool:
         self._closed = False
         self._start_error: str | None = None  # why the last worker to start failed, until one starts
         self._first_starts_left = size  # workers whose first start has not succeeded or failed yet
-        self._first_starts_done = asyncio.Event()
+        self._first_starts_done: asyncio.Event | None = None  # from `start` on
 
     @property
     def worker_pids(self) -> set[int]:
@@ -152,14 +152,17 @@ class RenderPool:
     def start(self) -> None:
         """Starts the workers in the background (a spawned interpreter takes a moment)."""
         self._idle = asyncio.Queue()
+        self._first_starts_done = asyncio.Event()
         for _ in range(self.size):
             self._background.spawn(self._add_worker(first=True))
         if not self.size:
             self._first_starts_done.set()
 
     async def wait_started(self) -> None:
-        """Returns once each of `start`'s workers has started, or failed to (and is retried)."""
-        await self._first_starts_done.wait()
+        """Returns once each of `start`'s workers has started, or failed to (and is retried);
+        at once for a pool that was not started."""
+        if self._first_starts_done is not None:
+            await self._first_starts_done.wait()
 
     def close(self) -> None:
         """Kills the workers (a worker still starting is killed once it has started)."""
@@ -215,22 +218,23 @@ class RenderPool:
             except (RuntimeError, OSError) as exc:
                 log.error("a chat template worker did not start; retrying", pool=self.name, error=str(exc))
                 self._start_error = str(exc)
-                first = self._first_start_ended(first)
+                if first:
+                    self._first_start_ended()
+                    first = False
                 await asyncio.sleep(WORKER_START_RETRY_S)
                 continue
             self._start_error = None
             self._workers.add(worker)
             self._release(worker)
-            self._first_start_ended(first)
+            if first:
+                self._first_start_ended()
             return
 
-    def _first_start_ended(self, first: bool) -> bool:
-        """Counts a worker's first start as ended; False, what ``first`` is from then on."""
-        if first:
-            self._first_starts_left -= 1
-            if not self._first_starts_left:
-                self._first_starts_done.set()
-        return False
+    def _first_start_ended(self) -> None:
+        """One of `start`'s workers started, or failed its first try."""
+        self._first_starts_left -= 1
+        if not self._first_starts_left and self._first_starts_done is not None:
+            self._first_starts_done.set()
 
     def _release(self, worker: _Worker) -> None:
         if self._closed:

@@ -143,7 +143,7 @@ class WorkerHandle:
         self._call_ids = itertools.count()
         self.closing = False
         self.alive = False  # its process runs (False from its death until it is started again)
-        self.started = asyncio.Event()  # its process has started serving its pipe (this start's)
+        self.started = asyncio.Event()  # its process serves its pipe (cleared at each start)
         self.history = RestartHistory()  # its deaths, under serve's restart policy
 
     @property
@@ -172,7 +172,7 @@ class WorkerHandle:
         link = PipeLink(front_end, self._received, lambda: self._closed(link), pool.loop)
         self.process, self.link = process, link
         self.alive = True
-        self.started = asyncio.Event()
+        self.started.clear()  # NOTE: the same event, so a wait that outlives a death sees the restart
         link.start()
         log.info("scheduler worker started", worker=self.index, pid=process.pid)
 

@@ -65,6 +65,15 @@ def test_wait_started_returns_once_every_worker_serves() -> None:
     assert run(main) == (2, 2)
 
 
+def test_wait_started_returns_at_once_for_a_pool_never_started() -> None:
+    """The core's engine, whose API processes render instead, waits on pools it never started."""
+
+    async def main() -> None:
+        await asyncio.wait_for(RenderPool("unstarted", 2).wait_started(), 5)
+
+    run(main)
+
+
 def test_endless_render_is_stopped_its_worker_replaced_and_others_go_on() -> None:
     async def main() -> str:
         async with started(2, timeout_s=1.0) as pool:
