@@ -191,7 +191,7 @@ class Engine:
                 self.grammars.settings,
                 self.config.num_scheduler_steps,
             )
-            self.step_workers.start(settings, self._on_reports, self._on_worker_lost)
+            self.step_workers.start(settings, self._on_report, self._on_reports_handled, self._on_worker_lost)
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []
@@ -486,20 +486,22 @@ class Engine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
-    def _on_reports(self, worker: WorkerHandle, reports: list[LaneReport]) -> None:
-        """A scheduler worker's batch of lane reports (event loop thread)."""
-        for report in reports:
-            lane = worker.lanes.get(report.lane_key)
-            if lane is None:
-                continue  # a lane the front has retired; its requests were placed again
-            lane.absorb(report)
-            if report.relayed:
-                assert self.stream_processes is not None, "tokens packed for API processes"
-                for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
-                    self.stream_processes.forward(key, pack)
-            num_tokens = sum(len(update[1]) for update in report.updates) + report.num_relayed_tokens
-            event = apply_report(report, self._sequences.get)
-            self._dispatch(lane, event, (report.num_sequences, num_tokens))
+    def _on_report(self, worker: WorkerHandle, report: LaneReport) -> None:
+        """One lane report of a scheduler worker (event loop thread)."""
+        lane = worker.lanes.get(report.lane_key)
+        if lane is None:
+            return  # a lane the front has retired; its requests were placed again
+        lane.absorb(report)
+        if report.relayed:
+            assert self.stream_processes is not None, "tokens packed for API processes"
+            for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
+                self.stream_processes.forward(key, pack)
+        num_tokens = sum(len(update[1]) for update in report.updates) + report.num_relayed_tokens
+        event = apply_report(report, self._sequences.get)
+        self._dispatch(lane, event, (report.num_sequences, num_tokens))
+
+    def _on_reports_handled(self, worker: WorkerHandle) -> None:
+        """A worker's message of reports is handled: it is acknowledged."""
         # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
         # the processes serving client streams are behind (`--api-server-count`).
         if self.stream_processes is not None and self.stream_processes.behind():

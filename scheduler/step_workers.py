@@ -7,7 +7,8 @@ executor becomes a `RemoteLane`, which the engine and the router use as they use
 block hash an executor holds once the step that registered it has been reported.
 
 Each worker's pipe is served by the engine's event loop (`PipeLink`): reports reach the engine one
-batch at a time (`on_reports`), on the loop thread. A worker that dies is reported once
+at a time (`on_report`), in the order they came, a slice of the loop's time at a time
+(`WorkerInbox`), on the loop thread. A worker that dies is reported once
 (`on_lost`); the engine moves its requests and asks the pool to restart it.
 """
 
@@ -32,6 +33,7 @@ from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
 from npuserve.scheduler.step_frames import LaneLoad, LaneReport
 from npuserve.scheduler.step_worker import LaneSettings, run_step_worker
+from npuserve.scheduler.worker_inbox import WorkerInbox
 
 log = structlog.get_logger(__name__)
 
@@ -188,17 +190,16 @@ class WorkerHandle:
         return future
 
     def _received(self, batch: list[Any]) -> None:
-        """A message from the worker (on the event loop)."""
-        reports = []
-        for item in batch:
-            if isinstance(item, LaneReport):
-                reports.append(item)
-            elif item[0] == "started":
-                self.started.set()
-            else:
-                self._resolve(*item[1:])
-        if reports:
-            self.pool.on_reports(self, reports)
+        """A message from the worker (on the event loop): handled in turn (`WorkerInbox`)."""
+        self.pool.inbox.put(self, batch)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, LaneReport):
+            self.pool.on_report(self, item)
+        elif item[0] == "started":
+            self.started.set()
+        else:
+            self._resolve(*item[1:])
 
     def _closed(self, link: PipeLink) -> None:
         if link is not self.link:
@@ -208,6 +209,7 @@ class WorkerHandle:
             future.set_exception(RuntimeError(f"{self.name} exited"))
         self._calls.clear()
         if not self.closing:
+            self.pool.inbox.flush()  # what it sent before it died counts first
             code = self.process.exitcode if self.process is not None else None
             log.error("scheduler worker died", worker=self.index, exit_code=code, lanes=len(self.lanes))
             self.pool.on_lost(self)
@@ -248,20 +250,26 @@ class StepWorkerPool:
         self.lane_settings = LaneSettings()  # the engine's, given to `start`
         self.workers = [WorkerHandle(i, self) for i in range(count)]
         self._lane_keys = itertools.count()
-        self.on_reports: Callable[[WorkerHandle, list[LaneReport]], None] = lambda w, r: None
+        self.on_report: Callable[[WorkerHandle, LaneReport], None] = lambda w, r: None
+        self.on_reports_handled: Callable[[WorkerHandle], None] = lambda w: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
         self.loop: asyncio.AbstractEventLoop | None = None  # the engine's, which serves the pipes
+        self._inbox: WorkerInbox[WorkerHandle] | None = None
 
     def start(
         self,
         settings: LaneSettings,
-        on_reports: Callable[[WorkerHandle, list[LaneReport]], None],
+        on_report: Callable[[WorkerHandle, LaneReport], None],
+        on_reports_handled: Callable[[WorkerHandle], None],
         on_lost: Callable[[WorkerHandle], None],
     ) -> None:
         """Starts every worker with the engine's lane settings (on the engine's event loop, which
-        serves the workers' pipes and runs the callbacks)."""
+        serves the workers' pipes and runs the callbacks). ``on_report`` takes each lane report,
+        ``on_reports_handled`` follows the last of each message of them."""
         self.loop = asyncio.get_running_loop()
-        self.lane_settings, self.on_reports, self.on_lost = settings, on_reports, on_lost
+        self.lane_settings, self.on_lost = settings, on_lost
+        self.on_report, self.on_reports_handled = on_report, on_reports_handled
+        self._inbox = WorkerInbox(self.loop, WorkerHandle._handle, self._handled)
         for worker in self.workers:
             worker.start()
 
@@ -288,6 +296,17 @@ class StepWorkerPool:
         worker.start()
         worker.history.started()
 
+    @property
+    def inbox(self) -> WorkerInbox[WorkerHandle]:
+        assert self._inbox is not None, "the workers' messages come once the pool has started"
+        return self._inbox
+
+    def _handled(self, worker: WorkerHandle, items: list[Any]) -> None:
+        if any(isinstance(item, LaneReport) for item in items):
+            self.on_reports_handled(worker)
+
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
+        if self._inbox is not None:
+            self._inbox.close()
