@@ -45,7 +45,10 @@ class _Generation:
         if self.opening is not None:
             self.opening.cancel()  # nothing is queued before the task ends
         if self.opened is not None:
-            self.opened.close(self.usage)
+            # NOTE: let go of it: its stream's listener holds this generation, a reference cycle
+            # that only the garbage collector would free.
+            opened, self.opened = self.opened, None
+            opened.close(self.usage)
 
 
 class GenerateManyCall:

@@ -125,7 +125,9 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.arrival_time = time.monotonic()
         self._queue: asyncio.Queue[GenerateOutput] | None = None  # see `queue`
-        self._deliver: Callable[[GenerateOutput], None] = self._enqueue  # see `listen`
+        # NOTE: None (queue the output) rather than a bound method of the stream, which would
+        # make it a reference cycle that only the garbage collector frees (see `deploy/gc_heap`).
+        self._deliver: Callable[[GenerateOutput], None] | None = None  # see `listen`
         self._on_text: TextListener | None = None  # see `listen`
         self.sequences = [
             SequenceState(
@@ -155,9 +157,6 @@ class RequestStream:
         if self._queue is None:
             self._queue = asyncio.Queue()
         return self._queue
-
-    def _enqueue(self, output: GenerateOutput) -> None:
-        self.queue.put_nowait(output)
 
     def _mark_finished(self, index: int, reason: str) -> None:
         state = self.sequences[index]
@@ -240,7 +239,7 @@ class RequestStream:
         assert not self.started, "a request that has streamed output ends with `end`"
         for index in range(len(self.sequences)):
             self._mark_finished(index, "abort")
-        self._deliver(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
+        self._hand_over(GenerateOutput(self.request_id, [], finished=True, refusal=refusal))
 
     def _emit(self, delta: CompletionDelta) -> None:
         if self.stream_interval > 1:
@@ -261,7 +260,14 @@ class RequestStream:
                 completion_tokens=sum(s.num_output_tokens for s in self.sequences),
                 cached_prompt_tokens=max(0, max(s.num_cached_tokens for s in self.sequences)),
             )
-        self._deliver(output)
+        self._hand_over(output)
+
+    def _hand_over(self, output: GenerateOutput) -> None:
+        deliver = self._deliver
+        if deliver is None:
+            self.queue.put_nowait(output)
+        else:
+            deliver(output)
 
     def listen(self, listener: Callable[[GenerateOutput], None], on_text: TextListener | None = None) -> None:
         """Hands each output to ``listener`` as it is made (any made already first), rather than
