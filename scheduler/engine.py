@@ -32,7 +32,7 @@ from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.step_worker import LaneSettings
-from npuserve.scheduler.step_workers import RemoteLane, StepWorkerPool, WorkerHandle
+from npuserve.scheduler.step_workers import WORKER_START_TIMEOUT_S, RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import Grammar, GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer
 
@@ -128,7 +128,6 @@ class NoExecutorError(RuntimeError):
 
 
 MAX_FAILOVERS = 3  # executors a request may lose before it fails
-PROCESS_START_TIMEOUT_S = 60.0  # how long a scheduler waits for its processes before it serves anyway
 
 
 def new_request_id() -> str:
@@ -204,7 +203,7 @@ class Engine:
                 "tokenized (off the event loop) before their length is checked"
             )
 
-    async def wait_started(self, timeout_s: float = PROCESS_START_TIMEOUT_S) -> None:
+    async def wait_started(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
         """Waits, up to ``timeout_s``, for the processes `start` started (scheduler workers, render
         processes) to finish starting. Until then their imports take the CPU the steps would use,
         so a scheduler says it is ready only after this."""

@@ -23,6 +23,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
+from typing import Any
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.block_hash import BlockHash
@@ -190,6 +191,12 @@ def evacuated(request: Request) -> Evacuated:
 def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
     """The front's copy counts the tokens its worker sent straight to an API process."""
     request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
+
+
+def carries_reports(message: list[Any]) -> bool:
+    """Whether a worker's message holds lane reports: the worker counts those messages as
+    unacknowledged until the front, having handled one, acknowledges it."""
+    return any(isinstance(item, LaneReport) for item in message)
 
 
 def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:

@@ -45,7 +45,7 @@ from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import LaneReport, evacuated, make_report
+from npuserve.scheduler.step_frames import LaneReport, carries_reports, evacuated, make_report
 from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
@@ -66,7 +66,7 @@ class ReportWindow:
         self._room.set()
 
     def sent(self, batch: list[Any]) -> None:
-        if any(isinstance(item, LaneReport) for item in batch):
+        if carries_reports(batch):
             self._unacked += 1
             if self._unacked >= self.limit:
                 self._room.clear()

@@ -31,7 +31,7 @@ from npuserve.scheduler.executor_client import ClientSpec, ExecutorClient
 from npuserve.scheduler.pipe_link import PipeLink, join_or_kill
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import Scheduler
-from npuserve.scheduler.step_frames import LaneLoad, LaneReport
+from npuserve.scheduler.step_frames import LaneLoad, LaneReport, carries_reports
 from npuserve.scheduler.step_worker import LaneSettings, run_step_worker
 from npuserve.scheduler.worker_inbox import WorkerInbox
 
@@ -39,7 +39,7 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-WORKER_START_TIMEOUT_S = 60.0
+WORKER_START_TIMEOUT_S = 60.0  # how long the scheduler waits for its workers to start before it serves anyway
 WORKER_EXIT_TIMEOUT_S = 10.0
 
 
@@ -302,7 +302,7 @@ class StepWorkerPool:
         return self._inbox
 
     def _handled(self, worker: WorkerHandle, items: list[Any]) -> None:
-        if any(isinstance(item, LaneReport) for item in items):
+        if carries_reports(items):
             self.on_reports_handled(worker)
 
     def close(self) -> None:

@@ -3,7 +3,6 @@ made after it is collected as usual."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 import textwrap
@@ -35,4 +34,3 @@ def test_freezing_keeps_the_startup_heap_out_of_collections_and_collects_later_g
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
-    assert gc.get_freeze_count() == 0 or gc.isenabled()  # this process is untouched

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from npuserve.scheduler.step_frames import LaneLoad, LaneReport
+from npuserve.scheduler.step_frames import LaneLoad, LaneReport, carries_reports
 
 
 def test_a_report_crosses_the_pipe_unchanged() -> None:
@@ -22,3 +22,10 @@ def test_a_report_crosses_the_pipe_unchanged() -> None:
     )
     assert pickle.loads(pickle.dumps([report], pickle.HIGHEST_PROTOCOL)) == [report]
     assert pickle.loads(pickle.dumps(LaneReport("lane-2"))) == LaneReport("lane-2")
+
+
+def test_only_messages_with_reports_wait_for_an_acknowledgement() -> None:
+    """The worker counts, and the front acknowledges, the same messages."""
+    assert carries_reports([("reply", 1, True, None), LaneReport("lane-1")])
+    assert not carries_reports([("started",)])
+    assert not carries_reports([("reply", 1, True, None), ("reply", 2, False, "error")])
