@@ -15,6 +15,14 @@ from npuserve.deploy.launcher import disable_grpc_fork_handlers
 from npuserve.kernels.npu_emulation import EMULATE_ENV
 from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
+# `python -m pytest` puts the working directory, the repository's root, first on sys.path, where
+# its `kernels/` (installed as `npuserve.kernels`) shadows the PyPI package `kernels` that
+# transformers imports (a dependency of it since 5.25). The root goes last instead of away: the
+# tests' own modules (`tests.*`, which spawned children import by name) are found there.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO_ROOT]
+sys.path.append(str(REPO_ROOT))
+
 # NOTE: the tests launch processes (`Launcher`) while their own gRPC clients run, as `serve` does.
 disable_grpc_fork_handlers()
 # One torch thread per process (this one and those it starts) unless the caller sets it: the

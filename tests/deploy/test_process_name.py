@@ -12,6 +12,10 @@ from npuserve.deploy.process_name import MAX_COMM_BYTES, ROLES, process_name, se
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process names")
 
+# A spawned child that dies before it reports (it cannot import this module, say) fails the test
+# instead of leaving it waiting forever.
+CHILD_REPORT_TIMEOUT_S = 60
+
 
 def _name_and_report(name: str, conn: multiprocessing.connection.Connection) -> None:
     set_process_name(name)
@@ -27,6 +31,9 @@ def test_a_process_names_itself_and_others_read_it(name: str) -> None:
     process.start()
     try:
         expected = name[:MAX_COMM_BYTES]
+        assert parent.poll(CHILD_REPORT_TIMEOUT_S), (
+            f"the child reported nothing (exit code {process.exitcode})"
+        )
         assert parent.recv() == expected
         assert process_name(process.pid) == expected
     finally:

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import httpx
 import openai
@@ -105,10 +105,15 @@ def random_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(count)]
 
 
-def restarted(served: Served, name: str, old_pid: int) -> Callable[[], tuple[int, Any] | None]:
-    def check() -> tuple[int, Any] | None:
+def ready_child(
+    served: Served, name: str, not_pid: int | None = None
+) -> Callable[[], tuple[int, Path] | None]:
+    """A check for serve's child ``name`` (other than ``not_pid``) running with its ready file
+    written: (pid, ready file), or None until then."""
+
+    def check() -> tuple[int, Path] | None:
         child = serve_child(served.process.pid, name)  # type: ignore[union-attr]
-        return child if child is not None and child[0] != old_pid and child[1].exists() else None
+        return child if child is not None and child[0] != not_pid and child[1].exists() else None
 
     return check
 
@@ -179,9 +184,12 @@ def assert_idle_and_intact(served: Served) -> None:
 def test_a_killed_executor_restarts_and_its_streams_complete_unchanged(served: Served) -> None:
     stub = served.stub()
     requests = [greedy_request(p, MAX_TOKENS) for p in random_prompts(NUM_STREAMS, seed=11)]
-    undisturbed = [tokens for tokens, _, _ in generate_concurrently(stub, requests)]
-    pid, ready_file = serve_child(served.process.pid, "executor-0")  # type: ignore[misc, union-attr]
+    # Both executors serve before the kill (a rerun of this test finds executor-0 coming back).
+    pid, ready_file = wait_for(ready_child(served, "executor-0"), "executor-0 ready")
+    wait_for(lambda: stub.Health(pb.HealthRequest(), timeout=10).ready_executors == 2, "2 ready executors")
     executor_id = json.loads(ready_file.read_text())["executor_id"]
+    deaths_before = len(log_lines(served, "process died; restarting it"))
+    undisturbed = [tokens for tokens, _, _ in generate_concurrently(stub, requests)]
 
     threads, outputs, reasons = run_streams(stub, requests, threading.Barrier(NUM_STREAMS + 1))
     os.kill(pid, signal.SIGKILL)
@@ -192,8 +200,8 @@ def test_a_killed_executor_restarts_and_its_streams_complete_unchanged(served: S
     assert log_lines(served, "requests moved"), "no stream was on the killed executor"
 
     # Back on its port after the first backoff, and serving again.
-    wait_for(restarted(served, "executor-0", pid), "executor-0 restarted")
-    (death,) = log_lines(served, "process died; restarting it")
+    wait_for(ready_child(served, "executor-0", not_pid=pid), "executor-0 restarted")
+    (death,) = log_lines(served, "process died; restarting it")[deaths_before:]
     assert "name=executor-0" in death and f"restart_in_s={DEFAULT_RESTART_POLICY.initial_backoff_s}" in death
     health = wait_for(
         lambda: (h := stub.Health(pb.HealthRequest(), timeout=10)).ready_executors == 2 and h,
@@ -225,7 +233,7 @@ def completion_text(client: openai.OpenAI, prompt: str) -> str:
 def test_a_killed_gateway_restarts_on_its_port_and_serves(served: Served) -> None:
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
     undisturbed = [completion_text(client, prompt) for prompt in STORY_STARTS]
-    pid, _ = serve_child(served.process.pid, "gateway")  # type: ignore[misc, union-attr]
+    pid, _ = wait_for(ready_child(served, "gateway"), "the gateway ready")
     in_flight = [
         client.completions.create(model="stories260K", prompt=p, max_tokens=400, temperature=0, stream=True)
         for p in STORY_STARTS
@@ -254,7 +262,7 @@ def test_a_killed_gateway_restarts_on_its_port_and_serves(served: Served) -> Non
 
     assert [retried(prompt) for prompt in STORY_STARTS] == undisturbed
     assert failures > 0, "the gateway never refused a connection: was it killed?"
-    wait_for(restarted(served, "gateway", pid), "the gateway restarted")
+    wait_for(ready_child(served, "gateway", not_pid=pid), "the gateway restarted")
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
     assert_idle_and_intact(served)  # the streams the dead gateway held were aborted
 
@@ -262,9 +270,9 @@ def test_a_killed_gateway_restarts_on_its_port_and_serves(served: Served) -> Non
 def test_a_killed_scheduler_restarts_on_its_port_and_the_gateway_reconnects(served: Served) -> None:
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
     undisturbed = completion_text(client, STORY_STARTS[0])
-    pid, _ = serve_child(served.process.pid, "scheduler")  # type: ignore[misc, union-attr]
+    pid, _ = wait_for(ready_child(served, "scheduler"), "the scheduler ready")
     os.kill(pid, signal.SIGKILL)
-    wait_for(restarted(served, "scheduler", pid), "the scheduler restarted")
+    wait_for(ready_child(served, "scheduler", not_pid=pid), "the scheduler restarted")
     with httpx.Client(base_url=served.url, timeout=10) as http:
         health = wait_for(
             lambda: (r := http.get("/health")).status_code == 200 and r.json(), "the gateway serving"
