@@ -46,6 +46,7 @@ from harness.serve import (
 from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE
 from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow  # `npuserve serve` in processes of its own
 
@@ -175,6 +176,16 @@ def test_cpu_bound_neighbours_slow_requests_by_a_share_of_the_cores_not_to_a_hal
     assert_idle_and_intact(served)
 
 
+def both_executors_ready(stub: pb_grpc.SchedulerStub) -> Callable[[], pb.HealthResponse | None]:
+    """A check that the scheduler reports both of serve's executors ready: its Health, or None."""
+
+    def check() -> pb.HealthResponse | None:
+        health = stub.Health(pb.HealthRequest(), timeout=10)
+        return health if health.ready_executors == 2 else None
+
+    return check
+
+
 def assert_idle_and_intact(served: Served) -> None:
     check = served.integrity(expect_idle=True)
     assert check.ok, check.message
@@ -186,7 +197,7 @@ def test_a_killed_executor_restarts_and_its_streams_complete_unchanged(served: S
     requests = [greedy_request(p, MAX_TOKENS) for p in random_prompts(NUM_STREAMS, seed=11)]
     # Both executors serve before the kill (a rerun of this test finds executor-0 coming back).
     pid, ready_file = wait_for(ready_child(served, "executor-0"), "executor-0 ready")
-    wait_for(lambda: stub.Health(pb.HealthRequest(), timeout=10).ready_executors == 2, "2 ready executors")
+    wait_for(both_executors_ready(stub), "2 ready executors")
     executor_id = json.loads(ready_file.read_text())["executor_id"]
     deaths_before = len(log_lines(served, "process died; restarting it"))
     undisturbed = [tokens for tokens, _, _ in generate_concurrently(stub, requests)]
@@ -203,10 +214,7 @@ def test_a_killed_executor_restarts_and_its_streams_complete_unchanged(served: S
     wait_for(ready_child(served, "executor-0", not_pid=pid), "executor-0 restarted")
     (death,) = log_lines(served, "process died; restarting it")[deaths_before:]
     assert "name=executor-0" in death and f"restart_in_s={DEFAULT_RESTART_POLICY.initial_backoff_s}" in death
-    health = wait_for(
-        lambda: (h := stub.Health(pb.HealthRequest(), timeout=10)).ready_executors == 2 and h,
-        "2 ready executors",
-    )
+    health = wait_for(both_executors_ready(stub), "2 ready executors")
     assert health.serving and health.total_executors == 2 and not health.degraded
 
     seeds = itertools.count(100)
