@@ -12,15 +12,31 @@ tokenizer, protobuf and gRPC descriptors), which lives as long as the process:
   45 ms (what the requests in flight hold).
 `gc.freeze()` moves the start-up heap to a generation the collector never walks (as vLLM's engine
 core does once it has started).
+
+The youngest generation is then collected after `YOUNG_GENERATION_THRESHOLD` net allocations
+instead of Python's 700. A step's or a report's handling makes a burst of short-lived containers
+(token lists, updates, protobuf wrappers) that reference counting frees as soon as the burst is
+done; 700 of them alive at once started a collection that walked every one, token lists element
+by element, and every tenth of those walked what had survived before. In the scale bench at
+16 executors x 1,024 streams the front made about 30 young collections a second and a worker 20:
+660-680 ms of the front's CPU and 450-520 ms of a worker's in a 20 s run went to collections. With
+the higher threshold there were one or none in the same run, and the scheduler's CPU per output
+token fell 11-24% (73 -> 65 and 67 -> 51 us, interleaved runs; 8-10% at 64 x 4,096). Only what
+is garbage and in a reference cycle at once waits longer: up to that many objects.
 """
 
 from __future__ import annotations
 
 import gc
 
+YOUNG_GENERATION_THRESHOLD = 50_000  # net allocations of tracked objects between young collections
 
-def freeze_startup_heap() -> None:
-    """Collects what start-up left behind, then keeps the rest out of every later collection.
-    Call it once the process is ready to serve; objects made after it are collected as usual."""
+
+def settle_heap_for_serving() -> None:
+    """Collects what start-up left behind, keeps the rest out of every later collection, and
+    lets bursts of short-lived objects pass without a collection. Call it once the process is
+    ready to serve; objects made after it are collected as usual, in fewer, larger batches."""
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GENERATION_THRESHOLD, older, oldest)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from npuserve.deploy.executor_flags import DEFAULT_TP_CONNECT_TIMEOUT_S, EXECUTOR, PARALLEL, TP_RANK_ENV
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.launcher import Launcher
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
@@ -421,7 +421,7 @@ class GroupLeader:
 def run_follower(runner: TensorParallelRunner) -> None:
     """Ranks >= 1: run every step rank 0 sends until it says stop; SystemExit(1) if it is lost."""
     group = runner.group
-    freeze_startup_heap()
+    settle_heap_for_serving()
     while True:
         try:
             kind, payload = group.receive()

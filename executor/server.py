@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import grpc
 import structlog
 
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.input_batch import PlanError
@@ -519,7 +519,7 @@ def serve_executor(
     registration = None
     shutdown = Shutdown()
     restore_signals = shutdown.install()
-    freeze_startup_heap()  # NOTE: the model's modules and weights' Python objects are the start-up heap
+    settle_heap_for_serving()  # NOTE: the model's modules and weights' Python objects are the start-up heap
     try:
         if ready_file is not None:
             write_executor_ready_file(ready_file, running)

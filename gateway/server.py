@@ -24,7 +24,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.chat_output import ParserSettings
@@ -161,7 +161,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
         server.should_exit = True
         await serving
         return 2
-    freeze_startup_heap()
+    settle_heap_for_serving()
     if config.ready_file is not None and not server.should_exit:
         write_ready_file(config.ready_file, {"url": url, "pid": os.getpid(), "scheduler": config.scheduler})
     await serving

@@ -41,7 +41,7 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import ApiServer
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
@@ -256,7 +256,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
     )
     link.start()
     await prompts.wait_started()  # NOTE: their imports would take the CPU of the first requests' steps
-    freeze_startup_heap()
+    settle_heap_for_serving()
     link.pipe.send(("ready", port))
     log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
 

@@ -22,7 +22,7 @@ import grpc
 import structlog
 
 from npuserve.deploy.demo_model import default_served_name
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -224,7 +224,7 @@ async def serve_scheduler(
         )
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
     await engine.wait_started()
-    freeze_startup_heap()
+    settle_heap_for_serving()
     log.info(
         "scheduler serving",
         address=address,

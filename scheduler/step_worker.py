@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from npuserve.deploy.gc_heap import freeze_startup_heap
+from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
@@ -112,7 +112,7 @@ class StepWorker:
             self.conn, self._received, self._front_gone, asyncio.get_running_loop(), self.window.sent
         )
         self.pipe.start()
-        freeze_startup_heap()
+        settle_heap_for_serving()
         self.pipe.send(("started",))  # NOTE: its imports are done: it steps at full speed from here
         try:
             await self.done.wait()

@@ -1,5 +1,6 @@
 """The start-up heap, frozen once a process is ready, is out of every later collection; what is
-made after it is collected as usual."""
+made after it is collected once the young generation fills, not at every burst of short-lived
+objects."""
 
 from __future__ import annotations
 
@@ -8,26 +9,29 @@ import sys
 import textwrap
 
 
-def test_freezing_keeps_the_startup_heap_out_of_collections_and_collects_later_garbage() -> None:
+def test_settling_keeps_the_startup_heap_out_of_collections_and_collects_later_garbage() -> None:
     # NOTE: in a process of its own: a frozen heap stays frozen for the rest of the process.
     script = textwrap.dedent(
         """
         import gc, weakref
-        from npuserve.deploy.gc_heap import freeze_startup_heap
+        from npuserve.deploy.gc_heap import YOUNG_GENERATION_THRESHOLD, settle_heap_for_serving
 
         class Node:
             pass
 
         kept = [Node() for _ in range(1000)]
         garbage = Node(); garbage.me = garbage; watch = weakref.ref(garbage); del garbage
-        freeze_startup_heap()
+        settle_heap_for_serving()
         assert watch() is None, "what start-up left behind is collected first"
         tracked = {id(o) for o in gc.get_objects()}
         assert gc.get_freeze_count() >= 1000 and not any(id(k) in tracked for k in kept)
 
         later = Node(); later.me = later; watch = weakref.ref(later); del later
-        gc.collect()
-        assert watch() is None, "a cycle made after the freeze is collected"
+        short_lived = [[Node() for _ in range(500)] for _ in range(10)]  # a burst above Python's 700
+        del short_lived
+        assert watch() is not None, "a burst of objects freed by reference counting starts no collection"
+        more = [Node() for _ in range(YOUNG_GENERATION_THRESHOLD)]
+        assert watch() is None, "a cycle made after the freeze is collected once the young generation fills"
         print("ok")
         """
     )
