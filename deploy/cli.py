@@ -353,9 +353,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    from npuserve.deploy.launcher import disable_grpc_fork_handlers
+    from npuserve.deploy.grpc_env import set_grpc_environment
 
-    disable_grpc_fork_handlers()  # NOTE: first: no command has started gRPC yet
+    set_grpc_environment()  # NOTE: first: no command has started gRPC yet
     arguments = sys.argv[1:] if argv is None else argv
     named = arguments[0] if arguments and arguments[0] in COMMANDS else None
     args = build_parser(only=named).parse_args(arguments)

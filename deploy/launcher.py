@@ -38,19 +38,6 @@ STOP_GRACE_S = 10.0
 LOG_TAIL_CHARS = 3000
 
 
-# gRPC's own fork handlers restart its pollers in a forked child, where they can die on the
-# file descriptors `close_fds` closes before exec (SIGABRT, "epoll_wait error: Bad file
-# descriptor": 2 of 1,500 launches with threads in gRPC calls). npuserve never uses gRPC across a
-# fork (children exec, or are spawned), so its processes run without them.
-GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
-
-
-def disable_grpc_fork_handlers() -> None:
-    """Before gRPC starts in this process: no gRPC fork handlers here, nor in its children
-    (they inherit the environment). An operator's own setting is kept."""
-    os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "0")
-
-
 def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """SIGTERM this process when its parent dies (Linux; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.launcher import disable_grpc_fork_handlers
+from npuserve.deploy.grpc_env import set_grpc_environment
 from npuserve.kernels.npu_emulation import EMULATE_ENV
 from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
@@ -23,8 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO_ROOT]
 sys.path.append(str(REPO_ROOT))
 
-# NOTE: the tests launch processes (`Launcher`) while their own gRPC clients run, as `serve` does.
-disable_grpc_fork_handlers()
+# NOTE: the tests launch processes (`Launcher`) while their own gRPC clients run, as `serve` does,
+# and run gRPC as npuserve's processes do.
+set_grpc_environment()
 # One torch thread per process (this one and those it starts) unless the caller sets it: the
 # suite runs two test files at once, each with executors and a reference model, all on tiny
 # models, and threads of several processes spinning against each other for the same cores

@@ -9,22 +9,24 @@ import os
 import pytest
 
 from npuserve.deploy import cli
-from npuserve.deploy.launcher import GRPC_FORK_SUPPORT_ENV
+from npuserve.deploy.grpc_env import GRPC_EXPERIMENTS_ENV, GRPC_FORK_SUPPORT_ENV, GRPC_IO_EXPERIMENTS
 
 
-def test_every_command_runs_without_grpcs_fork_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A command sees them off before it can start gRPC (it launches children while its calls run).
+def test_every_command_runs_with_npuserves_grpc_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A command has it before it can start gRPC: no fork handlers (it launches children while its
+    # calls run), the I/O stack `grpc_env` picks.
     seen = []
 
     def command(args: argparse.Namespace) -> int:
-        seen.append(os.environ.get(GRPC_FORK_SUPPORT_ENV))
+        seen.append((os.environ.get(GRPC_FORK_SUPPORT_ENV), os.environ.get(GRPC_EXPERIMENTS_ENV)))
         return 0
 
     monkeypatch.delenv(GRPC_FORK_SUPPORT_ENV, raising=False)
+    monkeypatch.delenv(GRPC_EXPERIMENTS_ENV, raising=False)
     monkeypatch.setitem(cli.COMMANDS, "doctor", dataclasses.replace(cli.COMMANDS["doctor"], run=command))
     with pytest.raises(SystemExit) as exited:
         cli.main(["doctor"])
-    assert exited.value.code == 0 and seen == ["0"]
+    assert exited.value.code == 0 and seen == [("0", GRPC_IO_EXPERIMENTS)]
 
 
 def test_a_command_is_parsed_with_its_own_flags_alone() -> None:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.deploy.launcher import GRPC_FORK_SUPPORT_ENV, Launcher, LaunchError, disable_grpc_fork_handlers
+from npuserve.deploy.grpc_env import (
+    GRPC_EXPERIMENTS_ENV,
+    GRPC_FORK_SUPPORT_ENV,
+    GRPC_IO_EXPERIMENTS,
+    set_grpc_environment,
+)
+from npuserve.deploy.launcher import Launcher, LaunchError
 
 PYTHON = [sys.executable]
 # Run as `python -c CODE --ready-file PATH`: sys.argv[2] is the ready file.
@@ -36,22 +42,25 @@ def test_ready_children_return_what_they_wrote(tmp_path: Path) -> None:
     assert not any(tmp_path.glob("*.ready.json"))
 
 
-def test_children_start_without_grpcs_fork_handlers_unless_the_operator_asks(
+def test_children_run_grpc_as_npuserve_sets_it_unless_the_operator_set_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The launching process and its children run gRPC without fork handlers (which can abort a
-    child between fork and exec); an operator's own setting is left as it is."""
+    child between fork and exec) and on the I/O stack `grpc_env` picks; an operator's own
+    settings are left as they are."""
+    names = (GRPC_FORK_SUPPORT_ENV, GRPC_EXPERIMENTS_ENV)
     reports = (
         READY
-        + f"write_ready_file(Path(sys.argv[2]), {{'env': os.environ.get({GRPC_FORK_SUPPORT_ENV!r})}}); time.sleep(60)"
+        + f"write_ready_file(Path(sys.argv[2]), {{'env': [os.environ.get(n) for n in {names!r}]}}); time.sleep(60)"
     )
-    for preset, expected in ((None, "0"), ("1", "1")):
-        if preset is None:
-            monkeypatch.delenv(GRPC_FORK_SUPPORT_ENV, raising=False)
-        else:
-            monkeypatch.setenv(GRPC_FORK_SUPPORT_ENV, preset)
-        disable_grpc_fork_handlers()
-        assert os.environ[GRPC_FORK_SUPPORT_ENV] == expected
+    for preset, expected in ((None, ["0", GRPC_IO_EXPERIMENTS]), ("1", ["1", "1"])):
+        for name in names:
+            if preset is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, preset)
+        set_grpc_environment()
+        assert [os.environ[name] for name in names] == expected
         launcher = Launcher(tmp_path)
         child = launcher.start("c", ["-c", reports], command=PYTHON)
         try:
