@@ -19,10 +19,12 @@ instead of Python's 700. A step's or a report's handling makes a burst of short-
 done; 700 of them alive at once started a collection that walked every one, token lists element
 by element, and every tenth of those walked what had survived before. In the scale bench at
 16 executors x 1,024 streams the front made about 30 young collections a second and a worker 20:
-660-680 ms of the front's CPU and 450-520 ms of a worker's in a 20 s run went to collections. With
-the higher threshold there were one or none in the same run, and the scheduler's CPU per output
-token fell 11-24% (73 -> 65 and 67 -> 51 us, interleaved runs; 8-10% at 64 x 4,096). Only what
-is garbage and in a reference cycle at once waits longer: up to that many objects.
+660-680 ms of the front's CPU and 450-520 ms of a worker's in a 20 s run (about 5% and 6% of
+what each spent) went to collections; with the higher threshold, one collection or none in the
+same run. What that saves is smaller than the bench's run-to-run spread on a 2-core machine:
+over four interleaved pairs the scheduler's CPU per output token at 16 x 1,024 changed by +1%
+to -24%. Only what is garbage and in a reference cycle at once waits longer: up to that many
+objects.
 """
 
 from __future__ import annotations
