@@ -227,12 +227,32 @@ def saturation_notes(results: Sequence[Result]) -> list[str]:
             if per_step_ms > 0 and per_token_us > 0
             else f"scheduler CPU per step fit: {per_step_ms:.2f} ms + {per_token_us:.0f} us x tokens sampled"
         )
+    notes += short_window_notes(results)
     peak = max(results, key=lambda r: r.output_tokens_per_s)
     notes.append(
         f"peak {peak.output_tokens_per_s:,.0f} tok/s at {peak.executors} executors x {peak.concurrency} streams: "
         f"scheduler at {peak.scheduler_cores:.2f} cores, {peak.scheduler_cpu_ms_per_step:.2f} ms CPU/step, "
         f"executors busy {peak.executor_busy:.0%} (ideal {peak.ideal_output_tokens_per_s:,.0f} tok/s)"
     )
+    return notes
+
+
+def short_window_notes(results: Sequence[Result]) -> list[str]:
+    """Configurations whose window is shorter than a request's mean life (streams over the
+    sustained requests/s): their requests/s, TTFT and end-to-end times come from the few
+    requests that began or ended in the window (at 64 executors x 4,096 streams on 2 cores a
+    request lives about 27 s: a 10 s window saw no first token at all)."""
+    notes = []
+    for r in results:
+        if r.sustained_requests_per_s <= 0:
+            continue
+        life_s = r.concurrency / r.sustained_requests_per_s
+        if life_s > r.window_s:
+            notes.append(
+                f"{r.executors} executors x {r.concurrency} streams: a request lives ~{life_s:.0f} s, longer "
+                f"than the {r.window_s:.0f} s window: its req/s, TTFT and e2e come from the few requests "
+                f"that began or ended in it (--duration {math.ceil(2 * life_s)} or more sees whole lives)"
+            )
     return notes
 
 
