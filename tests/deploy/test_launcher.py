@@ -53,8 +53,9 @@ def test_children_run_grpc_as_npuserve_sets_it_unless_the_operator_set_it(
         READY
         + f"write_ready_file(Path(sys.argv[2]), {{'env': [os.environ.get(n) for n in {names!r}]}}); time.sleep(60)"
     )
-    for preset, expected in ((None, ["0", GRPC_IO_EXPERIMENTS]), ("1", ["1", "1"])):
-        for name in names:
+    # The operator's own: fork handlers on, gRPC's default experiments (an empty list).
+    for presets, expected in (((None, None), ["0", GRPC_IO_EXPERIMENTS]), (("1", ""), ["1", ""])):
+        for name, preset in zip(names, presets, strict=True):
             if preset is None:
                 monkeypatch.delenv(name, raising=False)
             else:
