@@ -19,6 +19,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, SchedulerConfig
+from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, parse_num_scheduler_steps
 
 
 def _scheduler_config(
@@ -162,12 +163,14 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             "num_scheduler_steps",
             "--num-scheduler-steps",
             {
-                "type": int,
+                "type": parse_num_scheduler_steps,
                 "default": 1,
+                "metavar": "{N,auto}",
                 "help": "multi-step decoding: each step runs up to this many forward passes for the "
                 "sequences that sample in it, a token each, so the scheduler's per-step costs are paid "
                 "once for them; new requests wait for the executor's current step, and over the step "
-                "stream get their first token after their own pass",
+                "stream get their first token after their own pass. auto: one pass while the executor "
+                f"keeps busy, up to {AUTO_MAX_PASSES} for each executor that waits on the scheduler",
             },
         ),
         Flag(

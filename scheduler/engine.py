@@ -31,6 +31,7 @@ from npuserve.scheduler.request import InvalidRequestError, Request, RequestStat
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import WORKER_START_TIMEOUT_S, RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import Grammar, GrammarCompiler
@@ -110,16 +111,19 @@ class EngineConfig:
     trust_request_chat_template: bool = False  # render chat templates that clients send
     async_scheduling: bool = False  # schedule each step while the executor runs the one before
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first (`RequestStream`)
-    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
+    # Passes per step of a sampling request (multi-step decoding); `AUTO_SCHEDULER_STEPS`: each
+    # executor's lane chooses them (`step_passes`).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
-        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+        steps = self.num_scheduler_steps
+        if steps != AUTO_SCHEDULER_STEPS and not 1 <= steps <= MAX_SCHEDULER_STEPS:
             raise ValueError(
-                f"--num-scheduler-steps must be within 1..{MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}"
+                f"--num-scheduler-steps must be auto or within 1..{MAX_SCHEDULER_STEPS}, got {steps}"
             )
 
 

@@ -23,6 +23,7 @@ from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 from npuserve.scheduler.block_hash import BlockHash
 from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, StepStats
+from npuserve.scheduler.step_passes import PassController
 
 log = structlog.get_logger(__name__)
 
@@ -156,6 +157,9 @@ class ExecutorLane:
         # The executor's seconds per forward pass, over the multi-pass steps that landed back
         # to back (an average that moves with the batch): when their next step is due.
         self.pass_seconds = 0.0
+        # `--num-scheduler-steps auto`: the passes per step, from how long the executor waits.
+        self.passes = PassController() if scheduler.config.auto_passes else None
+        self._had_work = False  # the lane had work when its last step landed
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -366,6 +370,11 @@ class ExecutorLane:
         now = time.perf_counter()
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
+        if self.passes is not None:
+            if self._had_work:  # landed right after the one before: the executor's time between
+                passes = self.passes.observe(result.timings.total_s, now - self._last_landed, now)
+                self.scheduler.config.num_scheduler_steps = passes
+            self._had_work = self.scheduler.has_work()
         self._last_landed = now
         passes = step.plan.num_passes
         if passes > 1:

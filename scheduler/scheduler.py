@@ -25,6 +25,7 @@ from npuserve.proto.step_plan import (
 )
 from npuserve.scheduler.kv_cache_manager import KVCacheManager
 from npuserve.scheduler.request import Request, RequestStatus
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.structured import advance_masks, step_bitmask
 
 
@@ -39,6 +40,8 @@ class SchedulerConfig:
     # Multi-step decoding (vLLM's --num-scheduler-steps): a request that samples in a step runs
     # up to this many passes in it, one token each, so every per-step cost is paid once for them.
     num_scheduler_steps: int = 1
+    # `--num-scheduler-steps auto`: the lane sets `num_scheduler_steps` as it goes (`step_passes`).
+    auto_passes: bool = False
     # The executor answers the requests that run only a step's first pass (the ones it admits)
     # as soon as that pass is done (`early_results`, over the step stream): a step that admits
     # requests then runs every pass for the running ones; otherwise it runs one pass.
@@ -52,7 +55,9 @@ class SchedulerConfig:
         num_scheduler_steps: int = 1,
         early_first_tokens: bool = False,
     ) -> SchedulerConfig:
-        """Scheduling within what an executor reported in its capacity handshake."""
+        """Scheduling within what an executor reported in its capacity handshake;
+        ``num_scheduler_steps`` may be `AUTO_SCHEDULER_STEPS` (one pass to start with)."""
+        auto_passes = num_scheduler_steps == AUTO_SCHEDULER_STEPS
         return cls(
             num_blocks=info.num_blocks,
             block_size=info.block_size,
@@ -60,7 +65,8 @@ class SchedulerConfig:
             max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=info.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=num_scheduler_steps,
+            num_scheduler_steps=1 if auto_passes else num_scheduler_steps,
+            auto_passes=auto_passes,
             early_first_tokens=early_first_tokens,
         )
 

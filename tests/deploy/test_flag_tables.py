@@ -18,6 +18,7 @@ from npuserve.executor.parallel import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
 from npuserve.scheduler.service_config import SchedulerConfig
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 
 def parse(command: str, *flags: str):
@@ -71,6 +72,11 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SCHEDULER.from_args(parse("scheduler", *flags)) == config
     default = SCHEDULER.default(model="/models/m", executors=["h:1"])
     assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(default))) == default
+    auto = SCHEDULER.from_args(
+        parse("scheduler", "--model", "m", "--executors", "h:1", "--num-scheduler-steps", "auto")
+    )
+    assert auto.num_scheduler_steps == AUTO_SCHEDULER_STEPS
+    assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(auto))) == auto
 
 
 @pytest.mark.parametrize(("flags", "async_scheduling"), [((), None), (("--async-scheduling",), True), (("--no-async-scheduling",), False)])  # fmt: skip

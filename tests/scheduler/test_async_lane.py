@@ -18,6 +18,7 @@ from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
 
 def _request(req_id: str) -> Request:
@@ -190,3 +191,58 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
         await _close_after_generating(lane, runner, a, b)
 
     _run_against(running, run)
+
+
+def _run_auto_passes(pass_s: float, async_scheduling: bool, room_wait_s: float, max_tokens: int) -> list[int]:
+    """One request on a lane under `--num-scheduler-steps auto` against an executor whose passes
+    take ``pass_s``; the lane waits ``room_wait_s`` for room before each step (as it does behind
+    a front that is behind). Returns the tokens of each landed step (its passes); the request's
+    tokens are the executor's, and the lane closes idle."""
+    runner, running = _paced_executor(pass_s=pass_s, num_blocks=128)
+    tokens_per_step: list[int] = []
+
+    def landed(event: LaneEvent) -> bool:
+        if event.stats is not None and event.updates:
+            tokens_per_step.append(len(event.updates[0].new_token_ids))
+        return False
+
+    async def run() -> None:
+        async def room() -> bool:
+            await asyncio.sleep(room_wait_s)
+            return True
+
+        client = _stream_client(running.address)
+        config = SchedulerConfig.for_executor(
+            runner.info(), num_scheduler_steps=AUTO_SCHEDULER_STEPS, early_first_tokens=True
+        )
+        assert config.auto_passes and config.num_scheduler_steps == 1
+        lane = AsyncExecutorLane("e0", client, Scheduler(config), _Events(landed), async_scheduling, room)
+        lane.start()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        request = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 512, 4)
+        lane.submit([request])
+        for _ in range(3000):  # NOTE: bounded: at most 30 s
+            if request.status.is_finished:
+                break
+            await asyncio.sleep(0.01)
+        await _close_after_generating(lane, runner, request)
+
+    _run_against(running, run)
+    return tokens_per_step
+
+
+def test_auto_passes_rise_while_the_executor_waits_on_the_scheduler() -> None:
+    """`--num-scheduler-steps auto`: an executor whose 1 ms passes wait 20 ms for each step (the
+    lane held back, as behind a front that is behind) is given more passes a step, up to the cap;
+    the tokens are the executor's as with one pass."""
+    tokens_per_step = _run_auto_passes(pass_s=0.001, async_scheduling=False, room_wait_s=0.02, max_tokens=200)
+    assert tokens_per_step[0] == 1  # one pass to start with
+    assert max(tokens_per_step) == AUTO_MAX_PASSES, tokens_per_step
+    assert tokens_per_step[-2] == AUTO_MAX_PASSES, tokens_per_step  # and it stays there (the last: the rest)
+
+
+def test_auto_passes_stay_at_one_while_the_executor_keeps_busy() -> None:
+    """An executor whose 100 ms passes the lane keeps fed (async scheduling, room at once) never
+    waits long on the scheduler: every step is one pass, vLLM's behaviour."""
+    tokens_per_step = _run_auto_passes(pass_s=0.1, async_scheduling=True, room_wait_s=0.0, max_tokens=24)
+    assert tokens_per_step == [1] * 24

@@ -21,6 +21,7 @@ from npuserve.scheduler.engine import (
     QueueFullError,
 )
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.tokenizer import Tokenizer
 
 
@@ -28,13 +29,13 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 7) % 500 + 3 for i in range(n)]
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4, AUTO_SCHEDULER_STEPS])
 def test_concurrent_requests_stream_their_tokens_to_completion(
     tokenizer: Tokenizer, num_scheduler_steps: int
 ) -> None:
     """Six requests over two executors: each streams exactly its tokens, in order, then "length"
     with its usage; the prompt comes with the first output; both executors take work. With
-    `--num-scheduler-steps 4` the same tokens come, several a step."""
+    `--num-scheduler-steps 4` the same tokens come, several a step, and with `auto` too."""
 
     async def scenario() -> None:
         async with simulated_engine(
@@ -89,9 +90,13 @@ def test_a_stream_interval_groups_each_streams_tokens(tokenizer: Tokenizer) -> N
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="--stream-interval"):
         EngineConfig("m", stream_interval=0)
-    for num_steps in (0, MAX_SCHEDULER_STEPS + 1):
+    for num_steps in (-1, MAX_SCHEDULER_STEPS + 1):
         with pytest.raises(ValueError, match="--num-scheduler-steps"):
             EngineConfig("m", num_scheduler_steps=num_steps)
+    assert (
+        EngineConfig("m", num_scheduler_steps=AUTO_SCHEDULER_STEPS).num_scheduler_steps
+        == AUTO_SCHEDULER_STEPS
+    )
 
 
 def test_siblings_of_an_n_request_run_on_one_executor(tokenizer: Tokenizer) -> None:
