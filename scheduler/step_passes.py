@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 AUTO_SCHEDULER_STEPS = 0  # the config value of `--num-scheduler-steps auto`
-AUTO_MAX_PASSES = 8
+AUTO_MAX_PASSES = 16
 RAISE_BELOW = 0.75  # the executor's busy share of the time between landings below which passes double
 LOWER_ABOVE = 0.95  # ... above which half as many are tried
 DECISION_MIN_S = 0.25  # a decision looks at this much time between landings, at least

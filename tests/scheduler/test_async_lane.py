@@ -235,7 +235,7 @@ def test_auto_passes_rise_while_the_executor_waits_on_the_scheduler() -> None:
     """`--num-scheduler-steps auto`: an executor whose 1 ms passes wait 20 ms for each step (the
     lane held back, as behind a front that is behind) is given more passes a step, up to the cap;
     the tokens are the executor's as with one pass."""
-    tokens_per_step = _run_auto_passes(pass_s=0.001, async_scheduling=False, room_wait_s=0.02, max_tokens=200)
+    tokens_per_step = _run_auto_passes(pass_s=0.001, async_scheduling=False, room_wait_s=0.02, max_tokens=400)
     assert tokens_per_step[0] == 1  # one pass to start with
     assert max(tokens_per_step) == AUTO_MAX_PASSES, tokens_per_step
     assert tokens_per_step[-2] == AUTO_MAX_PASSES, tokens_per_step  # and it stays there (the last: the rest)

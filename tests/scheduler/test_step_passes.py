@@ -40,9 +40,9 @@ def test_an_executor_that_keeps_busy_stays_at_one_pass() -> None:
 def test_passes_double_up_to_the_cap_while_the_executor_waits() -> None:
     controller = PassController()
     seen = [_decide(controller, 0.3, float(second)) for second in range(6)]
-    assert seen == [2, 4, 8, 8, 8, 8] and AUTO_MAX_PASSES == 8
+    assert seen == [2, 4, 8, 16, 16, 16] and AUTO_MAX_PASSES == 16
     # Between the thresholds nothing changes.
-    assert _decide(controller, 0.85, 7.0) == 8
+    assert _decide(controller, 0.85, 7.0) == AUTO_MAX_PASSES
 
 
 def test_fewer_passes_are_tried_when_the_executor_is_saturated_and_a_failed_try_backs_off() -> None:
@@ -59,6 +59,15 @@ def test_fewer_passes_are_tried_when_the_executor_is_saturated_and_a_failed_try_
     assert _decide(controller, 0.99, 20.0) == 2
     assert _decide(controller, 0.99, 20.1) == 1
     assert _decide(controller, 0.99, 20.2) == 1
+    # Failures in a row wait twice as long each time.
+    for second in range(3):
+        _decide(controller, 0.3, 30.0 + second)
+    assert _decide(controller, 0.99, 40.0) == 4
+    assert _decide(controller, 0.5, 40.5) == 8
+    assert _decide(controller, 0.99, 40.5 + 2 * PROBE_BACKOFF_S) == 4
+    assert _decide(controller, 0.5, 45.0) == 8
+    assert _decide(controller, 0.99, 45.0 + 4 * PROBE_BACKOFF_S - 0.1) == 8
+    assert _decide(controller, 0.99, 45.0 + 4 * PROBE_BACKOFF_S) == 4
 
 
 def test_a_decision_needs_enough_steps_and_time() -> None:
