@@ -373,7 +373,9 @@ class ExecutorLane:
         if self.passes is not None:
             if self._had_work:  # landed right after the one before: the executor's time between
                 passes = self.passes.observe(result.timings.total_s, now - self._last_landed, now)
-                self.scheduler.config.num_scheduler_steps = passes
+                if passes != self.scheduler.config.num_scheduler_steps:
+                    log.debug("passes per step", executor=self.executor_id, passes=passes)
+                    self.scheduler.config.num_scheduler_steps = passes
             self._had_work = self.scheduler.has_work()
         self._last_landed = now
         passes = step.plan.num_passes
