@@ -158,7 +158,7 @@ class ExecutorLane:
         # to back (an average that moves with the batch): when their next step is due.
         self.pass_seconds = 0.0
         # `--num-scheduler-steps auto`: the passes per step, from how long the executor waits.
-        self.passes = PassController() if scheduler.config.auto_passes else None
+        self.pass_controller = PassController() if scheduler.config.auto_passes else None
         self._had_work = False  # the lane had work when its last step landed
 
     # -- called from any thread -----------------------------------------------------------------
@@ -370,12 +370,12 @@ class ExecutorLane:
         now = time.perf_counter()
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
-        if self.passes is not None:
+        if self.pass_controller is not None:
             if self._had_work:  # landed right after the one before: the executor's time between
-                passes = self.passes.observe(result.timings.total_s, now - self._last_landed, now)
-                if passes != self.scheduler.config.num_scheduler_steps:
-                    log.debug("passes per step", executor=self.executor_id, passes=passes)
-                    self.scheduler.config.num_scheduler_steps = passes
+                chosen = self.pass_controller.observe(result.timings.total_s, now - self._last_landed, now)
+                if chosen != self.scheduler.config.num_scheduler_steps:
+                    log.debug("passes per step", executor=self.executor_id, passes=chosen)
+                    self.scheduler.config.num_scheduler_steps = chosen
             self._had_work = self.scheduler.has_work()
         self._last_landed = now
         passes = step.plan.num_passes
