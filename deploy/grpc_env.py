@@ -1,9 +1,10 @@
 """gRPC's environment in npuserve's processes: set before gRPC starts in a process, inherited
 by every process it starts. An operator's own setting of either variable is kept.
 
-* No fork handlers (`GRPC_ENABLE_FORK_SUPPORT=0`): gRPC's own restart its pollers in a forked
-  child, where they can die on the file descriptors `close_fds` closes before exec (SIGABRT,
-  "epoll_wait error: Bad file descriptor": 2 of 1,500 launches with threads in gRPC calls).
+* No fork handlers (`GRPC_ENABLE_FORK_SUPPORT=0`): gRPC's own fork handlers restart its pollers
+  in a forked child, where they can die on the file descriptors `close_fds` closes before exec
+  (SIGABRT, "epoll_wait error: Bad file descriptor": 2 of 1,500 launches with threads in gRPC
+  calls).
   npuserve never uses gRPC across a fork (children exec, or are spawned).
 * gRPC core's older I/O stack for clients and servers (`GRPC_EXPERIMENTS`, the EventEngine's
   client and listener turned off; grpcio 1.85 turns them on by default). Under the EventEngine a

@@ -31,7 +31,7 @@ from npuserve.scheduler.request import InvalidRequestError, Request, RequestStat
 from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.step_passes import check_num_scheduler_steps
 from npuserve.scheduler.step_worker import LaneSettings
 from npuserve.scheduler.step_workers import WORKER_START_TIMEOUT_S, RemoteLane, StepWorkerPool, WorkerHandle
 from npuserve.scheduler.structured import Grammar, GrammarCompiler
@@ -97,11 +97,6 @@ class QueueFullError(RuntimeError):
     """More requests wait than --max-queued-requests allows (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
-# The most passes one step may run for a request (`--num-scheduler-steps`): a new request waits
-# for its executor's current step, so more would add to its time to first token.
-MAX_SCHEDULER_STEPS = 32
-
-
 @dataclass(slots=True)
 class EngineConfig:
     served_model_name: str
@@ -120,11 +115,7 @@ class EngineConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
-        steps = self.num_scheduler_steps
-        if steps != AUTO_SCHEDULER_STEPS and not 1 <= steps <= MAX_SCHEDULER_STEPS:
-            raise ValueError(
-                f"--num-scheduler-steps must be auto or within 1..{MAX_SCHEDULER_STEPS}, got {steps}"
-            )
+        check_num_scheduler_steps(self.num_scheduler_steps)
 
 
 class NoExecutorError(RuntimeError):

@@ -23,6 +23,9 @@ from __future__ import annotations
 import argparse
 
 AUTO_SCHEDULER_STEPS = 0  # the config value of `--num-scheduler-steps auto`
+# The most passes one step may run for a request (`--num-scheduler-steps N`): a new request waits
+# for its executor's current step, so more would add to its time to first token.
+MAX_SCHEDULER_STEPS = 32
 AUTO_MAX_PASSES = 16
 RAISE_BELOW = 0.75  # the executor's busy share of the time between landings below which passes double
 LOWER_ABOVE = 0.95  # ... above which half as many are tried
@@ -42,11 +45,18 @@ def parse_num_scheduler_steps(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of passes or 'auto', got {text!r}") from None
 
 
+def check_num_scheduler_steps(steps: int) -> None:
+    """ValueError unless ``steps`` is `AUTO_SCHEDULER_STEPS` or 1..`MAX_SCHEDULER_STEPS`."""
+    if steps != AUTO_SCHEDULER_STEPS and not 1 <= steps <= MAX_SCHEDULER_STEPS:
+        raise ValueError(
+            f"--num-scheduler-steps must be auto or within 1..{MAX_SCHEDULER_STEPS}, got {steps}"
+        )
+
+
 class PassController:
     """One lane's passes per step under `--num-scheduler-steps auto` (see the module)."""
 
-    def __init__(self, max_passes: int = AUTO_MAX_PASSES) -> None:
-        self.max_passes = max_passes
+    def __init__(self) -> None:
         self.passes = 1
         self._busy_s = 0.0
         self._span_s = 0.0
@@ -77,7 +87,7 @@ class PassController:
             if probing:  # fewer passes left the executor waiting: try again later, and later
                 self._probe_backoff_s = min(2 * self._probe_backoff_s, MAX_PROBE_BACKOFF_S)
                 self._next_probe_at = now + self._probe_backoff_s
-            self.passes = min(2 * self.passes, self.max_passes)
+            self.passes = min(2 * self.passes, AUTO_MAX_PASSES)
             return
         if probing:
             self._probe_backoff_s = PROBE_BACKOFF_S  # fewer were enough

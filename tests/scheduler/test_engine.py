@@ -13,7 +13,6 @@ from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.engine import (
-    MAX_SCHEDULER_STEPS,
     EngineConfig,
     ModelNotFoundError,
     NoExecutorError,
@@ -21,7 +20,7 @@ from npuserve.scheduler.engine import (
     QueueFullError,
 )
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS, MAX_SCHEDULER_STEPS
 from npuserve.scheduler.tokenizer import Tokenizer
 
 
