@@ -150,6 +150,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # drains them in order.
     # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
     executor_flags = [*EXECUTOR.forward(args), *serve_parallel_flags(args), *common]
+    if args.cpu_threads is None:  # NOTE: a core for the scheduler and the gateway, if it costs little
+        executor_flags += ["--cpu-threads", "auto"]
 
     def executor_args(port: int) -> list[str]:
         return ["executor", *executor_flags, "--port", str(port)]

@@ -15,6 +15,9 @@ when no other task in its group wants one, so any CPU-bound work sharing serve's
 generator, a build) starves it. With two busy loops in serve's session a 64-token completion took
 23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0 (README).
 
+Executors there also leave a core to the control plane where that costs their model little
+(`npuserve serve` gives them `--cpu-threads auto`: `npuserve.executor.cpu_threads`).
+
 NOTE: Linux shares the CPU between sessions first (autogroups), and a priority counts only
 within its session: serve keeps every child in serve's session (`Launcher`'s process groups).
 """

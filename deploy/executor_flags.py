@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.flag_table import Flag, FlagTable
+from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto
 from npuserve.deploy.flags import (
     add_allow_unauthenticated_flag,
     add_cluster_token_flag,
@@ -25,6 +25,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
 if TYPE_CHECKING:
@@ -101,6 +102,17 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
                 "action": argparse.BooleanOptionalAction,
                 "default": True,
                 "help": "run warm-up steps before reporting ready (--no-warmup: the first requests run slower)",
+            },
+        ),
+        Flag(
+            "cpu_threads",
+            "--cpu-threads",
+            {
+                "type": count_or_auto("threads", AUTO_CPU_THREADS),
+                "metavar": "{N,auto}",
+                "help": "torch threads where the model computes on the CPU (default: one per core; "
+                "auto, which `npuserve serve` gives: one fewer when a decode step then takes at most "
+                "10%% longer)",
             },
         ),
         Flag(

@@ -36,6 +36,20 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
 
+def count_or_auto(what: str, auto: int) -> Callable[[str], int]:
+    """An argparse type: ``auto`` (any case) -> ``auto``, else a number of ``what``."""
+
+    def parse(text: str) -> int:
+        if text.strip().lower() == "auto":
+            return auto
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what} or 'auto', got {text!r}") from None
+
+    return parse
+
+
 def csv(kind: type) -> Callable[[str], tuple]:
     """An argparse type: a comma list of ``kind``, as a tuple."""
 

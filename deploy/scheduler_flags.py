@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.flag_table import Flag, FlagTable, csv
+from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto, csv
 from npuserve.deploy.flags import (
     API_KEY_OPTIONS,
     CLUSTER_TOKEN_OPTIONS,
@@ -19,7 +19,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, SchedulerConfig
-from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, parse_num_scheduler_steps
+from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
 
 def _scheduler_config(
@@ -163,7 +163,7 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             "num_scheduler_steps",
             "--num-scheduler-steps",
             {
-                "type": parse_num_scheduler_steps,
+                "type": count_or_auto("passes", AUTO_SCHEDULER_STEPS),
                 "default": 1,
                 "metavar": "{N,auto}",
                 "help": "multi-step decoding: each step runs up to this many forward passes for the "

@@ -223,10 +223,16 @@ class ExecutorConfig:
     seed: int = 0
     warmup: bool = True  # dummy steps before serving, so the first requests are not the slow ones
     profile_dir: Path | None = None  # None: profiling refused; else traces are written there
+    # Torch's threads where the model computes on the host's CPU (the cpu device, or the npu
+    # backend emulated on it): a number, `AUTO_CPU_THREADS` (`cpu_threads`: chosen after the
+    # warm-up) or None (torch's own, one per core). Ignored on a device.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
             raise ConfigError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise ConfigError(f"--cpu-threads must be auto or >= 1, got {self.cpu_threads}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

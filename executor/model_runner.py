@@ -70,6 +70,8 @@ class ModelRunner:
         # an emulated NPU).
         self.target = resolve_target(config.device)
         self.device = self.target.device
+        if config.cpu_threads and self.device.type == "cpu":  # NOTE: 0 is auto (`cpu_threads`)
+            torch.set_num_threads(config.cpu_threads)  # NOTE: the process's, for every runner in it
         is_npu = self.target.kind == "npu"
         self.block_size = config.block_size or (NPU_BLOCK_SIZE if is_npu else 16)
         if is_npu:

@@ -46,6 +46,7 @@ import structlog
 from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
+from npuserve.executor.cpu_threads import AUTO_CPU_THREADS, choose_cpu_threads
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
@@ -513,6 +514,13 @@ def serve_executor(
     runner = leader or ModelRunner(config)
     if config.warmup:
         warm_up(runner)
+    # NOTE: a tensor-parallel group's ranks would each time their share alone: it keeps torch's.
+    if (
+        config.cpu_threads == AUTO_CPU_THREADS
+        and isinstance(runner, ModelRunner)
+        and runner.device.type == "cpu"
+    ):
+        choose_cpu_threads(runner)
     running = start_executor_server(
         runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
     )

@@ -87,8 +87,12 @@ def warmup_steps(info: ExecutorInfo) -> list[list[WarmupRequest]]:
     return [step for step in steps if step]
 
 
-def _plans(info: ExecutorInfo, steps: list[list[WarmupRequest]]) -> Iterator[StepPlan]:
-    step_ids = itertools.count(-1, -1)
+def warmup_plans(
+    info: ExecutorInfo, steps: list[list[WarmupRequest]], first_step_id: int = -1
+) -> Iterator[StepPlan]:
+    """The plans of ``steps`` (step ids counting down from ``first_step_id``), then one that
+    drops every request they admitted."""
+    step_ids = itertools.count(first_step_id, -1)
     finished: list[str] = []
     for index, requests in enumerate(steps):
         block_ids = itertools.count(1)
@@ -116,7 +120,7 @@ def warm_up(runner: PlanRunner) -> float:
     info = runner.info()
     steps = warmup_steps(info)
     start = time.perf_counter()
-    for plan in _plans(info, steps):
+    for plan in warmup_plans(info, steps):
         runner.execute(plan)
     seconds = time.perf_counter() - start
     log.info(

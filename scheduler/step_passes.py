@@ -20,8 +20,6 @@ behaviour.
 
 from __future__ import annotations
 
-import argparse
-
 AUTO_SCHEDULER_STEPS = 0  # the config value of `--num-scheduler-steps auto`
 # The most passes one step may run for a request (`--num-scheduler-steps N`): a new request waits
 # for its executor's current step, so more would add to its time to first token.
@@ -33,16 +31,6 @@ DECISION_MIN_S = 0.25  # a decision looks at this much time between landings, at
 DECISION_MIN_STEPS = 4  # ... and at this many steps
 PROBE_BACKOFF_S = 2.0  # the wait before trying fewer passes again, after a try that failed
 MAX_PROBE_BACKOFF_S = 60.0
-
-
-def parse_num_scheduler_steps(text: str) -> int:
-    """The flag's value: ``auto`` (or 0) -> `AUTO_SCHEDULER_STEPS`, else a number of passes."""
-    if text.strip().lower() == "auto":
-        return AUTO_SCHEDULER_STEPS
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of passes or 'auto', got {text!r}") from None
 
 
 def check_num_scheduler_steps(steps: int) -> None:

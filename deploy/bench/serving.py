@@ -35,6 +35,7 @@ from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
+from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
@@ -277,6 +278,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> ServerSpec:
     """Executor and scheduler flags equal to the offline engine's configuration."""
     executor = EXECUTOR.from_args(args, model=model, load_format=load_format)
+    if executor.cpu_threads is None:  # NOTE: as `npuserve serve` runs them
+        executor.cpu_threads = AUTO_CPU_THREADS
     passed_on = {name: getattr(args, name) for name in BENCH_FIELDS}
     passed_on["step_transport"] = variant.step_transport  # the variant's, which the flag sets
     scheduler = SCHEDULER.default(

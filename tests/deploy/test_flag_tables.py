@@ -14,6 +14,7 @@ from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, REGISTRY, paralle
 from npuserve.deploy.flags import CLUSTER_TOKEN_ENV
 from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
 from npuserve.executor.config import ExecutorConfig
+from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.executor.parallel import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
@@ -29,6 +30,7 @@ def parse(command: str, *flags: str):
     "config",
     [
         ExecutorConfig(model="/models/m"),
+        ExecutorConfig(model="/models/m", cpu_threads=AUTO_CPU_THREADS),
         ExecutorConfig(
             model="/models/with space",
             device="cpu",
@@ -41,6 +43,7 @@ def parse(command: str, *flags: str):
             gpu_memory_utilization=0.5,
             load_format="dummy",
             seed=3,
+            cpu_threads=2,
         ),
     ],
 )
@@ -176,3 +179,22 @@ def test_serve_forwards_the_gateways_parser_flags_switches_included() -> None:
     assert settings.reasoning is REASONING_PARSERS["qwen3"]
     plain = gateway_flags(parser.parse_args(["serve"]))
     assert not any("tool" in flag or "reasoning" in flag for flag in plain)
+
+
+@pytest.mark.parametrize(
+    ("flags", "steps", "threads"),
+    [
+        (["--num-scheduler-steps", "auto", "--cpu-threads", "AUTO"], AUTO_SCHEDULER_STEPS, AUTO_CPU_THREADS),
+        (["--num-scheduler-steps", "8", "--cpu-threads", "3"], 8, 3),
+    ],
+)
+def test_counts_that_may_be_auto(flags: list[str], steps: int, threads: int) -> None:
+    args = parse("serve", *flags)
+    assert (args.num_scheduler_steps, args.cpu_threads) == (steps, threads)
+
+
+@pytest.mark.parametrize("flag", ["--num-scheduler-steps", "--cpu-threads"])
+def test_counts_that_may_be_auto_refuse_anything_else(flag: str) -> None:
+    with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
+        parse("serve", flag, "many")
+    assert "or 'auto', got 'many'" in err.getvalue()

@@ -146,6 +146,9 @@ def test_the_control_plane_yields_the_cores_to_executors_computing_on_them(serve
         assert thread_priorities(pid) == lower, pid
     assert thread_priorities(executor) == own
     assert {os.getsid(pid) for pid in (scheduler, gateway, executor)} == {os.getsid(serve_pid)}
+    # ... and a core, where the model can spare it (`cpu_threads`).
+    argv = Path(f"/proc/{executor}/cmdline").read_bytes().decode().split("\0")
+    assert argv[argv.index("--cpu-threads") + 1] == "auto"
 
 
 def test_cpu_bound_neighbours_slow_requests_by_a_share_of_the_cores_not_to_a_halt(served: Served) -> None:

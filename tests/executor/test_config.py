@@ -182,6 +182,7 @@ def test_max_model_len_defaults_and_sliding_window_limit(tmp_path: Path) -> None
         ({"block_size": 0}, "--block-size must be a positive multiple of 16, got 0"),
         ({"block_size": -16}, "--block-size must be a positive multiple of 16, got -16"),
         ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1, got 0"),
+        ({"cpu_threads": -1}, "--cpu-threads must be auto or >= 1, got -1"),
         ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens must be >= 1, got 0"),
         ({"kv_cache_memory_gib": 0.0}, "--kv-cache-memory must be > 0 GiB, got 0.0"),
         ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in (0, 1], got 1.5"),

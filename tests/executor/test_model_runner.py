@@ -406,3 +406,16 @@ def test_info_reports_capacity(stories_dir: Path) -> None:
     assert info.vocab_size == 512
     assert info.model == "stories260K" and info.architecture == "LlamaForCausalLM"
     assert info.tensor_parallel_size == 1
+
+
+def test_cpu_threads_set_the_processes_torch_threads_on_the_cpu(stories_dir: Path) -> None:
+    """``--cpu-threads``: how many threads torch computes with, where the model runs on the CPU
+    (`npuserve serve` gives executors one core fewer than the host's)."""
+    before = torch.get_num_threads()
+    try:
+        make_runner(stories_dir, device="cpu", cpu_threads=1)
+        assert torch.get_num_threads() == 1
+        make_runner(stories_dir, device="cpu")  # not given: left as it is
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

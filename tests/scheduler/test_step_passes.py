@@ -4,18 +4,12 @@ undone and retried later and later. Decisions are fed made-up step times; no clo
 
 from __future__ import annotations
 
-import argparse
-
-import pytest
-
 from npuserve.scheduler.step_passes import (
     AUTO_MAX_PASSES,
-    AUTO_SCHEDULER_STEPS,
     DECISION_MIN_S,
     DECISION_MIN_STEPS,
     PROBE_BACKOFF_S,
     PassController,
-    parse_num_scheduler_steps,
 )
 
 
@@ -86,13 +80,3 @@ def test_an_executor_without_timings_leaves_the_passes_as_they_are() -> None:
     for _ in range(100):
         controller.observe(0.0, 0.1, 0.0)
     assert controller.passes == 1
-
-
-@pytest.mark.parametrize(("text", "value"), [("auto", AUTO_SCHEDULER_STEPS), ("AUTO", 0), ("1", 1), ("8", 8)])
-def test_the_flag_takes_auto_or_a_number(text: str, value: int) -> None:
-    assert parse_num_scheduler_steps(text) == value
-
-
-def test_the_flag_refuses_anything_else() -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="'auto'"):
-        parse_num_scheduler_steps("many")
