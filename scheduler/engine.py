@@ -737,7 +737,13 @@ class Engine:
         m.kv_cache_usage.set(sum(lane.kv_usage for lane in lanes) / len(lanes) if lanes else 0.0)
         m.executors.refresh(
             [
-                ExecutorLoad(lane.executor_id, lane.num_running, lane.num_waiting, lane.kv_usage)
+                ExecutorLoad(
+                    lane.executor_id,
+                    lane.num_running,
+                    lane.num_waiting,
+                    lane.kv_usage,
+                    lane.num_scheduler_steps,
+                )
                 for lane in lanes
             ]
         )

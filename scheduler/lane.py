@@ -96,6 +96,11 @@ class Lane(Protocol):
     def num_running(self) -> int: ...
 
     @property
+    def num_scheduler_steps(self) -> int:
+        """The passes its steps run now (`--num-scheduler-steps`; under auto, the last choice)."""
+        ...
+
+    @property
     def num_used_blocks(self) -> int: ...
 
     @property
@@ -216,6 +221,10 @@ class ExecutorLane:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def num_scheduler_steps(self) -> int:
+        return self.scheduler.config.num_scheduler_steps
 
     @property
     def num_used_blocks(self) -> int:

@@ -28,6 +28,7 @@ class ExecutorLoad:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    num_scheduler_steps: int = 1  # the passes its steps run now (`--num-scheduler-steps`)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,11 @@ class ExecutorMetrics:
         )
         self.num_requests_running = gauge("num_requests_running", "Requests in the executor's batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for the executor.")
+        self.scheduler_steps = gauge(
+            "scheduler_steps",
+            "Forward passes a step of the executor runs for its decoding sequences (--num-scheduler-steps, "
+            "or what auto chose last).",
+        )
         self.step_seconds = Histogram("npuserve:executor_step_seconds", "Wall time of one step of the executor.",
                                       labels, buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
         self.prefix_cache_queries = counter(
@@ -81,7 +87,8 @@ class ExecutorMetrics:
         self.restarts = counter(
             "restarts", "Times the executor (by id or address) joined again after going down or restarting."
         )
-        self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting)
+        self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
+                        self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
                         self.restarts)  # fmt: skip
         self._executors: dict[str, _Executor] = {}  # those with series
@@ -141,6 +148,7 @@ class ExecutorMetrics:
             self.num_requests_running.labels(*labels).set(load.num_running)
             self.num_requests_waiting.labels(*labels).set(load.num_waiting)
             self.kv_cache_usage.labels(*labels).set(load.kv_cache_usage)
+            self.scheduler_steps.labels(*labels).set(load.num_scheduler_steps)
         for executor_id, executor in list(self._executors.items()):
             if executor_id in serving:
                 executor.departed_at = None

@@ -51,6 +51,7 @@ class LaneLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     has_work: bool = False  # a step to send, drops of finished requests included
+    num_scheduler_steps: int = 1  # the passes its steps run now
 
     def __reduce__(self) -> tuple[type[LaneLoad], tuple[object, ...]]:
         return LaneLoad, _LOAD_FIELDS(self)
@@ -87,7 +88,14 @@ _REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
 def lane_load(lane: ExecutorLane) -> LaneLoad:
     queries, hits = lane.prefix_stats
     return LaneLoad(
-        lane.num_waiting, lane.num_running, lane.num_used_blocks, lane.kv_usage, queries, hits, lane.has_work
+        lane.num_waiting,
+        lane.num_running,
+        lane.num_used_blocks,
+        lane.kv_usage,
+        queries,
+        hits,
+        lane.has_work,
+        lane.num_scheduler_steps,
     )
 
 

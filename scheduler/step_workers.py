@@ -80,6 +80,10 @@ class RemoteLane:
         return self.reported.num_running
 
     @property
+    def num_scheduler_steps(self) -> int:
+        return self.reported.num_scheduler_steps
+
+    @property
     def num_used_blocks(self) -> int:
         return self.reported.num_used_blocks
 

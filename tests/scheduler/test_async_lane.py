@@ -18,6 +18,7 @@ from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.request import Request, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.step_frames import lane_load
 from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
 
@@ -193,13 +194,17 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
     _run_against(running, run)
 
 
-def _run_auto_passes(pass_s: float, async_scheduling: bool, room_wait_s: float, max_tokens: int) -> list[int]:
+def _run_auto_passes(
+    pass_s: float, async_scheduling: bool, room_wait_s: float, max_tokens: int
+) -> tuple[list[int], int]:
     """One request on a lane under `--num-scheduler-steps auto` against an executor whose passes
     take ``pass_s``; the lane waits ``room_wait_s`` for room before each step (as it does behind
-    a front that is behind). Returns the tokens of each landed step (its passes); the request's
-    tokens are the executor's, and the lane closes idle."""
+    a front that is behind). Returns the tokens of each landed step (its passes) and the passes
+    the lane's report to the front gives last; the request's tokens are the executor's, and the
+    lane closes idle."""
     runner, running = _paced_executor(pass_s=pass_s, num_blocks=128)
     tokens_per_step: list[int] = []
+    reported: list[int] = []
 
     def landed(event: LaneEvent) -> bool:
         if event.stats is not None and event.updates:
@@ -225,17 +230,21 @@ def _run_auto_passes(pass_s: float, async_scheduling: bool, room_wait_s: float, 
             if request.status.is_finished:
                 break
             await asyncio.sleep(0.01)
+        reported.append(lane_load(lane).num_scheduler_steps)
         await _close_after_generating(lane, runner, request)
 
     _run_against(running, run)
-    return tokens_per_step
+    return tokens_per_step, reported[0]
 
 
 def test_auto_passes_rise_while_the_executor_waits_on_the_scheduler() -> None:
     """`--num-scheduler-steps auto`: an executor whose 1 ms passes wait 20 ms for each step (the
     lane held back, as behind a front that is behind) is given more passes a step, up to the cap;
     the tokens are the executor's as with one pass."""
-    tokens_per_step = _run_auto_passes(pass_s=0.001, async_scheduling=False, room_wait_s=0.02, max_tokens=400)
+    tokens_per_step, reported = _run_auto_passes(
+        pass_s=0.001, async_scheduling=False, room_wait_s=0.02, max_tokens=400
+    )
+    assert reported == AUTO_MAX_PASSES  # what the front's `npuserve:executor_scheduler_steps` shows
     assert tokens_per_step[0] == 1  # one pass to start with
     assert max(tokens_per_step) == AUTO_MAX_PASSES, tokens_per_step
     assert tokens_per_step[-2] == AUTO_MAX_PASSES, tokens_per_step  # and it stays there (the last: the rest)
@@ -244,5 +253,7 @@ def test_auto_passes_rise_while_the_executor_waits_on_the_scheduler() -> None:
 def test_auto_passes_stay_at_one_while_the_executor_keeps_busy() -> None:
     """An executor whose 100 ms passes the lane keeps fed (async scheduling, room at once) never
     waits long on the scheduler: every step is one pass, vLLM's behaviour."""
-    tokens_per_step = _run_auto_passes(pass_s=0.1, async_scheduling=True, room_wait_s=0.0, max_tokens=24)
-    assert tokens_per_step == [1] * 24
+    tokens_per_step, reported = _run_auto_passes(
+        pass_s=0.1, async_scheduling=True, room_wait_s=0.0, max_tokens=24
+    )
+    assert tokens_per_step == [1] * 24 and reported == 1

@@ -112,6 +112,7 @@ def test_per_executor_series_follow_the_lanes(tokenizer: Tokenizer) -> None:
             engine.refresh_gauges()
             after = samples(engine.metrics.render())
             assert after[("npuserve:executor_up", "e0")] == 1
+            assert after[("npuserve:executor_scheduler_steps", "e0")] == 1  # one pass a step: the default
             assert after[("npuserve:executor_restarts_total", "e0")] == 1
             assert after[("npuserve:executor_restarts_total", "e1")] == 0
             pools = await engine.prefix_cache_stats()
@@ -155,10 +156,11 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.joined("b", "10.0.0.2:50061")
     metrics.step("b", 0.01)
     metrics.prefix_cache("b", 8, 4)
-    metrics.refresh([ExecutorLoad("a", 2, 1, 0.5)])  # b is gone
+    metrics.refresh([ExecutorLoad("a", 2, 1, 0.5, 8)])  # b is gone
     series = executors_in(registry)
     assert series["npuserve:executor_up"] == {"a", "b"}  # b stays, at 0, for alerts to see
     assert metrics.up.labels(MODEL, "b")._value.get() == 0
+    assert metrics.scheduler_steps.labels(MODEL, "a")._value.get() == 8  # the passes a's steps run
     clock.now = DEPARTED_SERIES_TTL_S - 1
     metrics.refresh([ExecutorLoad("a", 2, 1, 0.5)])
     assert executors_in(registry)["npuserve:executor_step_seconds_count"] == {"a", "b"}

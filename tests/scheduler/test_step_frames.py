@@ -16,7 +16,7 @@ def test_a_report_crosses_the_pipe_unchanged() -> None:
         error="gone",
         stats=(1, 2, 3),
         step_seconds=0.25,
-        load=LaneLoad(1, 2, 3, 0.5, 64, 32, True),
+        load=LaneLoad(1, 2, 3, 0.5, 64, 32, True, 8),
         kv_events=[(True, b"h")],
         executor_draining=True,
     )
