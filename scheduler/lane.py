@@ -359,6 +359,7 @@ class ExecutorLane:
         when its executor is down (the lane went down with every request)."""
         later = list(self._in_flight)
         self._in_flight.clear()
+        self._had_work = False  # NOTE: the next step to land does not follow one that landed
         if executor_is_down(exc):
             self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
             return []

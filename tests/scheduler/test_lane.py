@@ -5,8 +5,10 @@ that fails either ends the step's requests (step failure) or hands every request
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 from harness.simulated_engine import SMALL, ControlledExecutor, PipelinedExecutor
@@ -16,6 +18,7 @@ from npuserve.executor.simulated import SimulatedRunner
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 EOS = SMALL.eos_token_ids
 
@@ -130,6 +133,34 @@ def test_a_failed_step_ends_its_requests_with_an_error() -> None:
         assert all(r.status == RequestStatus.FINISHED_ERROR for r in event.ended)
         assert event.error == "executor x failed: INTERNAL: injected failure"
         assert lane.alive  # one failed step does not take the executor out
+
+
+def test_a_failed_step_is_no_interval_of_the_executors_busy_time() -> None:
+    """Under `--num-scheduler-steps auto` the lane measures the executor's busy share between
+    steps that land back to back. A step that fails (here after hanging 1 s) tells nothing of
+    it, so the step after it does not follow a landing: no interval across the failure is
+    measured as the executor waiting."""
+    executor = ControlledExecutor(SimulatedRunner(SMALL), pause_at=1, fail_at=1, code="INTERNAL")
+    events = Events()
+    config = SchedulerConfig.for_executor(executor.info(), num_scheduler_steps=AUTO_SCHEDULER_STEPS)
+    lane = ExecutorLane("x", executor, Scheduler(config), events.on_event)
+    spans: list[float] = []
+    lane.pass_controller = SimpleNamespace(observe=lambda busy_s, span_s, now: spans.append(span_s) or 1)  # type: ignore[assignment]
+    lane.start()
+    try:
+        lane.submit([make_request("a", 6, 10)])
+        assert executor.paused.wait(timeout=10)  # its second step hangs
+        time.sleep(1.0)
+        executor.resume.set()
+        events.until(lambda e: e.ended)  # ... and fails
+        executor.fail_at = None
+        lane.submit([make_request("b", 6, 10)])
+        events.until(lambda e: any(u.finished for u in e.updates))
+        # b's steps, back to back (sub-millisecond here), and none across the hang
+        assert spans and max(spans) < 1.0, spans
+        lane.call(lambda s: s.check_integrity(expect_idle=True)).result(timeout=10)
+    finally:
+        lane.stop()
 
 
 def test_an_unreachable_executor_hands_every_request_back() -> None:
