@@ -41,11 +41,15 @@ from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
 ENGINE_FIELDS = (
     "device", "dtype", "load_format", "kv_cache_memory_gib", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "block_size",
+    "max_num_batched_tokens", "block_size", "cpu_threads",
 )  # fmt: skip
 ENGINE_FLAG_WORDING: dict[str, dict[str, Any]] = {
     "kv_cache_memory_gib": {"help": "KV cache GiB per executor"},
     "load_format": {"choices": ["auto", "safetensors", "dummy"]},
+    "cpu_threads": {
+        "help": "torch threads on the CPU, in process and in the gRPC variants' executors (default: "
+        "torch's in process, auto in the executors, as `npuserve serve` gives them)"
+    },
 }
 
 
