@@ -24,7 +24,7 @@ import time
 
 import structlog
 
-from npuserve.executor.warmup import PlanRunner, WarmupRequest, warmup_plans
+from npuserve.executor.warmup import PlanRunner, decode_step, warmup_plans
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +46,7 @@ def choose_cpu_threads(runner: PlanRunner) -> int:
     if fewer == threads:
         return threads
     info = runner.info()
-    batch = [WarmupRequest(max(1, min(info.block_size, info.max_model_len)), 1)]
-    batch *= max(1, min(TIMED_BATCH, info.max_num_seqs, info.num_blocks - 1))
+    batch = decode_step(info, TIMED_BATCH)
     best = {threads: float("inf"), fewer: float("inf")}
     step_id = FIRST_TIMING_STEP_ID
     for _ in range(TIMING_ROUNDS):

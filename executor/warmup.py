@@ -80,11 +80,17 @@ def warmup_steps(info: ExecutorInfo) -> list[list[WarmupRequest]]:
     on_cpu = computes_on_cpu(info.device)
     prefill = largest_prefill(info, CPU_MAX_PREFILL_TOKENS if on_cpu else None)
     steps = [[WarmupRequest(n, n) for n in prefill]]
-    context = max(1, min(info.block_size, info.max_model_len))  # one block per decode request
     sizes = decode_batch_sizes(info.max_num_seqs, info.num_blocks - 1)
     for size in sorted({sizes[0], sizes[-1]}) if on_cpu else sizes:
-        steps.append([WarmupRequest(context, 1)] * size)
+        steps.append(decode_step(info, size))
     return [step for step in steps if step]
+
+
+def decode_step(info: ExecutorInfo, size: int) -> list[WarmupRequest]:
+    """A decode step of ``size`` requests (no more than ``max_num_seqs`` or the blocks hold),
+    each one block of context with its last token scheduled."""
+    context = max(1, min(info.block_size, info.max_model_len))
+    return [WarmupRequest(context, 1)] * min(size, info.max_num_seqs, info.num_blocks - 1)
 
 
 def warmup_plans(

@@ -8,7 +8,6 @@ import queue
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 from harness.simulated_engine import SMALL, ControlledExecutor, PipelinedExecutor
@@ -18,7 +17,7 @@ from npuserve.executor.simulated import SimulatedRunner
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent, StepExecutor
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS, PassController
 
 EOS = SMALL.eos_token_ids
 
@@ -145,7 +144,16 @@ def test_a_failed_step_is_no_interval_of_the_executors_busy_time() -> None:
     config = SchedulerConfig.for_executor(executor.info(), num_scheduler_steps=AUTO_SCHEDULER_STEPS)
     lane = ExecutorLane("x", executor, Scheduler(config), events.on_event)
     spans: list[float] = []
-    lane.pass_controller = SimpleNamespace(observe=lambda busy_s, span_s, now: spans.append(span_s) or 1)  # type: ignore[assignment]
+
+    class Watched(PassController):
+        """The controller the lane starts with, whose intervals this test sees."""
+
+        def observe(self, busy_s: float, span_s: float, now: float) -> int:
+            spans.append(span_s)
+            return super().observe(busy_s, span_s, now)
+
+    assert lane.pass_controller is not None
+    lane.pass_controller = Watched()
     lane.start()
     try:
         lane.submit([make_request("a", 6, 10)])
