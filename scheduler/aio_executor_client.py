@@ -25,7 +25,13 @@ from npuserve.proto import step_codec
 from npuserve.proto.auth import bearer_metadata
 from npuserve.proto.channel import aio_client_channel
 from npuserve.proto.step_plan import StepPlan, StepResult
-from npuserve.scheduler.executor_client import CHANNEL_OPTIONS, ClientSpec, ExecutorError, addressed_step
+from npuserve.scheduler.executor_client import (
+    CHANNEL_OPTIONS,
+    HEALTH_CHECK_TIMEOUT_S,
+    ClientSpec,
+    ExecutorError,
+    addressed_step,
+)
 
 
 def _error(exc: grpc.aio.AioRpcError) -> ExecutorError:
@@ -158,6 +164,17 @@ class AioExecutorClient:
 
     async def step(self, plan: StepPlan) -> StepResult:
         return await (await self.submit(plan)).result()
+
+    async def health(self) -> bool:
+        """True when the executor answers and serves; False when it is unreachable or stopping
+        (asked after a failed step: was that the executor's answer, or was it gone?)."""
+        try:
+            response = await self.stub.Health(
+                pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return response.serving
 
     def close_stream(self, stream: Any) -> None:
         """Ends ``stream`` if it is still the open one: the next step opens another."""

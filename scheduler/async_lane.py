@@ -17,7 +17,14 @@ from typing import cast
 
 from npuserve.proto.step_plan import StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lane import AsyncPendingStep, ExecutorLane, InFlightStep, LaneEvent
+from npuserve.scheduler.lane import (
+    AsyncPendingStep,
+    ExecutorLane,
+    InFlightStep,
+    LaneEvent,
+    down_reason,
+    executor_is_down,
+)
 from npuserve.scheduler.scheduler import Scheduler
 
 IDLE_WAIT_S = 0.5  # a lane with nothing to do looks at its commands this often anyway
@@ -161,7 +168,8 @@ class AsyncExecutorLane(ExecutorLane):
                 self._answered_early(step, result)
                 result = await pending.result()
         except Exception as exc:
-            later = self._failed(exc)
+            answers = not executor_is_down(exc) and await self.client.health()
+            later = self._failed(exc, down_reason(self.executor_id, exc, answers))
             for after in later:
                 with contextlib.suppress(Exception):
                     await cast(AsyncPendingStep, after.pending).result()

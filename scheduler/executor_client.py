@@ -31,6 +31,9 @@ from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 # NOTE: stopping a profile exports its trace, which takes long after a busy profile.
 PROFILE_EXPORT_TIMEOUT_S = 600.0
+# A health check (the scheduler's own, and after a failed step: `lane.down_reason`) waits this
+# long for an executor's answer: one that takes longer is not taken as serving.
+HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
 class ExecutorError(RuntimeError):
@@ -92,7 +95,7 @@ class ExecutorClient:
         """True when the executor answers and serves; False when it is unreachable or stopping."""
         try:
             return self._stub.Health(
-                pb.HealthRequest(), timeout=self.timeout_s, metadata=self._metadata
+                pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self._metadata
             ).serving
         except grpc.RpcError:
             return False

@@ -53,6 +53,21 @@ def executor_is_down(exc: Exception) -> bool:
     return getattr(exc, "code", None) in EXECUTOR_DOWN_CODES
 
 
+def down_reason(executor_id: str, exc: Exception, answers_health: bool) -> str | None:
+    """Why a failed step means its executor is gone (None: it failed this step's requests).
+
+    The status alone can say "gone" (`EXECUTOR_DOWN_CODES`), but not always when it is: a
+    stream whose executor was killed can end as INTERNAL from gRPC's own client (a write after
+    the connection broke replaces the stream's status with "Internal error from Core"). So any
+    other failure counts as the executor's answer only while it still answers `Health`
+    (``answers_health``: asked after the failure, unless its status already says gone)."""
+    if executor_is_down(exc):
+        return f"executor {executor_id} is unreachable: {exc}"
+    if not answers_health:
+        return f"executor {executor_id} is unreachable (a step failed with {exc}, and it answers no health check)"
+    return None
+
+
 @dataclass(slots=True)
 class LaneEvent:
     """Reported after every step, and when requests end or leave outside a step."""
@@ -346,7 +361,8 @@ class ExecutorLane:
         try:
             result = cast(PendingStep, step.pending).result()
         except Exception as exc:
-            later = self._failed(exc)
+            answers = not executor_is_down(exc) and _answers_health(self.executor)
+            later = self._failed(exc, down_reason(self.executor_id, exc, answers))
             for after in later:
                 with contextlib.suppress(Exception):
                     cast(PendingStep, after.pending).result()
@@ -354,14 +370,14 @@ class ExecutorLane:
             return
         self._landed(step, result)
 
-    def _failed(self, exc: Exception) -> list[InFlightStep]:
+    def _failed(self, exc: Exception, down: str | None) -> list[InFlightStep]:
         """A step failed: the steps sent after it (to drain before `_fail_steps`), or none
-        when its executor is down (the lane went down with every request)."""
+        when its executor is ``down`` (why: `down_reason`; the lane went down with every request)."""
         later = list(self._in_flight)
         self._in_flight.clear()
         self._had_work = False  # NOTE: the next step to land does not follow one that landed
-        if executor_is_down(exc):
-            self._go_down(f"executor {self.executor_id} is unreachable: {exc}")
+        if down is not None:
+            self._go_down(down)
             return []
         return later
 
@@ -400,6 +416,13 @@ class ExecutorLane:
                 updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
             ),
         )
+
+
+def _answers_health(executor: StepExecutor) -> bool:
+    try:
+        return executor.health()
+    except Exception:
+        return False
 
 
 class PendingStep(Protocol):

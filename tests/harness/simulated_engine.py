@@ -44,7 +44,9 @@ class ControlledExecutor(LocalExecutor):
     """A simulated executor whose steps after the first ``pause_at`` wait for `resume` (so a
     test can act while a request is surely mid-run), and whose steps after the first
     ``fail_at`` fail with the gRPC status ``code``, as the executor client reports it
-    (UNAVAILABLE: the executor is gone; INTERNAL: this step's requests failed)."""
+    (UNAVAILABLE: the executor is gone; INTERNAL: this step's requests failed, while it still
+    answers `health`; once ``answers_health`` is False, a killed executor's stream that
+    ended as INTERNAL)."""
 
     def __init__(
         self,
@@ -60,6 +62,10 @@ class ControlledExecutor(LocalExecutor):
         self.paused = threading.Event()  # set while a step waits for `resume`
         self.resume = threading.Event()
         self.draining = False  # what its step answers say (SIGTERM: no new requests for it)
+        self.answers_health = True
+
+    def health(self) -> bool:
+        return self.answers_health
 
     def step(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1

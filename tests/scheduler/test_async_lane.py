@@ -10,13 +10,16 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
+
 from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
+from npuserve.proto.step_plan import FirstPassAnswer, StepPlan, StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
 from npuserve.scheduler.executor_client import ExecutorClient
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
-from npuserve.scheduler.request import Request, SamplingParams
+from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import lane_load
 from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
@@ -106,6 +109,59 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
         assert lane._task is not None and lane._task.done()
 
     asyncio.run(run())
+
+
+class _FailingRunner(SimulatedRunner):
+    """A simulated runner whose third step fails as a device fault would (the executor answers
+    INTERNAL); with ``stops_serving``, its executor no longer serves from then on, as one that
+    is going away: its `Health` says so."""
+
+    def __init__(self, stops_serving: bool) -> None:
+        super().__init__(SimulatedConfig(num_blocks=16, block_size=4))
+        self.stops_serving = stops_serving
+        self.running: RunningExecutor | None = None
+        self.num_steps = 0
+
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+        self.num_steps += 1
+        if self.num_steps == 3:
+            if self.stops_serving and self.running is not None:
+                self.running.servicer.serving = False
+            raise RuntimeError("device lost")
+        return super().execute(plan, on_first_pass)
+
+
+@pytest.mark.parametrize("stops_serving", [False, True], ids=["still serving", "no longer serving"])
+def test_a_failed_step_fails_its_requests_only_while_the_executor_answers_health(stops_serving: bool) -> None:
+    """A step the executor fails (INTERNAL) ends its requests with an error while the executor
+    still serves; an executor that answers no health check after the failure is taken as gone
+    (a killed executor's stream can end as INTERNAL too): its requests are handed back."""
+    runner = _FailingRunner(stops_serving)
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+    runner.running = running
+
+    async def run() -> None:
+        on_event = _Events(lambda event: bool(event.ended or event.lane_down))
+        client = _stream_client(running.address)
+        lane = AsyncExecutorLane(
+            "e0", client, Scheduler(SchedulerConfig(num_blocks=16, block_size=4)), on_event, True, _room
+        )
+        lane.start()
+        lane.submit([_request("r1"), _request("r2")])
+        await asyncio.wait_for(on_event.woken.wait(), 30)
+        (event,) = [e for e in on_event.seen if e.ended or e.lane_down]
+        if stops_serving:
+            assert event.lane_down and not event.ended and not lane.alive
+            assert sorted(r.req_id for r in event.evacuated) == ["r1", "r2"]
+            assert "answers no health check" in (event.error or "")
+        else:
+            assert sorted(r.req_id for r in event.ended) == ["r1", "r2"] and not event.lane_down
+            assert all(r.status == RequestStatus.FINISHED_ERROR for r in event.ended)
+            assert "device lost" in (event.error or "") and lane.alive
+        await lane.aclose(5)
+        lane.scheduler.check_integrity(expect_idle=True)
+
+    _run_against(running, run)
 
 
 def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_step_lands() -> None:

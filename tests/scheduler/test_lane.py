@@ -190,6 +190,21 @@ def test_an_unreachable_executor_hands_every_request_back() -> None:
         assert [r.req_id for r in late.evacuated] == ["late"] and not late.lane_down
 
 
+def test_a_failed_step_of_an_executor_that_answers_no_health_check_takes_the_lane_down() -> None:
+    """A killed executor's step stream can end as INTERNAL (gRPC's client reports a write after
+    the connection broke so): not the executor failing the step's requests, since it no longer
+    answers. Its requests are handed back with their tokens, none ends in an error."""
+    executor = ControlledExecutor(SimulatedRunner(SMALL), fail_at=2, code="INTERNAL")
+    executor.answers_health = False
+    with running_lane(executor) as (lane, events):
+        lane.submit([make_request("a", 6, 10), make_request("b", 10, 10)])
+        event = events.until(lambda e: e.lane_down or e.ended)[-1]
+        assert event.lane_down and not event.ended
+        assert sorted(r.req_id for r in event.evacuated) == ["a", "b"]
+        assert all(r.num_output_tokens == 2 for r in event.evacuated)
+        assert lane.down_reason is not None and "answers no health check" in lane.down_reason
+
+
 def test_take_down_hands_every_request_back() -> None:
     executor = ControlledExecutor(SimulatedRunner(SMALL), pause_at=1)
     with running_lane(executor) as (lane, events):
