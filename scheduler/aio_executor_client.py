@@ -172,7 +172,7 @@ class AioExecutorClient:
             response = await self.stub.Health(
                 pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self.metadata
             )
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # the second: a closed channel
             return False
         return response.serving
 

@@ -102,6 +102,22 @@ def test_an_executor_that_is_not_there_is_unavailable() -> None:
     asyncio.run(run())
 
 
+def test_health_says_whether_the_executor_answers_and_serves(executor: tuple[str, str]) -> None:
+    """Asked after a failed step (was it the executor's answer?): True from a serving executor,
+    False from an address where none listens and from a closed client."""
+
+    async def run() -> None:
+        client = _client(executor, "stream", 10)
+        assert await client.health()
+        await client.close()
+        assert not await client.health()
+        nobody = AioExecutorClient("127.0.0.1:1", "", True, 5)
+        assert not await nobody.health()
+        await nobody.close()
+
+    asyncio.run(run())
+
+
 def _two_request_plans(step_id: int) -> tuple[StepPlan, StepPlan]:
     """Request "a" admitted alone, then a step where it runs four passes and "b" is admitted."""
     greedy = SamplingOptions(temperature=0)
