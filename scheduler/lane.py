@@ -58,7 +58,7 @@ def down_reason(executor_id: str, exc: Exception, answers_health: bool) -> str |
 
     The status alone can say "gone" (`EXECUTOR_DOWN_CODES`), but not always when it is: a
     stream whose executor was killed can end as INTERNAL from gRPC's own client (a write after
-    the connection broke replaces the stream's status with "Internal error from Core"). So any
+    the connection broke replaces the stream's status: `generate_many.LOST_STATUS_DETAILS`). So any
     other failure counts as the executor's answer only while it still answers `Health`
     (``answers_health``: asked after the failure, unless its status already says gone)."""
     if executor_is_down(exc):
