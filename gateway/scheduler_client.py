@@ -8,10 +8,13 @@ in the client's).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 from typing import Any
 
 import grpc
+import structlog
 
 from npuserve.gateway import convert
 from npuserve.gateway.convert import HealthInfo, ModelInfo, TokenizeResult, Update
@@ -29,7 +32,14 @@ from npuserve.proto.channel import (
 from npuserve.proto.error_details import error_field
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
 
+log = structlog.get_logger(__name__)
+
 SMALL_CALL_TIMEOUT_S = 10.0
+# How long a generation that got nothing waits for a scheduler that went away to come back (one
+# that `npuserve serve` or Kubernetes restarts is back in seconds) before it fails with 503; a
+# scheduler that has not answered for longer than this is down, and its generations fail at once.
+SCHEDULER_RETURN_WAIT_S = 15.0
+RESEND_PAUSE_S = 0.25
 # NOTE: gRPC waits up to 120 s between reconnection attempts by default; a scheduler that
 # `npuserve serve` restarted is back within seconds, and the gateway should notice at once.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -53,7 +63,14 @@ class GenerateCall:
     (an older one, mid-upgrade) gets a `Generate` call instead, and so does every later one. So
     does a generation whose call ended, before it got anything, with a status grpc's client lost
     (`GenerateFailed.status_lost`): its own call gets the scheduler's answer (an older one's,
-    otherwise seen as an internal error), or its tokens."""
+    otherwise seen as an internal error), or its tokens.
+
+    A generation whose call ended UNAVAILABLE before it got anything, while the scheduler then
+    answers no health check (it died, or was restarting when it was sent; one that answers
+    refused the generation itself), is sent again once the scheduler is back, for up to
+    `SCHEDULER_RETURN_WAIT_S`, if the scheduler answered within that long before (one not seen
+    for longer is down, not restarting: 503 at once). Nothing of it reached the client, so the
+    client sees only the wait. One that had tokens fails: the scheduler that held it is gone."""
 
     def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
         self._client = client
@@ -62,10 +79,36 @@ class GenerateCall:
         self._stream: GenerateStream | None = None
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._answered = False  # a response came
-        if client.multiplexed:
-            self._stream = client.generators[stub_index].generate(request)
+        self._resend_until: float | None = None  # set at the first call that ended unanswered
+        self._send()
+
+    def _send(self) -> None:
+        if self._client.multiplexed:
+            self._stream, self._call = self._client.generators[self._stub_index].generate(self._request), None
         else:
-            self._call = client.generate_call(request, stub_index)
+            self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
+
+    async def _resent(self, code: grpc.StatusCode, call_ended: bool) -> bool:
+        """Whether the generation was sent again after its call ended with ``code``: only an
+        unanswered one, whose scheduler went away and came back in time."""
+        if self._answered or not call_ended or code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        now = time.monotonic()
+        if self._resend_until is None:
+            seen_at = self._client.scheduler_seen_at
+            if seen_at is None or now - seen_at > SCHEDULER_RETURN_WAIT_S:
+                return False
+            self._resend_until = now + SCHEDULER_RETURN_WAIT_S
+        if await self._client.answers(self._stub_index):  # the scheduler's own answer: it is there
+            return False
+        # NOTE: a pause, so that one going down (which refuses calls, then stops) is asked a few
+        # times a second, not in a loop.
+        await asyncio.sleep(RESEND_PAUSE_S)
+        if not await self._client.wait_ready(self._stub_index, self._resend_until - time.monotonic()):
+            return False
+        log.info("generation sent again: the scheduler is back", request_id=self._request.request_id or None)
+        self._send()
+        return True
 
     async def next(self) -> Update | None:
         if self._stream is not None:
@@ -74,6 +117,8 @@ class GenerateCall:
             except GenerateFailed as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     self._client.multiplexed = False
+                elif await self._resent(exc.code, exc.call_ended):
+                    return await self.next()
                 elif not exc.status_lost or self._answered:
                     raise from_status(exc.code, exc.details, exc.field) from None
                 self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
@@ -83,12 +128,16 @@ class GenerateCall:
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
+                if await self._resent(exc.code(), call_ended=True):
+                    return await self.next()
                 raise from_rpc_error(exc) from None
             if msg is grpc.aio.EOF:
                 msg = None
         if msg is None:
             return None
-        self._answered = True
+        if not self._answered:
+            self._answered = True
+            self._client.scheduler_seen_at = time.monotonic()
         return convert.update_of(msg)
 
     def cancel(self) -> None:
@@ -113,6 +162,8 @@ class SchedulerClient:
         self._stubs: list[pb_grpc.SchedulerStub] = []
         self.generators: list[GenerateManyClient] = []  # one per stub
         self.multiplexed = True  # False once the scheduler did not know GenerateMany
+        # When the scheduler last answered (a generation's first response, a health check).
+        self.scheduler_seen_at: float | None = None
         self._turn = itertools.count()
 
     async def open(self) -> None:
@@ -124,6 +175,29 @@ class SchedulerClient:
         )
         self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
         self.generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]
+
+    async def answers(self, stub_index: int) -> bool:
+        """Whether the scheduler answers a health check over channel ``stub_index`` now (one
+        that answers, serving or not, is there)."""
+        if stub_index >= len(self._stubs):
+            return False
+        try:
+            await self._stubs[stub_index].Health(
+                pb.HealthRequest(), timeout=SMALL_CALL_TIMEOUT_S, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:  # any status but these two came from the scheduler
+            return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return True
+
+    async def wait_ready(self, stub_index: int, timeout_s: float) -> bool:
+        """Whether channel ``stub_index`` is connected to the scheduler within ``timeout_s``."""
+        if timeout_s <= 0 or stub_index >= len(self._channels):
+            return False
+        try:
+            await asyncio.wait_for(self._channels[stub_index].channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def close(self) -> None:
         generators, self.generators = self.generators, []
@@ -176,7 +250,9 @@ class SchedulerClient:
         return convert.model_infos(await self._unary(self.stub.ListModels, pb.ListModelsRequest()))
 
     async def health(self, timeout_s: float = SMALL_CALL_TIMEOUT_S) -> HealthInfo:
-        return convert.health_info(await self._unary(self.stub.Health, pb.HealthRequest(), timeout_s))
+        reply = await self._unary(self.stub.Health, pb.HealthRequest(), timeout_s)
+        self.scheduler_seen_at = time.monotonic()
+        return convert.health_info(reply)
 
     async def metrics_text(self) -> str:
         reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())

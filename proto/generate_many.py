@@ -35,14 +35,21 @@ LOST_STATUS_DETAILS = "Internal error from Core"
 class GenerateFailed(Exception):
     """A generation's end in error: its status code, message and the request field it names.
     ``status_lost``: the call ended with a status that grpc's client lost (`LOST_STATUS_DETAILS`);
-    a `Generate` call for the same request says what the scheduler answers."""
+    a `Generate` call for the same request says what the scheduler answers. ``call_ended``: the
+    whole call ended (the scheduler went away, say), not the scheduler's answer to this one."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, field: str | None = None, status_lost: bool = False
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        field: str | None = None,
+        status_lost: bool = False,
+        call_ended: bool = False,
     ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code, self.details, self.field = code, details, field
         self.status_lost = status_lost
+        self.call_ended = call_ended
 
     @classmethod
     def of_event(cls, error: pb.GenerateError) -> GenerateFailed:
@@ -52,7 +59,8 @@ class GenerateFailed(Exception):
     @classmethod
     def of_call(cls, exc: grpc.aio.AioRpcError) -> GenerateFailed:
         lost = exc.code() == grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS_DETAILS
-        return cls(exc.code(), exc.details() or exc.code().name, error_field(exc), status_lost=lost)
+        details = exc.details() or exc.code().name
+        return cls(exc.code(), details, error_field(exc), status_lost=lost, call_ended=True)
 
 
 _Item = pb.GenerateResponse | GenerateFailed | None  # None: the generation is done
@@ -141,7 +149,9 @@ class _OpenCall:
             yield pb.GenerateManyRequest(actions=actions)
 
     async def _read(self) -> None:
-        failure = GenerateFailed(grpc.StatusCode.UNAVAILABLE, "the GenerateMany call ended first")
+        failure = GenerateFailed(
+            grpc.StatusCode.UNAVAILABLE, "the GenerateMany call ended first", call_ended=True
+        )
         streams = self.streams
         try:
             async for response in self._call:

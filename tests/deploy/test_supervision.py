@@ -282,10 +282,16 @@ def test_a_killed_gateway_restarts_on_its_port_and_serves(served: Served) -> Non
 
 
 def test_a_killed_scheduler_restarts_on_its_port_and_the_gateway_reconnects(served: Served) -> None:
+    """... and a request sent while it is down waits for it instead of failing: the gateway
+    sends it again once the scheduler is back (nothing of it had reached the client)."""
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
     undisturbed = completion_text(client, STORY_STARTS[0])
     pid, _ = wait_for(ready_child(served, "scheduler"), "the scheduler ready")
+    resent_before = len(log_lines(served, "generation sent again"))
     os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(pid), "the scheduler dead")  # serve restarts it a second later
+    assert completion_text(client, STORY_STARTS[0]) == undisturbed  # sent while it was down
+    assert len(log_lines(served, "generation sent again")) > resent_before
     wait_for(ready_child(served, "scheduler", not_pid=pid), "the scheduler restarted")
     with httpx.Client(base_url=served.url, timeout=10) as http:
         health = wait_for(

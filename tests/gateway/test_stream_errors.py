@@ -30,12 +30,16 @@ def token(index: int, text: str, finish: str = "", error: str = "") -> pb.Genera
 
 
 class FakeScheduler(pb_grpc.SchedulerServicer):
-    """Generate behaves as the prompt text says."""
+    """Generate behaves as the prompt text says (and keeps what each call asked for)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         what = "chat" if request.WhichOneof("prompt") == "chat" else request.text
+        self.asked.append(what)
         if what in ("chat", "bad-logprobs"):  # the scheduler's refusal of logprobs=21
             status = field_status(grpc.StatusCode.INVALID_ARGUMENT, LOGPROBS_REFUSAL, "logprobs")
             await context.abort(status.code, status.details, status.trailing_metadata)
@@ -48,6 +52,8 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full; retry later")
         if what == "internal":
             await context.abort(grpc.StatusCode.INTERNAL, "boom")
+        if what == "refused-unavailable":  # a scheduler that is there and says it cannot serve
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is available")
         if what == "fails-at-once":
             yield token(0, "", finish="error", error="executor vm:1 failed")
             return
@@ -159,6 +165,25 @@ def test_errors_before_the_stream_are_plain_http_errors() -> None:
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert internal.status_code == 500 and internal.json()["error"]["type"] == "server_error"
     assert failed.status_code == 500 and "executor vm:1 failed" in failed.json()["error"]["message"]
+
+
+def test_a_scheduler_that_answers_unavailable_itself_gets_its_503_passed_on_at_once() -> None:
+    """The gateway sends a generation again only when its call ended because the scheduler went
+    away (it then answers no health check). One that refused it with UNAVAILABLE answers, here
+    UNIMPLEMENTED for Health: its refusal reaches the client as a 503, with no wait and no second
+    send, even right after it served (when a scheduler that went away would be waited for)."""
+    scheduler = FakeScheduler()
+    ok, refused = asyncio.run(
+        exchange(
+            [completion("ok", stream=False), completion("refused-unavailable", stream=False)],
+            scheduler=scheduler,
+        )
+    )
+    assert ok.status_code == 200 and scheduler.asked.count("refused-unavailable") == 1
+    assert refused.status_code == 503 and refused.json()["error"]["message"].endswith(
+        "no executor is available"
+    )
+    assert refused.headers["retry-after"]
 
 
 def test_the_body_limit_holds_in_the_app() -> None:
