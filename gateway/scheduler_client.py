@@ -187,6 +187,8 @@ class SchedulerClient:
             )
         except grpc.aio.AioRpcError as exc:  # any status but these two came from the scheduler
             return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        except grpc.aio.UsageError:  # the client was closed (the gateway stops)
+            return False
         return True
 
     async def wait_ready(self, stub_index: int, timeout_s: float) -> bool:
@@ -195,7 +197,7 @@ class SchedulerClient:
             return False
         try:
             await asyncio.wait_for(self._channels[stub_index].channel_ready(), timeout_s)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, grpc.aio.UsageError):  # the second: the client was closed
             return False
         return True
 
