@@ -65,12 +65,14 @@ class GenerateCall:
     (`GenerateFailed.status_lost`): its own call gets the scheduler's answer (an older one's,
     otherwise seen as an internal error), or its tokens.
 
-    A generation whose call ended UNAVAILABLE before it got anything, while the scheduler then
-    answers no health check (it died, or was restarting when it was sent; one that answers
-    refused the generation itself), is sent again once the scheduler is back, for up to
+    A generation whose call ended UNAVAILABLE before it got anything is sent again, for up to
     `SCHEDULER_RETURN_WAIT_S`, if the scheduler answered within that long before (one not seen
-    for longer is down, not restarting: 503 at once). Nothing of it reached the client, so the
-    client sees only the wait. One that had tokens fails: the scheduler that held it is gone."""
+    for longer is down, not restarting: 503 at once): once the scheduler is back where it then
+    answers no health check (it died, or was restarting when it was sent), at once where it
+    answers and the call was a `GenerateMany` (which refuses a generation with an event, never
+    by ending: the call broke, an API server process died, say). A `Generate` call that ended
+    UNAVAILABLE while the scheduler answers is its refusal. Nothing of the generation reached
+    the client, so it sees only the wait. One that had tokens fails: its scheduler is gone."""
 
     def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
         self._client = client
@@ -88,9 +90,10 @@ class GenerateCall:
         else:
             self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
 
-    async def _resent(self, code: grpc.StatusCode, call_ended: bool) -> bool:
+    async def _resent(self, code: grpc.StatusCode, call_ended: bool, refusable: bool) -> bool:
         """Whether the generation was sent again after its call ended with ``code``: only an
-        unanswered one, whose scheduler went away and came back in time."""
+        unanswered one, whose call broke (``refusable``: such an end can be the scheduler's
+        refusal, a `Generate` call's) and whose scheduler is there again in time."""
         if self._answered or not call_ended or code != grpc.StatusCode.UNAVAILABLE:
             return False
         now = time.monotonic()
@@ -99,14 +102,21 @@ class GenerateCall:
             if seen_at is None or now - seen_at > SCHEDULER_RETURN_WAIT_S:
                 return False
             self._resend_until = now + SCHEDULER_RETURN_WAIT_S
-        if await self._client.answers(self._stub_index):  # the scheduler's own answer: it is there
+        elif now >= self._resend_until:
+            return False
+        answers = await self._client.answers(self._stub_index)
+        if answers and refusable:  # the scheduler's own answer: it is there
             return False
         # NOTE: a pause, so that one going down (which refuses calls, then stops) is asked a few
         # times a second, not in a loop.
         await asyncio.sleep(RESEND_PAUSE_S)
-        if not await self._client.wait_ready(self._stub_index, self._resend_until - time.monotonic()):
+        if not answers and not await self._client.wait_ready(
+            self._stub_index, self._resend_until - time.monotonic()
+        ):
             return False
-        log.info("generation sent again: the scheduler is back", request_id=self._request.request_id or None)
+        log.info(
+            "generation sent again", request_id=self._request.request_id or None, scheduler_answered=answers
+        )
         self._send()
         return True
 
@@ -117,7 +127,7 @@ class GenerateCall:
             except GenerateFailed as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     self._client.multiplexed = False
-                elif await self._resent(exc.code, exc.call_ended):
+                elif await self._resent(exc.code, exc.call_ended, refusable=False):
                     return await self.next()
                 elif not exc.status_lost or self._answered:
                     raise from_status(exc.code, exc.details, exc.field) from None
@@ -128,7 +138,7 @@ class GenerateCall:
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                if await self._resent(exc.code(), call_ended=True):
+                if await self._resent(exc.code(), call_ended=True, refusable=True):
                     return await self.next()
                 raise from_rpc_error(exc) from None
             if msg is grpc.aio.EOF:

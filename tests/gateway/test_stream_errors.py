@@ -140,6 +140,51 @@ def test_a_generation_whose_call_lost_its_status_goes_over_a_generate_call() -> 
     assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == "Hello world!"
 
 
+class CallBreakingScheduler(FakeScheduler):
+    """Serves GenerateMany calls, one generation at a time, but ends the first call that is
+    asked for "drop-call" UNAVAILABLE, as a call ends whose API server process died; answers
+    Health throughout (the scheduler itself is there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = False
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        async for request in request_iterator:
+            for action in request.actions:
+                if not action.HasField("generate"):
+                    continue
+                if action.generate.text == "drop-call" and not self.dropped:
+                    self.dropped = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+                async for response in self.Generate(action.generate, context):
+                    yield pb.GenerateManyResponse(
+                        events=[pb.GenerateManyEvent(stream_id=action.stream_id, response=response)]
+                    )
+                yield pb.GenerateManyResponse(
+                    events=[pb.GenerateManyEvent(stream_id=action.stream_id, done=True)]
+                )
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(serving=True, ready_executors=1, total_executors=1)
+
+
+def test_a_generation_whose_call_broke_while_the_scheduler_answers_is_sent_again() -> None:
+    """A `GenerateMany` call never ends to refuse one generation (a refusal is an event), so a
+    call that ends UNAVAILABLE while the scheduler answers broke (an API server process died,
+    say): its generations that had nothing yet are sent again at once, on a new call."""
+    scheduler = CallBreakingScheduler()
+    ok, dropped = asyncio.run(
+        exchange([completion("ok", stream=False), completion("drop-call", stream=False)], scheduler=scheduler)
+    )
+    assert ok.status_code == 200
+    assert dropped.status_code == 200, dropped.text
+    assert dropped.json()["choices"][0]["text"] == "Hello world!"
+    assert scheduler.dropped and scheduler.asked == ["ok", "drop-call"]
+
+
 @pytest.mark.parametrize("prompt", ["dies-midstream", "fails-midstream"])
 def test_an_error_after_the_stream_started_is_an_error_event_then_done(prompt: str) -> None:
     (response,) = run(completion(prompt))
