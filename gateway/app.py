@@ -361,7 +361,10 @@ def create_app(
     `parsers` read tool calls and reasoning out of chat answers."""
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    client = SchedulerClient(scheduler_address, scheduler_api_key, scheduler_tls_ca)
+    metrics = GatewayMetrics()
+    client = SchedulerClient(
+        scheduler_address, scheduler_api_key, scheduler_tls_ca, on_resend=metrics.generations_resent.inc
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -373,7 +376,7 @@ def create_app(
 
     app = FastAPI(title="npuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     gateway = Gateway(
-        client, served_model_name, max_request_bytes, body_timeout_s, parsers or ParserSettings()
+        client, served_model_name, max_request_bytes, body_timeout_s, parsers or ParserSettings(), metrics
     )
     app.state.gateway = gateway
     _routes(app)

@@ -36,7 +36,8 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class GatewayMetrics:
-    """Requests by route and status, their durations, and how many are in flight."""
+    """Requests by route and status, their durations, how many are in flight, and the
+    generations sent again after their scheduler went away (`scheduler_client.GenerateCall`)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -51,6 +52,12 @@ class GatewayMetrics:
             "Time from a request's arrival to the end of its response (the whole stream).",
             ["route"],
             buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.generations_resent = Counter(
+            "npuserve:gateway_generations_resent",
+            "Generations sent to the scheduler again, having had no token when their call ended "
+            "(the scheduler restarted, or an API server process died).",
             registry=self.registry,
         )
         self.in_progress = Gauge(

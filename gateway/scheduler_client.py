@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -117,6 +118,7 @@ class GenerateCall:
         log.info(
             "generation sent again", request_id=self._request.request_id or None, scheduler_answered=answers
         )
+        self._client.on_resend()
         self._send()
         return True
 
@@ -164,8 +166,16 @@ class SchedulerClient:
     call (a message per turn for all of them, not one per token per stream); other calls use the
     first. Every call presents the API key when one is given."""
 
-    def __init__(self, address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
+        on_resend: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``on_resend``: called for each generation sent again (a metric counts them)."""
         self.address = address
+        self.on_resend = on_resend
         self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
         self._channels: list[grpc.aio.Channel] = []

@@ -292,6 +292,10 @@ def test_a_killed_scheduler_restarts_on_its_port_and_the_gateway_reconnects(serv
     wait_for(lambda: not alive(pid), "the scheduler dead")  # serve restarts it a second later
     assert completion_text(client, STORY_STARTS[0]) == undisturbed  # sent while it was down
     assert len(log_lines(served, "generation sent again")) > resent_before
+    metrics = httpx.get(served.url + "/metrics", timeout=30).text
+    assert re.search(r"^npuserve:gateway_generations_resent_total [1-9]", metrics, re.MULTILINE), metrics[
+        :2000
+    ]
     wait_for(ready_child(served, "scheduler", not_pid=pid), "the scheduler restarted")
     with httpx.Client(base_url=served.url, timeout=10) as http:
         health = wait_for(
