@@ -20,6 +20,10 @@ from typing import Any
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.05
+# NOTE: the kernel may hand a process's signal to any of its threads (a tensor-parallel
+# executor's monitor thread signals its own process, for one): Python's handler then runs only at
+# the main thread's next bytecode, which a main thread blocked in a lock never reaches.
+SIGNAL_WAKE_S = 0.5
 
 
 def add_shutdown_timeout_flag(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +58,12 @@ class Shutdown:
     def on_each_signal(self, callback: Callable[[], None]) -> None:
         """Also runs ``callback`` at every signal (in the signal handler's thread or loop)."""
         self._callbacks.append(callback)
+
+    def wait_for_drain(self) -> None:
+        """Blocks the main thread until the first signal, waking every `SIGNAL_WAKE_S` so that
+        a signal another thread received is handled."""
+        while not self.drain.wait(SIGNAL_WAKE_S):
+            pass
 
     def install(self) -> Callable[[], None]:
         """Handles the signals with `signal.signal` (main thread); returns what restores them."""

@@ -337,6 +337,9 @@ class GroupLeader:
         self._lock = threading.Lock()  # one message at a time: steps and heartbeats
         self._last_sent = time.monotonic()
         self._stopping = threading.Event()
+        # Called once when the group is lost, before the process signals itself to stop: the
+        # server refuses new schedulers at once (`serve_executor` sets it).
+        self.on_lost: Callable[[], None] = lambda: None
         self._heartbeat_s = min(HEARTBEAT_MAX_S, runner.group.parallel.connect_timeout_s / 4)
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
         if ranks is not None:
@@ -397,6 +400,7 @@ class GroupLeader:
             first, self.lost = self.lost is None, self.lost or reason
         if first and not self._stopping.is_set():
             log.error("tensor-parallel group lost; the executor stops", reason=reason)
+            self.on_lost()
             timer = threading.Timer(HARD_EXIT_AFTER_S, os._exit, (1,))
             timer.daemon = True
             timer.start()

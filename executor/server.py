@@ -199,6 +199,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             last_step_id=self._last_step_id,
         )
 
+    def start_draining(self) -> None:
+        """Health says not serving, `Info` refuses new schedulers; steps go on."""
+        self.draining = True
+
     @property
     def num_held_requests(self) -> int:
         """Requests whose state this executor holds (a drained executor holds none)."""
@@ -471,7 +475,7 @@ def drain_executor(
     request here); then steps go on until no request is held, ``timeout_s`` passes or a second
     signal comes."""
     servicer = running.servicer
-    servicer.draining = True
+    servicer.start_draining()
     if registration is not None:
         registration.drain()
     log.info("executor draining", requests=servicer.num_held_requests, timeout_s=timeout_s)
@@ -524,6 +528,8 @@ def serve_executor(
     running = start_executor_server(
         runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
     )
+    if leader is not None:  # NOTE: a lost group's rank 0 must not join a scheduler while it stops
+        leader.on_lost = running.servicer.start_draining
     registration = None
     shutdown = Shutdown()
     restore_signals = shutdown.install()
@@ -555,7 +561,7 @@ def serve_executor(
             block_size=running.info.block_size,
             tls=tls is not None,
         )
-        shutdown.drain.wait()
+        shutdown.wait_for_drain()
         drain_executor(running, registration, shutdown, shutdown_timeout_s)
     finally:
         if registration is not None:

@@ -324,4 +324,7 @@ def test_killed_rank_fails_its_executor_over_to_another(model_dirs: dict[str, Pa
                 time.sleep(0.1)
             assert len(check.executors) == 1
         assert "requests moved" in scheduler.log()  # the group's requests failed over
+        # ... and never came back: the lost group's rank 0 refuses a handshake from the moment
+        # it is lost, not only once its main thread begins the drain.
+        assert scheduler.log().count("executor joined") == 2
         assert "tensor-parallel group lost" in group.log()
