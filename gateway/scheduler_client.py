@@ -184,6 +184,7 @@ class SchedulerClient:
         self.multiplexed = True  # False once the scheduler did not know GenerateMany
         # When the scheduler last answered (a generation's first response, a health check).
         self.scheduler_seen_at: float | None = None
+        self._probes: dict[int, asyncio.Future[bool]] = {}  # health checks under way, by channel
         self._turn = itertools.count()
 
     async def open(self) -> None:
@@ -198,7 +199,15 @@ class SchedulerClient:
 
     async def answers(self, stub_index: int) -> bool:
         """Whether the scheduler answers a health check over channel ``stub_index`` now (one
-        that answers, serving or not, is there)."""
+        that answers, serving or not, is there). Generations that ask at once share one check:
+        a scheduler's death ends every generation of a call together."""
+        probe = self._probes.get(stub_index)
+        if probe is None:
+            probe = self._probes[stub_index] = asyncio.ensure_future(self._answers(stub_index))
+            probe.add_done_callback(lambda _: self._probes.pop(stub_index, None))
+        return await asyncio.shield(probe)  # NOTE: one asker that is cancelled cancels no other's
+
+    async def _answers(self, stub_index: int) -> bool:
         if stub_index >= len(self._stubs):
             return False
         try:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from npuserve.gateway.app import create_app
+from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.error_details import field_status
@@ -148,6 +149,7 @@ class CallBreakingScheduler(FakeScheduler):
     def __init__(self) -> None:
         super().__init__()
         self.dropped = False
+        self.health_checks = 0
 
     async def GenerateMany(
         self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
@@ -168,6 +170,8 @@ class CallBreakingScheduler(FakeScheduler):
                 )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        self.health_checks += 1
+        await asyncio.sleep(0.05)  # NOTE: so that the checks asked together overlap
         return pb.HealthResponse(serving=True, ready_executors=1, total_executors=1)
 
 
@@ -183,6 +187,31 @@ def test_a_generation_whose_call_broke_while_the_scheduler_answers_is_sent_again
     assert dropped.status_code == 200, dropped.text
     assert dropped.json()["choices"][0]["text"] == "Hello world!"
     assert scheduler.dropped and scheduler.asked == ["ok", "drop-call"]
+
+
+def test_generations_that_ask_at_once_whether_the_scheduler_is_there_share_one_check() -> None:
+    """A scheduler's death ends every generation of a call together, and each asks whether the
+    scheduler is there: over one channel they share one health check (not one each), and a
+    later question gets a check of its own."""
+    scheduler = CallBreakingScheduler()
+
+    async def ask() -> tuple[list[bool], bool]:
+        server = grpc.aio.server()
+        pb_grpc.add_SchedulerServicer_to_server(scheduler, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        await client.open()
+        try:
+            together = await asyncio.gather(*(client.answers(0) for _ in range(8)))
+            return together, await client.answers(0)
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    together, later = asyncio.run(ask())
+    assert together == [True] * 8 and later
+    assert scheduler.health_checks == 2
 
 
 @pytest.mark.parametrize("prompt", ["dies-midstream", "fails-midstream"])

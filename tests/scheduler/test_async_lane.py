@@ -113,8 +113,8 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
 
 class _FailingRunner(SimulatedRunner):
     """A simulated runner whose third step fails as a device fault would (the executor answers
-    INTERNAL); with ``stops_serving``, its executor no longer serves from then on, as one that
-    is going away: its `Health` says so."""
+    INTERNAL); with ``stops_serving``, its executor starts draining then, as one that is going
+    away does: its `Health` says it no longer serves."""
 
     def __init__(self, stops_serving: bool) -> None:
         super().__init__(SimulatedConfig(num_blocks=16, block_size=4))
@@ -126,7 +126,7 @@ class _FailingRunner(SimulatedRunner):
         self.num_steps += 1
         if self.num_steps == 3:
             if self.stops_serving and self.running is not None:
-                self.running.servicer.serving = False
+                self.running.servicer.start_draining()
             raise RuntimeError("device lost")
         return super().execute(plan, on_first_pass)
 
