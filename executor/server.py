@@ -90,6 +90,12 @@ class ExecutorRestarted(ExecutorStopping):
     """A plan addressed to an earlier instance of this executor (UNAVAILABLE: reconnect)."""
 
 
+class StaleStep(RuntimeError):
+    """A plan older than one already run (FAILED_PRECONDITION; the state is unchanged): a step of
+    a stream that broke, still queued here after the scheduler went on over a new stream. Run
+    then, it would advance requests that the scheduler has sent again whole since."""
+
+
 class StepRunner(Protocol):
     """What the server needs of a runner (`ModelRunner` in production)."""
 
@@ -197,6 +203,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             serving=self.serving and not self.draining,
             executor_id=self._info.executor_id,
             last_step_id=self._last_step_id,
+            instance_id=self.instance_id,
         )
 
     def start_draining(self) -> None:
@@ -252,6 +259,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
+            # NOTE: a scheduler's step ids increase; its first plan resets (a new id sequence).
+            last = self._last_step_id
+            if last is not None and plan.step_id < last and not plan.reset:
+                raise StaleStep(f"step {plan.step_id} is older than step {last}, which ran; not run")
             result = self._on_step_thread(self._runner.execute, plan, on_first_pass)
             self._last_step_id = plan.step_id
         t = result.timings
@@ -340,7 +351,7 @@ def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetu
         code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
     elif isinstance(exc, ProfilingDisabled):
         code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
-    elif isinstance(exc, ProfilerStateError):
+    elif isinstance(exc, (ProfilerStateError, StaleStep)):
         code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     else:
         log.error("rpc failed", method=method, exc_info=exc)

@@ -179,14 +179,16 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "executor_id", "last_step_id")
+    __slots__ = ("serving", "executor_id", "last_step_id", "instance_id")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     executor_id: str
     last_step_id: int
-    def __init__(self, serving: _Optional[bool] = ..., executor_id: _Optional[str] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, serving: _Optional[bool] = ..., executor_id: _Optional[str] = ..., last_step_id: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
     __slots__ = ()

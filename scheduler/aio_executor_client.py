@@ -31,6 +31,7 @@ from npuserve.scheduler.executor_client import (
     ClientSpec,
     ExecutorError,
     addressed_step,
+    serves_as,
 )
 
 
@@ -166,15 +167,16 @@ class AioExecutorClient:
         return await (await self.submit(plan)).result()
 
     async def health(self) -> bool:
-        """True when the executor answers and serves; False when it is unreachable or stopping
-        (asked after a failed step: was that the executor's answer, or was it gone?)."""
+        """True when the executor answers and serves, as the process the front handshook with;
+        False when it is unreachable, stopping, or another process (asked after a failed step:
+        was that the executor's answer, or was it gone? `serves_as`)."""
         try:
             response = await self.stub.Health(
                 pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self.metadata
             )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # the second: a closed channel
             return False
-        return response.serving
+        return serves_as(response, self.instance_id)
 
     def close_stream(self, stream: Any) -> None:
         """Ends ``stream`` if it is still the open one: the next step opens another."""

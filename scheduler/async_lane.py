@@ -151,17 +151,35 @@ class AsyncExecutorLane(ExecutorLane):
             return False
         plan, stats = scheduled
         sent_at = time.perf_counter()
+        num_failures = self.num_failures
         pending: AsyncPendingStep
         try:
             pending = await self.client.submit(plan, early_results=self.scheduler.config.early_first_tokens)
         except Exception as exc:
             pending = _Refused(exc)
-        self._in_flight.append(InFlightStep(plan, stats, pending, sent_at))
+        step = InFlightStep(plan, stats, pending, sent_at)
+        if self.num_failures != num_failures:
+            # NOTE: the step before it failed while it was being sent (the landing runs beside
+            # a delayed launch): it was planned from what that failure undid. Its answers are
+            # read in their turn and dropped; the requests it started run again too.
+            step.void = True
+            if self.alive:
+                ended, _ = self.scheduler.fail_step(plan)
+                if ended:
+                    self.on_event(
+                        self, LaneEvent(ended=ended, error=f"executor {self.executor_id} failed a step")
+                    )
+        self._in_flight.append(step)
         return True
 
     async def _land_on_loop(self) -> None:
         step = self._in_flight.popleft()
         pending = cast(AsyncPendingStep, step.pending)
+        if step.void:
+            with contextlib.suppress(Exception):
+                while (await pending.result()).partial:
+                    pass
+            return
         try:
             result = await pending.result()
             while result.partial:  # the first tokens of the requests it admitted, say

@@ -51,6 +51,14 @@ class ExecutorError(RuntimeError):
         return cls(code.name if code is not None else "UNKNOWN", details or str(exc))
 
 
+def serves_as(health: pb.HealthResponse, instance_id: str) -> bool:
+    """Whether a health answer comes from the executor process ``instance_id`` (empty: any)
+    and it serves: a restart on the same address is another process, which holds none of the
+    requests the first one did."""
+    same = not instance_id or not health.instance_id or health.instance_id == instance_id
+    return health.serving and same
+
+
 def addressed_step(plan: StepPlan, instance_id: str) -> pb.StepRequest:
     """The plan, addressed to the executor instance a client handshook with (a restarted
     process refuses it)."""
@@ -92,13 +100,15 @@ class ExecutorClient:
         return step_codec.result_from_proto(self._call(self._stub.Step, self.step_request(plan)))
 
     def health(self) -> bool:
-        """True when the executor answers and serves; False when it is unreachable or stopping."""
+        """True when the executor answers and serves, as the process it handshook with; False
+        when it is unreachable, stopping, or another process (`serves_as`)."""
         try:
-            return self._stub.Health(
+            health = self._stub.Health(
                 pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self._metadata
-            ).serving
+            )
         except grpc.RpcError:
             return False
+        return serves_as(health, self.instance_id)
 
     def start_profile(self) -> str:
         """Starts profiling the executor's steps; returns where its trace will be written."""

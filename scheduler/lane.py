@@ -42,11 +42,11 @@ class StepExecutor(Protocol):
     def close(self) -> None: ...
 
 
-# Step failures that mean the executor itself is gone (dead, partitioned, or too slow), as
-# opposed to a failure of this step's requests (INVALID_ARGUMENT, INTERNAL).
-EXECUTOR_DOWN_CODES = frozenset(
-    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "UNAUTHENTICATED"}
-)
+# Step failures that mean the executor itself is gone (hung past the step timeout, or refusing
+# this scheduler), whatever it answers after. Any other (INVALID_ARGUMENT, INTERNAL, and
+# UNAVAILABLE: a connection that broke, which a network blip does as well as a death) is asked
+# of the executor: `down_reason`.
+EXECUTOR_DOWN_CODES = frozenset({"DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "UNAUTHENTICATED"})
 
 
 def executor_is_down(exc: Exception) -> bool:
@@ -54,13 +54,16 @@ def executor_is_down(exc: Exception) -> bool:
 
 
 def down_reason(executor_id: str, exc: Exception, answers_health: bool) -> str | None:
-    """Why a failed step means its executor is gone (None: it failed this step's requests).
+    """Why a failed step means its executor is gone (None: the executor still serves, and the
+    step's requests run again: `Scheduler.fail_step`).
 
-    The status alone can say "gone" (`EXECUTOR_DOWN_CODES`), but not always when it is: a
-    stream whose executor was killed can end as INTERNAL from gRPC's own client (a write after
-    the connection broke replaces the stream's status: `generate_many.LOST_STATUS_DETAILS`). So any
-    other failure counts as the executor's answer only while it still answers `Health`
-    (``answers_health``: asked after the failure, unless its status already says gone)."""
+    The status alone can say "gone" (`EXECUTOR_DOWN_CODES`), but not always when it is, nor
+    when it is not: a stream whose executor was killed can end as INTERNAL from gRPC's own
+    client (a write after the connection broke replaces the stream's status:
+    `generate_many.LOST_STATUS_DETAILS`), and one whose connection reset under a live executor
+    ends UNAVAILABLE. So any other failure leaves the executor in only while the same process
+    still answers `Health` as serving (``answers_health``: asked after the failure, unless its
+    status already says gone)."""
     if executor_is_down(exc):
         return f"executor {executor_id} is unreachable: {exc}"
     if not answers_health:
@@ -180,6 +183,7 @@ class ExecutorLane:
         # `--num-scheduler-steps auto`: the passes per step, from how long the executor waits.
         self.pass_controller = PassController() if scheduler.config.auto_passes else None
         self._had_work = False  # the lane had work when its last step landed
+        self.num_failures = 0  # steps that failed (`_failed`)
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -375,6 +379,7 @@ class ExecutorLane:
         when its executor is ``down`` (why: `down_reason`; the lane went down with every request)."""
         later = list(self._in_flight)
         self._in_flight.clear()
+        self.num_failures += 1
         self._had_work = False  # NOTE: the next step to land does not follow one that landed
         if down is not None:
             self._go_down(down)
@@ -382,12 +387,25 @@ class ExecutorLane:
         return later
 
     def _fail_steps(self, steps: list[InFlightStep], exc: Exception) -> None:
-        """A step the executor refused: its requests fail, and those of the steps sent after it
-        (it may have refused them with it)."""
+        """A step the executor failed while it still serves: its requests run again (once:
+        `Scheduler.fail_step`), with those of the steps sent after it (it may have refused them
+        with it); those that ran again already end with the error."""
         if not self.alive:
             return
-        failed = [r for s in steps for r in self.scheduler.fail_step(s.plan)]
-        log.error("step failed", executor=self.executor_id, step_id=steps[0].plan.step_id, error=str(exc))
+        failed: list[Request] = []
+        retried: list[Request] = []
+        for step in steps:
+            ended, again = self.scheduler.fail_step(step.plan)
+            failed += ended
+            retried += again
+        (log.error if failed else log.warning)(
+            "step failed",
+            executor=self.executor_id,
+            step_id=steps[0].plan.step_id,
+            error=str(exc),
+            requests_run_again=len(retried),
+            requests_failed=len(failed),
+        )
         self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
 
     def _landed(self, step: InFlightStep, result: StepResult) -> None:
@@ -456,3 +474,6 @@ class InFlightStep:
     stats: StepStats
     pending: PendingStep | AsyncPendingStep  # the second on a lane of an event loop (`async_lane`)
     sent_at: float
+    # Planned before a failure that undid what it was planned from (`async_lane`): its answers
+    # are read, in their turn on the stream, and dropped.
+    void: bool = False

@@ -131,6 +131,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
     num_preemptions: int = 0
     num_failovers: int = 0  # times its executor was lost and it moved to another
+    num_step_retries: int = 0  # times it ran again after a failed step (`Scheduler.fail_step`)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None

@@ -28,6 +28,9 @@ from npuserve.scheduler.request import Request, RequestStatus
 from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.structured import advance_masks, step_bitmask
 
+# Times a request runs again after a step of its failed on an executor that still serves.
+MAX_STEP_RETRIES = 1
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -379,21 +382,33 @@ class Scheduler:
             assert update.finished is not None
             self._finish(update.request, update.finished)
 
-    def fail_step(self, plan: StepPlan) -> list[Request]:
-        """The executor failed this step: its requests end with an error and give back every block
-        (un-registered from the prefix cache: their contents were never confirmed)."""
-        failed = []
+    def fail_step(self, plan: StepPlan) -> tuple[list[Request], list[Request]]:
+        """The executor failed this step but still serves (a step stream that broke mid-step, a
+        device error): its running requests give back every block (un-registered from the
+        prefix cache: their contents were never confirmed) and run again, from their prompt and
+        the tokens they have, at the head of the queue; one that has run again
+        `MAX_STEP_RETRIES` times already ends with an error instead (a request that fails every
+        step it is in cannot fail its neighbours' steps forever). Returns (ended, retried)."""
+        failed: list[Request] = []
+        retried: list[Request] = []
         # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
         self._to_drop.extend(plan.finished_req_ids)
         for req_id in list(plan.num_scheduled_tokens):
             request = self.requests.get(req_id)
-            if request is None:
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # queued to start over already: preempted since, or an earlier plan's
+            self.running.remove(request)
+            if request.num_step_retries < MAX_STEP_RETRIES:
+                request.num_step_retries += 1
+                self.kv.free(request, valid=False)
+                request.reset_for_recompute()
+                self._to_drop.append(req_id)  # the executor may hold it: it starts over there
+                retried.append(request)
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
             self._finish(request, RequestStatus.FINISHED_ERROR, valid=False)
             failed.append(request)
-        return failed
+        self.waiting.extendleft(reversed(retried))
+        return failed, retried
 
     def evacuate(self) -> list[Request]:
         """Takes every unfinished request out (its executor is gone), reset to be recomputed

@@ -68,19 +68,19 @@ def test_client_drives_chunked_prefill_decode_and_finish(
     assert second.logprobs[1] is not None and len(second.logprobs[1].top_token_ids) == 2
     assert second.logprobs[1].top_token_ids[0] == second.sampled_token_ids[1]
     only_sampled = client.step(
-        StepPlan(30, new_requests=[new("c", [7], prompt=[5], num_logprobs=0)], num_scheduled_tokens={"c": 1})
+        StepPlan(3, new_requests=[new("c", [7], prompt=[5], num_logprobs=0)], num_scheduled_tokens={"c": 1})
     )
     assert only_sampled.logprobs[0] is not None and only_sampled.logprobs[0].top_token_ids == []
     third = client.step(
-        StepPlan(3, cached_requests=[CachedRequest("a", [11])], num_scheduled_tokens={"a": 1, "b": 1})
+        StepPlan(4, cached_requests=[CachedRequest("a", [11])], num_scheduled_tokens={"a": 1, "b": 1})
     )
     assert third.sampled_token_ids == [runner.token_for("a", 6), runner.token_for("b", 6)]
     assert third.timings.total_s >= SMALL.latency.step_seconds(2, 2) * 0.9
 
-    assert client.step(StepPlan(3)) == third  # a retried step id answers the same
-    client.step(StepPlan(4, finished_req_ids=["a"]))
+    assert client.step(StepPlan(4)) == third  # a retried step id answers the same
+    client.step(StepPlan(5, finished_req_ids=["a"]))
     assert runner.num_requests == 2
-    client.step(StepPlan(5, reset=True))
+    client.step(StepPlan(6, reset=True))
     assert runner.num_requests == 0
     assert runner.stats.num_steps == 6 and runner.stats.num_sampled == 5
 
@@ -312,3 +312,21 @@ def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() 
             assert runner.num_requests == running.servicer.num_held_requests == 0
     finally:
         running.stop(grace_s=0)
+
+
+def test_a_step_older_than_one_that_ran_is_refused_and_changes_nothing(
+    served: tuple[SimulatedRunner, ExecutorClient],
+) -> None:
+    """A step stream that broke may leave steps queued on the executor after the scheduler went on
+    over a new stream: one older than a step that ran is not run (FAILED_PRECONDITION), since it
+    would advance requests the scheduler has since sent again whole. A scheduler's first plan
+    (reset) starts a new sequence of ids, lower or not."""
+    runner, client = served
+    client.step(StepPlan(50, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
+    with pytest.raises(ExecutorError) as stale:
+        client.step(StepPlan(49, num_scheduled_tokens={"a": 1}))
+    assert stale.value.code == "FAILED_PRECONDITION" and "older than step 50" in stale.value.message
+    assert runner.num_requests == 1 and runner.stats.num_steps == 1  # not run, and "a" kept
+    assert client.step(StepPlan(51, num_scheduled_tokens={"a": 1})).sampled_req_ids == ["a"]
+    assert client.step(StepPlan(7, reset=True)).step_id == 7  # a new scheduler
+    assert runner.num_requests == 0

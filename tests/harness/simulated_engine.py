@@ -44,9 +44,9 @@ class ControlledExecutor(LocalExecutor):
     """A simulated executor whose steps after the first ``pause_at`` wait for `resume` (so a
     test can act while a request is surely mid-run), and whose steps after the first
     ``fail_at`` fail with the gRPC status ``code``, as the executor client reports it
-    (UNAVAILABLE: the executor is gone; INTERNAL: this step's requests failed, while it still
-    answers `health`; once ``answers_health`` is False, a killed executor's stream that
-    ended as INTERNAL)."""
+    (UNAVAILABLE: the executor is gone, and from then answers no `health` check; INTERNAL: this
+    step's requests failed, while it still answers `health`; once ``answers_health`` is False,
+    a killed executor's stream that ended as INTERNAL)."""
 
     def __init__(
         self,
@@ -74,6 +74,8 @@ class ControlledExecutor(LocalExecutor):
             self.resume.wait(timeout=30)
             self.paused.clear()
         if self.fail_at is not None and self.num_steps > self.fail_at:
+            if self.code == "UNAVAILABLE":
+                self.answers_health = False
             raise ExecutorError(self.code, "injected failure")
         result = super().step(plan)
         result.draining = self.draining

@@ -7,6 +7,7 @@ Its steps over a live executor are the scenarios' (`test_step_workers`, `test_fa
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -113,51 +114,67 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
 
 class _FailingRunner(SimulatedRunner):
     """A simulated runner whose third step fails as a device fault would (the executor answers
-    INTERNAL); with ``stops_serving``, its executor starts draining then, as one that is going
-    away does: its `Health` says it no longer serves."""
+    INTERNAL): that step only (``failure`` "once"), every step from it ("always"), or that
+    step, its executor draining then, as one that is going away does ("stops serving": its
+    `Health` says it no longer serves)."""
 
-    def __init__(self, stops_serving: bool) -> None:
+    def __init__(self, failure: str) -> None:
         super().__init__(SimulatedConfig(num_blocks=16, block_size=4))
-        self.stops_serving = stops_serving
+        self.failure = failure
         self.running: RunningExecutor | None = None
         self.num_steps = 0
 
     def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
         self.num_steps += 1
-        if self.num_steps == 3:
-            if self.stops_serving and self.running is not None:
+        if self.num_steps == 3 or (self.failure == "always" and self.num_steps > 3):
+            if self.failure == "stops serving" and self.running is not None:
                 self.running.servicer.start_draining()
             raise RuntimeError("device lost")
         return super().execute(plan, on_first_pass)
 
 
-@pytest.mark.parametrize("stops_serving", [False, True], ids=["still serving", "no longer serving"])
-def test_a_failed_step_fails_its_requests_only_while_the_executor_answers_health(stops_serving: bool) -> None:
-    """A step the executor fails (INTERNAL) ends its requests with an error while the executor
-    still serves; an executor that answers no health check after the failure is taken as gone
-    (a killed executor's stream can end as INTERNAL too): its requests are handed back."""
-    runner = _FailingRunner(stops_serving)
+@pytest.mark.parametrize("failure", ["once", "always", "stops serving"])
+def test_a_failed_step_runs_its_requests_again_once_while_the_executor_answers_health(failure: str) -> None:
+    """A step the executor fails (INTERNAL) while it still serves runs its requests again, from
+    their prompt and the tokens they have, on the same executor: a failure once changes no token
+    of theirs; a second failure ends them with an error. An executor that answers no health check
+    after the failure is taken as gone (a killed executor's stream can end as INTERNAL too): its
+    requests are handed back."""
+    runner = _FailingRunner(failure)
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
     runner.running = running
 
     async def run() -> None:
-        on_event = _Events(lambda event: bool(event.ended or event.lane_down))
+        requests = [_request("r1"), _request("r2")]
+        on_event = _Events(
+            lambda event: bool(event.ended or event.lane_down) or all(r.status.is_finished for r in requests)
+        )
         client = _stream_client(running.address)
         lane = AsyncExecutorLane(
             "e0", client, Scheduler(SchedulerConfig(num_blocks=16, block_size=4)), on_event, True, _room
         )
         lane.start()
-        lane.submit([_request("r1"), _request("r2")])
+        lane.submit(requests)
         await asyncio.wait_for(on_event.woken.wait(), 30)
+        if failure == "once":
+            assert all(
+                r.status == RequestStatus.FINISHED_LENGTH and r.num_step_retries == 1 for r in requests
+            )
+            assert not any(e.ended or e.lane_down for e in on_event.seen) and lane.alive
+            await _close_after_generating(lane, runner, *requests)
+            return
         (event,) = [e for e in on_event.seen if e.ended or e.lane_down]
-        if stops_serving:
+        if failure == "stops serving":
             assert event.lane_down and not event.ended and not lane.alive
             assert sorted(r.req_id for r in event.evacuated) == ["r1", "r2"]
             assert "answers no health check" in (event.error or "")
-        else:
+        elif failure == "always":
             assert sorted(r.req_id for r in event.ended) == ["r1", "r2"] and not event.lane_down
-            assert all(r.status == RequestStatus.FINISHED_ERROR for r in event.ended)
+            assert all(
+                r.status == RequestStatus.FINISHED_ERROR and r.num_step_retries == 1 for r in event.ended
+            )
             assert "device lost" in (event.error or "") and lane.alive
+            assert runner.num_steps >= 4  # they ran again before they failed
         await lane.aclose(5)
         lane.scheduler.check_integrity(expect_idle=True)
 
@@ -313,3 +330,68 @@ def test_auto_passes_stay_at_one_while_the_executor_keeps_busy() -> None:
         pass_s=0.1, async_scheduling=True, room_wait_s=0.0, max_tokens=24
     )
     assert tokens_per_step == [1] * 24 and reported == 1
+
+
+class _FailsLate(SimulatedRunner):
+    """A paced simulated runner whose ``fail_at``-th step fails after its passes' time."""
+
+    def __init__(self, pass_s: float, fail_at: int) -> None:
+        latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
+        super().__init__(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
+        self.pass_s, self.fail_at = pass_s, fail_at
+        self.num_steps = 0
+
+    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+        self.num_steps += 1
+        if self.num_steps == self.fail_at:
+            time.sleep(self.pass_s * plan.num_passes)
+            raise RuntimeError("device lost")
+        return super().execute(plan, on_first_pass)
+
+
+class _HeldClient(AioExecutorClient):
+    """Holds the sending of its ``hold_at``-th step until ``lane`` has seen a step fail."""
+
+    lane: AsyncExecutorLane
+    hold_at = 0
+    num_submits = 0
+
+    async def submit(self, plan: StepPlan, early_results: bool = False) -> Any:
+        self.num_submits += 1
+        if self.num_submits == self.hold_at:
+            for _ in range(1000):  # NOTE: bounded: the failed step lands within a second
+                if self.lane.num_failures:
+                    break
+                await asyncio.sleep(0.005)
+        return await super().submit(plan, early_results)
+
+
+def test_a_step_sent_while_the_one_before_it_fails_is_dropped_with_its_answers() -> None:
+    """With async scheduling and multi-pass steps, the next step is sent while the one before it
+    lands; that one can fail meanwhile, its requests set to run again. The step being sent was
+    planned from what the failure undid: it is dropped (its answers read in their turn, so the
+    steps after it get theirs), and the requests' tokens are unchanged."""
+    runner = _FailsLate(pass_s=0.02, fail_at=5)
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+
+    async def run() -> None:
+        requests = [_request("r1"), _request("r2")]
+        for request in requests:
+            request.params.max_tokens = 24
+        on_event = _Events(lambda event: all(r.status.is_finished for r in requests))
+        with ExecutorClient(running.address, timeout_s=10) as handshake:
+            handshake.info()
+            instance_id = handshake.instance_id
+        client = _HeldClient(running.address, instance_id, True, 10)
+        client.hold_at = 6  # the step sent while the 5th runs
+        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room)
+        client.lane = lane
+        lane.start()
+        lane.submit(requests)
+        await asyncio.wait_for(on_event.woken.wait(), 30)
+        assert lane.num_failures == 1 and client.num_submits > 6
+        assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_step_retries == 1 for r in requests)
+        await _close_after_generating(lane, runner, *requests)
+
+    _run_against(running, run)

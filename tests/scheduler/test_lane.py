@@ -123,13 +123,15 @@ def test_finish_frees_a_running_requests_blocks_at_once() -> None:
         assert lane.call(lambda s: s.kv.pool.num_free_blocks).result(timeout=10) == SMALL.num_blocks - 1
 
 
-def test_a_failed_step_ends_its_requests_with_an_error() -> None:
+def test_a_step_that_fails_again_ends_its_requests_with_an_error() -> None:
+    """Every step after the first fails: the requests run again once, then end with the error."""
     executor = ControlledExecutor(SimulatedRunner(SMALL), fail_at=1, code="INTERNAL")
     with running_lane(executor) as (lane, events):
         lane.submit([make_request("a", 6, 10), make_request("b", 6, 10)])
         event = events.until(lambda e: e.ended)[-1]
         assert sorted(r.req_id for r in event.ended) == ["a", "b"]
-        assert all(r.status == RequestStatus.FINISHED_ERROR for r in event.ended)
+        assert all(r.status == RequestStatus.FINISHED_ERROR and r.num_step_retries == 1 for r in event.ended)
+        assert executor.num_steps >= 3  # the first, the failed one, and the one they ran again in
         assert event.error == "executor x failed: INTERNAL: injected failure"
         assert lane.alive  # one failed step does not take the executor out
 

@@ -547,33 +547,55 @@ def test_abort_while_the_step_runs_ignores_its_result() -> None:
     run.until_done()
 
 
-def test_fail_step_errors_the_plan_and_unregisters_its_blocks() -> None:
-    """fail_step ends the plan's requests with an error, frees their blocks, and drops their hashes."""
+def test_fail_step_runs_the_plan_again_once_then_errors_and_unregisters_its_blocks() -> None:
+    """fail_step frees the plan's requests' blocks and drops their hashes; the requests run again
+    from the head of the queue, the executor dropping what it held of them, and a second failure
+    ends them with an error. Those that ran again produce what an undisturbed run does."""
+    undisturbed = new_run(num_blocks=16, max_num_seqs=2)
     run = new_run(num_blocks=16, max_num_seqs=2)
     sched = run.scheduler
     prompt = prompt_of(13)
-    sched.add_request(make_request("a", prompt, max_tokens=4))
-    sched.add_request(make_request("b", prompt_of(6, 1), max_tokens=4))
-    sched.add_request(make_request("late", prompt_of(6, 2), max_tokens=4))
+    for each in (undisturbed, run):
+        each.scheduler.add_request(make_request("a", prompt, max_tokens=4))
+        each.scheduler.add_request(make_request("b", prompt_of(6, 1), max_tokens=4))
+        each.scheduler.add_request(make_request("late", prompt_of(6, 2), max_tokens=4))
+    undisturbed.until_done()
     plan, _ = sched.schedule()
     assert set(plan.num_scheduled_tokens) == {"a", "b"}
     assert len(sched.kv.pool.cached_blocks) == 4  # a's 3 full blocks, b's 1
-    failed = sched.fail_step(plan)
-    assert [r.req_id for r in failed] == ["a", "b"]
-    assert all(r.status == RequestStatus.FINISHED_ERROR for r in failed)
+    run.executor.step(plan)  # it ran, but its result was lost on the way back
+    failed, retried = sched.fail_step(plan)
+    assert failed == [] and [r.req_id for r in retried] == ["a", "b"]
+    assert all(r.status == RequestStatus.WAITING and r.num_step_retries == 1 for r in retried)
     assert sched.kv.pool.cached_blocks == {}
     assert sched.kv.get_block_ids("a") == [] and sched.kv.get_block_ids("b") == []
-    assert not sched.running and [r.req_id for r in sched.waiting] == ["late"]
+    assert not sched.running and [r.req_id for r in sched.waiting] == ["a", "b", "late"]
     sched.check_integrity()
-    run.executor.last_step_id = plan.step_id  # a transport error: the executor never saw the plan
+    run.executor.last_step_id = plan.step_id
 
-    sched.add_request(make_request("again", prompt, max_tokens=2))
-    nxt = run.step()
-    assert nxt.finished_req_ids == ["a", "b"]
-    again = next(n for n in nxt.new_requests if n.req_id == "again")
-    assert again.num_computed_tokens == 0  # no hit on the failed step's blocks
+    again, _ = sched.schedule()  # the executor drops what it held of them, then takes them whole
+    assert again.finished_req_ids == ["a", "b"]
+    assert [(n.req_id, n.num_computed_tokens) for n in again.new_requests] == [("a", 0), ("b", 0)]
+    run.scheduler.update_from_output(again, run.executor.step(again))
+    plan, _ = sched.schedule()
+    failed, retried = sched.fail_step(plan)  # a second failure: they end
+    assert sorted(r.req_id for r in failed) == ["a", "b"] and retried == []
+    assert all(r.status == RequestStatus.FINISHED_ERROR for r in failed)
+    run.executor.last_step_id = plan.step_id
+    sched.check_integrity()
     run.until_done()
-    assert set(run.outputs) == {"late", "again"}
+    assert run.outputs == {"late": undisturbed.outputs["late"]}
+
+    once = new_run(num_blocks=16, max_num_seqs=2)
+    once.scheduler.add_request(make_request("a", prompt, max_tokens=4))
+    once.step()
+    once.step()
+    plan, _ = once.scheduler.schedule()
+    once.executor.step(plan)
+    once.executor.last_step_id = plan.step_id
+    assert once.scheduler.fail_step(plan)[1][0].output_token_ids == undisturbed.outputs["a"][:2]
+    once.until_done()
+    assert once.outputs == {"a": undisturbed.outputs["a"]}  # resumed from its two tokens, unchanged
 
 
 def test_step_ids_increase_and_idle_steps_are_empty() -> None:
@@ -620,22 +642,25 @@ def test_prefix_caching_switch_does_not_change_outputs(enable_prefix_caching: bo
 
 def test_fail_step_resends_the_failed_plans_drops() -> None:
     """A plan that never reached the executor loses its drops; the next plan must carry them, so a
-    request preempted in the failed plan is dropped before it is sent whole again."""
+    request preempted in the failed plan is dropped before it is sent whole again (after the
+    failed plan's requests, which run again first)."""
     run = _preemption_run(num_blocks=8)
     sched = run.scheduler
     run.step()
     run.step()
     plan, _ = sched.schedule()  # preempts c; the executor still holds c
     assert plan.finished_req_ids == ["c"]
-    failed = sched.fail_step(plan)  # a transport error: the executor never saw this plan
-    assert [r.req_id for r in failed] == ["a", "b"]
+    failed, retried = sched.fail_step(plan)  # a transport error: the executor never saw this plan
+    assert failed == [] and [r.req_id for r in retried] == ["a", "b"]
     run.executor.last_step_id = plan.step_id
     assert run.executor.runner.holds("c")
     nxt = run.step()
     assert set(nxt.finished_req_ids) == {"a", "b", "c"}
-    assert [n.req_id for n in nxt.new_requests] == ["c"]
+    assert [n.req_id for n in nxt.new_requests] == ["a", "b"]  # run again first, c after them
     run.until_done()
-    assert set(run.outputs) == {"c"}
+    undisturbed = _preemption_run(num_blocks=8)
+    undisturbed.until_done()
+    assert run.outputs == undisturbed.outputs and set(run.outputs) == {"a", "b", "c"}
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 3])
