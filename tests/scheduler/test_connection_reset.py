@@ -23,12 +23,13 @@ NUM_NEW = 48
 
 
 def reset_connections_to(port: int) -> int:
-    """Destroys every TCP socket on this host whose peer is loopback ``port``; how many."""
+    """Destroys every TCP socket on this host whose peer is loopback ``port`` (needs root and a
+    kernel with SOCK_DESTROY); how many it named, or -1 when ss failed."""
     done = subprocess.run(
         ["ss", "-K", "-t", "-H", "dst", "127.0.0.1", "dport", "=", str(port)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
-    return len(done.stdout.splitlines())
+    return len(done.stdout.splitlines()) if done.returncode == 0 else -1
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
@@ -57,12 +58,12 @@ def test_reset_connections_to_a_live_executor_change_no_stream(
             reset.append(reset_connections_to(port))
 
         outputs, reasons = complete_over(client_call, served, requests, reset_mid_run)
-        if reset == [0]:
-            pytest.skip("ss -K destroyed no socket here (kernel without SOCK_DESTROY)")
         assert reasons == ["length"] * NUM_STREAMS
         assert outputs == expected
         events = scheduler.events()
         failed = [e for e in events if e["event"] == "step failed"]
+        if not failed and reset[0] <= 0:
+            pytest.skip("ss -K destroyed no socket here (not root, or a kernel without SOCK_DESTROY)")
         assert failed and all(e["requests_failed"] == 0 for e in failed), failed
         assert sum(e["requests_run_again"] for e in failed) >= 1
         assert not [e for e in events if e["event"] == "executor down"]
