@@ -91,9 +91,10 @@ class ExecutorRestarted(ExecutorStopping):
 
 
 class StaleStep(RuntimeError):
-    """A plan older than one already run (FAILED_PRECONDITION; the state is unchanged): a step of
-    a stream that broke, still queued here after the scheduler went on over a new stream. Run
-    then, it would advance requests that the scheduler has sent again whole since."""
+    """A plan older than one of the same scheduler already run (FAILED_PRECONDITION; the state is
+    unchanged): a step of a stream that broke, still queued here after the scheduler went on
+    over a new stream. Run then, it would advance requests that the scheduler has sent again
+    whole since."""
 
 
 class StepRunner(Protocol):
@@ -136,6 +137,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._info.instance_id = self.instance_id
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
+        self._last_session = 0  # the scheduler that sent that step (`StepPlan.session`)
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
         # A StepStream's steps read, run and answered on threads of their own (`step_stream`).
         self._pipelined_streams = pipelined_streams
@@ -259,12 +261,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
-            # NOTE: a scheduler's step ids increase; its first plan resets (a new id sequence).
             last = self._last_step_id
-            if last is not None and plan.step_id < last and not plan.reset:
-                raise StaleStep(f"step {plan.step_id} is older than step {last}, which ran; not run")
+            if (
+                plan.session
+                and plan.session == self._last_session
+                and last is not None
+                and plan.step_id < last
+            ):
+                raise StaleStep(
+                    f"step {plan.step_id} is older than step {last} of its scheduler, which ran; not run"
+                )
             result = self._on_step_thread(self._runner.execute, plan, on_first_pass)
-            self._last_step_id = plan.step_id
+            self._last_step_id, self._last_session = plan.step_id, plan.session
         t = result.timings
         log.debug(
             "step",

@@ -95,7 +95,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results", "session")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class StepRequest(_message.Message):
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     EARLY_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -118,7 +119,8 @@ class StepRequest(_message.Message):
     executor_instance_id: str
     num_steps: _containers.RepeatedScalarFieldContainer[int]
     early_results: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ...) -> None: ...
+    session: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ..., session: _Optional[int] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("req_ids", "words")

@@ -48,6 +48,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
         step_id=plan.step_id,
         finished_req_ids=plan.finished_req_ids,
         reset=plan.reset,
+        session=plan.session,
         # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
         scheduled_req_ids=plan.num_scheduled_tokens.keys(),
         num_scheduled_tokens=plan.num_scheduled_tokens.values(),
@@ -91,6 +92,7 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         reset=msg.reset,
         bitmask=bitmask,
         num_steps=num_steps,
+        session=msg.session,
     )
 
 

@@ -97,6 +97,9 @@ class StepPlan:
     # sample; each later one feeds back the token the pass before sampled, so the request
     # samples that many tokens. The scheduler has given it blocks for all of them.
     num_steps: dict[str, int] = field(default_factory=dict)
+    # The scheduler that planned it (0: unnamed), whose step ids increase: an executor runs no
+    # step of it older than one of it that ran (a broken stream's, still queued there).
+    session: int = 0
 
     @property
     def num_passes(self) -> int:

@@ -104,6 +104,7 @@ class Scheduler:
         # NOTE: a random base, so a restarted scheduler never repeats the step id an executor
         # answered last (it would return that cached result as a retry).
         self._step_ids = itertools.count(random.getrandbits(48))
+        self.session = random.getrandbits(63) + 1  # names its plans (`StepPlan.session`)
         self.total_preemptions = 0
         # The executor may hold requests of an earlier scheduler (or of this one, before a
         # timeout dropped it): the first plan tells it to start clean.
@@ -149,7 +150,12 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> tuple[StepPlan, StepStats]:
-        plan = StepPlan(step_id=next(self._step_ids), finished_req_ids=self._to_drop, reset=self._first_step)
+        plan = StepPlan(
+            step_id=next(self._step_ids),
+            finished_req_ids=self._to_drop,
+            reset=self._first_step,
+            session=self.session,
+        )
         self._to_drop = []
         self._first_step = False
         stats = StepStats()

@@ -314,19 +314,19 @@ def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() 
         running.stop(grace_s=0)
 
 
-def test_a_step_older_than_one_that_ran_is_refused_and_changes_nothing(
+def test_a_step_older_than_one_of_its_scheduler_that_ran_is_refused_and_changes_nothing(
     served: tuple[SimulatedRunner, ExecutorClient],
 ) -> None:
     """A step stream that broke may leave steps queued on the executor after the scheduler went on
-    over a new stream: one older than a step that ran is not run (FAILED_PRECONDITION), since it
-    would advance requests the scheduler has since sent again whole. A scheduler's first plan
-    (reset) starts a new sequence of ids, lower or not."""
+    over a new stream: a step older than one of the same scheduler (session) that ran is not
+    run (FAILED_PRECONDITION), since it would advance requests the scheduler has since sent
+    again whole. Another scheduler's steps have ids of their own."""
     runner, client = served
-    client.step(StepPlan(50, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
+    client.step(StepPlan(50, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}, session=7))
     with pytest.raises(ExecutorError) as stale:
-        client.step(StepPlan(49, num_scheduled_tokens={"a": 1}))
+        client.step(StepPlan(49, num_scheduled_tokens={"a": 1}, session=7))
     assert stale.value.code == "FAILED_PRECONDITION" and "older than step 50" in stale.value.message
     assert runner.num_requests == 1 and runner.stats.num_steps == 1  # not run, and "a" kept
-    assert client.step(StepPlan(51, num_scheduled_tokens={"a": 1})).sampled_req_ids == ["a"]
-    assert client.step(StepPlan(7, reset=True)).step_id == 7  # a new scheduler
-    assert runner.num_requests == 0
+    assert client.step(StepPlan(51, num_scheduled_tokens={"a": 1}, session=7)).sampled_req_ids == ["a"]
+    other = StepPlan(3, new_requests=[new("b", [3, 4])], num_scheduled_tokens={"b": 5}, session=8)
+    assert client.step(other).sampled_req_ids == ["b"]  # another scheduler on the same executor
