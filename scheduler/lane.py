@@ -84,6 +84,7 @@ class LaneEvent:
     stats: StepStats | None = None
     step_seconds: float = 0.0
     executor_draining: bool = False  # the executor said so in its step's answer
+    failed_step: bool = False  # a step failed while the executor still served (`_fail_steps`)
 
 
 class Lane(Protocol):
@@ -406,7 +407,10 @@ class ExecutorLane:
             requests_run_again=len(retried),
             requests_failed=len(failed),
         )
-        self.on_event(self, LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}"))
+        self.on_event(
+            self,
+            LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}", failed_step=True),
+        )
 
     def _landed(self, step: InFlightStep, result: StepResult) -> None:
         updates = self.scheduler.update_from_output(step.plan, result)

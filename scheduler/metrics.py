@@ -87,10 +87,15 @@ class ExecutorMetrics:
         self.restarts = counter(
             "restarts", "Times the executor (by id or address) joined again after going down or restarting."
         )
+        self.failed_steps = counter(
+            "failed_steps",
+            "Steps the executor failed while it still served (a device error, a step stream whose "
+            "connection reset); their requests ran again on it, or ended after a second failure.",
+        )
         self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
                         self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                        self.restarts)  # fmt: skip
+                        self.restarts, self.failed_steps)  # fmt: skip
         self._executors: dict[str, _Executor] = {}  # those with series
         self._seen: set[str] = set()  # every executor id and address that ever joined
 
@@ -129,6 +134,10 @@ class ExecutorMetrics:
         """Adds the steps gathered since the last flush to the series."""
         for executor in self._executors.values():
             executor.steps.flush_into(executor.step_seconds)
+
+    def step_failed(self, executor_id: str) -> None:
+        if executor_id in self._executors:
+            self.failed_steps.labels(self.model_name, executor_id).inc()
 
     def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
         executor = self._executors.get(executor_id)

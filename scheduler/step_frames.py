@@ -74,6 +74,7 @@ class LaneReport:
     load: LaneLoad = field(default_factory=LaneLoad)
     kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
     executor_draining: bool = False  # the executor's step answer said it drains
+    failed_step: bool = False  # a step failed while the executor still served
 
     # NOTE: pickled as the arguments of the constructor, not as a state to set field by field:
     # smaller, and cheaper both ways (a worker pickles one report per step).
@@ -151,6 +152,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
         load=lane_load(lane),
         kv_events=kv_events,
         executor_draining=event.executor_draining,
+        failed_step=event.failed_step,
     )
 
 
@@ -215,6 +217,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         lane_down=report.lane_down,
         step_seconds=report.step_seconds,
         executor_draining=report.executor_draining,
+        failed_step=report.failed_step,
     )
     updates = event.updates
     for req_id, token_ids, logprobs, finished, error, num_cached, num_output in report.updates:

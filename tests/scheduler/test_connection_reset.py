@@ -12,7 +12,7 @@ import grpc
 import pytest
 from harness.cluster import processes, wait_until
 from harness.pools import idle_pools, pools
-from harness.serve import complete_over, greedy_workload, start_executors, start_scheduler
+from harness.serve import complete_over, greedy_workload, labelled_metric, start_executors, start_scheduler
 
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
@@ -67,6 +67,8 @@ def test_reset_connections_to_a_live_executor_change_no_stream(
         assert failed and all(e["requests_failed"] == 0 for e in failed), failed
         assert sum(e["requests_run_again"] for e in failed) >= 1
         assert not [e for e in events if e["event"] == "executor down"]
+        failed_steps = labelled_metric(stub, "npuserve:executor_failed_steps_total")
+        assert failed_steps == {"e0": len(failed)}
         wait_until(lambda: set(pools(stub)) == {"e0"}, 30, "the executor to be served")
         final = idle_pools(stub)
         assert all(p.num_free_blocks == p.num_blocks for p in final.values())

@@ -156,6 +156,9 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.joined("b", "10.0.0.2:50061")
     metrics.step("b", 0.01)
     metrics.prefix_cache("b", 8, 4)
+    metrics.step_failed("b")
+    assert metrics.failed_steps.labels(MODEL, "b")._value.get() == 1
+    assert metrics.failed_steps.labels(MODEL, "a")._value.get() == 0  # there from the start
     metrics.refresh([ExecutorLoad("a", 2, 1, 0.5, 8)])  # b is gone
     series = executors_in(registry)
     assert series["npuserve:executor_up"] == {"a", "b"}  # b stays, at 0, for alerts to see
@@ -169,6 +172,7 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     assert all(executors == {"a"} for executors in executors_in(registry).values())
     metrics.step("b", 0.01)  # a late report of the departed executor adds nothing
     metrics.prefix_cache("b", 8, 4)
+    metrics.step_failed("b")
     metrics.refresh([ExecutorLoad("b", 1, 0, 0.1)])  # nor a load of one that has not joined
     assert all(executors == {"a"} for executors in executors_in(registry).values())
     # Another id at b's address: b's host came back under a new name, which counts as a restart.
