@@ -42,6 +42,16 @@ class _Refused:
         raise self.exc
 
 
+class _Sending:
+    """A step in flight while it is being sent: its answers are those of what the send gives."""
+
+    def __init__(self) -> None:
+        self.sent: asyncio.Future[AsyncPendingStep] = asyncio.get_running_loop().create_future()
+
+    async def result(self) -> StepResult:
+        return await (await self.sent).result()
+
+
 class AsyncExecutorLane(ExecutorLane):
     def __init__(
         self,
@@ -150,36 +160,24 @@ class AsyncExecutorLane(ExecutorLane):
         if scheduled is None:
             return False
         plan, stats = scheduled
-        sent_at = time.perf_counter()
-        num_failures = self.num_failures
+        # NOTE: in flight before it is sent: the step before it may fail while it is (a landing
+        # runs beside a delayed launch), and that failure must count it among the steps after
+        # it, planned from what the failure undoes.
+        sending = _Sending()
+        step = InFlightStep(plan, stats, sending, time.perf_counter())
+        self._in_flight.append(step)
         pending: AsyncPendingStep
         try:
             pending = await self.client.submit(plan, early_results=self.scheduler.config.early_first_tokens)
         except Exception as exc:
             pending = _Refused(exc)
-        step = InFlightStep(plan, stats, pending, sent_at)
-        if self.num_failures != num_failures:
-            # NOTE: the step before it failed while it was being sent (the landing runs beside
-            # a delayed launch): it was planned from what that failure undid. Its answers are
-            # read in their turn and dropped; the requests it started run again too.
-            step.void = True
-            if self.alive:
-                ended, _ = self.scheduler.fail_step(plan)
-                if ended:
-                    self.on_event(
-                        self, LaneEvent(ended=ended, error=f"executor {self.executor_id} failed a step")
-                    )
-        self._in_flight.append(step)
+        step.pending = pending
+        sending.sent.set_result(pending)
         return True
 
     async def _land_on_loop(self) -> None:
         step = self._in_flight.popleft()
         pending = cast(AsyncPendingStep, step.pending)
-        if step.void:
-            with contextlib.suppress(Exception):
-                while (await pending.result()).partial:
-                    pass
-            return
         try:
             result = await pending.result()
             while result.partial:  # the first tokens of the requests it admitted, say

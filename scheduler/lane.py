@@ -184,7 +184,6 @@ class ExecutorLane:
         # `--num-scheduler-steps auto`: the passes per step, from how long the executor waits.
         self.pass_controller = PassController() if scheduler.config.auto_passes else None
         self._had_work = False  # the lane had work when its last step landed
-        self.num_failures = 0  # steps that failed (`_failed`)
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -380,7 +379,6 @@ class ExecutorLane:
         when its executor is ``down`` (why: `down_reason`; the lane went down with every request)."""
         later = list(self._in_flight)
         self._in_flight.clear()
-        self.num_failures += 1
         self._had_work = False  # NOTE: the next step to land does not follow one that landed
         if down is not None:
             self._go_down(down)
@@ -478,6 +476,3 @@ class InFlightStep:
     stats: StepStats
     pending: PendingStep | AsyncPendingStep  # the second on a lane of an event loop (`async_lane`)
     sent_at: float
-    # Planned before a failure that undid what it was planned from (`async_lane`): its answers
-    # are read, in their turn on the stream, and dropped.
-    void: bool = False
