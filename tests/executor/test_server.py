@@ -178,19 +178,19 @@ def faulty_executor(local_runner: ModelRunner) -> Iterator[str]:
 def test_other_failures_are_internal(faulty_executor: str, mode: str) -> None:
     with CLIENTS[mode](faulty_executor, timeout_s=10) as client:
         with pytest.raises(ExecutorError) as failure:
-            client.step(StepPlan(step_id=100))
+            client.step(StepPlan(step_id=0))
         assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
-        assert client.step(StepPlan(step_id=102)) == StepResult(step_id=102)
+        assert client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
 
 
 @pytest.mark.parametrize("mode", CLIENTS)
 def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode: str) -> None:
     with CLIENTS[mode](faulty_executor, timeout_s=0.1) as client:
         with pytest.raises(ExecutorError) as failure:
-            client.step(StepPlan(step_id=101))
+            client.step(StepPlan(step_id=1))
         assert failure.value.code == "DEADLINE_EXCEEDED"
         client.timeout_s = 5
-        assert client.step(StepPlan(step_id=103)) == StepResult(step_id=103)
+        assert client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
 
 
 @pytest.mark.slow

@@ -68,19 +68,19 @@ def test_client_drives_chunked_prefill_decode_and_finish(
     assert second.logprobs[1] is not None and len(second.logprobs[1].top_token_ids) == 2
     assert second.logprobs[1].top_token_ids[0] == second.sampled_token_ids[1]
     only_sampled = client.step(
-        StepPlan(3, new_requests=[new("c", [7], prompt=[5], num_logprobs=0)], num_scheduled_tokens={"c": 1})
+        StepPlan(30, new_requests=[new("c", [7], prompt=[5], num_logprobs=0)], num_scheduled_tokens={"c": 1})
     )
     assert only_sampled.logprobs[0] is not None and only_sampled.logprobs[0].top_token_ids == []
     third = client.step(
-        StepPlan(4, cached_requests=[CachedRequest("a", [11])], num_scheduled_tokens={"a": 1, "b": 1})
+        StepPlan(3, cached_requests=[CachedRequest("a", [11])], num_scheduled_tokens={"a": 1, "b": 1})
     )
     assert third.sampled_token_ids == [runner.token_for("a", 6), runner.token_for("b", 6)]
     assert third.timings.total_s >= SMALL.latency.step_seconds(2, 2) * 0.9
 
-    assert client.step(StepPlan(4)) == third  # a retried step id answers the same
-    client.step(StepPlan(5, finished_req_ids=["a"]))
+    assert client.step(StepPlan(3)) == third  # a retried step id answers the same
+    client.step(StepPlan(4, finished_req_ids=["a"]))
     assert runner.num_requests == 2
-    client.step(StepPlan(6, reset=True))
+    client.step(StepPlan(5, reset=True))
     assert runner.num_requests == 0
     assert runner.stats.num_steps == 6 and runner.stats.num_sampled == 5
 
@@ -177,7 +177,7 @@ def test_multi_step_plans_sample_the_tokens_single_steps_would_and_take_each_pas
     assert after.sampled_token_ids == [runner.token_for("a", 8)]
     with pytest.raises(PlanError, match="samples no token in the first"):
         runner.execute(
-            StepPlan(3, new_requests=[new("c", [5, 6])], num_scheduled_tokens={"c": 2}, num_steps={"c": 2})
+            StepPlan(30, new_requests=[new("c", [5, 6])], num_scheduled_tokens={"c": 2}, num_steps={"c": 2})
         )
     with pytest.raises(PlanError, match="beyond its blocks"):
         runner.execute(

@@ -48,15 +48,15 @@ def test_a_refused_step_and_a_late_one_leave_the_client_usable(executor: tuple[s
     async def run() -> None:
         client = _client(executor, mode, 10)
         with pytest.raises(ExecutorError) as refused:
-            await client.step(StepPlan(step_id=100))
+            await client.step(StepPlan(step_id=0))
         assert (refused.value.code, refused.value.message) == ("INTERNAL", "RuntimeError: device lost")
-        assert await client.step(StepPlan(step_id=102)) == StepResult(step_id=102)
+        assert await client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
         client.timeout_s = 0.1
         with pytest.raises(ExecutorError) as late:
-            await client.step(StepPlan(step_id=201))
+            await client.step(StepPlan(step_id=1))
         assert late.value.code == "DEADLINE_EXCEEDED"
         client.timeout_s = 10
-        assert await client.step(StepPlan(step_id=203)) == StepResult(step_id=203)
+        assert await client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
         await client.close()
 
     asyncio.run(run())
@@ -69,21 +69,18 @@ def test_pipelined_steps_come_back_in_order_and_a_refusal_fails_those_after_it(
         client = _client(executor, "stream", 10)
         pending = [await client.submit(StepPlan(step_id=i)) for i in (1, 2, 3)]
         assert [await p.result() for p in pending] == [StepResult(step_id=i) for i in (1, 2, 3)]
-        refused, after = (
-            await client.submit(StepPlan(step_id=100)),
-            await client.submit(StepPlan(step_id=104)),
-        )
+        refused, after = await client.submit(StepPlan(step_id=0)), await client.submit(StepPlan(step_id=4))
         with pytest.raises(ExecutorError) as failure:
             await refused.result()
         assert failure.value.code == "INTERNAL"
         with pytest.raises(ExecutorError):  # the stream ended with the refusal: not a cancellation
             await after.result()
-        assert await client.step(StepPlan(step_id=105)) == StepResult(step_id=105)  # a new stream
+        assert await client.step(StepPlan(step_id=5)) == StepResult(step_id=5)  # a new stream
         # Sent back to back, so that a pipelined executor has each step before the one before
         # it ends: a refusal still comes after the answer of the step before it, and ends the
         # stream there.
-        done, refused, after = [await client.submit(StepPlan(step_id=i)) for i in (106, 200, 207)]
-        assert await done.result() == StepResult(step_id=106)
+        done, refused, after = [await client.submit(StepPlan(step_id=i)) for i in (6, 0, 7)]
+        assert await done.result() == StepResult(step_id=6)
         with pytest.raises(ExecutorError) as failure:
             await refused.result()
         assert failure.value.code == "INTERNAL"
@@ -107,11 +104,15 @@ def test_an_executor_that_is_not_there_is_unavailable() -> None:
 
 def test_health_says_whether_the_executor_answers_and_serves(executor: tuple[str, str]) -> None:
     """Asked after a failed step (was it the executor's answer?): True from a serving executor,
-    False from an address where none listens and from a closed client."""
+    as the process the client handshook with; False from another process at its address (a
+    restart), from an address where none listens and from a closed client."""
 
     async def run() -> None:
         client = _client(executor, "stream", 10)
         assert await client.health()
+        restarted = AioExecutorClient(executor[0], "an-earlier-instance", True, 5)
+        assert not await restarted.health()
+        await restarted.close()
         await client.close()
         assert not await client.health()
         nobody = AioExecutorClient("127.0.0.1:1", "", True, 5)
