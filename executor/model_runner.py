@@ -38,16 +38,18 @@ from npuserve.executor.sampler import (
 )
 from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
-from npuserve.proto.plan_checks import check_num_steps
+from npuserve.proto.plan_checks import check_joining, check_num_steps
 from npuserve.proto.step_plan import (
     EMULATED_NPU_DEVICE,
     ExecutorInfo,
     FirstPassAnswer,
+    JoiningSteps,
     StepPlan,
     StepResult,
     StepTimings,
     TokenBitmask,
     TokenLogprobs,
+    named_req_ids,
     take_first_pass_only,
 )
 
@@ -130,6 +132,9 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=EMULATED_NPU_DEVICE if self.target.emulated else str(self.device),
             tensor_parallel_size=self.tp.size,
+            # NOTE: a tensor-parallel group's other ranks run the steps its leader sends them,
+            # whole: none could take a joining step at the same pass as the leader.
+            joins_steps=self.tp.size == 1,
         )
 
     @property
@@ -138,27 +143,43 @@ class ModelRunner:
         return self.batch.num_reqs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         """Runs one step. A repeated step id returns the earlier result (retries are idempotent).
 
         ``on_first_pass``: takes the tokens of the requests that run only a multi-step plan's first
         pass as soon as it is done (`take_first_pass_only`); the result then leaves them out.
+        ``joining``: before each later pass of a multi-step plan, the steps that join it
+        (`StepPlan.joins_running`) are taken; their prompts run in that pass, beside its one
+        token per request, and each is answered after it (`_run_joined_pass`).
 
         A plan that contradicts the executor's state raises `PlanError`; any failure drops the
-        state of every request in the plan, which the scheduler then fails or re-sends whole.
+        state of every request in the plan (and in the steps that joined it), which the
+        scheduler then fails or re-sends whole.
         """
         if self._last_result is not None and plan.step_id == self._last_result.step_id:
             return self._last_result
+        joined: list[StepPlan] = []
         try:
-            result = self._execute(plan, on_first_pass)
+            result = self._execute(plan, on_first_pass, joining, joined)
         except Exception:
-            for req_id in [*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests)]:
+            for req_id in named_req_ids(plan, *joined):
                 self.batch.remove(req_id)
             raise
         self._last_result = result
         return result
 
-    def _execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None) -> StepResult:
+    def _execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None,
+        joining: JoiningSteps | None,
+        joined: list[StepPlan],
+    ) -> StepResult:
         start = time.perf_counter()
         self._update_states(plan)
         result = StepResult(step_id=plan.step_id)
@@ -182,12 +203,68 @@ class ModelRunner:
         for index in range(1, plan.num_passes):
             pass_start = time.perf_counter()
             req_ids = [r for r, n in plan.num_steps.items() if n > index]
+            joiners = self._take_joining(joining, joined)
+            if joiners and joining is not None:
+                self._run_joined_pass(req_ids, joiners, result, timings, joining, pass_start)
+                continue
             self._run_pass(
                 self.batch.prepare(dict.fromkeys(req_ids, 1)), req_ids, None, result, timings, pass_start
             )
         timings.total_s = time.perf_counter() - start
         result.timings = timings
         return result
+
+    def _take_joining(self, joining: JoiningSteps | None, joined: list[StepPlan]) -> list[StepPlan]:
+        """The steps that have come to join the running one, their requests added to the batch
+        (each is recorded in ``joined`` first, so a refused one is dropped with the rest)."""
+        joiners: list[StepPlan] = []
+        while joining is not None and (joiner := joining.take()) is not None:
+            joined.append(joiner)
+            check_joining(joiner)
+            joiners.append(joiner)
+            self._update_states(joiner)
+        return joiners
+
+    def _run_joined_pass(
+        self,
+        req_ids: list[str],
+        joiners: list[StepPlan],
+        result: StepResult,
+        timings: StepTimings,
+        joining: JoiningSteps,
+        start: float,
+    ) -> None:
+        """A later pass of a multi-step plan with the steps that joined it: ``req_ids`` feed
+        back one token each, the joined requests run their scheduled (prompt) tokens in the
+        same forward; the tokens go to ``result`` and to each joined step's own result, which
+        is answered at once."""
+        scheduled = dict.fromkeys(req_ids, 1)
+        for joiner in joiners:
+            scheduled.update(joiner.num_scheduled_tokens)
+        inputs = self.batch.prepare(scheduled)
+        sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
+        mixed = StepResult(step_id=result.step_id)
+        pass_timings = StepTimings()
+        self._run_pass(inputs, sampled_req_ids, None, mixed, pass_timings, start)
+        pass_timings.total_s = time.perf_counter() - start
+        timings.prepare_s += pass_timings.prepare_s
+        timings.forward_s += pass_timings.forward_s
+        timings.sample_s += pass_timings.sample_s
+        answers = [StepResult(step_id=joiner.step_id, timings=pass_timings) for joiner in joiners]
+        owner = {
+            req_id: answer
+            for joiner, answer in zip(joiners, answers, strict=True)
+            for req_id in joiner.num_scheduled_tokens
+        }
+        for req_id, token_id, logprobs in zip(
+            mixed.sampled_req_ids, mixed.sampled_token_ids, mixed.logprobs, strict=True
+        ):
+            into = owner.get(req_id, result)
+            into.sampled_req_ids.append(req_id)
+            into.sampled_token_ids.append(token_id)
+            into.logprobs.append(logprobs)
+        for answer in answers:
+            joining.answer(answer)
 
     def _run_pass(
         self,

@@ -58,7 +58,7 @@ from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.server import ExecutorStopping
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -352,7 +352,16 @@ class GroupLeader:
     def num_requests(self) -> int:
         return self.runner.num_requests
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
+        """Sends the step to the other ranks and runs it here. ``joining`` must be None: the
+        other ranks run the steps as sent, whole (`ModelRunner.info` says `joins_steps` no)."""
+        if joining is not None:
+            raise ValueError("a tensor-parallel group runs no step inside another")
         with self._lock:
             if self.lost is not None:
                 raise GroupLost(f"tensor-parallel group lost: {self.lost}")

@@ -61,7 +61,7 @@ from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, bind_target, message_
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_codec import CodecError
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from npuserve.executor.parallel import ParallelConfig
@@ -102,7 +102,12 @@ class StepRunner(Protocol):
 
     def info(self) -> ExecutorInfo: ...
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult: ...
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult: ...
 
     @property
     def num_requests(self) -> int:
@@ -135,6 +140,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.instance_id = uuid.uuid4().hex
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
         self._info.instance_id = self.instance_id
+        # NOTE: a step joins another's passes only on a pipelined stream (`step_stream`).
+        self._info.joins_steps = self._info.joins_steps and pipelined_streams
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
         self._last_session = 0  # the scheduler that sent that step (`StepPlan.session`)
@@ -257,7 +264,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             )
         return step_codec.plan_from_proto(request), request.early_results
 
-    def _run(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def _run(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
+        """Runs a step under the step lock; ``joining`` (a pipelined stream's, where the runner
+        `joins_steps`): the steps that may join its passes, each logged and recorded as run."""
+        joins = _RecordedJoins(self, joining) if joining is not None and self._info.joins_steps else None
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")
@@ -271,12 +286,25 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 raise StaleStep(
                     f"step {plan.step_id} is older than step {last} of its scheduler, which ran; not run"
                 )
-            result = self._on_step_thread(self._runner.execute, plan, on_first_pass)
+            # NOTE: joins only to a runner whose info says it `joins_steps`.
+            args = (plan, on_first_pass) if joins is None else (plan, on_first_pass, joins)
+            result = self._on_step_thread(self._runner.execute, *args)
+            self._ran(plan, result)
+        return result
+
+    def _ran(self, plan: StepPlan, result: StepResult) -> None:
+        """Records a step as run (the stale-step check's reference) and logs it."""
+        if (
+            plan.session != self._last_session
+            or self._last_step_id is None
+            or plan.step_id > self._last_step_id
+        ):
             self._last_step_id, self._last_session = plan.step_id, plan.session
         t = result.timings
         log.debug(
             "step",
             step_id=plan.step_id,
+            joined=plan.joins_running,
             num_reqs=len(plan.num_scheduled_tokens),
             num_tokens=plan.total_num_scheduled_tokens,
             num_sampled=len(result.sampled_token_ids),
@@ -285,12 +313,30 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             sample_s=t.sample_s,
             total_s=t.total_s,
         )
-        return result
 
     def _answer(self, result: StepResult) -> pb.StepResponse:
         response = step_codec.result_to_proto(result)
         response.draining = self.draining
         return response
+
+
+class _RecordedJoins:
+    """A stream's joining steps as the servicer hands them to its runner: each one joined is
+    recorded as run (it is newer than the step it joined) when its answer goes out."""
+
+    def __init__(self, servicer: ExecutorServicer, joining: JoiningSteps) -> None:
+        self._servicer, self._joining = servicer, joining
+        self._plans: dict[int, StepPlan] = {}
+
+    def take(self) -> StepPlan | None:
+        plan = self._joining.take()
+        if plan is not None:
+            self._plans[plan.step_id] = plan
+        return plan
+
+    def answer(self, result: StepResult) -> None:
+        self._servicer._ran(self._plans.pop(result.step_id), result)
+        self._joining.answer(result)
 
 
 # --------------------------------------------------------------------------------------------

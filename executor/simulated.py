@@ -21,15 +21,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
-from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request, check_num_steps
+from npuserve.proto.plan_checks import (
+    PlanError,
+    check_block_ids,
+    check_joining,
+    check_new_request,
+    check_num_steps,
+)
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     FirstPassAnswer,
+    JoiningSteps,
     NewRequest,
     StepPlan,
     StepResult,
     StepTimings,
     TokenLogprobs,
+    named_req_ids,
     take_first_pass_only,
 )
 
@@ -53,6 +61,10 @@ class LatencyModel:
 
     def step_seconds(self, num_tokens: int, num_seqs: int) -> float:
         return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
+
+    def joined_seconds(self, num_tokens: int, num_seqs: int) -> float:
+        """What a step that joins another's pass adds to that pass: its tokens, no base."""
+        return self.per_token_s * num_tokens + self.per_seq_s * num_seqs
 
     def decode_passes_seconds(self, num_passes: int, num_tokens: int) -> float:
         """``num_passes`` passes of one-token sequences, ``num_tokens`` of them in all (the
@@ -170,6 +182,7 @@ class SimulatedRunner:
             eos_token_ids=list(c.eos_token_ids),
             dtype="bfloat16",
             device="simulated",
+            joins_steps=True,
         )
 
     def token_for(self, req_id: str, position: int) -> int:
@@ -177,35 +190,48 @@ class SimulatedRunner:
         c = self.config
         return simulated_token(request_key(req_id, c.seed), position, c.vocab_size, c.eos_token_ids)
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         """Runs one step, as `ModelRunner.execute` does: a repeated step id returns the earlier
         result; a refused plan drops the state of every request it names and raises; with
         ``on_first_pass``, the first pass's answer for the requests that run only it comes once
-        that pass's modelled time has passed."""
+        that pass's modelled time has passed; with ``joining``, the steps that join this one
+        (`StepPlan.joins_running`) are taken before each later pass, their tokens counted in
+        that pass, and answered once the pass's modelled time has passed."""
         if self._last_result is not None and plan.step_id == self._last_result.step_id:
             return self._last_result
         start = time.perf_counter()
+        joined: list[StepPlan] = []
         try:
             result = self._execute(plan)
+            num_tokens = plan.total_num_scheduled_tokens
+            num_seqs = len(plan.num_scheduled_tokens)
+            latency = self.config.latency
+            modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+            if on_first_pass is not None and plan.has_first_pass_only:
+                early = take_first_pass_only(result, plan.num_steps)
+                if early.sampled_req_ids:
+                    self._sleep_until(start + modeled, time.perf_counter())
+                    on_first_pass(early)
+            if plan.num_steps and joining is not None:
+                modeled, num_tokens = self._run_later_passes_joining(
+                    plan, result, start, modeled, num_tokens, joining, joined
+                )
+            elif plan.num_steps:  # each later pass: one token for each request that runs it
+                for index in range(1, plan.num_passes):
+                    self._run_later_pass(plan.num_steps, index, result)
+                num_later_passes = plan.num_passes - 1
+                num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
+                modeled += latency.decode_passes_seconds(num_later_passes, num_later)
+                num_tokens += num_later
         except Exception:
-            for req_id in [*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests)]:
+            for req_id in named_req_ids(plan, *joined):
                 self._requests.pop(req_id, None)
             raise
-        num_tokens = plan.total_num_scheduled_tokens
-        num_seqs = len(plan.num_scheduled_tokens)
-        latency = self.config.latency
-        modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
-        if on_first_pass is not None and plan.has_first_pass_only:
-            early = take_first_pass_only(result, plan.num_steps)
-            if early.sampled_req_ids:
-                self._sleep_until(start + modeled, time.perf_counter())
-                on_first_pass(early)
-        if plan.num_steps:  # each later pass: one token for each request that runs it
-            self._run_later_passes(plan.num_steps, result)
-            num_later_passes = plan.num_passes - 1
-            num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
-            modeled += latency.decode_passes_seconds(num_later_passes, num_later)
-            num_tokens += num_later
         done = time.perf_counter()
         if not self._sleep_until(start + modeled, done) and num_seqs:
             self.stats.num_overruns += 1
@@ -220,6 +246,43 @@ class SimulatedRunner:
         s.busy_s += end - start
         self._last_result = result
         return result
+
+    def _run_later_passes_joining(
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        start: float,
+        modeled: float,
+        num_tokens: int,
+        joining: JoiningSteps,
+        joined: list[StepPlan],
+    ) -> tuple[float, int]:
+        """A multi-pass step's later passes one at a time, each in its modelled time, with the
+        tokens of the steps that join it (taken as the pass starts, answered as it ends);
+        returns the step's modelled seconds and tokens so far."""
+        latency = self.config.latency
+        for index in range(1, plan.num_passes):
+            self._sleep_until(start + modeled, time.perf_counter())  # the pass before is done
+            num_decode = sum(1 for n in plan.num_steps.values() if n > index)
+            pass_s = latency.step_seconds(num_decode, num_decode)
+            joined_results = []
+            while (joiner := joining.take()) is not None:
+                joined.append(joiner)
+                check_joining(joiner)
+                joined_results.append(self._execute(joiner))
+                joined_tokens = joiner.total_num_scheduled_tokens
+                pass_s += latency.joined_seconds(joined_tokens, len(joiner.num_scheduled_tokens))
+                num_tokens += joined_tokens
+            self._run_later_pass(plan.num_steps, index, result)
+            modeled += pass_s
+            num_tokens += num_decode
+            if joined_results:
+                self._sleep_until(start + modeled, time.perf_counter())
+            for joined_result in joined_results:
+                joined_result.timings = StepTimings(total_s=pass_s)
+                self.stats.num_sampled += len(joined_result.sampled_req_ids)
+                joining.answer(joined_result)
+        return modeled, num_tokens
 
     @staticmethod
     def _sleep_until(deadline: float, now: float) -> bool:
@@ -278,19 +341,19 @@ class SimulatedRunner:
                 state.num_tokens += 1
         return result
 
-    def _run_later_passes(self, num_steps: dict[str, int], result: StepResult) -> None:
-        """Multi-step decoding: each pass after the first feeds back the token the last sampled."""
+    def _run_later_pass(self, num_steps: dict[str, int], index: int, result: StepResult) -> None:
+        """Multi-step decoding: a pass after the first (``index`` >= 1) feeds back, for each
+        request that runs it, the token the pass before sampled."""
         requests = self._requests
-        for index in range(1, max(num_steps.values())):
-            for req_id, steps in num_steps.items():
-                if steps > index:
-                    state = requests[req_id]
-                    state.num_computed_tokens = state.num_tokens
-                    token = self._sample(state)
-                    result.sampled_req_ids.append(req_id)
-                    result.sampled_token_ids.append(token)
-                    result.logprobs.append(self._logprobs(state, token))
-                    state.num_tokens += 1
+        for req_id, steps in num_steps.items():
+            if steps > index:
+                state = requests[req_id]
+                state.num_computed_tokens = state.num_tokens
+                token = self._sample(state)
+                result.sampled_req_ids.append(req_id)
+                result.sampled_token_ids.append(token)
+                result.logprobs.append(self._logprobs(state, token))
+                state.num_tokens += 1
 
     def _add(self, req: NewRequest) -> None:
         c = self.config

@@ -13,7 +13,9 @@ as before, and tokens/s stayed within the noise): it pays where the executor has
 spare, or waits on its device while the answers are written.
 
 Order is the stream's: answers go back in the order the steps came, a step's early answer
-(`early_results`) before its result; a failure (a plan that cannot be read, a step that fails, a
+(`early_results`) before its result, except that a step that joins the running one
+(`StepPlan.joins_running`) is taken between that one's passes and answered after the pass it
+joined, before the running step's result; a failure (a plan that cannot be read, a step that fails, a
 broken request stream) is raised by `answers` after the answers of the steps before it, and ends
 the stream there: the steps after it are not run.
 """
@@ -23,18 +25,19 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from npuserve.proto import executor_pb2 as pb
-from npuserve.proto.step_plan import FirstPassAnswer, StepPlan, StepResult
+from npuserve.proto.step_plan import FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 # A step as read: its plan, and whether its first pass's result is answered early.
 ReadStep = Callable[[pb.StepRequest], tuple[StepPlan, bool]]
-RunStep = Callable[[StepPlan, FirstPassAnswer | None], StepResult]
+RunStep = Callable[[StepPlan, FirstPassAnswer | None, JoiningSteps | None], StepResult]
 AnswerStep = Callable[[StepResult], pb.StepResponse]
 
 T = TypeVar("T")
 _END: Any = object()  # the request stream ended; no more answers
+_NONE: Any = object()  # nothing held back (`_Channel.take_if`)
 
 
 class _Channel(Generic[T]):
@@ -42,6 +45,7 @@ class _Channel(Generic[T]):
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._held: Any = _NONE  # looked at by `take_if` and not taken: `get` gives it first
 
     def put(self, item: T) -> None:
         self._queue.put(item)
@@ -53,13 +57,45 @@ class _Channel(Generic[T]):
         self._queue.put(_END)
 
     def get(self) -> T | None:
-        """The next item, waiting for it; None at the end; raises a failure put in its place."""
-        item = self._queue.get()
+        """The next item, waiting for it; None at the end; raises a failure put in its place.
+        One reader only (as for `take_if`)."""
+        item, self._held = self._held, _NONE
+        if item is _NONE:
+            item = self._queue.get()
         if item is _END:
             return None
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def take_if(self, wanted: Callable[[T], bool]) -> T | None:
+        """The next item if it has come and is ``wanted``, without waiting; else None, and the
+        item (or the end, or a failure) stays next for `get`."""
+        if self._held is _NONE:
+            try:
+                self._held = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+        item = self._held
+        if item is _END or isinstance(item, BaseException) or not wanted(item):
+            return None
+        self._held = _NONE
+        return cast(T, item)
+
+
+class _Joining:
+    """The steps that join the one the step thread runs (`JoiningSteps`): those next in the
+    stream that say so, taken between its passes; their answers go out in the stream's order."""
+
+    def __init__(self, steps: _Channel[tuple[StepPlan, bool]], results: _Channel[StepResult]) -> None:
+        self._steps, self._results = steps, results
+
+    def take(self) -> StepPlan | None:
+        step = self._steps.take_if(lambda step: step[0].joins_running)
+        return None if step is None else step[0]
+
+    def answer(self, result: StepResult) -> None:
+        self._results.put(result)
 
 
 class StepStreamPipeline:
@@ -103,10 +139,11 @@ class StepStreamPipeline:
 
     def _run_steps(self) -> None:
         results = self._results
+        joining = _Joining(self._steps, results)
         try:
             while not self._closed and (step := self._steps.get()) is not None:
                 plan, early_results = step
-                results.put(self._run(plan, results.put if early_results else None))
+                results.put(self._run(plan, results.put if early_results else None, joining))
         except BaseException as exc:
             results.fail(exc)
         else:

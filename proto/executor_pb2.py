@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnpuserve/proto/executor.proto\x12\x14npuserve.executor.v1\"\r\n\x0bInfoRequest\"\xcb\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\x05\x12\x13\n\x0b\x65xecutor_id\x18\r \x01(\t\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x13\n\x0binstance_id\x18\x0f \x01(\t\"\x98\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x0cnum_logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x07\n\x05_seedB\x0f\n\r_num_logprobs\"\xb3\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x37\n\x08sampling\x18\x04 \x01(\x0b\x32%.npuserve.executor.v1.SamplingOptions\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\"6\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"\x84\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x36\n\x0cnew_requests\x18\x02 \x03(\x0b\x32 .npuserve.executor.v1.NewRequest\x12<\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32#.npuserve.executor.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\r\n\x05reset\x18\x07 \x01(\x08\x12\x33\n\x07\x62itmask\x18\x08 \x01(\x0b\x32\".npuserve.executor.v1.TokenBitmask\x12\x1c\n\x14\x65xecutor_instance_id\x18\t \x01(\t\x12\x11\n\tnum_steps\x18\n \x03(\r\x12\x15\n\rearly_results\x18\x0b \x01(\x08\x12\x0f\n\x07session\x18\x0c \x01(\x04\".\n\x0cTokenBitmask\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\r\n\x05words\x18\x02 \x01(\x0c\"\x81\x01\n\x0fSampledLogprobs\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x0f\n\x07num_top\x18\x04 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"V\n\x0bStepTimings\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x10\n\x08sample_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\xe3\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0fsampled_req_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x01(\x0b\x32%.npuserve.executor.v1.SampledLogprobs\x12\x32\n\x07timings\x18\x05 \x01(\x0b\x32!.npuserve.executor.v1.StepTimings\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0f\n\x07partial\x18\x07 \x01(\x08\"\x0f\n\rHealthRequest\"w\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0b\x65xecutor_id\x18\x02 \x01(\t\x12\x19\n\x0clast_step_id\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0binstance_id\x18\x04 \x01(\tB\x0f\n\r_last_step_id\"\x15\n\x13StartProfileRequest\"+\n\x14StartProfileResponse\x12\x13\n\x0bprofile_dir\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"*\n\x13StopProfileResponse\x12\x13\n\x0btrace_files\x18\x01 \x03(\t2\xa1\x04\n\x08\x45xecutor\x12M\n\x04Info\x12!.npuserve.executor.v1.InfoRequest\x1a\".npuserve.executor.v1.ExecutorInfo\x12M\n\x04Step\x12!.npuserve.executor.v1.StepRequest\x1a\".npuserve.executor.v1.StepResponse\x12W\n\nStepStream\x12!.npuserve.executor.v1.StepRequest\x1a\".npuserve.executor.v1.StepResponse(\x01\x30\x01\x12S\n\x06Health\x12#.npuserve.executor.v1.HealthRequest\x1a$.npuserve.executor.v1.HealthResponse\x12\x65\n\x0cStartProfile\x12).npuserve.executor.v1.StartProfileRequest\x1a*.npuserve.executor.v1.StartProfileResponse\x12\x62\n\x0bStopProfile\x12(.npuserve.executor.v1.StopProfileRequest\x1a).npuserve.executor.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnpuserve/proto/executor.proto\x12\x14npuserve.executor.v1\"\r\n\x0bInfoRequest\"\xe0\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\x05\x12\x13\n\x0b\x65xecutor_id\x18\r \x01(\t\x12\x0f\n\x07version\x18\x0e \x01(\t\x12\x13\n\x0binstance_id\x18\x0f \x01(\t\x12\x13\n\x0bjoins_steps\x18\x10 \x01(\x08\"\x98\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x0cnum_logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x07\n\x05_seedB\x0f\n\r_num_logprobs\"\xb3\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x37\n\x08sampling\x18\x04 \x01(\x0b\x32%.npuserve.executor.v1.SamplingOptions\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\"6\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"\x9b\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x36\n\x0cnew_requests\x18\x02 \x03(\x0b\x32 .npuserve.executor.v1.NewRequest\x12<\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32#.npuserve.executor.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\r\n\x05reset\x18\x07 \x01(\x08\x12\x33\n\x07\x62itmask\x18\x08 \x01(\x0b\x32\".npuserve.executor.v1.TokenBitmask\x12\x1c\n\x14\x65xecutor_instance_id\x18\t \x01(\t\x12\x11\n\tnum_steps\x18\n \x03(\r\x12\x15\n\rearly_results\x18\x0b \x01(\x08\x12\x0f\n\x07session\x18\x0c \x01(\x04\x12\x15\n\rjoins_running\x18\r \x01(\x08\".\n\x0cTokenBitmask\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\r\n\x05words\x18\x02 \x01(\x0c\"\x81\x01\n\x0fSampledLogprobs\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x0f\n\x07num_top\x18\x04 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"V\n\x0bStepTimings\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x10\n\x08sample_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\xe3\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0fsampled_req_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x01(\x0b\x32%.npuserve.executor.v1.SampledLogprobs\x12\x32\n\x07timings\x18\x05 \x01(\x0b\x32!.npuserve.executor.v1.StepTimings\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0f\n\x07partial\x18\x07 \x01(\x08\"\x0f\n\rHealthRequest\"w\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0b\x65xecutor_id\x18\x02 \x01(\t\x12\x19\n\x0clast_step_id\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0binstance_id\x18\x04 \x01(\tB\x0f\n\r_last_step_id\"\x15\n\x13StartProfileRequest\"+\n\x14StartProfileResponse\x12\x13\n\x0bprofile_dir\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"*\n\x13StopProfileResponse\x12\x13\n\x0btrace_files\x18\x01 \x03(\t2\xa1\x04\n\x08\x45xecutor\x12M\n\x04Info\x12!.npuserve.executor.v1.InfoRequest\x1a\".npuserve.executor.v1.ExecutorInfo\x12M\n\x04Step\x12!.npuserve.executor.v1.StepRequest\x1a\".npuserve.executor.v1.StepResponse\x12W\n\nStepStream\x12!.npuserve.executor.v1.StepRequest\x1a\".npuserve.executor.v1.StepResponse(\x01\x30\x01\x12S\n\x06Health\x12#.npuserve.executor.v1.HealthRequest\x1a$.npuserve.executor.v1.HealthResponse\x12\x65\n\x0cStartProfile\x12).npuserve.executor.v1.StartProfileRequest\x1a*.npuserve.executor.v1.StartProfileResponse\x12\x62\n\x0bStopProfile\x12(.npuserve.executor.v1.StopProfileRequest\x1a).npuserve.executor.v1.StopProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=55
   _globals['_INFOREQUEST']._serialized_end=68
   _globals['_EXECUTORINFO']._serialized_start=71
-  _globals['_EXECUTORINFO']._serialized_end=402
-  _globals['_SAMPLINGOPTIONS']._serialized_start=405
-  _globals['_SAMPLINGOPTIONS']._serialized_end=685
-  _globals['_NEWREQUEST']._serialized_start=688
-  _globals['_NEWREQUEST']._serialized_end=867
-  _globals['_CACHEDREQUEST']._serialized_start=869
-  _globals['_CACHEDREQUEST']._serialized_end=923
-  _globals['_STEPREQUEST']._serialized_start=926
-  _globals['_STEPREQUEST']._serialized_end=1314
-  _globals['_TOKENBITMASK']._serialized_start=1316
-  _globals['_TOKENBITMASK']._serialized_end=1362
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=1365
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=1494
-  _globals['_STEPTIMINGS']._serialized_start=1496
-  _globals['_STEPTIMINGS']._serialized_end=1582
-  _globals['_STEPRESPONSE']._serialized_start=1585
-  _globals['_STEPRESPONSE']._serialized_end=1812
-  _globals['_HEALTHREQUEST']._serialized_start=1814
-  _globals['_HEALTHREQUEST']._serialized_end=1829
-  _globals['_HEALTHRESPONSE']._serialized_start=1831
-  _globals['_HEALTHRESPONSE']._serialized_end=1950
-  _globals['_STARTPROFILEREQUEST']._serialized_start=1952
-  _globals['_STARTPROFILEREQUEST']._serialized_end=1973
-  _globals['_STARTPROFILERESPONSE']._serialized_start=1975
-  _globals['_STARTPROFILERESPONSE']._serialized_end=2018
-  _globals['_STOPPROFILEREQUEST']._serialized_start=2020
-  _globals['_STOPPROFILEREQUEST']._serialized_end=2040
-  _globals['_STOPPROFILERESPONSE']._serialized_start=2042
-  _globals['_STOPPROFILERESPONSE']._serialized_end=2084
-  _globals['_EXECUTOR']._serialized_start=2087
-  _globals['_EXECUTOR']._serialized_end=2632
+  _globals['_EXECUTORINFO']._serialized_end=423
+  _globals['_SAMPLINGOPTIONS']._serialized_start=426
+  _globals['_SAMPLINGOPTIONS']._serialized_end=706
+  _globals['_NEWREQUEST']._serialized_start=709
+  _globals['_NEWREQUEST']._serialized_end=888
+  _globals['_CACHEDREQUEST']._serialized_start=890
+  _globals['_CACHEDREQUEST']._serialized_end=944
+  _globals['_STEPREQUEST']._serialized_start=947
+  _globals['_STEPREQUEST']._serialized_end=1358
+  _globals['_TOKENBITMASK']._serialized_start=1360
+  _globals['_TOKENBITMASK']._serialized_end=1406
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=1409
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=1538
+  _globals['_STEPTIMINGS']._serialized_start=1540
+  _globals['_STEPTIMINGS']._serialized_end=1626
+  _globals['_STEPRESPONSE']._serialized_start=1629
+  _globals['_STEPRESPONSE']._serialized_end=1856
+  _globals['_HEALTHREQUEST']._serialized_start=1858
+  _globals['_HEALTHREQUEST']._serialized_end=1873
+  _globals['_HEALTHRESPONSE']._serialized_start=1875
+  _globals['_HEALTHRESPONSE']._serialized_end=1994
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1996
+  _globals['_STARTPROFILEREQUEST']._serialized_end=2017
+  _globals['_STARTPROFILERESPONSE']._serialized_start=2019
+  _globals['_STARTPROFILERESPONSE']._serialized_end=2062
+  _globals['_STOPPROFILEREQUEST']._serialized_start=2064
+  _globals['_STOPPROFILEREQUEST']._serialized_end=2084
+  _globals['_STOPPROFILERESPONSE']._serialized_start=2086
+  _globals['_STOPPROFILERESPONSE']._serialized_end=2128
+  _globals['_EXECUTOR']._serialized_start=2131
+  _globals['_EXECUTOR']._serialized_end=2676
 # @@protoc_insertion_point(module_scope)

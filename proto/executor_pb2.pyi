@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id")
+    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id", "joins_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ExecutorInfo(_message.Message):
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOINS_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     block_size: int
@@ -42,7 +43,8 @@ class ExecutorInfo(_message.Message):
     executor_id: str
     version: str
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    joins_steps: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., joins_steps: _Optional[bool] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "num_logprobs", "min_tokens", "stop_token_ids")
@@ -95,7 +97,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results", "session")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results", "session", "joins_running")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class StepRequest(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     EARLY_RESULTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    JOINS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -120,7 +123,8 @@ class StepRequest(_message.Message):
     num_steps: _containers.RepeatedScalarFieldContainer[int]
     early_results: bool
     session: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ..., session: _Optional[int] = ...) -> None: ...
+    joins_running: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ..., session: _Optional[int] = ..., joins_running: _Optional[bool] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("req_ids", "words")

@@ -3,7 +3,7 @@ and the scheduler's tests use them too)."""
 
 from __future__ import annotations
 
-from npuserve.proto.step_plan import NewRequest
+from npuserve.proto.step_plan import NewRequest, StepPlan, admits_only
 
 
 class PlanError(ValueError):
@@ -21,6 +21,13 @@ def check_new_request(req: NewRequest, max_model_len: int, num_blocks: int, max_
     if not 0 <= req.num_computed_tokens < num_tokens:
         raise PlanError(f"request {req.req_id!r}: bad num_computed_tokens")
     check_block_ids(req.req_id, req.block_ids, 0, num_blocks, max_blocks_per_req)
+
+
+def check_joining(plan: StepPlan) -> None:
+    """A step taken into another's passes (`StepPlan.joins_running`) only admits requests (the
+    codec refuses any other from the wire; this guards a runner's callers in process)."""
+    if not admits_only(plan):
+        raise PlanError(f"step {plan.step_id} joins the running one but does more than admit requests")
 
 
 def check_block_ids(

@@ -21,6 +21,7 @@ from npuserve.proto.step_plan import (
     StepTimings,
     TokenBitmask,
     TokenLogprobs,
+    admits_only,
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
         finished_req_ids=plan.finished_req_ids,
         reset=plan.reset,
         session=plan.session,
+        joins_running=plan.joins_running,
         # NOTE: two parallel lists, not a map: the batch order of the scheduled requests matters.
         scheduled_req_ids=plan.num_scheduled_tokens.keys(),
         num_scheduled_tokens=plan.num_scheduled_tokens.values(),
@@ -83,7 +85,7 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
     num_steps = _num_steps_from_proto(msg, req_ids)
     if bitmask is not None and num_steps and not num_steps.keys().isdisjoint(bitmask.req_ids):
         raise CodecError(f"step {msg.step_id}: a constrained request cannot run several passes")
-    return StepPlan(
+    plan = StepPlan(
         step_id=msg.step_id,
         new_requests=[_new_request_from_proto(req) for req in msg.new_requests],
         cached_requests=[CachedRequest(req.req_id, req.new_block_ids[:]) for req in msg.cached_requests],
@@ -93,7 +95,11 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         bitmask=bitmask,
         num_steps=num_steps,
         session=msg.session,
+        joins_running=msg.joins_running,
     )
+    if plan.joins_running and not admits_only(plan):
+        raise CodecError(f"step {msg.step_id}: a step that joins the running one may only admit requests")
+    return plan
 
 
 def _num_steps_from_proto(msg: pb.StepRequest, req_ids: list[str]) -> dict[str, int]:
@@ -270,6 +276,7 @@ def info_to_proto(info: ExecutorInfo, executor_id: str = "", version: str = "") 
         dtype=info.dtype,
         device=info.device,
         tensor_parallel_size=info.tensor_parallel_size,
+        joins_steps=info.joins_steps,
         executor_id=executor_id,
         version=version,
     )
@@ -290,4 +297,5 @@ def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
         dtype=msg.dtype,
         device=msg.device,
         tensor_parallel_size=msg.tensor_parallel_size,
+        joins_steps=msg.joins_steps,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from npuserve.proto.kv_layout import cdiv
 
@@ -100,6 +101,10 @@ class StepPlan:
     # The scheduler that planned it (0: unnamed), whose step ids increase: an executor runs no
     # step of it older than one of it that ran (a broken stream's, still queued there).
     session: int = 0
+    # A step that only admits requests and may run inside the multi-pass step its executor is
+    # running (`admits_only`): its tokens join that step's next pass, its answer comes after
+    # that pass. For an executor whose `ExecutorInfo.joins_steps` says so, over the step stream.
+    joins_running: bool = False
 
     @property
     def num_passes(self) -> int:
@@ -149,8 +154,43 @@ class StepResult:
     partial: bool = False
 
 
+def named_req_ids(*plans: StepPlan) -> list[str]:
+    """The requests ``plans`` run or send whole: whose state a runner drops when they fail."""
+    return [
+        req_id
+        for plan in plans
+        for req_id in (*plan.num_scheduled_tokens, *(r.req_id for r in plan.new_requests))
+    ]
+
+
+def admits_only(plan: StepPlan) -> bool:
+    """Whether a plan only admits requests, one pass each: every request it runs is new in it,
+    and it drops none, resets nothing and carries no bitmask (what a step that joins another's
+    passes may hold: `StepPlan.joins_running`)."""
+    return (
+        not (plan.cached_requests or plan.finished_req_ids or plan.reset or plan.num_steps)
+        and plan.bitmask is None
+        and len(plan.new_requests) == len(plan.num_scheduled_tokens)
+        and all(r.req_id in plan.num_scheduled_tokens for r in plan.new_requests)
+    )
+
+
 # Takes a multi-step plan's early answer: the tokens of the requests that run only its first pass.
 FirstPassAnswer = Callable[[StepResult], None]
+
+
+class JoiningSteps(Protocol):
+    """Where a runner in the middle of a multi-pass step finds the steps that join it
+    (`StepPlan.joins_running`, received after it) and sends their answers."""
+
+    def take(self) -> StepPlan | None:
+        """The next step, if it has come and joins the running one (None: none has, or the next
+        to come does not: it runs after the running step, as usual)."""
+        ...
+
+    def answer(self, result: StepResult) -> None:
+        """Sends a joined step's result, after the pass it joined."""
+        ...
 
 
 def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepResult:
@@ -198,3 +238,5 @@ class ExecutorInfo:
     dtype: str
     device: str
     tensor_parallel_size: int = 1
+    # Runs a step that `joins_running` inside the multi-pass step it is running.
+    joins_steps: bool = False

@@ -651,6 +651,8 @@ class Engine:
         self._record_step(lane, event, *sampled)
         if event.failed_step:
             self.metrics.executors.step_failed(lane.executor_id)
+        if event.joined_step:
+            self.metrics.executors.step_joined(lane.executor_id)
         if event.executor_draining and self.lanes.get(lane.executor_id) is lane:
             self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:

@@ -85,6 +85,7 @@ class LaneEvent:
     step_seconds: float = 0.0
     executor_draining: bool = False  # the executor said so in its step's answer
     failed_step: bool = False  # a step failed while the executor still served (`_fail_steps`)
+    joined_step: bool = False  # a step that ran inside another's pass landed (`StepPlan.joins_running`)
 
 
 class Lane(Protocol):
@@ -410,12 +411,17 @@ class ExecutorLane:
             LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}", failed_step=True),
         )
 
-    def _landed(self, step: InFlightStep, result: StepResult) -> None:
+    def _landed(self, step: InFlightStep, result: StepResult, joined: bool = False) -> None:
+        """A step's result: its tokens, and its time; ``joined``: it ran inside another's pass."""
         updates = self.scheduler.update_from_output(step.plan, result)
         self.num_steps += 1
         now = time.perf_counter()
         # NOTE: a pipelined step was sent while the one before it ran: it took since that landed.
         seconds = now - max(step.sent_at, self._last_landed)
+        if step.plan.joins_running:  # ran in another's pass, or alone: timings of no step of its own
+            event = LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds, joined_step=joined)
+            self.on_event(self, event)
+            return
         if self.pass_controller is not None:
             if self._had_work:  # landed right after the one before: the executor's time between
                 chosen = self.pass_controller.observe(result.timings.total_s, now - self._last_landed, now)

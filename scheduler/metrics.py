@@ -92,10 +92,15 @@ class ExecutorMetrics:
             "Steps the executor failed while it still served (a device error, a step stream whose "
             "connection reset); their requests ran again on it, or ended after a second failure.",
         )
+        self.joined_steps = counter(
+            "joined_steps",
+            "Steps that started requests inside a multi-pass step of the executor: their prompts "
+            "ran in its next pass, so they did not wait for it to end.",
+        )
         self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
                         self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                        self.restarts, self.failed_steps)  # fmt: skip
+                        self.restarts, self.failed_steps, self.joined_steps)  # fmt: skip
         self._executors: dict[str, _Executor] = {}  # those with series
         self._seen: set[str] = set()  # every executor id and address that ever joined
 
@@ -138,6 +143,10 @@ class ExecutorMetrics:
     def step_failed(self, executor_id: str) -> None:
         if executor_id in self._executors:
             self.failed_steps.labels(self.model_name, executor_id).inc()
+
+    def step_joined(self, executor_id: str) -> None:
+        if executor_id in self._executors:
+            self.joined_steps.labels(self.model_name, executor_id).inc()
 
     def prefix_cache(self, executor_id: str, queries: int, hits: int) -> None:
         executor = self._executors.get(executor_id)

@@ -195,12 +195,52 @@ class Scheduler:
             budget -= num_new
 
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
-        while self.waiting and budget > 0 and not stats.num_preemptions:
+        if not stats.num_preemptions:
+            self._admit(plan, stats, budget, scheduled, sampling)
+
+        stats.requests = scheduled
+        plan.bitmask = step_bitmask(sampling)
+        return plan, stats
+
+    def schedule_joining(self, budget: int) -> tuple[StepPlan, StepStats] | None:
+        """A step that only admits waiting requests, to join the multi-pass step the executor
+        runs (`StepPlan.joins_running`): their prompts, whole, within ``budget`` tokens (what
+        that step's passes leave of the executor's); no constrained request (the joined pass
+        takes no bitmask), none of the running ones. None when no request can start now."""
+        if not self.waiting or self.waiting[0].grammar is not None:
+            return None
+        plan = StepPlan(step_id=0, session=self.session, joins_running=True)
+        stats = StepStats()
+        scheduled: list[Request] = []
+        self._admit(plan, stats, budget, scheduled, [], joining=True)
+        if not scheduled:
+            return None
+        plan.step_id = next(self._step_ids)  # NOTE: only now: a step that is not sent takes no id
+        stats.requests = scheduled
+        return plan, stats
+
+    def _admit(
+        self,
+        plan: StepPlan,
+        stats: StepStats,
+        budget: int,
+        scheduled: list[Request],
+        sampling: list[Request],
+        joining: bool = False,
+    ) -> None:
+        """Starts waiting requests, in order, within ``budget`` tokens and the free sequence
+        slots and blocks; ``joining`` (`schedule_joining`): prompts whole only, and none that
+        is constrained."""
+        while self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if joining and request.grammar is not None:
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if joining and num_new < request.num_tokens - num_hit_tokens:
+                break
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
@@ -223,10 +263,6 @@ class Scheduler:
             )
             self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
             budget -= num_new
-
-        stats.requests = scheduled
-        plan.bitmask = step_bitmask(sampling)
-        return plan, stats
 
     def _may_admit(self) -> bool:
         """Whether the first waiting request may start this step: a sequence slot is free, and

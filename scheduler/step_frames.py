@@ -75,6 +75,7 @@ class LaneReport:
     kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
     executor_draining: bool = False  # the executor's step answer said it drains
     failed_step: bool = False  # a step failed while the executor still served
+    joined_step: bool = False  # a step that ran inside another's pass landed
 
     # NOTE: pickled as the arguments of the constructor, not as a state to set field by field:
     # smaller, and cheaper both ways (a worker pickles one report per step).
@@ -153,6 +154,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
         kv_events=kv_events,
         executor_draining=event.executor_draining,
         failed_step=event.failed_step,
+        joined_step=event.joined_step,
     )
 
 
@@ -218,6 +220,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         step_seconds=report.step_seconds,
         executor_draining=report.executor_draining,
         failed_step=report.failed_step,
+        joined_step=report.joined_step,
     )
     updates = event.updates
     for req_id, token_ids, logprobs, finished, error, num_cached, num_output in report.updates:

@@ -191,7 +191,13 @@ class StepWorker:
             self.pipe.send(make_report(lane_key, lane, event))
 
         lane = AsyncExecutorLane(
-            executor_id, client, scheduler, on_event, self.settings.async_scheduling, self.window.has_room
+            executor_id,
+            client,
+            scheduler,
+            on_event,
+            self.settings.async_scheduling,
+            self.window.has_room,
+            joins_steps=info.joins_steps,
         )
         self.lanes[lane_key] = lane
         lane.start()

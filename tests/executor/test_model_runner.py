@@ -326,9 +326,9 @@ def test_bitmask_confines_its_request_and_a_bad_one_is_refused_before_the_forwar
 
 def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> None:
     """Four passes per step (greedy, seeded, penalised, with logprobs and min_tokens, prefills
-    chunked under a small budget, new requests answered after the first pass) give every request
-    the tokens and logprobs one pass per step gives: each later pass feeds back the token the one
-    before sampled."""
+    chunked under a small budget, new requests answered after the first pass or started in a
+    step that joins a later pass) give every request the tokens and logprobs one pass per step
+    gives: each later pass feeds back the token the one before sampled."""
     stop = greedy_reference(stories_dir, PROMPT, 8)[2]
     specs = [
         *others(),
@@ -336,13 +336,19 @@ def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> 
         DrivenRequest("min", PROMPT, 7, SamplingOptions(temperature=0, min_tokens=3, stop_token_ids=(stop,))),
     ]
 
-    def run(num_steps: int, token_budget: int, answer_early: bool = False) -> list[DrivenRequest]:
+    def run(
+        num_steps: int, token_budget: int, answer_early: bool = False, join_new: bool = False
+    ) -> list[DrivenRequest]:
         requests = [DrivenRequest(r.req_id, r.prompt, r.max_new_tokens, r.sampling) for r in specs]
         runner = make_runner(stories_dir, seed=5)
-        driver = StepDriver(runner, num_steps=num_steps, answer_early=answer_early)
+        driver = StepDriver(runner, num_steps=num_steps, answer_early=answer_early, join_new=join_new)
+        if join_new:  # two requests first; the others come while they run, and join their passes
+            driver.token_budget = token_budget
+            driver.step(requests[:2])
         outputs(driver, requests, token_budget)
         assert runner.batch.num_reqs == 0
         assert bool(driver.early_answers) == answer_early
+        assert len(driver.joined_answers) == driver.num_joined == join_new
         return requests
 
     def same(a: list[DrivenRequest], b: list[DrivenRequest]) -> None:
@@ -359,6 +365,9 @@ def test_multi_step_plans_sample_what_single_steps_sample(stories_dir: Path) -> 
     same(run(num_steps=3, token_budget=7), single)  # prefills chunked: only sampling requests run on
     # New requests run one pass, answered early, while the running ones run their four.
     same(run(num_steps=4, token_budget=7, answer_early=True), single)
+    # New requests start in a step that joins the second pass of the running ones' step: their
+    # prompts run in the same forward as those requests' decodes (`StepPlan.joins_running`).
+    same(run(num_steps=4, token_budget=10_000, join_new=True), single)
     assert any(r.logprobs[0] is not None for r in single)
 
 

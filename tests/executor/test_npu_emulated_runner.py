@@ -100,17 +100,22 @@ def assert_greedy_within_tolerance(reference: torch.nn.Module, request: DrivenRe
 
 @pytest.mark.slow  # runs models for seconds
 @pytest.mark.parametrize(
-    ("token_budget", "num_steps"),
-    [(10_000, 1), (100, 1), (10_000, 4)],
-    ids=["whole-prefill", "chunked-prefill", "multi-step"],
+    ("token_budget", "num_steps", "join_new"),
+    [(10_000, 1, False), (100, 1, False), (10_000, 4, False), (10_000, 4, True)],
+    ids=["whole-prefill", "chunked-prefill", "multi-step", "joining-step"],
 )
 def test_batched_greedy_follows_transformers(
-    model_dir: Path, device: str, token_budget: int, num_steps: int
+    model_dir: Path, device: str, token_budget: int, num_steps: int, join_new: bool
 ) -> None:
-    """Multi-step plans run their later passes as paged decodes, a token each."""
+    """Multi-step plans run their later passes as paged decodes, a token each; a step that joins
+    one runs its prompts in the same forward as that step's decodes."""
     runner = make_runner(model_dir, device)
     requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts())]
-    StepDriver(runner, token_budget=token_budget, num_steps=num_steps).run(requests)
+    driver = StepDriver(runner, token_budget=token_budget, num_steps=num_steps, join_new=join_new)
+    if join_new:  # one request first; the others come while it runs, and join its passes
+        driver.step(requests[:1])
+    driver.run(requests)
+    assert driver.num_joined == join_new
     reference = reference_model(model_dir)
     for request in requests:
         assert_greedy_within_tolerance(reference, request)

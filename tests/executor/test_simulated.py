@@ -4,6 +4,7 @@ real scheduler: tests/deploy/bench/test_simulated_fleet.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -224,6 +225,62 @@ def test_the_first_pass_only_requests_are_answered_after_the_first_pass(
     runner.execute(every, quiet.append)
     runner.execute(StepPlan(3, num_scheduled_tokens={"a": 1, "b": 1}), quiet.append)
     assert not quiet
+
+
+class _Joins:
+    """A step that joins the running one, there at the first pass it asks (`JoiningSteps`)."""
+
+    def __init__(self, plan: StepPlan, events: list[object]) -> None:
+        self.plans, self.events = [plan], events
+
+    def take(self) -> StepPlan | None:
+        return self.plans.pop() if self.plans else None
+
+    def answer(self, result: StepResult) -> None:
+        self.events.append(result)
+
+
+def test_a_step_that_joins_runs_in_the_next_pass_and_is_answered_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A joining step taken before the second pass samples its requests' first tokens there,
+    the tokens it would sample alone; it is answered once that pass's modelled time (its prompt
+    tokens counted in it) is up, before the running step ends."""
+    events: list[object] = []
+    monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
+    runner, plan = three_passes_for_a()
+    joiner = StepPlan(2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5}, joins_running=True)
+    result = runner.execute(plan, joining=_Joins(joiner, events))
+    answer = StepResult(2, ["c"], [runner.token_for("c", 5)], [None])
+    latency = runner.config.latency
+    joined_pass_s = latency.step_seconds(1, 1) + latency.joined_seconds(5, 1)
+    answer.timings.total_s = joined_pass_s
+    # The first pass, the joined one, its answer, the third pass (waits are asked per pass: the
+    # recorded sleeps take no time, so each end is waited for again).
+    assert events == ["sleep", "sleep", answer, "sleep", "sleep"]
+    token = runner.token_for
+    assert result.sampled_token_ids == [token("a", 5), token("b", 5), token("a", 6), token("a", 7)]
+    modeled = latency.step_seconds(10, 2) + joined_pass_s + latency.step_seconds(1, 1)
+    assert runner.stats.modeled_s == pytest.approx(modeled)
+    alone = SimulatedRunner(runner.config)
+    assert (
+        alone.execute(dataclasses.replace(joiner, joins_running=False)).sampled_token_ids
+        == answer.sampled_token_ids
+    )
+    assert runner.holds("c")  # it runs on in the next steps
+
+
+@pytest.mark.parametrize("refused", ["a request it holds", "more than an admission"])
+def test_a_refused_joining_step_fails_the_running_one_and_drops_both(refused: str) -> None:
+    runner, plan = three_passes_for_a()
+    joiner = StepPlan(2, new_requests=[new("a", [7, 8])], num_scheduled_tokens={"a": 5}, joins_running=True)
+    if refused == "more than an admission":
+        joiner = StepPlan(
+            2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5, "b": 1}, joins_running=True
+        )
+    with pytest.raises(PlanError, match=r"already running|does more than admit"):
+        runner.execute(plan, joining=_Joins(joiner, []))
+    assert runner.num_requests == 0
 
 
 def test_steps_take_the_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:

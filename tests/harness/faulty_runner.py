@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
@@ -13,7 +14,7 @@ class FaultyRunner:
     """Step 0 fails as a device fault would, step 1 takes `SLOW_STEP_S`, the others succeed."""
 
     def __init__(self, info: ExecutorInfo) -> None:
-        self._info = info
+        self._info = dataclasses.replace(info, joins_steps=False)  # it takes no joining step
         self.num_requests = 0  # it holds no request state
 
     def info(self) -> ExecutorInfo:

@@ -46,7 +46,10 @@ class StepDriver:
     ``num_steps`` above 1 plans multi-step decoding: a request that samples in a step runs up to
     that many passes in it (no more than it has tokens left to make), with blocks for them all.
     With ``answer_early`` a new request runs one pass, and the runner answers it after that pass
-    (`on_first_pass`); ``early_answers`` keeps those answers.
+    (`on_first_pass`); ``early_answers`` keeps those answers. With ``join_new`` the new requests
+    of a step whose plan runs several passes go, prompts whole, in a step that joins it
+    (`StepPlan.joins_running`), which the runner takes before its second pass; ``joined_answers``
+    keeps their answers.
     """
 
     def __init__(
@@ -56,8 +59,12 @@ class StepDriver:
         seed: int = 0,
         num_steps: int = 1,
         answer_early: bool = False,
+        join_new: bool = False,
     ) -> None:
         self.runner = runner
+        self.join_new = join_new
+        self.joined_answers: list[StepResult] = []
+        self.num_joined = 0  # joining steps the runner took into a step's passes
         self.token_budget = token_budget
         self.num_steps = num_steps
         self.answer_early = answer_early
@@ -78,7 +85,41 @@ class StepDriver:
         plan = StepPlan(step_id=self.step_id, finished_req_ids=self.finished)
         self.step_id += 1
         self.finished = []
-        budget = self.token_budget
+        joining = None
+        if (
+            self.join_new
+            and self.num_steps > 1
+            and any(r.sent for r in active)
+            and not all(r.sent for r in active)
+        ):
+            joiners = [r for r in active if not r.sent]
+            active = [r for r in active if r.sent]
+            joining = _Joining(StepPlan(step_id=self.step_id, joins_running=True), self.joined_answers)
+            self.step_id += 1
+            self._plan(joining.plan, joiners, 1_000_000)
+        self._plan(plan, active, self.token_budget)
+        if joining is not None and not plan.num_steps:  # nothing to join: it runs next, as any step
+            joining.plan.joins_running = False
+        early: list[StepResult] = []
+        if joining is not None and joining.plan.joins_running:
+            result = self.runner.execute(plan, joining=joining)
+            assert joining.taken, "the joining step was not taken"
+            self.num_joined += 1
+        elif self.answer_early:
+            result = self.runner.execute(plan, on_first_pass=early.append)
+            self.early_answers += early
+        else:
+            result = self.runner.execute(plan)
+        answers = [*early, result]
+        if joining is not None:
+            if not joining.plan.joins_running:
+                self.joined_answers.append(self.runner.execute(joining.plan))
+            answers.append(self.joined_answers[-1])
+            active = active + joiners
+            plan.num_scheduled_tokens.update(joining.plan.num_scheduled_tokens)
+        self._apply(plan, active, answers)
+
+    def _plan(self, plan: StepPlan, active: list[DrivenRequest], budget: int) -> None:
         for req in active:
             if not req.sent and req.cached_block_ids:
                 req.block_ids = list(req.cached_block_ids)
@@ -89,7 +130,7 @@ class StepDriver:
             budget -= num_new
             samples = req.num_computed_tokens + num_new == len(req.tokens)
             passes = min(self.num_steps, req.max_new_tokens - len(req.output)) if samples else 1
-            if self.answer_early and not req.sent:
+            if (self.answer_early or plan.joins_running) and not req.sent:
                 passes = 1
             if passes > 1:
                 plan.num_steps[req.req_id] = passes
@@ -112,18 +153,14 @@ class StepDriver:
             elif new_blocks:
                 plan.cached_requests.append(CachedRequest(req.req_id, new_blocks))
             plan.num_scheduled_tokens[req.req_id] = num_new
-        early: list[StepResult] = []
-        if self.answer_early:
-            result = self.runner.execute(plan, on_first_pass=early.append)
-            self.early_answers += early
-        else:
-            result = self.runner.execute(plan)
+
+    def _apply(self, plan: StepPlan, active: list[DrivenRequest], answers: list[StepResult]) -> None:
         by_id = {r.req_id: r for r in active}
         for req_id, num_new in plan.num_scheduled_tokens.items():
             by_id[req_id].num_computed_tokens += num_new + plan.num_steps.get(req_id, 1) - 1
         sampled = [
             entry
-            for answer in (*early, result)  # NOTE: a request is named in one answer only
+            for answer in answers  # NOTE: a request is named in one answer only
             for entry in zip(answer.sampled_req_ids, answer.sampled_token_ids, answer.logprobs, strict=True)
         ]
         for req_id, token, logprobs in sampled:
@@ -132,3 +169,19 @@ class StepDriver:
             req.logprobs.append(logprobs)
             if req.done:
                 self.finished.append(req_id)
+
+
+class _Joining:
+    """A joining step for the runner (`JoiningSteps`): taken once, its answer kept."""
+
+    def __init__(self, plan: StepPlan, answers: list[StepResult]) -> None:
+        self.plan, self.answers, self.taken = plan, answers, False
+
+    def take(self) -> StepPlan | None:
+        if self.taken:
+            return None
+        self.taken = True
+        return self.plan
+
+    def answer(self, result: StepResult) -> None:
+        self.answers.append(result)

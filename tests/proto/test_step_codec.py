@@ -24,7 +24,9 @@ from npuserve.proto.step_plan import (
     StepPlan,
     StepResult,
     StepTimings,
+    TokenBitmask,
     TokenLogprobs,
+    admits_only,
     take_first_pass_only,
 )
 
@@ -141,6 +143,39 @@ def test_info_round_trip_and_identity() -> None:
     msg = info_to_proto(info, executor_id="host:5000", version="0.1.0")
     assert (msg.executor_id, msg.version) == ("host:5000", "0.1.0")
     assert info_from_proto(pb.ExecutorInfo.FromString(msg.SerializeToString())) == info
+    joins = dataclasses.replace(info, joins_steps=True)
+    assert info_from_proto(pb.ExecutorInfo.FromString(info_to_proto(joins).SerializeToString())) == joins
+
+
+def _joining_plan() -> StepPlan:
+    return StepPlan(
+        step_id=42,
+        new_requests=[
+            NewRequest("j1", [1, 5, 9], 3, SamplingOptions(temperature=0), [4], 0),
+            NewRequest("j2", [1, 2, 3, 4], 4, SamplingOptions(temperature=0), [9, 11], 2),
+        ],
+        num_scheduled_tokens={"j1": 3, "j2": 2},
+        session=7,
+        joins_running=True,
+    )
+
+
+def test_a_step_that_joins_the_running_one_travels_and_admits_only() -> None:
+    """`joins_running` survives the wire on a plan that only admits requests; on one that also
+    runs a request it does not admit, drops one, or carries a bitmask, it is refused."""
+    plan = _joining_plan()
+    assert admits_only(plan) and _wire_plan(plan) == plan
+    for broken in (
+        dataclasses.replace(plan, num_scheduled_tokens={**plan.num_scheduled_tokens, "old": 1}),
+        dataclasses.replace(plan, finished_req_ids=["gone"]),
+        dataclasses.replace(plan, cached_requests=[CachedRequest("j1", [5])]),
+        dataclasses.replace(plan, num_steps={"j1": 2}),
+        dataclasses.replace(plan, bitmask=TokenBitmask(["j1"], b"\xff" * 64)),
+        dataclasses.replace(plan, num_scheduled_tokens={"j1": 3}),  # j2 sent, not run
+    ):
+        assert not admits_only(broken)
+        with pytest.raises(CodecError, match="may only admit requests"):
+            _wire_plan(broken)
 
 
 def test_multi_step_counts_travel_per_scheduled_request() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
-from npuserve.proto.step_plan import FirstPassAnswer, StepPlan, StepResult
+from npuserve.proto.step_plan import FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
 from npuserve.scheduler.executor_client import ExecutorClient
@@ -124,13 +124,18 @@ class _FailingRunner(SimulatedRunner):
         self.running: RunningExecutor | None = None
         self.num_steps = 0
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         self.num_steps += 1
         if self.num_steps == 3 or (self.failure == "always" and self.num_steps > 3):
             if self.failure == "stops serving" and self.running is not None:
                 self.running.servicer.start_draining()
             raise RuntimeError("device lost")
-        return super().execute(plan, on_first_pass)
+        return super().execute(plan, on_first_pass, joining)
 
 
 @pytest.mark.parametrize("failure", ["once", "always", "stops serving"])
@@ -267,6 +272,50 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
     _run_against(running, run)
 
 
+def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> None:
+    """Where the executor joins steps, requests that come while a multi-pass step runs start in
+    a step that joins its next pass (`StepPlan.joins_running`): their first tokens come before
+    that step lands, in an event marked `joined_step`, and their outputs and the running
+    request's are the executor's, with the pool idle and whole at the end. Landed steps are
+    counted, not times measured; each pass is 100 ms, so they come well before the last."""
+    runner, running = _paced_executor(pass_s=0.1, num_blocks=64)
+
+    async def run() -> None:
+        on_event = _Events(lambda event: event.stats is not None)
+        events, landed = on_event.seen, on_event.woken
+
+        client = _stream_client(running.address)
+        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room, joins_steps=True)
+        assert lane.joins_steps and runner.info().joins_steps
+        lane.start()
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
+        lane.submit([a])
+        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
+            landed.clear()
+            await asyncio.wait_for(landed.wait(), 10)
+        await asyncio.sleep(0.05)  # into the first pass of the step in flight
+        since = len(events)
+        b, c = _request("b"), _request("c")
+        lane.submit([b, c])
+        for _ in range(200):  # NOTE: bounded: a step is 400 ms
+            if b.output_token_ids and c.output_token_ids:
+                break
+            await asyncio.sleep(0.01)
+        first = next(e for e in events[since:] if any(u.request is b for u in e.updates))
+        assert first.joined_step and {u.request.req_id for u in first.updates} == {"b", "c"}
+        steps_before = [e for e in events[since : events.index(first)] if e.stats is not None]
+        assert not steps_before  # the step it joined had not landed
+        for _ in range(500):
+            if all(r.status.is_finished for r in (a, b, c)):
+                break
+            await asyncio.sleep(0.02)
+        await _close_after_generating(lane, runner, a, b, c)
+
+    _run_against(running, run)
+
+
 def _run_auto_passes(
     pass_s: float, async_scheduling: bool, room_wait_s: float, max_tokens: int
 ) -> tuple[list[int], int]:
@@ -341,12 +390,17 @@ class _FailsLate(SimulatedRunner):
         self.pass_s, self.fail_at = pass_s, fail_at
         self.num_steps = 0
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         self.num_steps += 1
         if self.num_steps == self.fail_at:
             time.sleep(self.pass_s * plan.num_passes)
             raise RuntimeError("device lost")
-        return super().execute(plan, on_first_pass)
+        return super().execute(plan, on_first_pass, joining)
 
 
 class _HeldClient(AioExecutorClient):

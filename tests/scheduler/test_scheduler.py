@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
-from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult
+from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult, admits_only
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 
@@ -46,12 +46,26 @@ class CheckedExecutor:
     def step(self, plan: StepPlan) -> StepResult:
         self.check(plan)
         result = self.runner.execute(plan)
+        self._sent_after(plan, result)
+        return result
+
+    def step_joined(self, plan: StepPlan, joiner: StepPlan) -> tuple[StepResult, StepResult]:
+        """``plan`` with ``joiner`` joining its second pass; both results."""
+        self.check(plan)
+        self.check(joiner)
+        answers: list[StepResult] = []
+        result = self.runner.execute(plan, joining=_OneJoining(joiner, answers))
+        assert len(answers) == 1, "the joining step was not run in the plan's passes"
+        self._sent_after(plan, result)
+        self._sent_after(joiner, answers[0])
+        return result, answers[0]
+
+    def _sent_after(self, plan: StepPlan, result: StepResult) -> None:
         for req_id, num in plan.num_scheduled_tokens.items():
             self.sent[req_id].num_computed_tokens += num + plan.num_steps.get(req_id, 1) - 1
         for req_id, token in zip(result.sampled_req_ids, result.sampled_token_ids, strict=True):
             self.sent[req_id].token_ids.append(token)
         assert self.runner.num_requests == len(self.sent) and all(map(self.runner.holds, self.sent))
-        return result
 
     def check(self, plan: StepPlan) -> None:
         cfg = self.scheduler.config
@@ -96,6 +110,19 @@ class CheckedExecutor:
             for pos in range(st.num_computed_tokens, st.num_computed_tokens + num):
                 block = st.block_ids[pos // bs]
                 assert written.setdefault(block, req_id) == req_id, f"two requests write block {block}"
+
+
+@dataclass
+class _OneJoining:
+    plan: StepPlan | None
+    answers: list[StepResult]
+
+    def take(self) -> StepPlan | None:
+        plan, self.plan = self.plan, None
+        return plan
+
+    def answer(self, result: StepResult) -> None:
+        self.answers.append(result)
 
 
 def output_token(k: int, req_id: str = "a", num_prompt: int = NUM_PROMPT) -> int:
@@ -808,6 +835,47 @@ def test_with_early_first_tokens_a_queue_the_budget_cannot_take_is_admitted_in_o
     assert not run.step().num_steps
     run.until_done()
     assert [len(run.outputs[r]) for r in "abcd"] == [20, 2, 2, 2]
+
+
+class _Grammar:
+    def release(self) -> None:
+        pass
+
+
+def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay() -> None:
+    """Requests that come while a multi-pass step runs start in a step that joins it: whole
+    prompts, in order, within the budget it is given; nothing when the first one waiting is
+    constrained (the joined pass takes no bitmask) or nothing fits. The requests then run on as
+    if admitted in a step of their own: every output is the simulated executor's."""
+    run = new_run(num_scheduler_steps=4, early_first_tokens=True)
+    sched = run.scheduler
+    sched.add_request(make_request("a", prompt_of(5), max_tokens=10))
+    run.step()
+    running, _ = sched.schedule()
+    assert running.num_steps == {"a": 4}
+    for name, length in (("b", 6), ("c", 8)):
+        sched.add_request(make_request(name, prompt_of(length, ord(name)), max_tokens=6))
+    assert sched.schedule_joining(budget=5) is None  # b's prompt does not fit whole
+    scheduled = sched.schedule_joining(budget=10)
+    assert scheduled is not None
+    joiner, stats = scheduled
+    assert joiner.joins_running and admits_only(joiner)
+    assert joiner.num_scheduled_tokens == {"b": 6} and [r.req_id for r in stats.requests] == ["b"]
+    assert [r.req_id for r in sched.waiting] == ["c"]  # c's 8 tokens are past the 4 left
+    result, answer = run.executor.step_joined(running, joiner)
+    assert answer.sampled_req_ids == ["b"]
+    sched.update_from_output(running, result)
+    sched.update_from_output(joiner, answer)
+    sched.check_integrity()
+    sched.waiting[0].grammar = _Grammar()  # type: ignore[assignment]
+    assert sched.schedule_joining(budget=100) is None  # c is constrained: it waits for a step
+    sched.waiting[0].grammar = None
+    run.until_done()
+    assert run.outputs == {
+        "a": [output_token(k) for k in range(1, 11)],
+        "b": [output_token(k, "b", 6) for k in range(1, 7)],
+        "c": [output_token(k, "c", 8) for k in range(1, 7)],
+    }
 
 
 def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
