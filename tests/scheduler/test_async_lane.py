@@ -316,6 +316,74 @@ def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> Non
     _run_against(running, run)
 
 
+class _FailsAtAJoin(SimulatedRunner):
+    """A paced simulated runner whose first joined pass fails as a device fault would: the
+    step that was running fails (INTERNAL) and the one that joined it is never answered."""
+
+    def __init__(self, pass_s: float) -> None:
+        latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
+        super().__init__(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
+        self.failed = False
+
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
+        runner = self
+
+        class FailingJoins:
+            def take(self) -> StepPlan | None:
+                joiner = joining.take() if joining is not None else None
+                if joiner is not None and not runner.failed:
+                    runner.failed = True
+                    raise RuntimeError("device lost")
+                return joiner
+
+            def answer(self, result: StepResult) -> None:
+                assert joining is not None
+                joining.answer(result)
+
+        return super().execute(plan, on_first_pass, FailingJoins() if joining is not None else None)
+
+
+def test_a_step_that_fails_with_a_step_joining_it_runs_the_requests_of_both_again() -> None:
+    """The running step fails at the pass a joining step was taken into (the executor still
+    serves): the requests of both run again, from their prompts and tokens, and every output is
+    the executor's; the pool ends idle and whole."""
+    runner = _FailsAtAJoin(pass_s=0.1)
+    running = start_executor_server(runner, "127.0.0.1", 0, "sim")
+
+    async def run() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
+        b, c = _request("b"), _request("c")
+        on_event = _Events(
+            lambda event: event.stats is not None or all(r.status.is_finished for r in (a, b, c))
+        )
+        client = _stream_client(running.address)
+        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room, joins_steps=True)
+        lane.start()
+        lane.submit([a])
+        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
+            on_event.woken.clear()
+            await asyncio.wait_for(on_event.woken.wait(), 10)
+        await asyncio.sleep(0.05)  # into the first pass of the step in flight
+        lane.submit([b, c])
+        for _ in range(500):  # NOTE: bounded: steps of 400 ms, one of them run again
+            if all(r.status.is_finished for r in (a, b, c)):
+                break
+            await asyncio.sleep(0.02)
+        assert runner.failed, "no step joined: the failure was not exercised"
+        assert not any(e.ended or e.lane_down for e in on_event.seen) and lane.alive
+        assert a.num_step_retries == 1 and {b.num_step_retries, c.num_step_retries} == {1}
+        await _close_after_generating(lane, runner, a, b, c)
+
+    _run_against(running, run)
+
+
 def _run_auto_passes(
     pass_s: float, async_scheduling: bool, room_wait_s: float, max_tokens: int
 ) -> tuple[list[int], int]:
