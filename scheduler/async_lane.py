@@ -187,8 +187,12 @@ class AsyncExecutorLane(ExecutorLane):
         """Starts the waiting requests in a step that joins the next pass of the last step sent,
         while that one has passes enough left (`JOIN_MIN_PASSES_LEFT`) and fewer than
         `JOIN_MAX_IN_FLIGHT` such steps are on their way."""
+        if not self.scheduler.waiting or not await self._has_room():
+            return
+        # NOTE: nothing else runs from here to the send: the steps in flight are as seen here (a
+        # landing that failed meanwhile has taken them out and queued their requests again).
         steps = [s for s in (self._landing, *self._in_flight) if s is not None]
-        if not self.scheduler.waiting or not steps:
+        if not self.alive or self._stopping or not steps:
             return
         if sum(s.plan.joins_running for s in steps) >= JOIN_MAX_IN_FLIGHT:
             return
@@ -199,9 +203,7 @@ class AsyncExecutorLane(ExecutorLane):
         if self._passes_left(host, queued=host is not steps[0]) < JOIN_MIN_PASSES_LEFT:
             return
         budget = self.scheduler.config.max_num_batched_tokens - len(host.plan.num_steps)
-        if budget <= 0 or not await self._has_room():
-            return
-        scheduled = self.scheduler.schedule_joining(budget)
+        scheduled = self.scheduler.schedule_joining(budget) if budget > 0 else None
         if scheduled is not None:
             await self._send_on_loop(*scheduled)
 
