@@ -322,7 +322,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
 class _RecordedJoins:
     """A stream's joining steps as the servicer hands them to its runner: each one joined is
-    recorded as run (it is newer than the step it joined) when its answer goes out."""
+    recorded as run (it is newer than the step it joined) when its answer goes out. None is
+    stale: it came after the running step on that step's own stream."""
 
     def __init__(self, servicer: ExecutorServicer, joining: JoiningSteps) -> None:
         self._servicer, self._joining = servicer, joining

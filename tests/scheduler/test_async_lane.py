@@ -84,6 +84,29 @@ def _run_against(running: RunningExecutor, run: Callable[[], Coroutine[Any, Any,
         running.stop(grace_s=0)
 
 
+async def _start_and_learn_the_pace(
+    address: str, on_event: _Events, joins_steps: bool
+) -> tuple[AsyncExecutorLane, Request]:
+    """A lane with four passes a step, async scheduling and early first tokens over the
+    executor at ``address``, and a request "a" of 24 tokens on it, once three steps have landed
+    (its prefill, then multi-pass steps: the lane has learnt their pace; ``on_event`` must wake
+    at each landing) and 50 ms more: into the first pass of the step in flight."""
+    config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
+    lane = AsyncExecutorLane(
+        "e0", _stream_client(address), Scheduler(config), on_event, True, _room, joins_steps=joins_steps
+    )
+    lane.start()
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
+    lane.submit([a])
+    for _ in range(3):
+        on_event.woken.clear()
+        await asyncio.wait_for(on_event.woken.wait(), 10)
+    assert lane.pass_seconds > 0
+    await asyncio.sleep(0.05)
+    return lane, a
+
+
 def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_back() -> None:
     async def run() -> None:
         on_event = _Events(lambda event: event.lane_down)
@@ -234,24 +257,8 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
 
     async def run() -> None:
         on_event = _Events(lambda event: event.stats is not None)
-        events, landed = on_event.seen, on_event.woken
-
-        async def next_landing() -> None:
-            landed.clear()
-            await asyncio.wait_for(landed.wait(), 10)
-
-        client = _stream_client(running.address)
-        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
-        scheduler = Scheduler(config)
-        lane = AsyncExecutorLane("e0", client, scheduler, on_event, True, _room)
-        lane.start()
-        params = SamplingParams(temperature=0.0, max_tokens=24)
-        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
-        lane.submit([a])
-        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
-            await next_landing()
-        assert lane.pass_seconds > 0
-        await asyncio.sleep(0.05)  # into the first pass of the step in flight
+        events = on_event.seen
+        lane, a = await _start_and_learn_the_pace(running.address, on_event, joins_steps=False)
         since = len(events)
         b = _request("b")
         lane.submit([b])
@@ -282,20 +289,9 @@ def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> Non
 
     async def run() -> None:
         on_event = _Events(lambda event: event.stats is not None)
-        events, landed = on_event.seen, on_event.woken
-
-        client = _stream_client(running.address)
-        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
-        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room, joins_steps=True)
+        events = on_event.seen
+        lane, a = await _start_and_learn_the_pace(running.address, on_event, joins_steps=True)
         assert lane.joins_steps and runner.info().joins_steps
-        lane.start()
-        params = SamplingParams(temperature=0.0, max_tokens=24)
-        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
-        lane.submit([a])
-        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
-            landed.clear()
-            await asyncio.wait_for(landed.wait(), 10)
-        await asyncio.sleep(0.05)  # into the first pass of the step in flight
         since = len(events)
         b, c = _request("b"), _request("c")
         lane.submit([b, c])
@@ -356,21 +352,9 @@ def test_a_step_that_fails_with_a_step_joining_it_runs_the_requests_of_both_agai
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
 
     async def run() -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=24)
-        a = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 64, 4)
+        on_event = _Events(lambda event: event.stats is not None)
+        lane, a = await _start_and_learn_the_pace(running.address, on_event, joins_steps=True)
         b, c = _request("b"), _request("c")
-        on_event = _Events(
-            lambda event: event.stats is not None or all(r.status.is_finished for r in (a, b, c))
-        )
-        client = _stream_client(running.address)
-        config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
-        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room, joins_steps=True)
-        lane.start()
-        lane.submit([a])
-        for _ in range(3):  # its prefill, then multi-pass steps: the lane learns their pace
-            on_event.woken.clear()
-            await asyncio.wait_for(on_event.woken.wait(), 10)
-        await asyncio.sleep(0.05)  # into the first pass of the step in flight
         lane.submit([b, c])
         for _ in range(500):  # NOTE: bounded: steps of 400 ms, one of them run again
             if all(r.status.is_finished for r in (a, b, c)):
