@@ -244,12 +244,8 @@ class ModelRunner:
         inputs = self.batch.prepare(scheduled)
         sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         mixed = StepResult(step_id=result.step_id)
-        pass_timings = StepTimings()
-        self._run_pass(inputs, sampled_req_ids, None, mixed, pass_timings, start)
-        pass_timings.total_s = time.perf_counter() - start
-        timings.prepare_s += pass_timings.prepare_s
-        timings.forward_s += pass_timings.forward_s
-        timings.sample_s += pass_timings.sample_s
+        self._run_pass(inputs, sampled_req_ids, None, mixed, timings, start)
+        pass_timings = StepTimings(total_s=time.perf_counter() - start)  # a joined step's: its pass
         answers = [StepResult(step_id=joiner.step_id, timings=pass_timings) for joiner in joiners]
         owner = {
             req_id: answer

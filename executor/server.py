@@ -272,7 +272,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     ) -> StepResult:
         """Runs a step under the step lock; ``joining`` (a pipelined stream's, where the runner
         `joins_steps`): the steps that may join its passes, each logged and recorded as run."""
-        joins = _RecordedJoins(self, joining) if joining is not None and self._info.joins_steps else None
+        joins = None
+        if joining is not None and plan.num_steps and self._info.joins_steps:  # NOTE: passes to join
+            joins = _RecordedJoins(self, joining)
         with self._step_lock:
             if not self.serving:
                 raise ExecutorStopping("the executor is shutting down; send the step to another")

@@ -142,14 +142,16 @@ class AsyncExecutorLane(ExecutorLane):
     async def _land_watching(self, launch_in_s: float | None) -> None:
         """Lands the next step in flight; with ``launch_in_s``, sends the next step after that
         long unless the landing came first. Where the executor `joins_steps`, the requests that
-        come meanwhile start at once, in a step that joins the one it runs (`_join_running`)."""
-        if launch_in_s is None and not self.joins_steps:
+        come meanwhile start at once, in a step that joins the one it runs (`_join_running`):
+        watched for only while a step in flight runs several passes (none else could host one)."""
+        watch = self.joins_steps and any(step.plan.num_steps for step in self._in_flight)
+        if launch_in_s is None and not watch:
             await self._land_on_loop()
             return
         # NOTE: a task of its own, never cancelled by the wait: a step stream's read must not be.
         landing = asyncio.ensure_future(self._land_on_loop())
         try:
-            if self.joins_steps:
+            if watch:
                 await self._join_until(landing, launch_in_s)
             else:
                 await asyncio.wait({landing}, timeout=launch_in_s)

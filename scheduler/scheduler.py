@@ -207,8 +207,6 @@ class Scheduler:
         runs (`StepPlan.joins_running`): their prompts, whole, within ``budget`` tokens (what
         that step's passes leave of the executor's); no constrained request (the joined pass
         takes no bitmask), none of the running ones. None when no request can start now."""
-        if not self.waiting or self.waiting[0].grammar is not None:
-            return None
         plan = StepPlan(step_id=0, session=self.session, joins_running=True)
         stats = StepStats()
         scheduled: list[Request] = []

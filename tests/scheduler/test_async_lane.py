@@ -35,10 +35,18 @@ async def _room() -> bool:
     return True
 
 
+class _PacedRunner(SimulatedRunner):
+    """A simulated runner whose every forward pass takes ``pass_s``."""
+
+    def __init__(self, pass_s: float, num_blocks: int = 64) -> None:
+        latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
+        super().__init__(SimulatedConfig(latency=latency, num_blocks=num_blocks, block_size=4))
+        self.pass_s = pass_s
+
+
 def _paced_executor(pass_s: float, num_blocks: int) -> tuple[SimulatedRunner, RunningExecutor]:
-    """A simulated executor serving on loopback whose every forward pass takes ``pass_s``."""
-    latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
-    runner = SimulatedRunner(SimulatedConfig(latency=latency, num_blocks=num_blocks, block_size=4))
+    """A `_PacedRunner` serving on loopback."""
+    runner = _PacedRunner(pass_s, num_blocks)
     return runner, start_executor_server(runner, "127.0.0.1", 0, "sim")
 
 
@@ -312,14 +320,11 @@ def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> Non
     _run_against(running, run)
 
 
-class _FailsAtAJoin(SimulatedRunner):
+class _FailsAtAJoin(_PacedRunner):
     """A paced simulated runner whose first joined pass fails as a device fault would: the
     step that was running fails (INTERNAL) and the one that joined it is never answered."""
 
-    def __init__(self, pass_s: float) -> None:
-        latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
-        super().__init__(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
-        self.failed = False
+    failed = False
 
     def execute(
         self,
@@ -327,21 +332,24 @@ class _FailsAtAJoin(SimulatedRunner):
         on_first_pass: FirstPassAnswer | None = None,
         joining: JoiningSteps | None = None,
     ) -> StepResult:
-        runner = self
+        return super().execute(plan, on_first_pass, None if joining is None else _FailingJoins(self, joining))
 
-        class FailingJoins:
-            def take(self) -> StepPlan | None:
-                joiner = joining.take() if joining is not None else None
-                if joiner is not None and not runner.failed:
-                    runner.failed = True
-                    raise RuntimeError("device lost")
-                return joiner
 
-            def answer(self, result: StepResult) -> None:
-                assert joining is not None
-                joining.answer(result)
+class _FailingJoins:
+    """``joining``, but the first step taken from it fails the runner's step instead."""
 
-        return super().execute(plan, on_first_pass, FailingJoins() if joining is not None else None)
+    def __init__(self, runner: _FailsAtAJoin, joining: JoiningSteps) -> None:
+        self.runner, self.joining = runner, joining
+
+    def take(self) -> StepPlan | None:
+        joiner = self.joining.take()
+        if joiner is not None and not self.runner.failed:
+            self.runner.failed = True
+            raise RuntimeError("device lost")
+        return joiner
+
+    def answer(self, result: StepResult) -> None:
+        self.joining.answer(result)
 
 
 def test_a_step_that_fails_with_a_step_joining_it_runs_the_requests_of_both_again() -> None:
@@ -433,13 +441,12 @@ def test_auto_passes_stay_at_one_while_the_executor_keeps_busy() -> None:
     assert tokens_per_step == [1] * 24 and reported == 1
 
 
-class _FailsLate(SimulatedRunner):
+class _FailsLate(_PacedRunner):
     """A paced simulated runner whose ``fail_at``-th step fails after its passes' time."""
 
     def __init__(self, pass_s: float, fail_at: int) -> None:
-        latency = LatencyModel(base_s=pass_s, per_token_s=0.0, per_seq_s=0.0)
-        super().__init__(SimulatedConfig(latency=latency, num_blocks=64, block_size=4))
-        self.pass_s, self.fail_at = pass_s, fail_at
+        super().__init__(pass_s)
+        self.fail_at = fail_at
         self.num_steps = 0
 
     def execute(

@@ -157,8 +157,12 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.step("b", 0.01)
     metrics.prefix_cache("b", 8, 4)
     metrics.step_failed("b")
+    metrics.step_joined("b")
+    metrics.step_joined("b")
     assert metrics.failed_steps.labels(MODEL, "b")._value.get() == 1
+    assert metrics.joined_steps.labels(MODEL, "b")._value.get() == 2
     assert metrics.failed_steps.labels(MODEL, "a")._value.get() == 0  # there from the start
+    assert metrics.joined_steps.labels(MODEL, "a")._value.get() == 0
     metrics.refresh([ExecutorLoad("a", 2, 1, 0.5, 8)])  # b is gone
     series = executors_in(registry)
     assert series["npuserve:executor_up"] == {"a", "b"}  # b stays, at 0, for alerts to see
@@ -173,6 +177,7 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.step("b", 0.01)  # a late report of the departed executor adds nothing
     metrics.prefix_cache("b", 8, 4)
     metrics.step_failed("b")
+    metrics.step_joined("b")
     metrics.refresh([ExecutorLoad("b", 1, 0, 0.1)])  # nor a load of one that has not joined
     assert all(executors == {"a"} for executors in executors_in(registry).values())
     # Another id at b's address: b's host came back under a new name, which counts as a restart.
