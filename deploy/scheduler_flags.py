@@ -18,6 +18,7 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
+from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, SchedulerConfig
 from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
@@ -116,6 +117,16 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             },
         ),
         Flag("routing", "--routing", {"default": "prefix-aware", "choices": ["prefix-aware", "least-load"]}),
+        Flag(
+            "routing_prefill_weight",
+            "--routing-prefill-weight",
+            {
+                "type": float,
+                "default": DEFAULT_PREFILL_WEIGHT,
+                "help": "prefix-aware routing: what a block of prefill costs against a block in use "
+                "(higher: new requests spread for time to first token; lower: for balanced load)",
+            },
+        ),
         Flag(
             "max_queued_requests",
             "--max-queued-requests",

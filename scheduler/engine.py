@@ -28,7 +28,7 @@ from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, OpenStream, OutputSink, RequestStream, client_outputs
 from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from npuserve.scheduler.router import ROUTING_POLICIES, choose_lane
+from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT, ROUTING_POLICIES, choose_lane
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.step_passes import check_num_scheduler_steps
@@ -102,6 +102,7 @@ class EngineConfig:
     served_model_name: str
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
+    routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # a prefill block's cost against a block in use
     max_queued_requests: int | None = None  # None: unbounded
     trust_request_chat_template: bool = False  # render chat templates that clients send
     async_scheduling: bool = False  # schedule each step while the executor runs the one before
@@ -113,6 +114,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+        if not self.routing_prefill_weight >= 0:  # NOTE: NaN too
+            raise ValueError(f"--routing-prefill-weight must be >= 0, got {self.routing_prefill_weight}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         check_num_scheduler_steps(self.num_scheduler_steps)
@@ -448,7 +451,10 @@ class Engine:
         """Routes requests of one client request (siblings stay together) to a live executor."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
-        lane = choose_lane(self.routable_lanes, first.block_hashes, num_blocks, self.config.routing)
+        config = self.config
+        lane = choose_lane(
+            self.routable_lanes, first.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
+        )
         for request in siblings:
             self._lane_of[request.req_id] = lane
             self._unstarted[request.req_id] = (lane, num_blocks)

@@ -176,6 +176,7 @@ async def serve_scheduler(
             served_model_name=config.served_model_name or default_served_name(config.model),
             enable_prefix_caching=config.enable_prefix_caching,
             routing=config.routing,
+            routing_prefill_weight=config.routing_prefill_weight,
             max_queued_requests=config.max_queued_requests,
             trust_request_chat_template=config.trust_request_chat_template,
             async_scheduling=async_scheduling,

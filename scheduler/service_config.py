@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
+
 # How steps reach an executor: a unary call each, or one long-lived stream per executor (the
 # default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
 # 256-1,024 streams, within the noise at 4,096 and over 4 executors, and about a third less CPU
@@ -29,6 +31,7 @@ class SchedulerConfig:
     trust_request_chat_template: bool = False  # render chat templates that clients send
     enable_prefix_caching: bool = True
     routing: str = "prefix-aware"
+    routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # `router`: a prefill block against a block in use
     max_queued_requests: int | None = None
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores

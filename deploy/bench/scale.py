@@ -91,6 +91,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         executors=list(addresses),
         step_transport=config.step_transport,
         routing=config.routing,
+        routing_prefill_weight=config.routing_prefill_weight,
         scheduler_workers=config.scheduler_workers,
         api_server_count=config.api_server_count,
         async_scheduling=config.async_scheduling,
@@ -310,7 +311,7 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
-    SCHEDULER.add(p, only=["routing", *BENCH_FIELDS])
+    SCHEDULER.add(p, only=["routing", "routing_prefill_weight", *BENCH_FIELDS])
     p.add_argument(
         "--client-call",
         default=d.client_call,
@@ -353,6 +354,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             model=args.model,
             step_transport=args.step_transport,
             routing=args.routing,
+            routing_prefill_weight=args.routing_prefill_weight,
             scheduler_workers=args.scheduler_workers,
             api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 START_TIMEOUT_S = 180.0
@@ -37,6 +38,7 @@ class ScaleConfig:
     model: Path = DEMO_MODEL_DIR
     step_transport: str = DEFAULT_STEP_TRANSPORT
     routing: str = "prefix-aware"
+    routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # the scheduler's --routing-prefill-weight
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool | None = None  # None: the scheduler's default (on over the stream transport)

@@ -62,6 +62,7 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         chat_template="{{ messages }}",
         enable_prefix_caching=False,
         routing="least-load",
+        routing_prefill_weight=2.5,
         max_queued_requests=5,
         stream_interval=4,
         num_scheduler_steps=8,

@@ -1,16 +1,18 @@
-"""Placing requests on executors: the cost of a lane (uncached prompt blocks plus load), ties, the
-least-load policy, and prefix-aware routing through the engine landing a request on the
-executor that holds its prefix."""
+"""Placing requests on executors: the cost of a lane (prefill blocks, weighted, plus blocks in
+use), ties, the least-load policy, and prefix-aware routing through the engine landing a request
+on the executor that holds its prefix."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from harness.simulated_engine import SMALL, ControlledExecutor, generate, simulated_engine
 
 from npuserve.executor.simulated import SimulatedRunner
 from npuserve.scheduler.lane import ExecutorLane
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.engine import EngineConfig
 from npuserve.scheduler.router import cached_prefix_blocks, choose_lane, lane_load_blocks
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.tokenizer import Tokenizer
@@ -89,6 +91,46 @@ def test_queued_blocks_count_as_load_and_queued_requests_break_ties() -> None:
     lanes[0].queued_requests = 0  # a full tie: either, at random
     assert {choose_lane(lanes, hashes, 3, "prefix-aware").executor_id for _ in range(200)} == {"e0", "e1"}
     assert choose_lane(lanes[:1], hashes, 3, "least-load") is lanes[0]
+
+
+def place(lanes: list[ExecutorLane], num_prompt_blocks: int, prefill_weight: float) -> ExecutorLane:
+    """What the engine does with a new prompt of no cached prefix: choose, then count it queued."""
+    lane = choose_lane(lanes, [], num_prompt_blocks, "prefix-aware", prefill_weight)
+    lane.queued_blocks += num_prompt_blocks
+    lane.queued_requests += 1
+    return lane
+
+
+def test_a_burst_of_prompts_spreads_when_prefill_outweighs_blocks_in_use() -> None:
+    """e0 holds no blocks, e1 and e2 one request of 7 blocks each. Weighed alike, three 3-block
+    prompts placed at once all queue on e0, to prefill there together; a prefill block worth 4
+    blocks in use sends the second and third to the others."""
+    for weight, expected in ((1.0, ["e0", "e0", "e0"]), (4.0, ["e0", "e1", "e2"])):
+        lanes = [idle_lane(f"e{i}") for i in range(3)]
+        for i, lane in enumerate(lanes[1:]):
+            admit(lane, make_request(f"running-{i}", prompt_of(27, i)))
+        assert [lane.num_used_blocks for lane in lanes] == [0, 7, 7]
+        placed = [place(lanes, 3, weight).executor_id for _ in range(3)]
+        assert sorted(placed) == expected
+
+
+def test_the_prefill_weight_scales_what_a_cached_prefix_saves() -> None:
+    """A 5-block cached prefix on a lane that also holds 7 blocks in use: at weight 1 the prefix
+    saves less than the load costs; at the default weight it saves more."""
+    lanes = [idle_lane("e0"), idle_lane("e1")]
+    prompt = prompt_of(22)
+    admit(lanes[0], make_request("a", prompt))
+    lanes[0].scheduler.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    admit(lanes[0], make_request("busy", prompt_of(27, 1)))
+    hashes = make_request("b", prompt).block_hashes
+    assert choose_lane(lanes, hashes, 6, "prefix-aware", 1.0) is lanes[1]  # 1 + 7 > 6
+    assert choose_lane(lanes, hashes, 6, "prefix-aware") is lanes[0]  # 4 x 1 + 7 < 4 x 6
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan")])
+def test_the_prefill_weight_must_not_be_negative(weight: float) -> None:
+    with pytest.raises(ValueError, match="--routing-prefill-weight"):
+        EngineConfig(served_model_name="m", routing_prefill_weight=weight)
 
 
 def test_least_load_ignores_the_prefix_cache() -> None:
