@@ -159,6 +159,10 @@ class AsyncExecutorLane(ExecutorLane):
                 self._apply_commands()  # what came meanwhile (new requests) joins the next step
                 if self.alive and not self._stopping and self.scheduler.has_work() and await self._has_room():
                     await self._launch_on_loop()
+                # NOTE: what comes from here to the landing joins the step just sent; waiting for
+                # the landing instead, it would reach the executor after that step had begun.
+                if self.joins_steps and any(step.plan.num_steps for step in self._in_flight):
+                    await self._join_until(landing, None)
         except asyncio.CancelledError:  # the lane is closing
             landing.cancel()
             raise

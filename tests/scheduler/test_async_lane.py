@@ -50,12 +50,12 @@ def _paced_executor(pass_s: float, num_blocks: int) -> tuple[SimulatedRunner, Ru
     return runner, start_executor_server(runner, "127.0.0.1", 0, "sim")
 
 
-def _stream_client(address: str) -> AioExecutorClient:
+def _stream_client(address: str, kind: type[AioExecutorClient] = AioExecutorClient) -> AioExecutorClient:
     """A step-stream client of the executor at ``address``, after the front's handshake."""
     with ExecutorClient(address, timeout_s=10) as handshake:
         handshake.info()
         instance_id = handshake.instance_id
-    return AioExecutorClient(address, instance_id, True, 10)
+    return kind(address, instance_id, True, 10)
 
 
 class _Events:
@@ -70,6 +70,14 @@ class _Events:
         self.seen.append(event)
         if self.wakes(event):
             self.woken.set()
+
+
+async def _until_finished(*requests: Request) -> None:
+    """Until every one of ``requests`` has finished, or 10 s (a bound, not a measure)."""
+    for _ in range(500):
+        if all(r.status.is_finished for r in requests):
+            return
+        await asyncio.sleep(0.02)
 
 
 async def _close_after_generating(
@@ -93,7 +101,7 @@ def _run_against(running: RunningExecutor, run: Callable[[], Coroutine[Any, Any,
 
 
 async def _start_and_learn_the_pace(
-    address: str, on_event: _Events, joins_steps: bool
+    address: str, on_event: _Events, joins_steps: bool, client: type[AioExecutorClient] = AioExecutorClient
 ) -> tuple[AsyncExecutorLane, Request]:
     """A lane with four passes a step, async scheduling and early first tokens over the
     executor at ``address``, and a request "a" of 24 tokens on it, once three steps have landed
@@ -101,7 +109,13 @@ async def _start_and_learn_the_pace(
     at each landing) and 50 ms more: into the first pass of the step in flight."""
     config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
     lane = AsyncExecutorLane(
-        "e0", _stream_client(address), Scheduler(config), on_event, True, _room, joins_steps=joins_steps
+        "e0",
+        _stream_client(address, client),
+        Scheduler(config),
+        on_event,
+        True,
+        _room,
+        joins_steps=joins_steps,
     )
     lane.start()
     params = SamplingParams(temperature=0.0, max_tokens=24)
@@ -278,10 +292,7 @@ def test_a_pipelined_step_after_a_multi_pass_one_waits_for_its_last_pass() -> No
             e for e in events[since:] if e.stats is not None and all(u.request is not b for u in e.updates)
         ]
         assert b.output_token_ids and len(steps_before_b) == 1
-        for _ in range(500):
-            if a.status.is_finished and b.status.is_finished:
-                break
-            await asyncio.sleep(0.02)
+        await _until_finished(a, b)
         await _close_after_generating(lane, runner, a, b)
 
     _run_against(running, run)
@@ -311,11 +322,58 @@ def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> Non
         assert first.joined_step and {u.request.req_id for u in first.updates} == {"b", "c"}
         steps_before = [e for e in events[since : events.index(first)] if e.stats is not None]
         assert not steps_before  # the step it joined had not landed
-        for _ in range(500):
-            if all(r.status.is_finished for r in (a, b, c)):
-                break
-            await asyncio.sleep(0.02)
+        await _until_finished(a, b, c)
         await _close_after_generating(lane, runner, a, b, c)
+
+    _run_against(running, run)
+
+
+class _RecordsSends(AioExecutorClient):
+    """Keeps each plan it sends, with how many steps had landed then (``landed``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.sent: list[tuple[StepPlan, int]] = []
+        self.landed: Callable[[], int] = lambda: 0
+
+    async def submit(self, plan: StepPlan, early_results: bool = False) -> Any:
+        self.sent.append((plan, self.landed()))
+        return await super().submit(plan, early_results)
+
+
+def test_a_request_that_comes_after_the_next_step_was_sent_joins_that_step_at_once() -> None:
+    """The step after a multi-pass one is sent two passes before that one ends. A request that
+    comes after it was sent starts in a step that joins it, sent at once, while the step before
+    still runs, rather than once that step has landed (by then the one it joins has begun). Its
+    first token comes in a joined step. Steps are counted, not times measured: each pass is
+    100 ms, so the request comes well inside those two passes."""
+    runner, running = _paced_executor(pass_s=0.1, num_blocks=64)
+
+    async def run() -> None:
+        on_event = _Events(lambda event: event.stats is not None)
+        events = on_event.seen
+        lane, a = await _start_and_learn_the_pace(running.address, on_event, True, _RecordsSends)
+        client = lane.client
+        assert isinstance(client, _RecordsSends)
+        client.landed = lambda: sum(event.stats is not None for event in events)
+        since = len(client.sent)
+        for _ in range(200):  # NOTE: bounded: a step is 400 ms
+            if any(not plan.joins_running for plan, _ in client.sent[since:]):
+                break
+            await asyncio.sleep(0.005)
+        ((_, landed_then),) = [(plan, n) for plan, n in client.sent[since:] if not plan.joins_running]
+        b = _request("b")
+        lane.submit([b])
+        for _ in range(200):
+            if b.output_token_ids:
+                break
+            await asyncio.sleep(0.01)
+        joining = [n for plan, n in client.sent if plan.joins_running and "b" in plan.num_scheduled_tokens]
+        assert joining == [landed_then]  # sent before the step that ran when it came had landed
+        first = next(e for e in events if any(u.request is b for u in e.updates))
+        assert first.joined_step
+        await _until_finished(a, b)
+        await _close_after_generating(lane, runner, a, b)
 
     _run_against(running, run)
 
@@ -364,10 +422,7 @@ def test_a_step_that_fails_with_a_step_joining_it_runs_the_requests_of_both_agai
         lane, a = await _start_and_learn_the_pace(running.address, on_event, joins_steps=True)
         b, c = _request("b"), _request("c")
         lane.submit([b, c])
-        for _ in range(500):  # NOTE: bounded: steps of 400 ms, one of them run again
-            if all(r.status.is_finished for r in (a, b, c)):
-                break
-            await asyncio.sleep(0.02)
+        await _until_finished(a, b, c)  # NOTE: steps of 400 ms, one of them run again
         assert runner.failed, "no step joined: the failure was not exercised"
         assert not any(e.ended or e.lane_down for e in on_event.seen) and lane.alive
         assert a.num_step_retries == 1 and {b.num_step_retries, c.num_step_retries} == {1}

@@ -10,9 +10,9 @@ import pytest
 from harness.simulated_engine import SMALL, ControlledExecutor, generate, simulated_engine
 
 from npuserve.executor.simulated import SimulatedRunner
+from npuserve.scheduler.engine import EngineConfig
 from npuserve.scheduler.lane import ExecutorLane
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.engine import EngineConfig
 from npuserve.scheduler.router import cached_prefix_blocks, choose_lane, lane_load_blocks
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.tokenizer import Tokenizer
