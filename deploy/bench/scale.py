@@ -1,7 +1,8 @@
 """How far one scheduler scales: simulated executors, a real scheduler process, thousands of streams.
 
 For each executor count (16, 32, 64 by default) it starts that many simulated executors in one
-process (`simulated_fleet --count N`) and a real `npuserve scheduler` over
+process (`simulated_fleet --count N`, at nice 10: they stand in for devices on other hosts,
+`--executor-nice`) and a real `npuserve scheduler` over
 them, then for each concurrency (256, 1024, 4096) keeps that many generations running from a
 `grpc.aio` client in this process (closed loop: a finished request is replaced at once; random
 token-id prompts of 128-512 tokens, 64-128 output tokens, ``ignore_eos``), over one
@@ -120,6 +121,7 @@ def started_cluster(config: ScaleConfig, num_executors: int, run_dir: Path) -> I
             simulated_args(config, num_executors, stats_file),
             command=python_module(SIMULATED_FLEET),
             log_path=run_dir / "executors.log",
+            nice=config.executor_nice,
         )
         (sim_ready,) = launcher.wait_ready([executors], START_TIMEOUT_S)
         scheduler = launcher.start(
@@ -311,6 +313,12 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
+    p.add_argument(
+        "--executor-nice",
+        type=int,
+        default=d.executor_nice,
+        help="the simulated executors' niceness: they stand in for devices on other hosts (0: as the scheduler)",
+    )
     SCHEDULER.add(p, only=["routing", "routing_prefill_weight", *BENCH_FIELDS])
     p.add_argument(
         "--client-call",
@@ -355,6 +363,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             step_transport=args.step_transport,
             routing=args.routing,
             routing_prefill_weight=args.routing_prefill_weight,
+            executor_nice=args.executor_nice,
             scheduler_workers=args.scheduler_workers,
             api_server_count=args.api_server_count,
             async_scheduling=args.async_scheduling,
@@ -383,7 +392,10 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     notes = saturation_notes(results)
     print(report.format_scale_table(results))
     print()
-    print(f"machine: {host.summary()}; shared by the client, the scheduler and the simulated executors")
+    print(
+        f"machine: {host.summary()}; shared by the client, the scheduler and the simulated executors "
+        f"(at nice {config.executor_nice})"
+    )
     for note in notes:
         print(f"- {note}")
     for result in results:

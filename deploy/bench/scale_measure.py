@@ -32,6 +32,7 @@ class Snapshot:
     front_cpu_s: float  # the front alone (the public API, streams, routing)
     children_cpu_s: dict[str, float]  # the front's child processes, by name (role)
     executors_cpu_s: float
+    executors_nice: int
     client_cpu_s: float
     machine_busy_s: float  # every CPU of the machine, every process (from /proc/stat)
     metrics: dict[str, float]  # the scheduler's, summed over labels
@@ -87,6 +88,7 @@ class Result:
     # swings with waves of requests that finish together and come back at once
     awaiting_first_token_mean: float
     other_cores: float  # CPU the rest of the machine used meanwhile (other processes)
+    executors_nice: int  # the simulated executors' process's niceness, as /proc says (`--executor-nice`)
     num_first_tokens: int
     num_completed: int
     num_errors: int
@@ -104,6 +106,11 @@ def proc_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process, every thread included (from /proc/PID/stat)."""
     fields = _stat_fields(Path(f"/proc/{pid}/stat"))
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def proc_nice(pid: int) -> int:
+    """A process's niceness (from /proc/PID/stat)."""
+    return int(_stat_fields(Path(f"/proc/{pid}/stat"))[16])
 
 
 def children_cpu_by_name(pid: int) -> dict[str, float]:
@@ -162,6 +169,7 @@ async def take_snapshot(
         front_cpu_s=front_cpu,
         children_cpu_s=children,
         executors_cpu_s=proc_cpu_seconds(executors_pid),
+        executors_nice=proc_nice(executors_pid),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),
         metrics=metric_values(text),
@@ -297,6 +305,7 @@ def summarize(
         if state.awaiting_samples
         else math.nan,
         other_cores=max(0.0, machine - sum(cores.values())),
+        executors_nice=after.executors_nice,
         num_first_tokens=len(ttfts),
         num_completed=len(e2es),
         num_errors=sum(state.errors.values()),

@@ -2,7 +2,7 @@
 its worker process, the closed-loop client (over GenerateMany calls; `test_serving` runs the
 benches' `--client-call generate`); every stream completes without an error and the JSON holds
 one row per configuration with the scheduler's CPU split by role: front, step workers and API
-processes."""
+processes, and the simulated executors run at the niceness asked for."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
         sys.executable, "-m", "npuserve.deploy.bench.scale",
         "--executors", "1,2", "--concurrency", "8", "--warmup", "0.5", "--duration", "1",
         "--prompt-len", "16-32", "--output-len", "8-16", "--block-size", "16", "--max-num-seqs", "16",
-        "--scheduler-workers", "1", "--api-server-count", "2", "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
+        "--scheduler-workers", "1", "--api-server-count", "2", "--executor-nice", "7",
+        "--output-json", str(out), "--plot", str(tmp_path / "scale.png"),
     ]
     # fmt: on
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
@@ -41,6 +42,7 @@ def test_a_small_sweep_runs_clean_and_reports_each_configuration(tmp_path: Path)
         assert all(row[role] > 0 for role in roles)
         assert sum(row[role] for role in roles) == pytest.approx(row["scheduler_cpu_us_per_token"], rel=0.05)
         assert row["step_workers_cpu_us_per_step"] > 0
+        assert row["executors_nice"] == 7  # they stand in for devices elsewhere: they yield the cores
         # Streams without a token yet, averaged over the window: never more than are open.
         assert 0 <= row["awaiting_first_token_mean"] <= row["concurrency"]
     assert (tmp_path / "scale.png").stat().st_size > 0
