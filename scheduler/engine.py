@@ -28,7 +28,7 @@ from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics
 from npuserve.scheduler.outputs import GenerateOutput, OpenStream, OutputSink, RequestStream, client_outputs
 from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT, ROUTING_POLICIES, choose_lane
+from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT, ROUTING_POLICIES, choose_lane, uncached_blocks
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.step_passes import check_num_scheduler_steps
@@ -168,7 +168,8 @@ class Engine:
         # the prefix-cache totals already counted.
         self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
-        self._unstarted: dict[str, tuple[Lane, int]] = {}  # req_id -> (lane, prompt blocks)
+        # req_id -> (lane, prompt blocks, blocks to prefill there)
+        self._unstarted: dict[str, tuple[Lane, int, int]] = {}
         # The API server processes serving client streams (`--api-server-count` above 1).
         self.stream_processes: StreamProcesses | None = None
         self._held_acks: list[WorkerHandle] = []
@@ -455,11 +456,15 @@ class Engine:
         lane = choose_lane(
             self.routable_lanes, first.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
         )
+        # NOTE: siblings share the prompt's blocks: one prefill, counted with the first.
+        prefill = uncached_blocks(lane, first.block_hashes, num_blocks)
         for request in siblings:
             self._lane_of[request.req_id] = lane
-            self._unstarted[request.req_id] = (lane, num_blocks)
+            self._unstarted[request.req_id] = (lane, num_blocks, prefill)
+            prefill = 0
         lane.queued_requests += len(siblings)
         lane.queued_blocks += num_blocks * len(siblings)
+        lane.queued_prefill_blocks += self._unstarted[first.req_id][2]
         lane.submit(siblings)
         return lane
 
@@ -467,9 +472,10 @@ class Engine:
         """A request produced its first token or left its lane: it no longer counts as queued."""
         entry = self._unstarted.pop(req_id, None)
         if entry is not None:
-            lane, num_blocks = entry
+            lane, num_blocks, prefill = entry
             lane.queued_requests -= 1
             lane.queued_blocks -= num_blocks
+            lane.queued_prefill_blocks -= prefill
 
     def _forget_if_finished(self, client: ClientRequest) -> None:
         if not client.finished or self._clients.get(client.request_id) is not client:

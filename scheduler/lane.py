@@ -96,7 +96,8 @@ class Lane(Protocol):
     alive: bool
     draining: bool  # set by the engine: no new requests, its own finish here
     queued_requests: int  # placed here without a token yet (kept by the engine)
-    queued_blocks: int
+    queued_blocks: int  # their prompts' blocks
+    queued_prefill_blocks: int  # of those, the blocks not cached here when they were placed
 
     @property
     def executor(self) -> StepExecutor: ...
@@ -173,6 +174,7 @@ class ExecutorLane:
         # Placed here but without a token yet; kept by the engine on the event loop thread.
         self.queued_requests = 0
         self.queued_blocks = 0
+        self.queued_prefill_blocks = 0
         self._thread: threading.Thread | None = None  # `start` (a lane on an event loop has none)
         self.num_steps = 0
         self.async_scheduling = async_scheduling and callable(getattr(executor, "submit", None))

@@ -6,7 +6,7 @@ have not produced a token yet) plus its decode load, both in blocks (NVIDIA Dyna
 weighs the same two):
 
     cost = prefill weight x (prompt blocks - cached prefix blocks + blocks queued to prefill)
-           + blocks in use
+           + blocks in use + blocks of the prompts queued
 
 A block of prefill weighs more than a block in use (`--routing-prefill-weight`, default
 `DEFAULT_PREFILL_WEIGHT`): a prompt queued on an executor delays the first token of every
@@ -45,6 +45,11 @@ def cached_prefix_blocks(lane: Lane, block_hashes: Sequence[BlockHash]) -> int:
     return count
 
 
+def uncached_blocks(lane: Lane, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
+    """The prompt's blocks that the lane would compute: all but its cached prefix."""
+    return num_prompt_blocks - cached_prefix_blocks(lane, block_hashes)
+
+
 def lane_load_blocks(lane: Lane) -> int:
     """Blocks held by the lane's requests plus the prompt blocks of those placed there that
     have not produced a token yet (so a burst of placements spreads out at once)."""
@@ -69,7 +74,7 @@ def choose_lane(
         )
 
     def cost(lane: Lane) -> tuple[float, int, float]:
-        prefill = num_prompt_blocks - cached_prefix_blocks(lane, block_hashes) + lane.queued_blocks
-        return prefill_weight * prefill + lane.num_used_blocks, lane.queued_requests, random.random()
+        prefill = uncached_blocks(lane, block_hashes, num_prompt_blocks) + lane.queued_prefill_blocks
+        return prefill_weight * prefill + lane_load_blocks(lane), lane.queued_requests, random.random()
 
     return min(lanes, key=cost)

@@ -58,6 +58,7 @@ class RemoteLane:
         self.draining = False
         self.queued_requests = 0
         self.queued_blocks = 0
+        self.queued_prefill_blocks = 0
         self.reported = LaneLoad()
         self.cached: set[BlockHash] = set()
 
