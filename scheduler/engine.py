@@ -458,13 +458,12 @@ class Engine:
         )
         # NOTE: siblings share the prompt's blocks: one prefill, counted with the first.
         prefill = uncached_blocks(lane, first.block_hashes, num_blocks)
-        for request in siblings:
+        for index, request in enumerate(siblings):
             self._lane_of[request.req_id] = lane
-            self._unstarted[request.req_id] = (lane, num_blocks, prefill)
-            prefill = 0
+            self._unstarted[request.req_id] = (lane, num_blocks, prefill if index == 0 else 0)
         lane.queued_requests += len(siblings)
         lane.queued_blocks += num_blocks * len(siblings)
-        lane.queued_prefill_blocks += self._unstarted[first.req_id][2]
+        lane.queued_prefill_blocks += prefill
         lane.submit(siblings)
         return lane
 
