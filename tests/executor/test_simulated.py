@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from harness.step_driver import OneJoiningStep
 
 from npuserve.executor import simulated
 from npuserve.executor.input_batch import PlanError
@@ -227,19 +228,6 @@ def test_the_first_pass_only_requests_are_answered_after_the_first_pass(
     assert not quiet
 
 
-class _Joins:
-    """A step that joins the running one, there at the first pass it asks (`JoiningSteps`)."""
-
-    def __init__(self, plan: StepPlan, events: list[object]) -> None:
-        self.plans, self.events = [plan], events
-
-    def take(self) -> StepPlan | None:
-        return self.plans.pop() if self.plans else None
-
-    def answer(self, result: StepResult) -> None:
-        self.events.append(result)
-
-
 def test_a_step_that_joins_runs_in_the_next_pass_and_is_answered_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -250,7 +238,7 @@ def test_a_step_that_joins_runs_in_the_next_pass_and_is_answered_after_it(
     monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
     runner, plan = three_passes_for_a()
     joiner = StepPlan(2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5}, joins_running=True)
-    result = runner.execute(plan, joining=_Joins(joiner, events))
+    result = runner.execute(plan, joining=OneJoiningStep(joiner, events))
     answer = StepResult(2, ["c"], [runner.token_for("c", 5)], [None])
     latency = runner.config.latency
     joined_pass_s = latency.step_seconds(1, 1) + latency.joined_seconds(5, 1)
@@ -279,7 +267,7 @@ def test_a_refused_joining_step_fails_the_running_one_and_drops_both(refused: st
             2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5, "b": 1}, joins_running=True
         )
     with pytest.raises(PlanError, match=r"already running|does more than admit"):
-        runner.execute(plan, joining=_Joins(joiner, []))
+        runner.execute(plan, joining=OneJoiningStep(joiner, []))
     assert runner.num_requests == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from npuserve.proto.step_plan import (
     CachedRequest,
@@ -94,7 +95,7 @@ class StepDriver:
         ):
             joiners = [r for r in active if not r.sent]
             active = [r for r in active if r.sent]
-            joining = _Joining(StepPlan(step_id=self.step_id, joins_running=True), self.joined_answers)
+            joining = OneJoiningStep(StepPlan(step_id=self.step_id, joins_running=True), self.joined_answers)
             self.step_id += 1
             self._plan(joining.plan, joiners, 1_000_000)
         self._plan(plan, active, self.token_budget)
@@ -171,10 +172,11 @@ class StepDriver:
                 self.finished.append(req_id)
 
 
-class _Joining:
-    """A joining step for the runner (`JoiningSteps`): taken once, its answer kept."""
+class OneJoiningStep:
+    """One step that joins the running one, for a runner (`JoiningSteps`): there at the first
+    pass that asks, taken once; its answer goes to ``answers``."""
 
-    def __init__(self, plan: StepPlan, answers: list[StepResult]) -> None:
+    def __init__(self, plan: StepPlan, answers: list[Any]) -> None:
         self.plan, self.answers, self.taken = plan, answers, False
 
     def take(self) -> StepPlan | None:

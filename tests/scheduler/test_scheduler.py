@@ -13,11 +13,15 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from harness.step_driver import OneJoiningStep
 
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult, admits_only
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from npuserve.scheduler.structured import GrammarCompiler
+from npuserve.scheduler.tokenizer import Tokenizer
 
 EOS = 2
 NUM_PROMPT = 5  # the prompt length of the stop-rule runs
@@ -54,7 +58,7 @@ class CheckedExecutor:
         self.check(plan)
         self.check(joiner)
         answers: list[StepResult] = []
-        result = self.runner.execute(plan, joining=_OneJoining(joiner, answers))
+        result = self.runner.execute(plan, joining=OneJoiningStep(joiner, answers))
         assert len(answers) == 1, "the joining step was not run in the plan's passes"
         self._sent_after(plan, result)
         self._sent_after(joiner, answers[0])
@@ -110,19 +114,6 @@ class CheckedExecutor:
             for pos in range(st.num_computed_tokens, st.num_computed_tokens + num):
                 block = st.block_ids[pos // bs]
                 assert written.setdefault(block, req_id) == req_id, f"two requests write block {block}"
-
-
-@dataclass
-class _OneJoining:
-    plan: StepPlan | None
-    answers: list[StepResult]
-
-    def take(self) -> StepPlan | None:
-        plan, self.plan = self.plan, None
-        return plan
-
-    def answer(self, result: StepResult) -> None:
-        self.answers.append(result)
 
 
 def output_token(k: int, req_id: str = "a", num_prompt: int = NUM_PROMPT) -> int:
@@ -837,12 +828,7 @@ def test_with_early_first_tokens_a_queue_the_budget_cannot_take_is_admitted_in_o
     assert [len(run.outputs[r]) for r in "abcd"] == [20, 2, 2, 2]
 
 
-class _Grammar:
-    def release(self) -> None:
-        pass
-
-
-def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay() -> None:
+def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay(tokenizer: Tokenizer) -> None:
     """Requests that come while a multi-pass step runs start in a step that joins it: whole
     prompts, in order, within the budget it is given; nothing when the first one waiting is
     constrained (the joined pass takes no bitmask) or nothing fits. The requests then run on as
@@ -867,9 +853,13 @@ def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay(
     sched.update_from_output(running, result)
     sched.update_from_output(joiner, answer)
     sched.check_integrity()
-    sched.waiting[0].grammar = _Grammar()  # type: ignore[assignment]
+    compiler = GrammarCompiler(tokenizer.to_json(), 512, tokenizer.eos_token_ids)
+    grammar = compiler.grammar_for(StructuredOutputs("choice", choices=("yes", "no"))).new_state(6)
+    sched.waiting[0].grammar = grammar
     assert sched.schedule_joining(budget=100) is None  # c is constrained: it waits for a step
     sched.waiting[0].grammar = None
+    grammar.release()
+    compiler.close()
     run.until_done()
     assert run.outputs == {
         "a": [output_token(k) for k in range(1, 11)],
