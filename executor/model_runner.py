@@ -38,7 +38,7 @@ from npuserve.executor.sampler import (
 )
 from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
-from npuserve.proto.plan_checks import check_joining, check_num_steps
+from npuserve.proto.plan_checks import check_num_steps, take_joining
 from npuserve.proto.step_plan import (
     EMULATED_NPU_DEVICE,
     ExecutorInfo,
@@ -203,8 +203,10 @@ class ModelRunner:
         for index in range(1, plan.num_passes):
             pass_start = time.perf_counter()
             req_ids = [r for r, n in plan.num_steps.items() if n > index]
-            joiners = self._take_joining(joining, joined)
+            joiners = take_joining(joining, joined)
             if joiners and joining is not None:
+                for joiner in joiners:
+                    self._update_states(joiner)
                 self._run_joined_pass(req_ids, joiners, result, timings, joining, pass_start)
                 continue
             self._run_pass(
@@ -213,17 +215,6 @@ class ModelRunner:
         timings.total_s = time.perf_counter() - start
         result.timings = timings
         return result
-
-    def _take_joining(self, joining: JoiningSteps | None, joined: list[StepPlan]) -> list[StepPlan]:
-        """The steps that have come to join the running one, their requests added to the batch
-        (each is recorded in ``joined`` first, so a refused one is dropped with the rest)."""
-        joiners: list[StepPlan] = []
-        while joining is not None and (joiner := joining.take()) is not None:
-            joined.append(joiner)
-            check_joining(joiner)
-            joiners.append(joiner)
-            self._update_states(joiner)
-        return joiners
 
     def _run_joined_pass(
         self,

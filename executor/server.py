@@ -288,9 +288,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 raise StaleStep(
                     f"step {plan.step_id} is older than step {last} of its scheduler, which ran; not run"
                 )
-            # NOTE: joins only to a runner whose info says it `joins_steps`.
-            args = (plan, on_first_pass) if joins is None else (plan, on_first_pass, joins)
-            result = self._on_step_thread(self._runner.execute, *args)
+            result = self._on_step_thread(self._runner.execute, plan, on_first_pass, joins)
             self._ran(plan, result)
         return result
 

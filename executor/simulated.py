@@ -24,9 +24,9 @@ from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
 from npuserve.proto.plan_checks import (
     PlanError,
     check_block_ids,
-    check_joining,
     check_new_request,
     check_num_steps,
+    take_joining,
 )
 from npuserve.proto.step_plan import (
     ExecutorInfo,
@@ -266,9 +266,7 @@ class SimulatedRunner:
             num_decode = sum(1 for n in plan.num_steps.values() if n > index)
             pass_s = latency.step_seconds(num_decode, num_decode)
             joined_results = []
-            while (joiner := joining.take()) is not None:
-                joined.append(joiner)
-                check_joining(joiner)
+            for joiner in take_joining(joining, joined):
                 joined_results.append(self._execute(joiner))
                 joined_tokens = joiner.total_num_scheduled_tokens
                 pass_s += latency.joined_seconds(joined_tokens, len(joiner.num_scheduled_tokens))

@@ -144,7 +144,7 @@ class AsyncExecutorLane(ExecutorLane):
         long unless the landing came first. Where the executor `joins_steps`, the requests that
         come meanwhile start at once, in a step that joins the one it runs (`_join_running`):
         watched for only while a step in flight runs several passes (none else could host one)."""
-        watch = self.joins_steps and any(step.plan.num_steps for step in self._in_flight)
+        watch = self._may_be_joined()
         if launch_in_s is None and not watch:
             await self._land_on_loop()
             return
@@ -161,12 +161,17 @@ class AsyncExecutorLane(ExecutorLane):
                     await self._launch_on_loop()
                 # NOTE: what comes from here to the landing joins the step just sent; waiting for
                 # the landing instead, it would reach the executor after that step had begun.
-                if self.joins_steps and any(step.plan.num_steps for step in self._in_flight):
+                if self._may_be_joined():
                     await self._join_until(landing, None)
         except asyncio.CancelledError:  # the lane is closing
             landing.cancel()
             raise
         await landing
+
+    def _may_be_joined(self) -> bool:
+        """Whether a step in flight could take a joining step: the executor `joins_steps` and
+        the step runs several passes."""
+        return self.joins_steps and any(step.plan.num_steps for step in self._in_flight)
 
     async def _join_until(self, landing: asyncio.Future[None], timeout_s: float | None) -> None:
         """Until ``landing`` is done or ``timeout_s`` has passed: the requests that come start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 SLOW_STEP_S = 0.5
 
@@ -20,7 +20,12 @@ class FaultyRunner:
     def info(self) -> ExecutorInfo:
         return self._info
 
-    def execute(self, plan: StepPlan, on_first_pass: FirstPassAnswer | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         if plan.step_id == 0:
             raise RuntimeError("device lost")
         if plan.step_id == 1:
