@@ -153,9 +153,10 @@ class ModelRunner:
 
         ``on_first_pass``: takes the tokens of the requests that run only a multi-step plan's first
         pass as soon as it is done (`take_first_pass_only`); the result then leaves them out.
-        ``joining``: before each later pass of a multi-step plan, the steps that join it
-        (`StepPlan.joins_running`) are taken; their prompts run in that pass, beside its one
-        token per request, and each is answered after it (`_run_joined_pass`).
+        ``joining``: before each pass of a multi-step plan (the first too: the steps sent while
+        it waited to run), the steps that join it (`StepPlan.joins_running`) are taken, as room
+        within max_num_batched_tokens allows; their prompts run in that pass, beside its own
+        tokens, and each is answered after it (`_run_pass_joined`).
 
         A plan that contradicts the executor's state raises `PlanError`; any failure drops the
         state of every request in the plan (and in the steps that joined it), which the
@@ -185,16 +186,19 @@ class ModelRunner:
         result = StepResult(step_id=plan.step_id)
         if not plan.num_scheduled_tokens:
             return result
-        inputs = self.batch.prepare(plan.num_scheduled_tokens)
+        timings = StepTimings()
+        # NOTE: the steps sent while a multi-step plan waited to run join its first pass.
+        joiners = (
+            self._take_joining(joining, joined, plan.total_num_scheduled_tokens) if plan.num_steps else []
+        )
+        scheduled = _with_joiners(plan.num_scheduled_tokens, joiners)
+        inputs = self.batch.prepare(scheduled)
         if plan.num_steps:
             self._check_num_steps(plan, inputs)
-        sampled_req_ids = [
-            r for r, keep in zip(plan.num_scheduled_tokens, inputs.sample_mask, strict=True) if keep
-        ]
+        sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
         allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
-        timings = StepTimings()
-        self._run_pass(inputs, sampled_req_ids, allowed, result, timings, start)
+        self._run_pass_joined(inputs, sampled_req_ids, allowed, joiners, result, timings, joining, start)
         if on_first_pass is not None and plan.has_first_pass_only:
             early = take_first_pass_only(result, plan.num_steps)
             if early.sampled_req_ids:
@@ -203,39 +207,46 @@ class ModelRunner:
         for index in range(1, plan.num_passes):
             pass_start = time.perf_counter()
             req_ids = [r for r, n in plan.num_steps.items() if n > index]
-            joiners = take_joining(joining, joined)
-            if joiners and joining is not None:
-                for joiner in joiners:
-                    self._update_states(joiner)
-                self._run_joined_pass(req_ids, joiners, result, timings, joining, pass_start)
-                continue
-            self._run_pass(
-                self.batch.prepare(dict.fromkeys(req_ids, 1)), req_ids, None, result, timings, pass_start
+            joiners = self._take_joining(joining, joined, len(req_ids))
+            scheduled = _with_joiners(dict.fromkeys(req_ids, 1), joiners)
+            inputs = self.batch.prepare(scheduled)
+            sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
+            self._run_pass_joined(
+                inputs, sampled_req_ids, None, joiners, result, timings, joining, pass_start
             )
         timings.total_s = time.perf_counter() - start
         result.timings = timings
         return result
 
-    def _run_joined_pass(
+    def _take_joining(
+        self, joining: JoiningSteps | None, joined: list[StepPlan], pass_tokens: int
+    ) -> list[StepPlan]:
+        """The steps that join the pass about to start (``pass_tokens`` tokens of its own), their
+        requests added to the batch."""
+        joiners = take_joining(joining, joined, self.config.max_num_batched_tokens, pass_tokens)
+        for joiner in joiners:
+            self._update_states(joiner)
+        return joiners
+
+    def _run_pass_joined(
         self,
-        req_ids: list[str],
+        inputs: StepInputs,
+        sampled_req_ids: list[str],
+        allowed: AllowedTokens | None,
         joiners: list[StepPlan],
         result: StepResult,
         timings: StepTimings,
-        joining: JoiningSteps,
+        joining: JoiningSteps | None,
         start: float,
     ) -> None:
-        """A later pass of a multi-step plan with the steps that joined it: ``req_ids`` feed
-        back one token each, the joined requests run their scheduled (prompt) tokens in the
-        same forward; the tokens go to ``result`` and to each joined step's own result, which
-        is answered at once."""
-        scheduled = dict.fromkeys(req_ids, 1)
-        for joiner in joiners:
-            scheduled.update(joiner.num_scheduled_tokens)
-        inputs = self.batch.prepare(scheduled)
-        sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
+        """One pass of a plan (`_run_pass`) with the steps that joined it, whose requests run
+        their scheduled (prompt) tokens in the same forward: their tokens go to each joined
+        step's own result, answered at once, the rest to ``result``."""
+        if not joiners or joining is None:
+            self._run_pass(inputs, sampled_req_ids, allowed, result, timings, start)
+            return
         mixed = StepResult(step_id=result.step_id)
-        self._run_pass(inputs, sampled_req_ids, None, mixed, timings, start)
+        self._run_pass(inputs, sampled_req_ids, allowed, mixed, timings, start)
         pass_timings = StepTimings(total_s=time.perf_counter() - start)  # a joined step's: its pass
         answers = [StepResult(step_id=joiner.step_id, timings=pass_timings) for joiner in joiners]
         owner = {
@@ -356,6 +367,17 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
+
+
+def _with_joiners(scheduled: dict[str, int], joiners: list[StepPlan]) -> dict[str, int]:
+    """A pass's tokens per request: its own (``scheduled``, first, in order), then the joined
+    steps' requests'."""
+    if not joiners:
+        return scheduled
+    scheduled = dict(scheduled)
+    for joiner in joiners:
+        scheduled.update(joiner.num_scheduled_tokens)
+    return scheduled
 
 
 def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[TokenLogprobs | None]:

@@ -329,8 +329,8 @@ class _RecordedJoins:
         self._servicer, self._joining = servicer, joining
         self._plans: dict[int, StepPlan] = {}
 
-    def take(self) -> StepPlan | None:
-        plan = self._joining.take()
+    def take(self, max_tokens: int) -> StepPlan | None:
+        plan = self._joining.take(max_tokens)
         if plan is not None:
             self._plans[plan.step_id] = plan
         return plan

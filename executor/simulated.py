@@ -200,8 +200,9 @@ class SimulatedRunner:
         result; a refused plan drops the state of every request it names and raises; with
         ``on_first_pass``, the first pass's answer for the requests that run only it comes once
         that pass's modelled time has passed; with ``joining``, the steps that join this one
-        (`StepPlan.joins_running`) are taken before each later pass, their tokens counted in
-        that pass, and answered once the pass's modelled time has passed."""
+        (`StepPlan.joins_running`) are taken before each of its passes (the first too: those
+        that came while it waited), as room within max_num_batched_tokens allows, their tokens
+        counted in that pass, and answered once the pass's modelled time has passed."""
         if self._last_result is not None and plan.step_id == self._last_result.step_id:
             return self._last_result
         start = time.perf_counter()
@@ -212,6 +213,13 @@ class SimulatedRunner:
             num_seqs = len(plan.num_scheduled_tokens)
             latency = self.config.latency
             modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
+            if plan.num_steps and joining is not None:
+                first_joined, joined_s, joined_tokens = self._take_joining(joining, joined, num_tokens)
+                modeled += joined_s
+                num_tokens += joined_tokens
+                if first_joined:
+                    self._sleep_until(start + modeled, time.perf_counter())
+                    self._answer_joined(first_joined, joining, modeled)
             if on_first_pass is not None and plan.has_first_pass_only:
                 early = take_first_pass_only(result, plan.num_steps)
                 if early.sampled_req_ids:
@@ -264,23 +272,35 @@ class SimulatedRunner:
         for index in range(1, plan.num_passes):
             self._sleep_until(start + modeled, time.perf_counter())  # the pass before is done
             num_decode = sum(1 for n in plan.num_steps.values() if n > index)
-            pass_s = latency.step_seconds(num_decode, num_decode)
-            joined_results = []
-            for joiner in take_joining(joining, joined):
-                joined_results.append(self._execute(joiner))
-                joined_tokens = joiner.total_num_scheduled_tokens
-                pass_s += latency.joined_seconds(joined_tokens, len(joiner.num_scheduled_tokens))
-                num_tokens += joined_tokens
+            joined_results, joined_s, joined_tokens = self._take_joining(joining, joined, num_decode)
             self._run_later_pass(plan.num_steps, index, result)
+            pass_s = latency.step_seconds(num_decode, num_decode) + joined_s
             modeled += pass_s
-            num_tokens += num_decode
+            num_tokens += num_decode + joined_tokens
             if joined_results:
                 self._sleep_until(start + modeled, time.perf_counter())
-            for joined_result in joined_results:
-                joined_result.timings = StepTimings(total_s=pass_s)
-                self.stats.num_sampled += len(joined_result.sampled_req_ids)
-                joining.answer(joined_result)
+            self._answer_joined(joined_results, joining, pass_s)
         return modeled, num_tokens
+
+    def _take_joining(
+        self, joining: JoiningSteps, joined: list[StepPlan], pass_tokens: int
+    ) -> tuple[list[StepResult], float, int]:
+        """The steps that join the pass about to start (``pass_tokens`` of its own), run: their
+        results, and the seconds and tokens they add to the pass."""
+        latency, results, seconds, tokens = self.config.latency, [], 0.0, 0
+        for joiner in take_joining(joining, joined, self.config.max_num_batched_tokens, pass_tokens):
+            results.append(self._execute(joiner))
+            num_tokens = joiner.total_num_scheduled_tokens
+            seconds += latency.joined_seconds(num_tokens, len(joiner.num_scheduled_tokens))
+            tokens += num_tokens
+        return results, seconds, tokens
+
+    def _answer_joined(self, results: list[StepResult], joining: JoiningSteps, pass_s: float) -> None:
+        """Answers the steps that joined a pass, once it has ended (``pass_s``: its modelled time)."""
+        for result in results:
+            result.timings = StepTimings(total_s=pass_s)
+            self.stats.num_sampled += len(result.sampled_req_ids)
+            joining.answer(result)
 
     @staticmethod
     def _sleep_until(deadline: float, now: float) -> bool:

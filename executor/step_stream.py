@@ -14,8 +14,8 @@ spare, or waits on its device while the answers are written.
 
 Order is the stream's: answers go back in the order the steps came, a step's early answer
 (`early_results`) before its result, except that a step that joins the running one
-(`StepPlan.joins_running`) is taken between that one's passes and answered after the pass it
-joined, before the running step's result; a failure (a plan that cannot be read, a step that fails, a
+(`StepPlan.joins_running`) is taken before one of that one's passes (its first, when it came
+before that step began) and answered after the pass it joined, before the running step's result; a failure (a plan that cannot be read, a step that fails, a
 broken request stream) is raised by `answers` after the answers of the steps before it, and ends
 the stream there: the steps after it are not run.
 """
@@ -90,8 +90,10 @@ class _Joining:
     def __init__(self, steps: _Channel[tuple[StepPlan, bool]], results: _Channel[StepResult]) -> None:
         self._steps, self._results = steps, results
 
-    def take(self) -> StepPlan | None:
-        step = self._steps.take_if(lambda step: step[0].joins_running)
+    def take(self, max_tokens: int) -> StepPlan | None:
+        step = self._steps.take_if(
+            lambda step: step[0].joins_running and step[0].total_num_scheduled_tokens <= max_tokens
+        )
         return None if step is None else step[0]
 
     def answer(self, result: StepResult) -> None:

@@ -30,15 +30,19 @@ def check_joining(plan: StepPlan) -> None:
         raise PlanError(f"step {plan.step_id} joins the running one but does more than admit requests")
 
 
-def take_joining(joining: JoiningSteps | None, joined: list[StepPlan]) -> list[StepPlan]:
-    """What a runner does before a later pass of a multi-pass step: the steps that have come to
-    join it, each recorded in ``joined`` before it is checked (`check_joining`), so that a refused
-    one has its requests dropped with the running step's."""
+def take_joining(
+    joining: JoiningSteps | None, joined: list[StepPlan], max_batched_tokens: int, pass_tokens: int
+) -> list[StepPlan]:
+    """What a runner does before each pass of a multi-pass step: the steps that have come to join
+    it, while the pass's tokens (``pass_tokens`` of its own) stay within ``max_batched_tokens``;
+    each recorded in ``joined`` before it is checked (`check_joining`), so that a refused one has
+    its requests dropped with the running step's."""
     joiners: list[StepPlan] = []
-    while joining is not None and (joiner := joining.take()) is not None:
+    while joining is not None and (joiner := joining.take(max_batched_tokens - pass_tokens)) is not None:
         joined.append(joiner)
         check_joining(joiner)
         joiners.append(joiner)
+        pass_tokens += joiner.total_num_scheduled_tokens
     return joiners
 
 

@@ -102,8 +102,10 @@ class StepPlan:
     # step of it older than one of it that ran (a broken stream's, still queued there).
     session: int = 0
     # A step that only admits requests and may run inside the multi-pass step its executor is
-    # running (`admits_only`): its tokens join that step's next pass, its answer comes after
-    # that pass. For an executor whose `ExecutorInfo.joins_steps` says so, over the step stream.
+    # running (`admits_only`): its tokens join the next pass that step starts (its first, when
+    # the step had not begun as this one came) with room for them within the executor's
+    # max_num_batched_tokens, its answer comes after that pass. For an executor whose
+    # `ExecutorInfo.joins_steps` says so, over the step stream.
     joins_running: bool = False
 
     @property
@@ -183,9 +185,10 @@ class JoiningSteps(Protocol):
     """Where a runner in the middle of a multi-pass step finds the steps that join it
     (`StepPlan.joins_running`, received after it) and sends their answers."""
 
-    def take(self) -> StepPlan | None:
-        """The next step, if it has come and joins the running one (None: none has, or the next
-        to come does not: it runs after the running step, as usual)."""
+    def take(self, max_tokens: int) -> StepPlan | None:
+        """The next step, if it has come, joins the running one and schedules no more than
+        ``max_tokens`` tokens (None: none has; or the next does not join, and runs after the
+        running step, as usual; or it does not fit, and waits for a later pass)."""
         ...
 
     def answer(self, result: StepResult) -> None:

@@ -100,18 +100,31 @@ def assert_greedy_within_tolerance(reference: torch.nn.Module, request: DrivenRe
 
 @pytest.mark.slow  # runs models for seconds
 @pytest.mark.parametrize(
-    ("token_budget", "num_steps", "join_new"),
-    [(10_000, 1, False), (100, 1, False), (10_000, 4, False), (10_000, 4, True)],
-    ids=["whole-prefill", "chunked-prefill", "multi-step", "joining-step"],
+    ("token_budget", "num_steps", "join_new", "join_first_pass"),
+    [
+        (10_000, 1, False, False),
+        (100, 1, False, False),
+        (10_000, 4, False, False),
+        (10_000, 4, True, False),
+        (10_000, 4, True, True),
+    ],
+    ids=["whole-prefill", "chunked-prefill", "multi-step", "joining-step", "joining-first-pass"],
 )
 def test_batched_greedy_follows_transformers(
-    model_dir: Path, device: str, token_budget: int, num_steps: int, join_new: bool
+    model_dir: Path, device: str, token_budget: int, num_steps: int, join_new: bool, join_first_pass: bool
 ) -> None:
     """Multi-step plans run their later passes as paged decodes, a token each; a step that joins
-    one runs its prompts in the same forward as that step's decodes."""
+    one runs its prompts in the same forward as that step's decodes (or, joining its first pass,
+    as that step's own tokens)."""
     runner = make_runner(model_dir, device)
     requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts())]
-    driver = StepDriver(runner, token_budget=token_budget, num_steps=num_steps, join_new=join_new)
+    driver = StepDriver(
+        runner,
+        token_budget=token_budget,
+        num_steps=num_steps,
+        join_new=join_new,
+        join_first_pass=join_first_pass,
+    )
     if join_new:  # one request first; the others come while it runs, and join its passes
         driver.step(requests[:1])
     driver.run(requests)

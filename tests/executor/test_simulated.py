@@ -258,6 +258,49 @@ def test_a_step_that_joins_runs_in_the_next_pass_and_is_answered_after_it(
     assert runner.holds("c")  # it runs on in the next steps
 
 
+def test_a_step_there_before_the_running_one_began_joins_its_first_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A joining step that came while the multi-pass step waited to run (sent after it) is taken
+    before that step's first pass and runs beside its prompts; it is answered once that pass's
+    modelled time (its tokens counted in it) is up."""
+    events: list[object] = []
+    monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
+    runner, plan = three_passes_for_a()
+    joiner = StepPlan(2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5}, joins_running=True)
+    joining = OneJoiningStep(joiner, events, absent_for=0)
+    result = runner.execute(plan, joining=joining)
+    latency = runner.config.latency
+    first_pass_s = latency.step_seconds(10, 2) + latency.joined_seconds(5, 1)
+    answer = StepResult(2, ["c"], [runner.token_for("c", 5)], [None])
+    answer.timings.total_s = first_pass_s
+    # The first pass, its answer, then the two later passes and the step's end.
+    assert events == ["sleep", answer, "sleep", "sleep", "sleep"]
+    assert joining.asked_with[0] == runner.config.max_num_batched_tokens - 10  # the room beside a and b
+    token = runner.token_for
+    assert result.sampled_token_ids == [token("a", 5), token("b", 5), token("a", 6), token("a", 7)]
+    assert runner.stats.modeled_s == pytest.approx(first_pass_s + 2 * latency.step_seconds(1, 1))
+
+
+def test_a_joining_step_without_room_in_a_pass_waits_for_one_with_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass takes no joining step whose tokens would take it past max_num_batched_tokens: one
+    there before the first pass (10 tokens of the plan's own) joins the second (1 of its own)."""
+    events: list[object] = []
+    monkeypatch.setattr(simulated.time, "sleep", lambda s: events.append("sleep"))
+    runner, plan = three_passes_for_a()
+    runner = SimulatedRunner(dataclasses.replace(runner.config, max_num_batched_tokens=12))
+    joiner = StepPlan(2, new_requests=[new("c", [7, 8])], num_scheduled_tokens={"c": 5}, joins_running=True)
+    joining = OneJoiningStep(joiner, events, absent_for=0)
+    runner.execute(plan, joining=joining)
+    assert joining.asked_with[:2] == [2, 11]  # refused beside the first pass, taken beside the second
+    latency = runner.config.latency
+    answer = StepResult(2, ["c"], [runner.token_for("c", 5)], [None])
+    answer.timings.total_s = latency.step_seconds(1, 1) + latency.joined_seconds(5, 1)
+    assert events == ["sleep", "sleep", answer, "sleep", "sleep"]
+
+
 @pytest.mark.parametrize("refused", ["a request it holds", "more than an admission"])
 def test_a_refused_joining_step_fails_the_running_one_and_drops_both(refused: str) -> None:
     runner, plan = three_passes_for_a()

@@ -130,7 +130,7 @@ def test_the_steps_that_join_the_running_one_are_taken_in_it_and_answered_before
         if plan.step_id == 1:
             assert everything_read.wait(WAIT_S)
             for _ in range(3):  # NOTE: 2, then nothing: 3 is next and does not join
-                joiner = joining.take()
+                joiner = joining.take(100)
                 taken.append(None if joiner is None else joiner.step_id)
                 if joiner is not None:
                     joining.answer(StepResult(step_id=joiner.step_id))

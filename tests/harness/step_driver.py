@@ -49,8 +49,9 @@ class StepDriver:
     With ``answer_early`` a new request runs one pass, and the runner answers it after that pass
     (`on_first_pass`); ``early_answers`` keeps those answers. With ``join_new`` the new requests
     of a step whose plan runs several passes go, prompts whole, in a step that joins it
-    (`StepPlan.joins_running`), which the runner takes before its second pass; ``joined_answers``
-    keeps their answers.
+    (`StepPlan.joins_running`), which the runner takes before its second pass (with
+    ``join_first_pass``, before its first: as a step sent while the one it joins waited to run);
+    ``joined_answers`` keeps their answers.
     """
 
     def __init__(
@@ -61,9 +62,11 @@ class StepDriver:
         num_steps: int = 1,
         answer_early: bool = False,
         join_new: bool = False,
+        join_first_pass: bool = False,
     ) -> None:
         self.runner = runner
         self.join_new = join_new
+        self.join_first_pass = join_first_pass
         self.joined_answers: list[StepResult] = []
         self.num_joined = 0  # joining steps the runner took into a step's passes
         self.token_budget = token_budget
@@ -95,7 +98,11 @@ class StepDriver:
         ):
             joiners = [r for r in active if not r.sent]
             active = [r for r in active if r.sent]
-            joining = OneJoiningStep(StepPlan(step_id=self.step_id, joins_running=True), self.joined_answers)
+            joining = OneJoiningStep(
+                StepPlan(step_id=self.step_id, joins_running=True),
+                self.joined_answers,
+                absent_for=0 if self.join_first_pass else 1,
+            )
             self.step_id += 1
             self._plan(joining.plan, joiners, 1_000_000)
         self._plan(plan, active, self.token_budget)
@@ -173,14 +180,23 @@ class StepDriver:
 
 
 class OneJoiningStep:
-    """One step that joins the running one, for a runner (`JoiningSteps`): there at the first
-    pass that asks, taken once; its answer goes to ``answers``."""
+    """One step that joins the running one, for a runner (`JoiningSteps`): taken once, at the
+    first pass that asks with room for it once it has come; its answer goes to ``answers``.
+    ``absent_for``: the passes that ask before it comes (1: it comes during the first pass, as
+    a step sent while the running one runs; 0: it was there before that pass began, sent while
+    the running step waited to run)."""
 
-    def __init__(self, plan: StepPlan, answers: list[Any]) -> None:
+    def __init__(self, plan: StepPlan, answers: list[Any], absent_for: int = 1) -> None:
         self.plan, self.answers, self.taken = plan, answers, False
+        self.absent_for = absent_for
+        self.asked_with: list[int] = []  # the room each ask offered
 
-    def take(self) -> StepPlan | None:
-        if self.taken:
+    def take(self, max_tokens: int) -> StepPlan | None:
+        self.asked_with.append(max_tokens)
+        if self.absent_for > 0:
+            self.absent_for -= 1
+            return None
+        if self.taken or self.plan.total_num_scheduled_tokens > max_tokens:
             return None
         self.taken = True
         return self.plan

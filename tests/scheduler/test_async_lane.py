@@ -399,8 +399,8 @@ class _FailingJoins:
     def __init__(self, runner: _FailsAtAJoin, joining: JoiningSteps) -> None:
         self.runner, self.joining = runner, joining
 
-    def take(self) -> StepPlan | None:
-        joiner = self.joining.take()
+    def take(self, max_tokens: int) -> StepPlan | None:
+        joiner = self.joining.take(max_tokens)
         if joiner is not None and not self.runner.failed:
             self.runner.failed = True
             raise RuntimeError("device lost")
