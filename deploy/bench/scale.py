@@ -1,7 +1,7 @@
 """How far one scheduler scales: simulated executors, a real scheduler process, thousands of streams.
 
 For each executor count (16, 32, 64 by default) it starts that many simulated executors in one
-process (`simulated_fleet --count N`, at nice 10: they stand in for devices on other hosts,
+process (`simulated_fleet --count N`, at nice 19: they stand in for devices on other hosts,
 `--executor-nice`) and a real `npuserve scheduler` over
 them, then for each concurrency (256, 1024, 4096) keeps that many generations running from a
 `grpc.aio` client in this process (closed loop: a finished request is replaced at once; random

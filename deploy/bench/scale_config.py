@@ -21,11 +21,14 @@ SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is sat
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded
 # The simulated executors' niceness. They stand in for NPUs on other hosts: their steps are
 # modelled as sleeps, and the CPU they use here (gRPC, the step pipelines' threads) is the
-# bench's, taken from the scheduler when it wakes. At nice 10 they get the cores the scheduler
-# and the client leave, and a tenth of a contended one. At 16 executors x 1,024 streams under
-# `--num-scheduler-steps auto` (2 cores, four interleaved pairs) the streams without a first token
-# went from a mean of 92 at nice 0 to 74 at nice 10, for the same tokens/s (72k and 74k).
-SIMULATED_EXECUTOR_NICE = 10
+# bench's, taken from the scheduler when it wakes. At the lowest priority they get the cores the
+# scheduler and the client leave, as executors on hosts of their own would leave them. At 16
+# executors x 1,024 streams under `--num-scheduler-steps auto` (2 cores, interleaved runs) the
+# streams without a first token went from a mean of 92 at nice 0 to 74 at nice 10 (four pairs),
+# and, after the first-pass joins, from 51.9 at nice 10 to 48.2 at nice 19 (three pairs; 56.9
+# at nice 5 and 48.3 at nice 15, two runs each), for the same tokens/s; at 64 executors, 1,024 and
+# 4,096 streams, nice 19 gave 77k and 114k tokens/s against 74k and 115k.
+SIMULATED_EXECUTOR_NICE = 19
 
 
 @dataclass(slots=True)
