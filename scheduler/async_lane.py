@@ -4,7 +4,7 @@ loops, all of them on one thread.
 The lane's logic is `ExecutorLane`'s (commands between steps, async scheduling, an executor
 going down, a refused step); only the waiting differs: a task instead of a thread, steps awaited
 on an `AioExecutorClient`, room in the worker's report window awaited. Commands come from the
-same loop (the worker's pipe), so they wake the task with an `asyncio.Event`.
+same loop (the worker's pipe), so they wake the task through a future it waits on (`_wake`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import cast
 
 from npuserve.proto.step_plan import StepPlan, StepResult
 from npuserve.scheduler.aio_executor_client import AioExecutorClient
@@ -41,6 +41,11 @@ JOIN_MIN_PASSES_LEFT = 1.5
 # pass or more later; with eight, 4-6% did. The streams without a first token: a mean of 54.3
 # over six runs with two, 50.7 over five with eight, for the same tokens/s and CPU per token.
 JOIN_MAX_IN_FLIGHT = 8
+
+
+def _resolve(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 class _Refused:
@@ -83,7 +88,8 @@ class AsyncExecutorLane(ExecutorLane):
         self.async_scheduling = async_scheduling and executor.streams
         self.joins_steps = joins_steps and self.async_scheduling
         self._has_room = has_room
-        self._woken = asyncio.Event()
+        self._woken = False  # a command came since the lane last looked (`_wake`)
+        self._waiter: asyncio.Future[None] | None = None  # what `_wake` resolves while the task waits
         self._task: asyncio.Task[None] | None = None
         self._landing: InFlightStep | None = None  # the step whose answers are awaited now
 
@@ -100,13 +106,40 @@ class AsyncExecutorLane(ExecutorLane):
         await self.client.close()
 
     def _wake(self) -> None:
-        self._woken.set()
+        self._woken = True
+        _resolve(self._waiter)
 
     async def _sleep(self, timeout_s: float) -> None:
         """Until a command comes, or ``timeout_s``."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._woken.wait(), timeout_s)
-        self._woken.clear()
+        await self._until_woken(timeout_s)
+        self._woken = False
+
+    async def _until_woken(
+        self, timeout_s: float | None, landing: asyncio.Future[None] | None = None
+    ) -> None:
+        """Until a command wakes the lane (`_wake`), ``landing`` is done or ``timeout_s`` has
+        passed, whichever comes first (at once if it was woken already): one future that each
+        of them resolves, where `asyncio.wait` on an event's wait took a task of its own and
+        two more turns of the worker's loop, which serves every lane."""
+        if self._woken:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _resolve, waiter)
+
+        def landed(_: asyncio.Future[None]) -> None:
+            _resolve(waiter)
+
+        if landing is not None:
+            landing.add_done_callback(landed)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+            if landing is not None:
+                landing.remove_done_callback(landed)
 
     async def _run_on_loop(self) -> None:
         while not self._stopping:
@@ -183,15 +216,10 @@ class AsyncExecutorLane(ExecutorLane):
             remaining_s = None if deadline is None else deadline - time.perf_counter()
             if remaining_s is not None and remaining_s <= 0:
                 return
-            woken = asyncio.ensure_future(self._woken.wait())
-            waits: set[asyncio.Future[Any]] = {landing, woken}
-            try:
-                await asyncio.wait(waits, timeout=remaining_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                woken.cancel()
-            if landing.done() or not self._woken.is_set():
+            await self._until_woken(remaining_s, landing)
+            if landing.done() or not self._woken:
                 continue
-            self._woken.clear()
+            self._woken = False
             self._apply_commands()
             if self.alive and not self._stopping:
                 await self._join_running()
