@@ -188,14 +188,12 @@ class ModelRunner:
             return result
         timings = StepTimings()
         # NOTE: the steps sent while a multi-step plan waited to run join its first pass.
-        joiners = (
-            self._take_joining(joining, joined, plan.total_num_scheduled_tokens) if plan.num_steps else []
+        first_joining = joining if plan.num_steps else None
+        inputs, sampled_req_ids, joiners = self._prepare_pass(
+            plan.num_scheduled_tokens, first_joining, joined
         )
-        scheduled = _with_joiners(plan.num_scheduled_tokens, joiners)
-        inputs = self.batch.prepare(scheduled)
         if plan.num_steps:
             self._check_num_steps(plan, inputs)
-        sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
         allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
         self._run_pass_joined(inputs, sampled_req_ids, allowed, joiners, result, timings, joining, start)
@@ -206,11 +204,8 @@ class ModelRunner:
         # Multi-step decoding: each later pass feeds back the tokens the one before sampled.
         for index in range(1, plan.num_passes):
             pass_start = time.perf_counter()
-            req_ids = [r for r, n in plan.num_steps.items() if n > index]
-            joiners = self._take_joining(joining, joined, len(req_ids))
-            scheduled = _with_joiners(dict.fromkeys(req_ids, 1), joiners)
-            inputs = self.batch.prepare(scheduled)
-            sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
+            decoding = {r: 1 for r, n in plan.num_steps.items() if n > index}
+            inputs, sampled_req_ids, joiners = self._prepare_pass(decoding, joining, joined)
             self._run_pass_joined(
                 inputs, sampled_req_ids, None, joiners, result, timings, joining, pass_start
             )
@@ -218,15 +213,22 @@ class ModelRunner:
         result.timings = timings
         return result
 
-    def _take_joining(
-        self, joining: JoiningSteps | None, joined: list[StepPlan], pass_tokens: int
-    ) -> list[StepPlan]:
-        """The steps that join the pass about to start (``pass_tokens`` tokens of its own), their
-        requests added to the batch."""
-        joiners = take_joining(joining, joined, self.config.max_num_batched_tokens, pass_tokens)
-        for joiner in joiners:
-            self._update_states(joiner)
-        return joiners
+    def _prepare_pass(
+        self, own: dict[str, int], joining: JoiningSteps | None, joined: list[StepPlan]
+    ) -> tuple[StepInputs, list[str], list[StepPlan]]:
+        """A pass's inputs: ``own`` tokens per request, then those of the steps that join it
+        (taken while the pass stays within max_num_batched_tokens, their requests added to the
+        batch); with the requests that sample in it, and the steps that joined."""
+        joiners = take_joining(joining, joined, self.config.max_num_batched_tokens, sum(own.values()))
+        scheduled = own
+        if joiners:
+            scheduled = dict(own)
+            for joiner in joiners:
+                self._update_states(joiner)
+                scheduled.update(joiner.num_scheduled_tokens)
+        inputs = self.batch.prepare(scheduled)
+        sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
+        return inputs, sampled_req_ids, joiners
 
     def _run_pass_joined(
         self,
@@ -367,17 +369,6 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
-
-
-def _with_joiners(scheduled: dict[str, int], joiners: list[StepPlan]) -> dict[str, int]:
-    """A pass's tokens per request: its own (``scheduled``, first, in order), then the joined
-    steps' requests'."""
-    if not joiners:
-        return scheduled
-    scheduled = dict(scheduled)
-    for joiner in joiners:
-        scheduled.update(joiner.num_scheduled_tokens)
-    return scheduled
 
 
 def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[TokenLogprobs | None]:

@@ -213,21 +213,20 @@ class SimulatedRunner:
             num_seqs = len(plan.num_scheduled_tokens)
             latency = self.config.latency
             modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
-            if plan.num_steps and joining is not None:
-                first_joined, joined_s, joined_tokens = self._take_joining(joining, joined, num_tokens)
+            joins = joining if plan.num_steps else None  # NOTE: only a multi-pass step takes joiners
+            if joins is not None:  # those that came while it waited join its first pass
+                first_joined, joined_s, joined_tokens = self._take_joining(joins, joined, num_tokens)
                 modeled += joined_s
                 num_tokens += joined_tokens
-                if first_joined:
-                    self._sleep_until(start + modeled, time.perf_counter())
-                    self._answer_joined(first_joined, joining, modeled)
+                self._answer_joined(first_joined, joins, modeled, start + modeled)
             if on_first_pass is not None and plan.has_first_pass_only:
                 early = take_first_pass_only(result, plan.num_steps)
                 if early.sampled_req_ids:
                     self._sleep_until(start + modeled, time.perf_counter())
                     on_first_pass(early)
-            if plan.num_steps and joining is not None:
+            if joins is not None:
                 modeled, num_tokens = self._run_later_passes_joining(
-                    plan, result, start, modeled, num_tokens, joining, joined
+                    plan, result, start, modeled, num_tokens, joins, joined
                 )
             elif plan.num_steps:  # each later pass: one token for each request that runs it
                 for index in range(1, plan.num_passes):
@@ -277,9 +276,7 @@ class SimulatedRunner:
             pass_s = latency.step_seconds(num_decode, num_decode) + joined_s
             modeled += pass_s
             num_tokens += num_decode + joined_tokens
-            if joined_results:
-                self._sleep_until(start + modeled, time.perf_counter())
-            self._answer_joined(joined_results, joining, pass_s)
+            self._answer_joined(joined_results, joining, pass_s, start + modeled)
         return modeled, num_tokens
 
     def _take_joining(
@@ -295,8 +292,13 @@ class SimulatedRunner:
             tokens += num_tokens
         return results, seconds, tokens
 
-    def _answer_joined(self, results: list[StepResult], joining: JoiningSteps, pass_s: float) -> None:
-        """Answers the steps that joined a pass, once it has ended (``pass_s``: its modelled time)."""
+    def _answer_joined(
+        self, results: list[StepResult], joining: JoiningSteps, pass_s: float, pass_end: float
+    ) -> None:
+        """Answers the steps that joined a pass once it has ended (at ``pass_end``, perf_counter;
+        ``pass_s``: its modelled time)."""
+        if results:
+            self._sleep_until(pass_end, time.perf_counter())
         for result in results:
             result.timings = StepTimings(total_s=pass_s)
             self.stats.num_sampled += len(result.sampled_req_ids)

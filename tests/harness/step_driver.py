@@ -112,6 +112,10 @@ class StepDriver:
         if joining is not None and joining.plan.joins_running:
             result = self.runner.execute(plan, joining=joining)
             assert joining.taken, "the joining step was not taken"
+            # NOTE: each pass asks until nothing more comes: once, and once more where one is
+            # taken; so the take was in the first pass or the second as asked, and every pass asked.
+            asks = (joining.taken_at, len(joining.asked_with))
+            assert asks == (1 if self.join_first_pass else 2, plan.num_passes + 1), asks
             self.num_joined += 1
         elif self.answer_early:
             result = self.runner.execute(plan, on_first_pass=early.append)
@@ -190,6 +194,7 @@ class OneJoiningStep:
         self.plan, self.answers, self.taken = plan, answers, False
         self.absent_for = absent_for
         self.asked_with: list[int] = []  # the room each ask offered
+        self.taken_at = 0  # the ask (1-based) that took it; 0: none yet
 
     def take(self, max_tokens: int) -> StepPlan | None:
         self.asked_with.append(max_tokens)
@@ -198,7 +203,7 @@ class OneJoiningStep:
             return None
         if self.taken or self.plan.total_num_scheduled_tokens > max_tokens:
             return None
-        self.taken = True
+        self.taken, self.taken_at = True, len(self.asked_with)
         return self.plan
 
     def answer(self, result: StepResult) -> None:
