@@ -20,7 +20,7 @@ from npuserve.deploy.logs import configure_logging
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     from npuserve.deploy.executor_flags import add_executor_flags
-    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
     from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
     from npuserve.deploy.shutdown import add_shutdown_timeout_flag
@@ -32,6 +32,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--scheduler-port", type=int, default=0, help="the scheduler's gRPC port (0: a free one)"
     )
     add_gateway_flags(serve, standalone=False)
+    add_allow_unauthenticated_flag(serve)
     serve.add_argument(
         "--num-executors",
         type=int,
@@ -64,7 +65,7 @@ def add_scheduler_command_flags(scheduler: argparse.ArgumentParser) -> None:
 
 
 def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
     from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
@@ -72,6 +73,7 @@ def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--ready-file", type=Path)
+    add_allow_unauthenticated_flag(gateway)
     add_gateway_flags(gateway, standalone=True)
     add_shutdown_timeout_flag(gateway)
     add_logging_flags(gateway)
@@ -123,14 +125,21 @@ def run_serve(args: argparse.Namespace) -> int:
     drains them in order at SIGTERM/SIGINT."""
     from npuserve.deploy.cpu_priority import control_plane_nice
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
-    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags
+    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags, resolve_api_key
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.deploy.shutdown import Shutdown, shutdown_timeout_flags
     from npuserve.deploy.supervisor import Supervisor
-    from npuserve.proto.auth import API_KEY
+    from npuserve.proto.auth import API_KEY, GATEWAY_API_KEY, exposure_problem
     from npuserve.proto.ready_file import write_ready_file
+
+    problem = exposure_problem(
+        args.host, GATEWAY_API_KEY, bool(resolve_api_key(args.api_key)), args.allow_unauthenticated
+    )
+    if problem is not None:
+        print(f"npuserve serve: error: {problem}", file=sys.stderr)
+        return 2
 
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
@@ -163,7 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def gateway_args(scheduler: str, port: int) -> list[str]:
         where = ["--scheduler", scheduler, "--host", args.host, "--port", str(port)]
-        return ["gateway", *where, *common, *gateway_flags(args)]
+        allowed = ["--allow-unauthenticated"] if args.allow_unauthenticated else []
+        return ["gateway", *where, *allowed, *common, *gateway_flags(args)]
 
     try:
         chat_parser_settings(args)  # the gateway's flags that cannot work, refused before any start
@@ -236,11 +246,16 @@ def _num_executors(args: argparse.Namespace) -> int:
 def run_gateway(args: argparse.Namespace) -> int:
     from npuserve.deploy.gateway_flags import gateway_config_from_args
     from npuserve.gateway.server import run_gateway
+    from npuserve.proto.auth import GATEWAY_API_KEY, exposure_problem
 
     try:
         config = gateway_config_from_args(args)
     except ValueError as exc:
         print(f"npuserve gateway: error: {exc}", file=sys.stderr)
+        return 2
+    problem = exposure_problem(args.host, GATEWAY_API_KEY, bool(config.api_key), args.allow_unauthenticated)
+    if problem is not None:
+        print(f"npuserve gateway: error: {problem}", file=sys.stderr)
         return 2
     return run_gateway(config)
 

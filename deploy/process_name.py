@@ -14,7 +14,8 @@ MAX_COMM_BYTES = 15  # the kernel keeps this many
 STEP_WORKER = "npuserve-step"
 API_SERVER = "npuserve-api"
 CHAT_RENDER = "npuserve-render"
-ROLES = (STEP_WORKER, API_SERVER, CHAT_RENDER)
+GRAMMAR_COMPILE = "npuserve-gram"  # grammar compiles
+ROLES = (STEP_WORKER, API_SERVER, CHAT_RENDER, GRAMMAR_COMPILE)
 
 
 def set_process_name(name: str) -> None:

@@ -1,4 +1,5 @@
-"""`--api-key`: `Authorization: Bearer KEY` on the API routes; health, metrics and version stay open."""
+"""`--api-key`: `Authorization: Bearer KEY` on every route that does work (the API, tokenizing,
+profiling); health, metrics and version stay open."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from npuserve.gateway.errors import APIError, send_error
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/start_profile", "/stop_profile")
 
 
 def requires_key(path: str) -> bool:

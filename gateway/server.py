@@ -101,8 +101,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def public_url(host: str, port: int) -> str:
-    if host in ("", "0.0.0.0", "::"):
-        host = "127.0.0.1"
+    """The URL of the address bound, as bound (`0.0.0.0`: every interface, as vLLM prints it)."""
+    host = host or "0.0.0.0"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

@@ -55,6 +55,11 @@ API_KEY = Credential(
     "send `authorization: Bearer KEY` metadata with the scheduler's --api-key (or NPUSERVE_API_KEY)",
 )
 
+# The same key on the gateway's HTTP routes (`npuserve gateway`, the OpenAI API of `serve`).
+GATEWAY_API_KEY = Credential(
+    "API key", "OpenAI API", "--api-key", "NPUSERVE_API_KEY", "send `Authorization: Bearer KEY`"
+)
+
 
 def bearer_metadata(secret: str | None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata that presents ``secret`` (None: nothing to present)."""

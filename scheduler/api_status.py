@@ -14,8 +14,8 @@ from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.scheduler.engine import NoExecutorError, ProfilingUnavailable, QueueFullError
 from npuserve.scheduler.executor_client import ExecutorError
 from npuserve.scheduler.prompts import ModelNotFoundError
-from npuserve.scheduler.render_pool import RenderUnavailable
 from npuserve.scheduler.request import InvalidRequestError
+from npuserve.scheduler.sandbox_pool import SandboxUnavailable
 from npuserve.scheduler.tokenizer import TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -46,7 +46,7 @@ STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (RenderUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (SandboxUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ProfilingUnavailable, grpc.StatusCode.UNIMPLEMENTED),
 ]
 # An executor's answer to a call relayed to it keeps its code (profiling off, already running...).

@@ -3,7 +3,7 @@
 A template is code. Rendering here bounds what it may produce: the output is streamed and counted,
 and refused past `RenderLimits`; repeating a string or list (`"ab " * 10000000`) or raising to a
 power past those limits is refused before the value is built. Time and memory are bounded by
-running renders in worker processes (`render_pool`). This module imports Jinja only, so a worker
+running renders in worker processes (`sandbox_pool`, with `render_worker` as their setup). This module imports Jinja only, so a worker
 process stays small.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
@@ -80,6 +81,18 @@ def render(job: ChatRender) -> str:
         ) from exc
     finally:
         _limits.reset(token)
+
+
+def render_worker() -> Callable[[ChatRender], tuple[str, ...]]:
+    """A render worker's job handler (`sandbox_pool`): ("ok", text) or ("error", message, field)."""
+    return _render_outcome
+
+
+def _render_outcome(job: ChatRender) -> tuple[str, ...]:
+    try:
+        return ("ok", render(job))
+    except ChatTemplateError as exc:
+        return ("error", str(exc), exc.field or "")
 
 
 def _collect(chunks: Any, job: ChatRender) -> str:

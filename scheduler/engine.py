@@ -194,6 +194,7 @@ class Engine:
             self.add_executor(executor_id, executor, info)
         self._pending = []
         self._gauge_task = asyncio.get_running_loop().create_task(self._refresh_gauges_forever())
+        self.grammars.start()
         if serve_prompts:
             self.prompts.start()
         if self.tokenizer.size_bound is None:
@@ -204,9 +205,9 @@ class Engine:
 
     async def wait_started(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
         """Waits, up to ``timeout_s``, for the processes `start` started (scheduler workers, render
-        processes) to finish starting. Until then their imports take the CPU the steps would use,
+        and grammar processes) to finish starting. Until then their imports take the CPU the steps would use,
         so a scheduler says it is ready only after this."""
-        waits = [self.prompts.wait_started()]
+        waits = [self.prompts.wait_started(), self.grammars.wait_started()]
         if self.step_workers is not None:
             waits.append(self.step_workers.wait_started())
         try:

@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from npuserve.deploy.process_name import CHAT_RENDER
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
-from npuserve.scheduler.chat_template import RenderLimits
-from npuserve.scheduler.render_pool import RenderPool
+from npuserve.scheduler.chat_template import ChatRender, RenderLimits, render_worker
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
+from npuserve.scheduler.sandbox_pool import SandboxPool
 from npuserve.scheduler.tokenizer import Tokenizer, TokenizerError
 
 T = TypeVar("T")
@@ -64,9 +65,11 @@ class PromptProcessor:
         # NOTE: tokenizing, rendering and detokenizing long inputs never runs on the event loop,
         # which must keep answering every other request and dispatching steps meanwhile.
         self._threads = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="npuserve-tokenize")
-        self._model_renders = RenderPool("model", MODEL_TEMPLATE_WORKERS)
+        self._model_renders = SandboxPool("model", MODEL_TEMPLATE_WORKERS, render_worker, CHAT_RENDER)
         self._request_renders = (
-            RenderPool("request", REQUEST_TEMPLATE_WORKERS) if trust_request_chat_template else None
+            SandboxPool("request", REQUEST_TEMPLATE_WORKERS, render_worker, CHAT_RENDER)
+            if trust_request_chat_template
+            else None
         )
 
     @property
@@ -178,7 +181,7 @@ class PromptProcessor:
         job = self.tokenizer.chat_render(
             prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits, prompt.tools
         )
-        return await pool.render(job)
+        return await render_in(pool, job)
 
     def check_lengths(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
@@ -198,3 +201,16 @@ class PromptProcessor:
                 f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
                 "max_tokens",
             )
+
+
+async def render_in(pool: SandboxPool, job: ChatRender) -> str:
+    """The rendered text of `job`, by a worker of `pool`; TokenizerError when the template fails
+    or exceeds a limit (time, memory, size)."""
+    outcome = await pool.run(job)
+    if outcome[0] == "ok":
+        return str(outcome[1])
+    if outcome[0] == "timeout":
+        raise TokenizerError(f"the chat template took longer than {pool.timeout_s:g} s to render", job.field)
+    if outcome[0] == "died":
+        raise TokenizerError("the chat template ended its render process (out of memory?)", job.field)
+    raise TokenizerError(outcome[1], outcome[2] or None)

@@ -3,10 +3,15 @@
 The grammar engine is llguidance (vLLM's `guidance` backend), through its numpy API: no torch.
 
 - `GrammarCompiler` turns a request's `StructuredOutputs` into a `Grammar` off the event loop and
-  off the step path, on its own threads (llguidance drops the GIL while it builds), within a time
-  limit: a constraint that does not compile, or not in time, is refused naming
-  `structured_outputs`. Grammars are cached (LRU) under the constraint's canonical key, so a
-  schema that repeats across requests compiles once; each request starts from a copy.
+  off the step path. A constraint past a size bound is refused before anything compiles it; any
+  other is first compiled in a grammar worker process (`sandbox_pool`), within a time limit,
+  because a hostile constraint can keep the grammar engine busy for minutes or crash it (a
+  chain of a few thousand rules, or of a few hundred `$ref`s, overflows its stack): a crash or a
+  time-out costs that worker only, which is replaced, and the request is refused naming
+  `structured_outputs`. A constraint the worker compiled is then compiled here, on a thread
+  (llguidance drops the GIL while it builds), where its matchers live. Outcomes are cached (LRU)
+  under the constraint's canonical key, so a schema that repeats across requests compiles once
+  (and a refused one is refused from the cache); each request starts from a copy.
 - `GrammarState` is one sequence's matcher. It accepts each sampled token as the scheduler
   appends it, and keeps the bitmask of the tokens that may come next (computed after each
   accepted token, for a whole step's requests at once on llguidance's thread pool). The state
@@ -24,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import llguidance
@@ -39,10 +46,12 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
+from npuserve.deploy.process_name import GRAMMAR_COMPILE
 from npuserve.proto.step_plan import TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
 from npuserve.scheduler.grammar_closing import ByteVocab, close_within, narrow_to
 from npuserve.scheduler.request import InvalidRequestError, Request
+from npuserve.scheduler.sandbox_pool import Outcome, SandboxPool
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +59,14 @@ __all__ = ["Grammar", "GrammarCompiler", "GrammarSettings", "GrammarState", "adv
 
 COMPILE_TIMEOUT_S = 5.0
 COMPILE_THREADS = 2
+COMPILE_WORKERS = 2  # grammar worker processes, each compiling one constraint at a time
 CACHE_SIZE = 256
+# Bounds checked before any compile: a constraint's text (a schema, regex, grammar or its
+# choices) and a grammar's rules. Real grammars (SQL, C in GBNF) have a few hundred rules.
+MAX_CONSTRAINT_BYTES = 128 << 10
+MAX_GRAMMAR_RULES = 1_000
+# A rule's head: `name:` (Lark, also `?name:`, `!name:`, `name.2:`, `NAME:`) or `name ::=` (GBNF).
+_RULE_HEAD = re.compile(r"^[ \t]*(?:[?!]?[A-Za-z_][\w]*(?:\.-?\d+)?[ \t]*:(?!:)|[\w-]+[ \t]*::=)", re.M)
 # Resource limits of one grammar (llguidance's own, so a hostile grammar fails rather than runs on).
 _MAX_GRAMMAR_SIZE, _MAX_LEXER_STATES, _INITIAL_LEXER_FUEL = 200_000, 100_000, 1_000_000
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -68,6 +84,23 @@ _REMEASURE_EVERY = 64  # calls: one in so many runs row by row, to keep the esti
 
 class GrammarTimeout(InvalidRequestError):
     """A constraint that did not compile within the time limit."""
+
+
+def check_bounds(constraint: StructuredOutputs, max_rules: int = MAX_GRAMMAR_RULES) -> None:
+    """Refuses, naming `structured_outputs`, a constraint past the bounds on its size and (a
+    grammar) its rules, before anything compiles it."""
+    size = len(constraint.spec.encode()) + sum(len(choice.encode()) for choice in constraint.choices)
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequestError(
+            f"structured_outputs: the {constraint.kind} constraint is {size} bytes long; at most "
+            f"{MAX_CONSTRAINT_BYTES} are allowed",
+            FIELD,
+        )
+    if constraint.kind == "grammar" and (rules := len(_RULE_HEAD.findall(constraint.spec))) > max_rules:
+        raise InvalidRequestError(
+            f"structured_outputs: the grammar has {rules} rules; at most {max_rules} are allowed",
+            FIELD,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +274,9 @@ GrammarSettings = tuple[str, int, tuple[int, ...]]  # (tokenizer JSON, vocab siz
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer; an LRU cache of grammars keyed canonically."""
+    """Compiles constraints for one tokenizer; an LRU cache of grammars keyed canonically.
+    `compile` vets each new constraint in the grammar workers, which `start` starts (or the
+    first `compile`); `grammar_for` and `compile_now` compile on the calling thread."""
 
     def __init__(
         self,
@@ -250,11 +285,17 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         timeout_s: float = COMPILE_TIMEOUT_S,
         cache_size: int = CACHE_SIZE,
+        max_rules: int = MAX_GRAMMAR_RULES,
     ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self.timeout_s = timeout_s
+        self.max_rules = max_rules
+        self.workers = SandboxPool(
+            "grammar", COMPILE_WORKERS, partial(grammar_worker, self.settings), GRAMMAR_COMPILE, timeout_s
+        )
+        self._started = False
         self._cache: OrderedDict[tuple[object, ...], Grammar | InvalidRequestError] = OrderedDict()
         self._cache_size = cache_size
         self._inflight: dict[tuple[object, ...], asyncio.Future[Grammar]] = {}
@@ -270,7 +311,17 @@ class GrammarCompiler:
     def settings(self) -> GrammarSettings:
         return self._tokenizer_json, self.vocab_size, tuple(self._eos)
 
+    def start(self) -> None:
+        """Starts the grammar workers in the background (on the event loop)."""
+        if not self._started:
+            self._started = True
+            self.workers.start()
+
+    async def wait_started(self) -> None:
+        await self.workers.wait_started()
+
     def close(self) -> None:
+        self.workers.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def grammar_for(self, constraint: StructuredOutputs) -> Grammar:
@@ -290,32 +341,35 @@ class GrammarCompiler:
         return self.live.value
 
     async def compile(self, constraint: StructuredOutputs) -> Grammar:
-        """The grammar of `constraint`, from the cache or compiled on a grammar thread;
-        InvalidRequestError naming `structured_outputs` when it cannot be compiled in time."""
+        """The grammar of `constraint`, from the cache or vetted in a grammar worker, then
+        compiled on a grammar thread; InvalidRequestError naming `structured_outputs` when it is
+        past a bound, does not compile, does not in time, or crashes its worker."""
         key = constraint.key
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             self.hits += 1
             if isinstance(cached, InvalidRequestError):
-                raise InvalidRequestError(str(cached), cached.field)
+                raise type(cached)(str(cached), cached.field)
             return cached
         self.misses += 1
         future = self._inflight.get(key)
         if future is None:
-            loop = asyncio.get_running_loop()
-            future = asyncio.ensure_future(loop.run_in_executor(self._threads, self.compile_now, constraint))
+            future = asyncio.ensure_future(self._vet_and_compile(constraint))
             self._inflight[key] = future
             future.add_done_callback(lambda f: self._store(key, f))
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("grammar compile timed out", kind=constraint.kind, seconds=self.timeout_s)
-            raise GrammarTimeout(
-                f"structured_outputs: the {constraint.kind} constraint did not compile within "
-                f"{self.timeout_s:g} s; simplify it",
-                FIELD,
-            ) from None
+        return await asyncio.shield(future)
+
+    async def _vet_and_compile(self, constraint: StructuredOutputs) -> Grammar:
+        check_bounds(constraint, self.max_rules)
+        self.start()
+        refusal = _refusal(constraint, await self.workers.run(constraint), self.timeout_s)
+        if refusal is not None:
+            log.warning("grammar refused by its worker", kind=constraint.kind, why=str(refusal))
+            raise refusal
+        # NOTE: compiled once already, in about as long, without a crash: safe here.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self.compile_now, constraint)
 
     def _store(self, key: tuple[object, ...], future: asyncio.Future[Grammar]) -> None:
         self._inflight.pop(key, None)
@@ -371,6 +425,41 @@ class GrammarCompiler:
             if self._vocab is None:
                 self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos))
             return self._vocab
+
+
+def grammar_worker(settings: GrammarSettings) -> Callable[[StructuredOutputs], Outcome]:
+    """A grammar worker's job handler (`sandbox_pool`): compiles a constraint, answers ("ok",)
+    or ("error", message, field). The worker builds the grammar tokenizer once, here."""
+    compiler = GrammarCompiler(*settings)
+    compiler._byte_vocab()
+
+    def vet(constraint: StructuredOutputs) -> Outcome:
+        try:
+            compiler.compile_now(constraint)
+        except InvalidRequestError as exc:
+            return ("error", str(exc), exc.field or FIELD)
+        return ("ok",)
+
+    return vet
+
+
+def _refusal(constraint: StructuredOutputs, outcome: Outcome, timeout_s: float) -> InvalidRequestError | None:
+    """The refusal a grammar worker's outcome stands for; None when the constraint compiled."""
+    kind = constraint.kind
+    if outcome[0] == "ok":
+        return None
+    if outcome[0] == "timeout":
+        return GrammarTimeout(
+            f"structured_outputs: the {kind} constraint did not compile within {timeout_s:g} s; simplify it",
+            FIELD,
+        )
+    if outcome[0] == "died":
+        return InvalidRequestError(
+            f"structured_outputs: the {kind} constraint crashed the grammar compiler (rules or "
+            "references chained too deep?); simplify it",
+            FIELD,
+        )
+    return InvalidRequestError(outcome[1], outcome[2] or FIELD)
 
 
 _SPACES_PROBE = "  a  b  "

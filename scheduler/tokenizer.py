@@ -224,7 +224,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Renders `messages` into a prompt string with the model's (or the given) chat template,
-        in this process (the scheduler renders in worker processes: `render_pool`)."""
+        in this process (the scheduler renders in worker processes: `sandbox_pool`)."""
         job = self.chat_render(messages, add_generation_prompt, chat_template, limits, tools)
         try:
             return render(job)

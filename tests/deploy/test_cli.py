@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -38,3 +40,27 @@ def test_a_command_is_parsed_with_its_own_flags_alone() -> None:
         parser.parse_args(["executor", "--model", "m"])
     full = cli.build_parser()
     assert full.parse_args(["executor", "--model", "m"]).model == "m"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve"], ["gateway", "--scheduler", "127.0.0.1:1"]],
+    ids=["serve", "gateway"],
+)
+def test_the_openai_api_on_a_public_address_without_a_key_refuses_to_start(command: list[str]) -> None:
+    """As the scheduler does: exit 2 before anything starts, naming every way out."""
+    env = {k: v for k, v in os.environ.items() if k != "NPUSERVE_API_KEY"}
+    argv = [sys.executable, "-m", "npuserve.deploy.cli", *command, "--host", "0.0.0.0", "--port", "0"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    stderr = result.stderr
+    assert "refusing to serve the OpenAI API on 0.0.0.0 with no API key" in stderr
+    for fix in ("--api-key", "NPUSERVE_API_KEY", "--host 127.0.0.1", "--allow-unauthenticated"):
+        assert fix in stderr, stderr
+
+
+def test_the_gateway_is_told_when_serve_allows_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --allow-unauthenticated` passes it on to its gateway, which checks for itself."""
+    parser = cli.build_parser(only="gateway")
+    args = parser.parse_args(["gateway", "--scheduler", "127.0.0.1:1", "--allow-unauthenticated"])
+    assert args.allow_unauthenticated

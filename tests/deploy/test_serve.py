@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 from harness.reference import save_random_llama, transformers_greedy
@@ -227,3 +228,14 @@ def test_text_prompt_stop_strings_and_siblings(stories_dir: Path) -> None:
             runs.append(texts)
         assert runs[0] == runs[1] and len(set(runs[0])) == 3
         assert_idle_and_intact(served)
+
+
+def test_serve_on_every_interface_with_a_key_says_where_it_listens(stories_dir: Path) -> None:
+    with serve(stories_dir, "--kv-cache-memory", "0.02", "--host", "0.0.0.0", "--api-key", "sk-k") as served:
+        assert served.url.startswith("http://0.0.0.0:")
+        assert any(f"OpenAI API at {served.url}" in line for line in served.log)
+        port = served.url.rsplit(":", 1)[1]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            assert http.get("/v1/models").status_code == 401
+            keyed = http.get("/v1/models", headers={"Authorization": "Bearer sk-k"})
+            assert keyed.status_code == 200, keyed.text

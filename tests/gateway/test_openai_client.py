@@ -211,6 +211,17 @@ def test_open_routes_health_version_metrics(served: Served) -> None:
             assert name in metrics.text
 
 
+def test_profiling_needs_the_key(served: Served, api_key: str) -> None:
+    """Profiling does work (an executor traces every op): not for anyone who reaches the port."""
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        for route in ("/start_profile", "/stop_profile"):
+            refused = http.post(route)
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            keyed = http.post(route, headers={"Authorization": f"Bearer {api_key}"})
+            assert keyed.status_code == 400 and "--profile-dir" in keyed.text  # past the key: off here
+
+
 def test_the_api_key_guards_the_schedulers_grpc_api_too(served: Served, api_key: str) -> None:
     """`serve --api-key` sets the key on both fronts; the gateway presents it to the scheduler."""
     bare = pb_grpc.SchedulerStub(grpc.insecure_channel(served.address))

@@ -1,6 +1,7 @@
 """One request must never stall the others: while an attacker sends a template bomb (request templates
-trusted), a template that loops for ever, or a 24 MB prompt, over HTTP and over gRPC, a normal
-request completes within its usual latency, and every attack gets a clear 400 / INVALID_ARGUMENT."""
+trusted), a template that loops for ever, a 24 MB prompt, or a constraint that crashes the grammar
+compiler, over HTTP and over gRPC, a normal request completes within its usual latency, every
+attack gets a clear 400 / INVALID_ARGUMENT, and no process of the service dies of it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
-from harness.serve import Served, collect, greedy_request, serve
+from harness.hostile_grammars import chained_refs, chained_rules
+from harness.serve import Served, collect, greedy_request, serve, serve_child
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -160,3 +163,51 @@ def test_attacks_over_grpc_are_invalid_argument_and_stall_nothing(served: Served
     assert attacks >= 1
     assert_unstalled(baseline, latencies)
     assert served.integrity().ok
+
+
+def test_grammars_that_crash_the_compiler_are_400_and_kill_nothing(
+    served: Served, http: httpx.Client
+) -> None:
+    """Each attack a different schema (no cached refusal helps): its grammar worker dies and is
+    replaced, the scheduler lives on, and other requests do not wait."""
+    assert served.process is not None
+    scheduler_before = serve_child(served.process.pid, "scheduler")
+    sent = [0]
+
+    def attack() -> None:
+        sent[0] += 1
+        schema = {"name": "x", "schema": chained_refs(1_000 + sent[0])}
+        body = {
+            "messages": USER,
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": schema},
+        }
+        response = http.post("/v1/chat/completions", json=body)
+        assert_refused(response, "response_format.json_schema.schema")
+        assert "crashed the grammar compiler" in response.json()["error"]["message"]
+
+    baseline, latencies, attacks = while_attacked(served, attack)
+    assert attacks >= 1
+    assert_unstalled(baseline, latencies)
+    lark = {"messages": USER, "max_tokens": 4, "guided_grammar": chained_rules(3_000)}
+    for _ in range(2):
+        refused = http.post("/v1/chat/completions", json=lark)
+        assert_refused(refused, "guided_grammar")
+        assert "3002 rules" in refused.json()["error"]["message"]
+    assert serve_child(served.process.pid, "scheduler") == scheduler_before
+    assert served.integrity().ok
+
+
+def test_grammars_past_the_bounds_are_refused_at_once_and_json_object_goes_on(
+    served: Served, http: httpx.Client
+) -> None:
+    gbnf = {"messages": USER, "max_tokens": 4, "guided_grammar": chained_rules(20_000, gbnf=True)}
+    with ThreadPoolExecutor(2) as pool:
+        refusals = list(pool.map(lambda _: http.post("/v1/chat/completions", json=gbnf), range(2)))
+    for refused in refusals:
+        assert_refused(refused, "guided_grammar")
+        assert "bytes long" in refused.json()["error"]["message"]
+    body = {"messages": USER, "max_tokens": 24, "response_format": {"type": "json_object"}}
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"].startswith("{")

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
+from harness.hostile_grammars import chained_refs_text, chained_rules
 from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
 
 from npuserve.proto import executor_pb2
@@ -40,8 +43,10 @@ SCHEMA = {
 }
 
 
-def _compiler(tokenizer: Tokenizer, timeout_s: float = 5.0) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.to_json(), 512, tokenizer.eos_token_ids, timeout_s=timeout_s)
+def _compiler(tokenizer: Tokenizer, timeout_s: float = 5.0, max_rules: int = 1_000) -> GrammarCompiler:
+    return GrammarCompiler(
+        tokenizer.to_json(), 512, tokenizer.eos_token_ids, timeout_s=timeout_s, max_rules=max_rules
+    )
 
 
 def _allowed(mask: np.ndarray) -> np.ndarray:
@@ -88,21 +93,98 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_the_field(
     asyncio.run(scenario())
 
 
-def test_a_compile_past_the_time_limit_is_refused_then_served_from_the_cache(tokenizer: Tokenizer) -> None:
+def test_a_compile_past_the_time_limit_is_killed_and_its_refusal_cached(tokenizer: Tokenizer) -> None:
+    """The worker compiling it is killed at the limit (not left running) and replaced; the next
+    constraint compiles, and the same constraint again is refused from the cache."""
+
     async def scenario() -> None:
-        compiler = _compiler(tokenizer, timeout_s=0.0)
-        constraint = StructuredOutputs("regex", "[a-z]{3,9}-[0-9]{2}")
-        with pytest.raises(GrammarTimeout) as refused:
-            await compiler.compile(constraint)
+        compiler = _compiler(tokenizer, timeout_s=0.5, max_rules=10_000)
+        compiler.start()
+        await compiler.wait_started()
+        before = compiler.workers.worker_pids
+        slow = StructuredOutputs("grammar", chained_rules(2_000, gbnf=True))  # seconds to compile
+        with pytest.raises(GrammarTimeout, match=r"within 0\.5 s") as refused:
+            await compiler.compile(slow)
         assert refused.value.field == "structured_outputs"
-        for _ in range(400):  # the compile goes on off the loop, and lands in the cache
-            if constraint.key in compiler._cache:
-                break
-            await asyncio.sleep(0.005)
-        assert (await compiler.compile(constraint)).constraint == constraint
+        assert not any(_alive(pid) for pid in before - compiler.workers.worker_pids)
+        assert (await compiler.compile(StructuredOutputs("json_object"))).constraint.kind == "json_object"
+        with pytest.raises(GrammarTimeout):
+            await compiler.compile(slow)
+        assert compiler.hits == 1
         compiler.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputs("json_schema", chained_refs_text(1_000)),  # within every bound
+        StructuredOutputs("grammar", chained_rules(3_000)),  # past the rule bound, raised here
+    ],
+    ids=["json_schema", "grammar"],
+)
+def test_a_constraint_that_crashes_the_compiler_costs_one_worker(
+    tokenizer: Tokenizer, constraint: StructuredOutputs
+) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer, max_rules=10_000)
+        compiler.start()
+        await compiler.wait_started()
+        before = compiler.workers.worker_pids
+        for _ in range(2):  # the second is refused from the cache: no second crash
+            with pytest.raises(InvalidRequestError, match="crashed the grammar compiler") as refused:
+                await compiler.compile(constraint)
+            assert refused.value.field == "structured_outputs"
+        ok = await compiler.compile(StructuredOutputs("regex", "[a-z]{3}"))
+        assert ok.constraint.kind == "regex" and compiler.hits == 1
+        for _ in range(600):  # the replacement starts in the background
+            if len(compiler.workers.worker_pids) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(compiler.workers.worker_pids - before) == 1  # one worker replaced, one kept
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (StructuredOutputs("grammar", chained_rules(3_000)), "3002 rules; at most 1000"),
+        (StructuredOutputs("grammar", chained_rules(3_000, gbnf=True)), "3002 rules; at most 1000"),
+        (StructuredOutputs("grammar", chained_rules(20_000, gbnf=True)), "715593 bytes long"),
+        (StructuredOutputs("regex", "a" * 200_000), "200000 bytes long; at most 131072"),
+        (StructuredOutputs("choice", choices=("x" * 70_000, "y" * 70_000)), "140000 bytes long"),
+    ],
+)
+def test_a_constraint_past_a_bound_is_refused_before_any_compile(
+    tokenizer: Tokenizer, constraint: StructuredOutputs, message: str
+) -> None:
+    async def scenario() -> None:
+        compiler = _compiler(tokenizer)
+        with pytest.raises(InvalidRequestError, match=message) as refused:
+            await compiler.compile(constraint)
+        assert refused.value.field == "structured_outputs"
+        assert not compiler._started  # no worker was asked
+        compiler.close()
+
+    asyncio.run(scenario())
+
+
+def test_rules_are_counted_in_lark_and_gbnf() -> None:
+    lark = 'start: a b\n?a: "x" | b\n!b.2: "y"\nNAME: /[a-z]+/\n// c: comment\n  | "more"\n'
+    assert len(structured._RULE_HEAD.findall(lark)) == 4
+    gbnf = 'root ::= a\na ::= "x" b\nword-list ::= [a-z]+\n'
+    assert len(structured._RULE_HEAD.findall(gbnf)) == 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_matcher_rolls_back_and_replays_to_its_request_tokens(tokenizer: Tokenizer) -> None:

@@ -1,13 +1,19 @@
-"""Chat templates rendered in worker processes, bounded in time, memory and output size.
+"""Work that may run away or crash, run in killable worker processes: chat templates, grammars.
 
-A template is code, and pure-Python rendering can neither be interrupted from another thread nor
-share the scheduler's core without slowing its steps. Each render therefore runs in a worker
-process, one render at a time: a render that runs past `timeout_s` has its worker killed and
-replaced, and a worker may grow by at most `memory_bytes` of address space (beyond that an
-allocation fails with MemoryError inside the template). Output size is bounded by
-`chat_template.render` itself. Renders wait for a free worker of their pool (or fail at once,
-UNAVAILABLE, while no worker runs and none can start); the engine keeps the model's template and
-clients' templates in separate pools, so the second cannot hold up the first.
+A chat template is code, and pure-Python rendering can neither be interrupted from another thread
+nor share the scheduler's core without slowing its steps; a grammar compile runs native code that
+a hostile grammar can keep busy for minutes or crash outright (llguidance overflows its stack on
+a chain of a few thousand rules). Each job therefore runs in a worker process, one job at a time:
+a job that runs past `timeout_s` has its worker killed and replaced, a worker that dies on a job
+fails that job alone and is replaced, and a worker may grow by at most `memory_bytes` of address
+space beyond what its setup left (beyond that an allocation fails inside the job). Jobs wait for
+a free worker of their pool (or fail at once, UNAVAILABLE, while no worker runs and none can
+start). Each pool serves one kind of job; the engine keeps the model's template, clients'
+templates and grammars in separate pools, so one cannot hold up another.
+
+A pool's `setup` is what a worker runs once it has started: a picklable callable (a module-level
+function, or a `functools.partial` of one) that returns the job handler. A handler answers
+`("ok", value)` or `("error", message, field)`; `run` gives that, `("timeout",)` or `("died",)`.
 """
 
 from __future__ import annotations
@@ -18,39 +24,42 @@ import multiprocessing.connection
 import os
 import resource
 import signal
+from collections.abc import Callable
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from npuserve.scheduler.background import BackgroundTasks
-from npuserve.scheduler.chat_template import ChatRender, ChatTemplateError, render
-from npuserve.scheduler.tokenizer import TokenizerError
 
 log = structlog.get_logger(__name__)
 
-RENDER_TIMEOUT_S = 5.0
-RENDER_MEMORY_BYTES = 1 << 30
+JOB_TIMEOUT_S = 5.0
+WORKER_MEMORY_BYTES = 1 << 30
 WORKER_START_TIMEOUT_S = 60.0
 WORKER_START_RETRY_S = 1.0
 
 
-class RenderUnavailable(RuntimeError):
-    """No render worker runs and the last one to start failed (gRPC UNAVAILABLE, HTTP 503):
-    a render fails at once rather than waiting for a worker that may never come."""
+class SandboxUnavailable(RuntimeError):
+    """No worker of a pool runs and the last one to start failed (gRPC UNAVAILABLE, HTTP 503):
+    a job fails at once rather than waiting for a worker that may never come."""
 
 
-# What a worker answers: ("ok", text) or ("error", message, field).
-# What a call gives: one of those, ("timeout",) or ("died",).
-Outcome = tuple[str, ...]
+# What a handler answers: ("ok", value) or ("error", message, field).
+# What `run` gives: one of those, ("timeout",) or ("died",).
+Outcome = tuple[Any, ...]
+Handler = Callable[[Any], Outcome]
+Setup = Callable[[], Handler]
 
 
-def _serve(conn: multiprocessing.connection.Connection, memory_bytes: int) -> None:
-    """A worker's main loop: render each job received, answer its outcome; end on EOF."""
-    from npuserve.deploy.process_name import CHAT_RENDER, set_process_name
+def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str, memory_bytes: int) -> None:
+    """A worker's main loop: run each job received, answer its outcome; end on EOF."""
+    from npuserve.deploy.process_name import set_process_name
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when workers end
-    set_process_name(CHAT_RENDER)
+    set_process_name(role)
+    handler = setup()
     _limit_address_space(memory_bytes)
     conn.send(("ready",))
     while True:
@@ -60,11 +69,9 @@ def _serve(conn: multiprocessing.connection.Connection, memory_bytes: int) -> No
             return
         outcome: Outcome
         try:
-            outcome = ("ok", render(job))
-        except ChatTemplateError as exc:
-            outcome = ("error", str(exc), exc.field or "")
+            outcome = handler(job)
         except MemoryError:
-            outcome = ("error", "the chat template used more memory than allowed", job.field or "")
+            outcome = ("error", "the job used more memory than allowed", "")
         conn.send(outcome)
 
 
@@ -85,15 +92,15 @@ def _limit_address_space(memory_bytes: int) -> None:
 class _Worker:
     """One worker process and the parent's end of its pipe (blocking calls: use from a thread)."""
 
-    def __init__(self, memory_bytes: int) -> None:
+    def __init__(self, setup: Setup, role: str, memory_bytes: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process: SpawnProcess = context.Process(
-            target=_serve, args=(child, memory_bytes), name="npuserve-render", daemon=True
+            target=_serve, args=(child, setup, role, memory_bytes), name=role, daemon=True
         )
         self.process.start()
         child.close()
-        # NOTE: a render's time starts once the worker has imported what it needs.
+        # NOTE: a job's time starts once the worker has imported and set up what it needs.
         try:
             ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == ("ready",)
         except (EOFError, OSError):
@@ -101,11 +108,11 @@ class _Worker:
         if not ready:
             self.kill()
             raise RuntimeError(
-                f"a chat template worker did not start in {WORKER_START_TIMEOUT_S:g} s "
+                f"a {role} worker did not start in {WORKER_START_TIMEOUT_S:g} s "
                 f"(exit code {self.process.exitcode})"
             )
 
-    def call(self, job: ChatRender, timeout_s: float) -> Outcome:
+    def call(self, job: object, timeout_s: float) -> Outcome:
         """The job's outcome; ("timeout",) past `timeout_s`, ("died",) when the worker ended."""
         try:
             self.conn.send(job)
@@ -122,18 +129,23 @@ class _Worker:
         self.conn.close()
 
 
-class RenderPool:
-    """`size` render workers; `render` waits for a free one. Start on the event loop with `start`."""
+class SandboxPool:
+    """`size` workers that run `setup`'s handler; `run` waits for a free one. Start on the event
+    loop with `start`. ``role`` names the workers' processes (`deploy.process_name`) and logs."""
 
     def __init__(
         self,
         name: str,
         size: int,
-        timeout_s: float = RENDER_TIMEOUT_S,
-        memory_bytes: int = RENDER_MEMORY_BYTES,
+        setup: Setup,
+        role: str,
+        timeout_s: float = JOB_TIMEOUT_S,
+        memory_bytes: int = WORKER_MEMORY_BYTES,
     ) -> None:
         self.name = name
         self.size = size
+        self.setup = setup
+        self.role = role
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
         self._idle: asyncio.Queue[_Worker] | None = None
@@ -171,39 +183,31 @@ class RenderPool:
             worker.kill()
         self._workers.clear()
 
-    async def render(self, job: ChatRender) -> str:
-        """The rendered text; TokenizerError when the template fails or exceeds a limit."""
+    async def run(self, job: object) -> Outcome:
+        """The job's outcome (see the module's doc); SandboxUnavailable while no worker runs and
+        none can start."""
         worker = await self._free_worker()
-        # NOTE: the call runs to its end even when this request is cancelled meanwhile: the worker
-        # must finish (or be killed) before another render may use it.
-        outcome = await asyncio.shield(self._call(worker, job))
-        if outcome[0] == "timeout":
-            raise TokenizerError(
-                f"the chat template took longer than {self.timeout_s:g} s to render", job.field
-            )
-        if outcome[0] == "died":
-            raise TokenizerError("the chat template ended its render process (out of memory?)", job.field)
-        if outcome[0] == "error":
-            raise TokenizerError(outcome[1], outcome[2] or None)
-        return outcome[1]
+        # NOTE: the call runs to its end even when its caller is cancelled meanwhile: the worker
+        # must finish (or be killed) before another job may use it.
+        return await asyncio.shield(self._call(worker, job))
 
     async def _free_worker(self) -> _Worker:
-        """The next free worker; RenderUnavailable while none runs and none can start."""
-        assert self._idle is not None, "RenderPool.start() was not called"
+        """The next free worker; SandboxUnavailable while none runs and none can start."""
+        assert self._idle is not None, "SandboxPool.start() was not called"
         while True:
             if self._idle.empty() and not self._workers and self._start_error is not None:
-                raise RenderUnavailable(
-                    f"no chat template worker can start ({self._start_error}); retry later"
+                raise SandboxUnavailable(
+                    f"no {self.role} worker can start ({self._start_error}); retry later"
                 )
             try:
                 return await asyncio.wait_for(self._idle.get(), WORKER_START_RETRY_S)
             except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
                 continue  # NOTE: a timed-out `get` took no worker (it takes one only once woken)
 
-    async def _call(self, worker: _Worker, job: ChatRender) -> Outcome:
+    async def _call(self, worker: _Worker, job: object) -> Outcome:
         outcome = await asyncio.to_thread(worker.call, job, self.timeout_s)
         if outcome[0] in ("timeout", "died"):
-            log.warning("chat template render stopped", pool=self.name, why=outcome[0])
+            log.warning("a sandboxed job was stopped", role=self.role, pool=self.name, why=outcome[0])
             self._workers.discard(worker)
             await asyncio.to_thread(worker.kill)
             self._background.spawn(self._add_worker())
@@ -214,9 +218,9 @@ class RenderPool:
     async def _add_worker(self, first: bool = False) -> None:
         while not self._closed:
             try:
-                worker = await asyncio.to_thread(_Worker, self.memory_bytes)
+                worker = await asyncio.to_thread(_Worker, self.setup, self.role, self.memory_bytes)
             except (RuntimeError, OSError) as exc:
-                log.error("a chat template worker did not start; retrying", pool=self.name, error=str(exc))
+                log.error("a worker did not start; retrying", role=self.role, pool=self.name, error=str(exc))
                 self._start_error = str(exc)
                 if first:
                     self._first_start_ended()
