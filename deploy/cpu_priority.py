@@ -13,7 +13,7 @@ NOTE: not SCHED_IDLE, though it took stories260K over gRPC 16-18% further than n
 (a compute thread that wakes takes its core back at once): an idle-policy task gets a core only
 when no other task in its group wants one, so any CPU-bound work sharing serve's session (a load
 generator, a build) starves it. With two busy loops in serve's session a 64-token completion took
-23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0 (README).
+23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0.
 
 Executors there also leave a core to the control plane where that costs their model little
 (`npuserve serve` gives them `--cpu-threads auto`: `npuserve.executor.cpu_threads`).
@@ -31,7 +31,7 @@ from npuserve.proto.step_plan import computes_on_cpu
 
 # Nice 10: a weight of 110 against a compute thread's 1024, about a tenth of a contended core.
 # stories260K over gRPC on 2 cores, one server re-prioritised between interleaved rounds: 3% more
-# tokens/s than nice 0 (README "Serve a model").
+# tokens/s than nice 0.
 CONTROL_PLANE_NICE = 10
 
 
