@@ -175,13 +175,13 @@ SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
             "--num-scheduler-steps",
             {
                 "type": count_or_auto("passes", AUTO_SCHEDULER_STEPS),
-                "default": 1,
+                "default": AUTO_SCHEDULER_STEPS,
                 "metavar": "{N,auto}",
                 "help": "multi-step decoding: each step runs up to this many forward passes for the "
                 "sequences that sample in it, a token each, so the scheduler's per-step costs are paid "
                 "once for them; new requests wait for the executor's current step, and over the step "
                 "stream get their first token after their own pass. auto: one pass while the executor "
-                f"keeps busy, up to {AUTO_MAX_PASSES} for each executor that waits on the scheduler",
+                f"keeps busy, up to {AUTO_MAX_PASSES} for each executor that waits on the scheduler (default: auto)",
             },
         ),
         Flag(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 # How steps reach an executor: a unary call each, or one long-lived stream per executor (the
 # default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
@@ -38,7 +39,8 @@ class SchedulerConfig:
     # Build step N+1 while the executor runs step N (stream transport); None: `pipelines_steps`.
     async_scheduling: bool | None = None
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first
-    num_scheduler_steps: int = 1  # passes per step of a sampling request (multi-step decoding)
+    # Passes per step of a sampling request (multi-step decoding); 0 (`AUTO_SCHEDULER_STEPS`): auto.
+    num_scheduler_steps: int = AUTO_SCHEDULER_STEPS
     step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0

@@ -10,6 +10,7 @@ from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
+from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0
@@ -54,7 +55,7 @@ class ScaleConfig:
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
     async_scheduling: bool | None = None  # None: the scheduler's default (on over the stream transport)
     stream_interval: int = 1  # the scheduler's --stream-interval
-    num_scheduler_steps: int = 1  # the scheduler's --num-scheduler-steps
+    num_scheduler_steps: int = AUTO_SCHEDULER_STEPS  # the scheduler's --num-scheduler-steps
     client_call: str = CLIENT_CALLS[0]
     scheduler_log_level: str = "warning"
     seed: int = 0
