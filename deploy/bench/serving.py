@@ -246,7 +246,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--num-requests", type=int, default=64)
     workload.add_argument("--prompt-len-min", type=int, default=128)
-    workload.add_argument("--prompt-len-max", type=int, default=512)
+    workload.add_argument("--prompt-len-max", type=int, default=384)
     workload.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
     workload.add_argument(
         "--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares"

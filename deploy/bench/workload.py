@@ -16,7 +16,7 @@ class WorkloadConfig:
 
     num_requests: int = 64
     prompt_len_min: int = 128
-    prompt_len_max: int = 512
+    prompt_len_max: int = 384  # with the output, within the demo model's 512-token context
     output_len: int = 128
     shared_prefix_len: int = 0
     request_rate: float = math.inf  # requests/s; finite: Poisson arrivals, inf: all at once
