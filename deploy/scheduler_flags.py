@@ -1,4 +1,4 @@
-"""`npuserve scheduler`'s flags: one table for `SchedulerConfig` (vLLM's names where they mean the
+"""`npuserve scheduler`'s flags: one table for `ServiceConfig` (vLLM's names where they mean the
 same thing), read both ways: `npuserve scheduler` parses them, `npuserve serve` and the benches
 write them for the scheduler they start."""
 
@@ -19,7 +19,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
-from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, SchedulerConfig
+from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, ServiceConfig
 from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
 
@@ -32,11 +32,11 @@ def _scheduler_config(
     tls_key: Path | None = None,
     tls: tuple[bytes, bytes] | None = None,
     **fields: Any,
-) -> SchedulerConfig:
+) -> ServiceConfig:
     """The config; ``--tls-ca`` and ``--tls-cert``/``--tls-key`` are read here (OSError when they
     cannot be, ValueError when only one of the pair is given) and the secrets fall back to the
     environment."""
-    return SchedulerConfig(
+    return ServiceConfig(
         executors=list(executors or ()),
         tls_ca=tls_ca.read_bytes() if isinstance(tls_ca, Path) else tls_ca,
         cluster_token=resolve_cluster_token(cluster_token),
@@ -46,7 +46,7 @@ def _scheduler_config(
     )
 
 
-SCHEDULER: FlagTable[SchedulerConfig] = FlagTable(
+SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
     _scheduler_config,
     [
         Flag(

@@ -42,7 +42,7 @@ from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership
 from npuserve.scheduler.service_config import (
-    SchedulerConfig,
+    ServiceConfig,
     default_api_server_count,
     default_scheduler_workers,
     pipelines_steps,
@@ -143,7 +143,7 @@ class SchedulerServicer(PublicApiServicer):
 
 
 async def serve_scheduler(
-    config: SchedulerConfig,
+    config: ServiceConfig,
     host: str,
     port: int,
     ready_file: Path | None,

@@ -24,7 +24,10 @@ MAX_DEFAULT_API_SERVERS = 8
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
+class ServiceConfig:
+    """The scheduler service's settings (`npuserve scheduler`'s flags); the policy core's own
+    limits are `scheduler.SchedulerConfig`."""
+
     model: str  # model directory (tokenizer, chat template)
     executors: list[str]  # executor addresses (empty: discover them in the registry)
     served_model_name: str | None = None

@@ -18,7 +18,7 @@ from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.executor.parallel import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
-from npuserve.scheduler.service_config import SchedulerConfig
+from npuserve.scheduler.service_config import ServiceConfig
 from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 
@@ -55,7 +55,7 @@ def test_executor_config_round_trips(config: ExecutorConfig) -> None:
 
 def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CLUSTER_TOKEN_ENV, raising=False)
-    config = SchedulerConfig(
+    config = ServiceConfig(
         model="/models/m",
         executors=["10.0.0.1:50061", "10.0.0.2:50061"],
         served_model_name="mine",
