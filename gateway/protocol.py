@@ -137,11 +137,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         return value
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
-        return self
+        return value
 
 
 def normalize_prompt(value: Any) -> list[str | list[int]]:

@@ -73,7 +73,7 @@ BAD_JSON_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stop": 5}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
-    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, None),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "hi", "stream": True, "temperature": -1}, "temperature"),
     (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": "yes please"}}, None),
