@@ -32,6 +32,7 @@ class MistralToolParser(ToolParser):
         self._at = _At.CONTENT
         self._arguments: ObjectScanner | None = None
         self._id, self._name, self._sent_to = "", "", 0
+        self._args_from = 0  # where the search for the name's [ARGS] goes on (no rescans)
 
     def _advance(self, out: Parsed, final: bool) -> None:
         while True:
@@ -55,8 +56,10 @@ class MistralToolParser(ToolParser):
 
     def _named(self, out: Parsed, final: bool) -> bool:
         """`name[ARGS]`: True once read (its header sent when streaming)."""
-        found = self.buffer.find(ARGS, self.pos)
+        found = self.buffer.find(ARGS, max(self.pos, self._args_from))
         if found < 0:
+            # NOTE: the next delta's search starts where this one's could still have matched.
+            self._args_from = max(self.pos, len(self.buffer) - len(ARGS) + 1)
             if final:
                 self._not_a_call(out)
             return final
@@ -100,9 +103,10 @@ class MistralToolParser(ToolParser):
     def _ended(self, pos: int) -> None:
         self.num_calls += 1
         self.pos, self._after_call, self._at, self._arguments = pos, True, _At.NEXT, None
+        self._args_from = 0
 
     def _not_a_call(self, out: Parsed) -> None:
         """The marker's text was no call: it is content, and so is the rest."""
-        self.pos, self._arguments = self._call_from, None
+        self.pos, self._arguments, self._args_from = self._call_from, None, 0
         self._content(out, len(self.buffer))
         self._at = _At.NEXT

@@ -200,3 +200,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     text = '[{"name":"f","arguments":{}},{"name":"g","arguments":{}}]'
     message, _ = whole_message(OutputShape(ToolPlan(JsonCallsParser, max_calls=1)), text)
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+
+
+def test_mistral_searches_each_streamed_piece_for_args_once() -> None:
+    """A long name streamed a character at a time is searched for `[ARGS]` from where the last
+    search stopped, not from its start again (quadratic in the name's length)."""
+    p = TOOL_PARSERS["mistral"]()
+    p.feed("[TOOL_CALLS]")
+    for _ in range(2_000):
+        p.feed("x")
+        assert p._args_from >= len(p.buffer) - len("[ARGS]") + 1  # type: ignore[attr-defined]
+    deltas = p.feed("[AR").calls + p.feed('GS]{"a": 1}').calls + p.finish().calls
+    assert [(c.name, c.arguments) for c in merge_calls(deltas)] == [("x" * 2_000, '{"a": 1}')]
