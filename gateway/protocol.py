@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from npuserve.gateway.errors import bad_request, from_validation_error
-from npuserve.gateway.tool_calls import MessageToolCall, Tool, ToolChoice, parse_tool_choice
+from npuserve.gateway.tool_calls import MessageToolCall, ToolChoice, Tools, parse_tool_choice
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
@@ -229,7 +229,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: ChatTemplate = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-    tools: list[Tool] | None = None
+    tools: Tools = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -267,7 +267,7 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = False
     chat_template: ChatTemplate = None
     return_token_strs: bool = False
-    tools: list[Tool] | None = None
+    tools: Tools = None
 
 
 class DetokenizeRequest(_Request):

@@ -13,16 +13,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
 
 from npuserve.gateway.errors import bad_request
 from npuserve.gateway.tool_parsers import JsonCallsParser, ToolParser
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128  # functions per request, as OpenAI allows: each schema is checked on the event loop
 
 
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -63,6 +64,16 @@ class FunctionDefinition(_Model):
 class Tool(_Model):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+def _at_most_max_tools(value: Any) -> Any:
+    """Refuses more than `MAX_TOOLS` tools before any of their schemas is checked."""
+    if isinstance(value, list) and len(value) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools are supported, got {len(value)}")
+    return value
+
+
+Tools = Annotated[list[Tool] | None, BeforeValidator(_at_most_max_tools)]
 
 
 class FunctionName(_Model):

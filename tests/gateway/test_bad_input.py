@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # a scheduler, executor and gateway in processes 
 
 MAX_REQUEST_BYTES = 65536
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -85,6 +86,7 @@ BAD_JSON_REQUESTS = [
     (COMPLETIONS, {"prompt": {"text": "hi"}}, "prompt"),
     (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
     (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL] * 200}, "tools"),
     (CHAT, {}, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
