@@ -30,7 +30,7 @@ from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
-    from npuserve.executor.parallel import ParallelConfig
+    from npuserve.executor.parallel_config import ParallelConfig
     from npuserve.executor.registration import RegistryConfig
 
 TP_RANK_ENV = "NPUSERVE_TP_RANK"
@@ -55,7 +55,7 @@ def _executor_config(**fields: Any) -> ExecutorConfig:
 
 
 def _parallel_config(**fields: Any) -> ParallelConfig:
-    from npuserve.executor.parallel import ParallelConfig
+    from npuserve.executor.parallel_config import ParallelConfig
 
     return ParallelConfig(**fields)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.server import StepRunner
+from npuserve.executor.servicer import StepRunner
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
 
 

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from npuserve.executor.config import ExecutorConfig, ModelConfig, check_npu_model
+from npuserve.executor.dtypes import resolve_dtype
 from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
 from npuserve.executor.kv_cache import (
     CPU_DEFAULT_KV_CACHE_GIB,
@@ -26,7 +27,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
-from npuserve.executor.platform import resolve_dtype, resolve_target
+from npuserve.executor.platform import resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
     AllowedTokens,

@@ -13,12 +13,13 @@ interface of the gloo group), HCCL_CONNECT_TIMEOUT (seconds HCCL waits for its p
 HCCL_BUFFSIZE (MB of HCCL's buffer per communicator), ASCEND_RT_VISIBLE_DEVICES (the NPUs a
 process sees: give each rank of a multi-node group its own).
 
-Rendezvous (`RankGroup`). Rank 0 hosts a TCPStore at the master address; every rank announces
-itself there and waits for the others for ``--tp-connect-timeout`` seconds (default 120): a rank
-that does not come fails the group with an error naming it. Then `torch.distributed` starts
-with the device's backend (hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries host
-metadata. The same timeout bounds each collective. Start-up results (the KV block count: the
-minimum over ranks) and start-up failures travel through the store.
+Rendezvous (`RankGroup`, in `rank_group`). Rank 0 hosts a TCPStore at the master address; every
+rank announces itself there and waits for the others for ``--tp-connect-timeout`` seconds
+(default 120): a rank that does not come fails the group with an error naming it. Then
+`torch.distributed` starts with the device's backend (hccl on NPU, nccl on CUDA, gloo on CPU)
+and a gloo group carries host metadata. The same timeout bounds each collective. Start-up
+results (the KV block count: the minimum over ranks) and start-up failures travel through the
+store.
 
 Steps (`GroupLeader`). Rank 0 broadcasts each plan over the gloo group (pickled) and every rank
 runs the same step. NOTE: the LM head all-gathers the logits, so every rank samples the same
@@ -37,272 +38,44 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from npuserve.deploy.executor_flags import DEFAULT_TP_CONNECT_TIMEOUT_S, EXECUTOR, PARALLEL, TP_RANK_ENV
+from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, TP_RANK_ENV
 from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.launcher import Launcher
-from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
+from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
-from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_runner import ModelRunner
+from npuserve.executor.parallel_config import (
+    VISIBLE_DEVICES_ENV,
+    ParallelConfig,
+    check_devices,
+    check_model_split,
+)
 from npuserve.executor.platform import resolve_device
-from npuserve.executor.server import ExecutorStopping
+from npuserve.executor.rank_group import RankGroup, post_failure
+from npuserve.executor.rpc_status import ExecutorStopping
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
 
-# How long ranks wait for each other to load weights and size the KV cache.
-STARTUP_TIMEOUT_S = 3600.0
 HEARTBEAT_MAX_S = 10.0
 # After a lost group, how long a graceful stop may take before the process exits anyway (a
 # step stuck in a device collective cannot be interrupted).
 HARD_EXIT_AFTER_S = 30.0
 STOP_RANKS_GRACE_S = 10.0
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
-_FAILED_KEY = "npuserve/failed"
-
-
-class TensorParallelError(ConfigError):
-    """The group could not form, or a rank failed while it started."""
 
 
 class GroupLost(ExecutorStopping):
     """A rank is gone: this executor cannot run steps any more (UNAVAILABLE to the scheduler)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration and checks
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """This process's part of a tensor-parallel group, from the command line and environment."""
-
-    size: int = 1
-    rank: int | None = None  # None: rank 0, which starts ranks 1..size-1 on this node
-    master_addr: str | None = None
-    master_port: int | None = None
-    connect_timeout_s: float = DEFAULT_TP_CONNECT_TIMEOUT_S
-    worker_flags: tuple[str, ...] = ()  # extra flags for the ranks this process starts
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.size}")
-        if self.rank is not None and not 0 <= self.rank < self.size:
-            raise ConfigError(
-                f"--tp-rank {self.rank} is outside 0..{self.size - 1} for --tensor-parallel-size {self.size}"
-            )
-        if self.connect_timeout_s <= 0:
-            raise ConfigError(f"--tp-connect-timeout must be > 0 s, got {self.connect_timeout_s}")
-        if self.master_port is not None and not 0 <= self.master_port < 65536:
-            raise ConfigError(f"--master-port must be in 0..65535, got {self.master_port}")
-        if self.rank is not None and self.size > 1 and (self.master_addr is None or not self.master_port):
-            raise ConfigError(
-                f"--tp-rank {self.rank} joins a group started elsewhere and needs rank 0's address: "
-                "pass --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT), the same "
-                "on every rank; omit --tp-rank to start all ranks on this node"
-            )
-
-    @property
-    def this_rank(self) -> int:
-        return self.rank or 0
-
-    @property
-    def starts_ranks(self) -> bool:
-        """Rank 0 of a single-node group: it starts the other ranks itself."""
-        return self.rank is None and self.size > 1
-
-
-def check_model_split(model: ModelConfig, size: int) -> None:
-    """ConfigError unless ``size`` ranks can split the model's heads and MLP evenly."""
-    if size == 1:
-        return
-    name = model.model_dir.name
-    divisors = [n for n in range(1, model.num_heads + 1) if model.num_heads % n == 0]
-    fix = f"choose a --tensor-parallel-size in {divisors}"
-    if model.num_heads % size:
-        raise ConfigError(
-            f"--tensor-parallel-size {size} does not divide num_attention_heads ({model.num_heads}) "
-            f"of {name}: {fix}"
-        )
-    kv = model.num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
-        raise ConfigError(
-            f"--tensor-parallel-size {size} and num_key_value_heads ({kv}) of {name}: the size must "
-            f"divide the KV heads or be a multiple of them (KV heads are then replicated); {fix}"
-        )
-    if model.intermediate_size % size:
-        raise ConfigError(
-            f"--tensor-parallel-size {size} does not divide intermediate_size "
-            f"({model.intermediate_size}) of {name}: {fix}"
-        )
-
-
-def device_count(device: torch.device) -> int:
-    """Devices of ``device``'s type this process sees (1 for the CPU: ranks share it)."""
-    module = getattr(torch, device.type, None) if device.type in VISIBLE_DEVICES_ENV else None
-    return int(module.device_count()) if module is not None else 1
-
-
-def check_devices(device: torch.device, size: int) -> None:
-    """ConfigError when a single-node group needs more devices than this node shows."""
-    count = device_count(device)
-    if device.type in VISIBLE_DEVICES_ENV and size > count:
-        variable = VISIBLE_DEVICES_ENV[device.type]
-        raise ConfigError(
-            f"--tensor-parallel-size {size} needs {size} {device.type} devices on this node but "
-            f"{count} are visible ({variable}={os.environ.get(variable)!r}); lower "
-            f"--tensor-parallel-size, make more devices visible, or spread the ranks over nodes "
-            "with --tp-rank/--master-addr/--master-port"
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# The process group
-# --------------------------------------------------------------------------------------------
-
-
-class RankGroup:
-    """Rendezvous, the device and gloo process groups, and rank 0's messages to the others."""
-
-    def __init__(
-        self,
-        parallel: ParallelConfig,
-        device: torch.device,
-        store: dist.TCPStore,
-        probe: Callable[[], str | None] = lambda: None,
-    ) -> None:
-        """Joins the group through ``store``; ``probe`` reports a failure seen elsewhere (a
-        started rank that exited) while this rank waits."""
-        self.parallel = parallel
-        self.rank, self.size = parallel.this_rank, parallel.size
-        self.tp = TensorParallel(self.rank, self.size)
-        self.store = store
-        self.probe = probe
-        self.timeout = timedelta(seconds=parallel.connect_timeout_s)
-        store.set(f"npuserve/joined/{self.rank}", socket.gethostname())
-        self.wait_for("npuserve/joined", parallel.connect_timeout_s, "join the group")
-        backend = BACKENDS[device.type]
-        if device.type in VISIBLE_DEVICES_ENV:
-            getattr(torch, device.type).set_device(0)
-        try:
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore("npuserve/pg", store),
-                rank=self.rank,
-                world_size=self.size,
-                timeout=self.timeout,
-            )
-            # NOTE: on CPU the world group is gloo already; on devices host metadata gets its own.
-            self.meta_group = (
-                None if backend == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
-            )
-            self.tp.all_reduce(torch.ones(1, device=device))  # forms the device communicator now
-        except Exception as exc:
-            raise TensorParallelError(
-                f"rank {self.rank}: the {backend} process group did not form ({exc}); between nodes "
-                "check GLOO_SOCKET_IFNAME, HCCL_IF_IP / HCCL_SOCKET_IFNAME and the firewall"
-            ) from exc
-        log.info("tensor-parallel group formed", rank=self.rank, size=self.size, backend=backend)
-
-    @classmethod
-    def connect_store(cls, parallel: ParallelConfig, host: str, port: int) -> dist.TCPStore:
-        """Rank 0 listens (port 0: a free one), the others connect, within the connect timeout."""
-        rank, timeout = parallel.this_rank, parallel.connect_timeout_s
-        try:
-            return dist.TCPStore(
-                host,
-                port,
-                parallel.size,
-                is_master=rank == 0,
-                timeout=timedelta(seconds=timeout),
-                wait_for_workers=False,
-            )
-        except Exception as exc:
-            what = f"listen on {host}:{port}" if rank == 0 else f"reach rank 0 at {host}:{port}"
-            raise TensorParallelError(
-                f"tensor-parallel rank {rank} could not {what} within {timeout:g} s "
-                f"(--tp-connect-timeout): {str(exc).rstrip('.')}; check that rank 0 runs and that "
-                "--master-addr and --master-port are the same on every rank and reachable from this node"
-            ) from exc
-
-    def wait_for(self, prefix: str, timeout_s: float, what: str) -> list[str]:
-        """Waits until every rank has set ``prefix/RANK``; returns their values in rank order."""
-        keys = [f"{prefix}/{rank}" for rank in range(self.size)]
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self.store.check(keys):
-                failure = self.probe() or self._posted_failure()
-                if failure:
-                    raise TensorParallelError(f"tensor-parallel group failed to start: {failure}")
-                if time.monotonic() > deadline:
-                    missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-                    raise TensorParallelError(
-                        f"tensor-parallel ranks {missing} of {self.size} did not {what} within "
-                        f"{timeout_s:g} s (--tp-connect-timeout); start each with --tensor-parallel-size "
-                        f"{self.size} --tp-rank R and rank 0's --master-addr/--master-port, or raise "
-                        "the timeout"
-                    )
-                time.sleep(0.05)
-            return [self.store.get(key).decode() for key in keys]
-        except TensorParallelError:
-            raise
-        except Exception as exc:  # the store lives in rank 0: it is gone
-            raise TensorParallelError(
-                f"tensor-parallel rank {self.rank} lost rank 0 while waiting to {what}: {exc}"
-            ) from exc
-
-    def _posted_failure(self) -> str | None:
-        return self.store.get(_FAILED_KEY).decode() if self.store.check([_FAILED_KEY]) else None
-
-    def check_same(self, name: str, value: str) -> None:
-        """TensorParallelError unless every rank reports the same ``value`` as rank 0."""
-        self.store.set(f"npuserve/{name}/{self.rank}", value)
-        values = self.wait_for(f"npuserve/{name}", self.parallel.connect_timeout_s, f"report {name}")
-        differ = [rank for rank, other in enumerate(values) if other != values[0]]
-        if differ:
-            raise TensorParallelError(
-                f"tensor-parallel ranks {differ} run with other {name} than rank 0 ({values[differ[0]]} "
-                f"against {values[0]}); start every rank with the same executor flags and model"
-            )
-
-    def agree_min(self, name: str, value: int) -> int:
-        """The smallest ``value`` over the ranks (start-up only: it waits through the store)."""
-        self.store.set(f"npuserve/{name}/{self.rank}", str(value))
-        return min(int(v) for v in self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, f"report {name}"))
-
-    def send(self, message: tuple[str, Any]) -> None:
-        """Rank 0: one message to every other rank."""
-        dist.broadcast_object_list([message], src=0, group=self.meta_group)
-
-    def receive(self) -> tuple[str, Any]:
-        """Ranks >= 1: rank 0's next message (waits at most the connect timeout)."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.meta_group)
-        return box[0]
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-def post_failure(store: dist.TCPStore, rank: int, message: str) -> None:
-    """Tells the other ranks, waiting in `RankGroup.wait_for`, why this rank cannot start."""
-    with contextlib.suppress(Exception):
-        store.set(_FAILED_KEY, f"rank {rank}: {message}")
 
 
 # --------------------------------------------------------------------------------------------

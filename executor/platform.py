@@ -1,8 +1,8 @@
 """Where the model runs and in which dtype, checked before anything is loaded.
 
-`resolve_target` (and `resolve_device`) and `resolve_dtype` turn the ``--device`` and ``--dtype``
-flags into torch objects; every way a user's machine can get them wrong raises `PlatformError`
-with the cause and the fix. torch_npu is imported here, lazily and only when an NPU is asked for
+`resolve_target` (and `resolve_device`) and `resolve_dtype` (in `dtypes`) turn the ``--device``
+and ``--dtype`` flags into torch objects; every way a user's machine can get them wrong raises
+`PlatformError` with the cause and the fix. torch_npu is imported here, lazily and only when an NPU is asked for
 (or probed by ``auto``), after checking that torch and torch_npu belong to one version set: CANN,
 torch and torch_npu are released together, and a mismatch is the most common Ascend failure.
 Once imported, the NNAL/ATB library, the CANN version and the chip are checked too, and the
@@ -86,7 +86,7 @@ class Target:
         return self.device.index
 
 
-def _torch_device(where: torch.device | Target) -> torch.device:
+def torch_device(where: torch.device | Target) -> torch.device:
     return where.device if isinstance(where, Target) else where
 
 
@@ -382,95 +382,6 @@ def is_ascend_310p(device: torch.device | Target) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Dtypes
-# --------------------------------------------------------------------------------------------
-
-
-def _parse_dtype(name: str, what: str) -> torch.dtype:
-    key = name.strip().lower().removeprefix("torch.")
-    dtype = DTYPE_NAMES.get(key)
-    if dtype is None:
-        raise PlatformError(f"unknown {what} {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
-    return dtype
-
-
-def _auto_dtype(config_dtype: str | None, device: torch.device | Target) -> torch.dtype:
-    if config_dtype is None:
-        dtype = torch.float32
-    else:
-        try:
-            dtype = _parse_dtype(config_dtype, "checkpoint torch_dtype")
-        except PlatformError as exc:
-            raise PlatformError(f"{exc}: pass --dtype explicitly") from None
-    if device.type == "cpu" and dtype == torch.float16:
-        # NOTE: like vLLM's CPU platform: float16 matmuls on CPUs are slow or missing.
-        logger.info("--dtype auto: the checkpoint is float16; using bfloat16 on cpu")
-        return torch.bfloat16
-    if device.type == "npu" and dtype == torch.float32:
-        # NOTE: the Ascend attention, cache and rope kernels take float16/bfloat16 only.
-        half = torch.float16 if is_ascend_310p(device) else torch.bfloat16
-        logger.info("--dtype auto: the checkpoint is float32; using %s on npu", half)
-        return half
-    return dtype
-
-
-def resolve_dtype(name: str, config_dtype: str | None, device: torch.device | Target) -> torch.dtype:
-    """``--dtype`` -> the activation and weight dtype, checked to run on ``device``.
-
-    ``auto`` takes the checkpoint's ``torch_dtype`` (float32 when absent), except float16 on
-    CPU, which becomes bfloat16, and float32 on NPU, which becomes the NPU's half type.
-    """
-    choice = name.strip().lower()
-    auto = choice == "auto"
-    dtype = _auto_dtype(config_dtype, device) if auto else _parse_dtype(choice, "dtype")
-    check_dtype_supported(device, dtype)
-    return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_fix(device: torch.device | Target, dtype: torch.dtype) -> str:
-    if device.type == "cpu":
-        return "--dtype float32"
-    if device.type == "npu":
-        return "--dtype float16" if dtype == torch.bfloat16 else "--dtype bfloat16"
-    return "--dtype float16" if dtype == torch.bfloat16 else "--dtype float32"
-
-
-def _check_npu_dtype(device: torch.device | Target, dtype: torch.dtype) -> None:
-    if dtype == torch.float32:
-        raise PlatformError(
-            "float32 does not run on npu: the Ascend attention, cache and rope kernels take "
-            "float16 or bfloat16. Use --dtype bfloat16 (or --dtype float16)."
-        )
-    if dtype == torch.bfloat16 and is_ascend_310p(device):
-        raise PlatformError(
-            "bfloat16 does not run on npu: Ascend 310P has no bfloat16 support. Use --dtype float16."
-        )
-
-
-def check_dtype_supported(device: torch.device | Target, dtype: torch.dtype) -> None:
-    """Runs a tiny matmul + softmax in ``dtype`` on ``device``; raises PlatformError if it fails."""
-    if device.type == "npu":
-        _check_npu_dtype(device, dtype)
-    try:
-        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(_torch_device(device), dtype)
-        probs = torch.softmax(a @ a.T, dim=-1)
-        synchronize(device)
-        ok = bool(torch.isfinite(probs.float()).all())
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        raise PlatformError(
-            f"{_dtype_name(dtype)} does not run on {device}: {exc}. Use {_dtype_fix(device, dtype)}."
-        ) from exc
-    if not ok:
-        raise PlatformError(
-            f"{_dtype_name(dtype)} gives non-finite results on {device}. Use {_dtype_fix(device, dtype)}."
-        )
-
-
-# --------------------------------------------------------------------------------------------
 # Memory and synchronisation
 # --------------------------------------------------------------------------------------------
 
@@ -480,26 +391,26 @@ def device_memory(device: torch.device | Target) -> tuple[int, int]:
     module = _device_module(device)
     if module is None:
         raise PlatformError(f"device memory is only known for cuda and npu devices, not {device.type}")
-    free, total = module.mem_get_info(_torch_device(device))
+    free, total = module.mem_get_info(torch_device(device))
     return int(free), int(total)
 
 
 def reset_peak_memory(device: torch.device | Target) -> None:
     module = _device_module(device)
     if module is not None:
-        module.reset_peak_memory_stats(_torch_device(device))
+        module.reset_peak_memory_stats(torch_device(device))
 
 
 def peak_memory_allocated(device: torch.device | Target) -> int:
     """Peak bytes allocated by torch since the last reset; 0 on the CPU (not tracked)."""
     module = _device_module(device)
-    return 0 if module is None else int(module.max_memory_allocated(_torch_device(device)))
+    return 0 if module is None else int(module.max_memory_allocated(torch_device(device)))
 
 
 def synchronize(device: torch.device | Target) -> None:
     module = _device_module(device)
     if module is not None:
-        module.synchronize(_torch_device(device))
+        module.synchronize(torch_device(device))
 
 
 def empty_cache(device: torch.device | Target) -> None:

@@ -1,11 +1,11 @@
 """The executor's gRPC server: one ModelRunner behind the `npuserve.executor.v1.Executor` service.
 
-Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`); a
-`StepStream` does so as a pipeline (`step_stream`), so that a step sent while the one before it
-ran starts as that one ends. A single lock keeps steps from overlapping, whichever RPC (unary
-`Step` or a `StepStream`) brings them. One interceptor (`StatusInterceptor`) turns exceptions
-into status codes: a plan the runner refuses is INVALID_ARGUMENT, anything else INTERNAL, and
-the process keeps serving either way.
+Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`, in
+`servicer`); a `StepStream` does so as a pipeline (`step_stream`), so that a step sent while the
+one before it ran starts as that one ends. A single lock keeps steps from overlapping, whichever
+RPC (unary `Step` or a `StepStream`) brings them. One interceptor (`StatusInterceptor`, in
+`rpc_status`) turns exceptions into status codes: a plan the runner refuses is INVALID_ARGUMENT,
+anything else INTERNAL, and the process keeps serving either way.
 With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
 `Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
 port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
@@ -30,15 +30,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
-import queue
 import socket
-import threading
-import uuid
-from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -47,24 +43,21 @@ from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS, choose_cpu_threads
-from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
-from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled, StepProfiler
-from npuserve.executor.step_stream import StepStreamPipeline
+from npuserve.executor.rpc_status import StatusInterceptor
+from npuserve.executor.servicer import ExecutorServicer, StepRunner
+from npuserve.executor.step_profiler import StepProfiler
 from npuserve.executor.warmup import warm_up
-from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
-from npuserve.proto import step_codec
 from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, bind_target, message_size_options
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.proto.registry_record import registration_record
-from npuserve.proto.step_codec import CodecError
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo
 
 if TYPE_CHECKING:
-    from npuserve.executor.parallel import ParallelConfig
+    from npuserve.executor.parallel_config import ParallelConfig
 
 log = structlog.get_logger(__name__)
 
@@ -78,341 +71,6 @@ STOP_GRACE_S = 5.0
 # Steps are serialised by a lock, so a few threads suffice: one per open StepStream, plus
 # Info/Health answered while a step runs.
 NUM_WORKER_THREADS = 8
-# Exceptions that mean "the plan is wrong", not "the executor is broken".
-INVALID_PLAN_ERRORS = (PlanError, CodecError)
-
-
-class ExecutorStopping(RuntimeError):
-    """A step that arrived after shutdown began (UNAVAILABLE: the executor state is unchanged)."""
-
-
-class ExecutorRestarted(ExecutorStopping):
-    """A plan addressed to an earlier instance of this executor (UNAVAILABLE: reconnect)."""
-
-
-class StaleStep(RuntimeError):
-    """A plan older than one of the same scheduler already run (FAILED_PRECONDITION; the state is
-    unchanged): a step of a stream that broke, still queued here after the scheduler went on
-    over a new stream. Run then, it would advance requests that the scheduler has sent again
-    whole since."""
-
-
-class StepRunner(Protocol):
-    """What the server needs of a runner (`ModelRunner` in production)."""
-
-    def info(self) -> ExecutorInfo: ...
-
-    def execute(
-        self,
-        plan: StepPlan,
-        on_first_pass: FirstPassAnswer | None = None,
-        joining: JoiningSteps | None = None,
-    ) -> StepResult: ...
-
-    @property
-    def num_requests(self) -> int:
-        """Requests whose state the runner holds (a failed step drops the plan's requests)."""
-        ...
-
-
-# --------------------------------------------------------------------------------------------
-# The servicer
-# --------------------------------------------------------------------------------------------
-
-
-class ExecutorServicer(pb_grpc.ExecutorServicer):
-    """Decode, call the runner, encode. Owns the lock that keeps steps from overlapping.
-
-    With profiling enabled, steps and the profiler's start and stop run on one thread of their
-    own (torch's profiler records the thread that starts it); otherwise on the RPC's thread.
-    """
-
-    def __init__(
-        self,
-        runner: StepRunner,
-        executor_id: str,
-        version: str,
-        profiler: StepProfiler | None = None,
-        *,
-        pipelined_streams: bool = True,
-    ) -> None:
-        self._runner = runner
-        self.instance_id = uuid.uuid4().hex
-        self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
-        self._info.instance_id = self.instance_id
-        # NOTE: a step joins another's passes only on a pipelined stream (`step_stream`).
-        self._info.joins_steps = self._info.joins_steps and pipelined_streams
-        self._step_lock = threading.Lock()
-        self._last_step_id: int | None = None
-        self._last_session = 0  # the scheduler that sent that step (`StepPlan.session`)
-        self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
-        # A StepStream's steps read, run and answered on threads of their own (`step_stream`).
-        self._pipelined_streams = pipelined_streams
-        self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
-        self._step_thread = (
-            futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-            if self._profiler.enabled
-            else None
-        )
-        # Runs the steps whose first-pass answer goes out before they end (`early_results`) of a
-        # StepStream that is not pipelined.
-        self._answering = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="executor-answer")
-        self.serving = True  # steps accepted
-        self.draining = False  # Health says not serving, steps go on
-
-    def _on_step_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._step_thread is None:
-            return fn(*args)
-        return self._step_thread.submit(fn, *args).result()
-
-    def StartProfile(
-        self, request: pb.StartProfileRequest, context: grpc.ServicerContext
-    ) -> pb.StartProfileResponse:
-        with self._step_lock:
-            profile_dir = self._on_step_thread(self._profiler.start)
-        return pb.StartProfileResponse(profile_dir=str(profile_dir))
-
-    def StopProfile(
-        self, request: pb.StopProfileRequest, context: grpc.ServicerContext
-    ) -> pb.StopProfileResponse:
-        with self._step_lock:
-            files = self._on_step_thread(self._profiler.stop)
-        return pb.StopProfileResponse(trace_files=[str(f) for f in files])
-
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
-        if self.draining:  # NOTE: no scheduler may start on an executor that is on its way out
-            raise ExecutorStopping("the executor is draining; it takes no new scheduler")
-        return self._info
-
-    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        return self._step(request)
-
-    def StepStream(
-        self, request_iterator: Iterator[pb.StepRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.StepResponse]:
-        self._streams.add(context)
-        try:
-            if self._pipelined_streams:
-                pipeline = StepStreamPipeline(request_iterator, self._read, self._run, self._answer)
-                try:
-                    yield from pipeline.answers()
-                finally:
-                    pipeline.close()
-                return
-            for request in request_iterator:
-                if request.early_results:
-                    yield from self._step_answers(request)
-                else:
-                    yield self._step(request)
-        finally:
-            self._streams.discard(context)
-
-    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        return pb.HealthResponse(
-            serving=self.serving and not self.draining,
-            executor_id=self._info.executor_id,
-            last_step_id=self._last_step_id,
-            instance_id=self.instance_id,
-        )
-
-    def start_draining(self) -> None:
-        """Health says not serving, `Info` refuses new schedulers; steps go on."""
-        self.draining = True
-
-    @property
-    def num_held_requests(self) -> int:
-        """Requests whose state this executor holds (a drained executor holds none)."""
-        return self._runner.num_requests
-
-    def shut_down(self) -> None:
-        """Refuses further steps and ends every open stream once the step in flight is done.
-
-        NOTE: without this an idle StepStream would hold the server for its whole stop grace.
-        """
-        self.serving = False
-        with self._step_lock:
-            for context in list(self._streams):
-                context.cancel()
-            if self._profiler.running:
-                self._on_step_thread(self._profiler.stop)  # keep what was recorded
-        if self._step_thread is not None:
-            self._step_thread.shutdown(wait=True)
-        self._answering.shutdown(wait=True)
-
-    def _step_answers(self, request: pb.StepRequest) -> Iterator[pb.StepResponse]:
-        """A step's early answer (`early_results`), sent while its later passes run, then its result."""
-        answers: queue.SimpleQueue[pb.StepResponse | None] = queue.SimpleQueue()
-
-        def answer_early(early: StepResult) -> None:
-            answers.put(self._answer(early))  # NOTE: encoded as every answer is, as the pipeline does
-
-        final = self._answering.submit(self._step, request, answer_early)
-        final.add_done_callback(lambda _: answers.put(None))
-        while (answer := answers.get()) is not None:
-            yield answer
-        yield final.result()
-
-    def _step(self, request: pb.StepRequest, on_first_pass: FirstPassAnswer | None = None) -> pb.StepResponse:
-        plan, _ = self._read(request)
-        return self._answer(self._run(plan, on_first_pass))
-
-    def _read(self, request: pb.StepRequest) -> tuple[StepPlan, bool]:
-        """A step's plan, and whether its first pass is answered early (`early_results`)."""
-        if request.executor_instance_id and request.executor_instance_id != self.instance_id:
-            raise ExecutorRestarted(
-                "this executor restarted and holds none of the scheduler's requests; reconnect"
-            )
-        return step_codec.plan_from_proto(request), request.early_results
-
-    def _run(
-        self,
-        plan: StepPlan,
-        on_first_pass: FirstPassAnswer | None = None,
-        joining: JoiningSteps | None = None,
-    ) -> StepResult:
-        """Runs a step under the step lock; ``joining`` (a pipelined stream's, where the runner
-        `joins_steps`): the steps that may join its passes, each logged and recorded as run."""
-        joins = None
-        if joining is not None and plan.num_steps and self._info.joins_steps:  # NOTE: passes to join
-            joins = _RecordedJoins(self, joining)
-        with self._step_lock:
-            if not self.serving:
-                raise ExecutorStopping("the executor is shutting down; send the step to another")
-            last = self._last_step_id
-            if (
-                plan.session
-                and plan.session == self._last_session
-                and last is not None
-                and plan.step_id < last
-            ):
-                raise StaleStep(
-                    f"step {plan.step_id} is older than step {last} of its scheduler, which ran; not run"
-                )
-            result = self._on_step_thread(self._runner.execute, plan, on_first_pass, joins)
-            self._ran(plan, result)
-        return result
-
-    def _ran(self, plan: StepPlan, result: StepResult) -> None:
-        """Records a step as run (the stale-step check's reference) and logs it."""
-        if (
-            plan.session != self._last_session
-            or self._last_step_id is None
-            or plan.step_id > self._last_step_id
-        ):
-            self._last_step_id, self._last_session = plan.step_id, plan.session
-        t = result.timings
-        log.debug(
-            "step",
-            step_id=plan.step_id,
-            joined=plan.joins_running,
-            num_reqs=len(plan.num_scheduled_tokens),
-            num_tokens=plan.total_num_scheduled_tokens,
-            num_sampled=len(result.sampled_token_ids),
-            prepare_s=t.prepare_s,
-            forward_s=t.forward_s,
-            sample_s=t.sample_s,
-            total_s=t.total_s,
-        )
-
-    def _answer(self, result: StepResult) -> pb.StepResponse:
-        response = step_codec.result_to_proto(result)
-        response.draining = self.draining
-        return response
-
-
-class _RecordedJoins:
-    """A stream's joining steps as the servicer hands them to its runner: each one joined is
-    recorded as run (it is newer than the step it joined) when its answer goes out. None is
-    stale: it came after the running step on that step's own stream."""
-
-    def __init__(self, servicer: ExecutorServicer, joining: JoiningSteps) -> None:
-        self._servicer, self._joining = servicer, joining
-        self._plans: dict[int, StepPlan] = {}
-
-    def take(self, max_tokens: int) -> StepPlan | None:
-        plan = self._joining.take(max_tokens)
-        if plan is not None:
-            self._plans[plan.step_id] = plan
-        return plan
-
-    def answer(self, result: StepResult) -> None:
-        self._servicer._ran(self._plans.pop(result.step_id), result)
-        self._joining.answer(result)
-
-
-# --------------------------------------------------------------------------------------------
-# Exceptions -> status codes, in one place
-# --------------------------------------------------------------------------------------------
-
-
-class StatusInterceptor(grpc.ServerInterceptor):
-    """Wraps every handler so an exception becomes a status code instead of a dead stream/process.
-
-    `PlanError`/`CodecError` -> INVALID_ARGUMENT with the message (the runner has already dropped
-    the plan's requests); `ExecutorStopping` -> UNAVAILABLE; anything else -> INTERNAL with the
-    exception's type and text.
-    """
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        codecs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), **codecs)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), **codecs)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), **codecs)
-        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method), **codecs)
-
-
-def _guard_unary(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
-    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return behavior(request, context)
-        except Exception as exc:
-            _abort(context, method, exc)
-
-    return guarded
-
-
-def _guard_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator], method: str) -> Callable:
-    def guarded(request: Any, context: grpc.ServicerContext) -> Iterator:
-        try:
-            yield from behavior(request, context)
-        except Exception as exc:
-            if not context.is_active():  # the client went away (cancel, closed channel)
-                return
-            _abort(context, method, exc)
-
-    return guarded
-
-
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoReturn:
-    """Ends the RPC with the status for `exc` (`context.abort` raises)."""
-    if isinstance(exc, INVALID_PLAN_ERRORS):
-        log.warning("plan refused", method=method, error=str(exc))
-        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    elif isinstance(exc, ExecutorStopping):
-        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
-    elif isinstance(exc, ProfilingDisabled):
-        code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
-    elif isinstance(exc, (ProfilerStateError, StaleStep)):
-        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    else:
-        log.error("rpc failed", method=method, exc_info=exc)
-        code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-    context.abort(code, details)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,7 +234,7 @@ def serve_executor(
     """
     leader = None
     if parallel is not None and parallel.size > 1:
-        from npuserve.executor.parallel import start_tensor_parallel  # NOTE: it imports this module
+        from npuserve.executor.parallel import start_tensor_parallel  # NOTE: only a group loads it
 
         leader = start_tensor_parallel(config, parallel)
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it

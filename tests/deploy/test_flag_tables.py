@@ -15,7 +15,7 @@ from npuserve.deploy.flags import CLUSTER_TOKEN_ENV
 from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
-from npuserve.executor.parallel import ParallelConfig
+from npuserve.executor.parallel_config import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
 from npuserve.scheduler.service_config import ServiceConfig

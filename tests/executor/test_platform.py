@@ -16,17 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from npuserve.executor import platform
+from npuserve.executor import dtypes, platform
+from npuserve.executor.dtypes import check_dtype_supported, resolve_dtype
 from npuserve.executor.platform import (
     PlatformError,
-    check_dtype_supported,
     check_version_set,
     device_memory,
     empty_cache,
     peak_memory_allocated,
     reset_peak_memory,
     resolve_device,
-    resolve_dtype,
     synchronize,
 )
 
@@ -200,7 +199,7 @@ def test_npu_with_no_visible_device(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_float16_checkpoint_on_cpu_becomes_bfloat16(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger=platform.__name__):
+    with caplog.at_level(logging.INFO, logger=dtypes.__name__):
         assert resolve_dtype("auto", "float16", CPU) == torch.bfloat16
     assert "bfloat16" in caplog.text
 
@@ -288,7 +287,7 @@ def test_auto_float32_checkpoint_on_npu_picks_its_half_type(
     monkeypatch: pytest.MonkeyPatch, device_name: str, expected: torch.dtype
 ) -> None:
     device = _fake_npu(monkeypatch, device_name)
-    assert platform._auto_dtype(None, device) == expected
+    assert dtypes._auto_dtype(None, device) == expected
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,9 +316,9 @@ def test_emulated_npu_is_an_npu_target_on_the_cpu(emulated_npu: pytest.MonkeyPat
     target = platform.resolve_target("npu")
     assert (target.kind, target.device, target.emulated) == ("npu", CPU, True)
     assert torch.npu.current_device() == 0  # type: ignore[attr-defined]
-    assert platform.resolve_dtype("auto", "float32", target) == torch.bfloat16
+    assert dtypes.resolve_dtype("auto", "float32", target) == torch.bfloat16
     with pytest.raises(PlatformError, match="float32 does not run on npu"):
-        platform.resolve_dtype("float32", None, target)
+        dtypes.resolve_dtype("float32", None, target)
 
 
 def test_npu_index_selects_the_device(emulated_npu: pytest.MonkeyPatch) -> None:

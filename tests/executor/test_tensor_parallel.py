@@ -29,7 +29,7 @@ from harness.serve import child_pids, generate_concurrently, npuserve_process, s
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.deploy.executor_flags import TP_RANK_ENV, parallel_config_from_args
-from npuserve.executor import model_loader, parallel
+from npuserve.executor import model_loader, parallel_config
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model, weight_bytes
@@ -226,15 +226,15 @@ def test_parallel_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPa
 
 
 def test_more_ranks_than_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parallel, "device_count", lambda device: 2)
+    monkeypatch.setattr(parallel_config, "device_count", lambda device: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ConfigError) as refused:
-        parallel.check_devices(torch.device("cuda"), 4)
+        parallel_config.check_devices(torch.device("cuda"), 4)
     message = str(refused.value)
     assert "--tensor-parallel-size 4 needs 4 cuda devices" in message and "2 are visible" in message
     assert "CUDA_VISIBLE_DEVICES='0,1'" in message
-    parallel.check_devices(torch.device("cuda"), 2)
-    parallel.check_devices(torch.device("cpu"), 8)  # ranks share the CPU
+    parallel_config.check_devices(torch.device("cuda"), 2)
+    parallel_config.check_devices(torch.device("cpu"), 8)  # ranks share the CPU
 
 
 @pytest.mark.slow

@@ -1,0 +1,111 @@
+"""The executor's RPC errors and the status code each one ends a call with, in one place.
+
+`ExecutorStopping` (and `ExecutorRestarted`) and `StaleStep` are what the servicer raises when a
+step must not run; `StatusInterceptor` wraps every handler of the executor's gRPC server so that an
+exception becomes a status code instead of a dead stream or process: a plan the runner refuses
+(`PlanError`, `CodecError`) is INVALID_ARGUMENT, a stopping or restarted executor UNAVAILABLE, a
+stale step or a profiler in the wrong state FAILED_PRECONDITION, disabled profiling
+UNIMPLEMENTED, and anything else INTERNAL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from npuserve.executor.input_batch import PlanError
+from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled
+from npuserve.proto.step_codec import CodecError
+
+log = structlog.get_logger(__name__)
+
+# Exceptions that mean "the plan is wrong", not "the executor is broken".
+INVALID_PLAN_ERRORS = (PlanError, CodecError)
+
+
+class ExecutorStopping(RuntimeError):
+    """A step that arrived after shutdown began (UNAVAILABLE: the executor state is unchanged)."""
+
+
+class ExecutorRestarted(ExecutorStopping):
+    """A plan addressed to an earlier instance of this executor (UNAVAILABLE: reconnect)."""
+
+
+class StaleStep(RuntimeError):
+    """A plan older than one of the same scheduler already run (FAILED_PRECONDITION; the state is
+    unchanged): a step of a stream that broke, still queued here after the scheduler went on
+    over a new stream. Run then, it would advance requests that the scheduler has sent again
+    whole since."""
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Wraps every handler so an exception becomes a status code instead of a dead stream/process.
+
+    `PlanError`/`CodecError` -> INVALID_ARGUMENT with the message (the runner has already dropped
+    the plan's requests); `ExecutorStopping` -> UNAVAILABLE; anything else -> INTERNAL with the
+    exception's type and text.
+    """
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        codecs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), **codecs)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), **codecs)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), **codecs)
+        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method), **codecs)
+
+
+def _guard_unary(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(request, context)
+        except Exception as exc:
+            _abort(context, method, exc)
+
+    return guarded
+
+
+def _guard_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator], method: str) -> Callable:
+    def guarded(request: Any, context: grpc.ServicerContext) -> Iterator:
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:
+            if not context.is_active():  # the client went away (cancel, closed channel)
+                return
+            _abort(context, method, exc)
+
+    return guarded
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoReturn:
+    """Ends the RPC with the status for `exc` (`context.abort` raises)."""
+    if isinstance(exc, INVALID_PLAN_ERRORS):
+        log.warning("plan refused", method=method, error=str(exc))
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, ExecutorStopping):
+        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
+    elif isinstance(exc, ProfilingDisabled):
+        code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    elif isinstance(exc, (ProfilerStateError, StaleStep)):
+        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    else:
+        log.error("rpc failed", method=method, exc_info=exc)
+        code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")
