@@ -11,8 +11,9 @@ from npuserve.proto.sampling_ranges import FieldValueError
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler.engine import PoolState, PromptInput
+from npuserve.scheduler.engine_probes import PoolState
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 

@@ -48,7 +48,7 @@ from npuserve.proto.auth import API_KEY, AioTokenInterceptor
 from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api_servicer import PublicApiServicer
 from npuserve.scheduler.api_status import RelayedError
-from npuserve.scheduler.engine import new_request_id
+from npuserve.scheduler.engine_config import new_request_id
 from npuserve.scheduler.outputs import OpenStream, RequestStream, SequenceUpdate
 from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.prompts import ModelLimits, PromptInput, PromptProcessor

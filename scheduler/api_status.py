@@ -11,7 +11,8 @@ import structlog
 
 from npuserve.proto.error_details import field_status
 from npuserve.proto.sampling_ranges import FieldValueError
-from npuserve.scheduler.engine import NoExecutorError, ProfilingUnavailable, QueueFullError
+from npuserve.scheduler.engine_config import NoExecutorError, QueueFullError
+from npuserve.scheduler.engine_probes import ProfilingUnavailable
 from npuserve.scheduler.executor_client import ExecutorError
 from npuserve.scheduler.prompts import ModelNotFoundError
 from npuserve.scheduler.request import InvalidRequestError

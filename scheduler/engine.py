@@ -9,130 +9,40 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-import weakref
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.background import BackgroundTasks
+from npuserve.scheduler import engine_probes
+from npuserve.scheduler.client_entry import ClientEntryPoints
 from npuserve.scheduler.client_request import ClientRequest
+from npuserve.scheduler.engine_config import EngineConfig, NoExecutorError, QueueFullError
+from npuserve.scheduler.engine_metrics import MetricsRecorder
 from npuserve.scheduler.executor_client import ExecutorClient
+from npuserve.scheduler.grammar_compiler import GrammarCompiler
 from npuserve.scheduler.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
-from npuserve.scheduler.metrics import ExecutorLoad, SchedulerMetrics
-from npuserve.scheduler.outputs import GenerateOutput, OpenStream, OutputSink, RequestStream, client_outputs
-from npuserve.scheduler.prompts import ModelLimits, ModelNotFoundError, PromptInput, PromptProcessor
+from npuserve.scheduler.metrics import SchedulerMetrics
+from npuserve.scheduler.outputs import OutputSink
+from npuserve.scheduler.prompts import ModelLimits, PromptProcessor
 from npuserve.scheduler.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT, ROUTING_POLICIES, choose_lane, uncached_blocks
+from npuserve.scheduler.router import choose_lane, uncached_blocks
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.step_frames import LaneReport, RelayedPack, apply_report
-from npuserve.scheduler.step_passes import check_num_scheduler_steps
 from npuserve.scheduler.step_worker import LaneSettings
-from npuserve.scheduler.step_workers import WORKER_START_TIMEOUT_S, RemoteLane, StepWorkerPool, WorkerHandle
-from npuserve.scheduler.structured import Grammar, GrammarCompiler
+from npuserve.scheduler.step_workers import WORKER_START_TIMEOUT_S, StepWorkerPool
+from npuserve.scheduler.structured import Grammar
 from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.worker_relay import StreamProcesses, WorkerRelay
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "ModelNotFoundError", "PoolState", "PromptInput"]
-
-
-class StreamProcesses(Protocol):
-    """The API server processes that serve client streams (`api_relay.ApiProcessPool`), as the
-    engine uses them."""
-
-    def behind(self) -> bool:
-        """Too many relayed tokens wait to be applied there: the workers' steps wait too."""
-        ...
-
-    def forward(self, key: tuple[int, int], pack: RelayedPack) -> None:
-        """Tokens a worker packed for API process ``key`` (index, incarnation), passed on as
-        they are (dropped if that incarnation is gone)."""
-        ...
-
-    async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
-        """The output token ids each sequence's stream holds (absent: its process is gone)."""
-        ...
-
-
-@dataclass(slots=True)
-class PoolState:
-    executor_id: str
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_requests: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-def _checked_state(scheduler: Scheduler, expect_idle: bool = False) -> PoolState:
-    scheduler.check_integrity(expect_idle)
-    pool = scheduler.kv.pool
-    return PoolState(
-        executor_id="",
-        num_blocks=pool.num_blocks - 1,
-        num_free_blocks=pool.num_free_blocks,
-        num_cached_blocks=len(pool.cached_blocks),
-        num_requests=len(scheduler.requests),
-        prefix_cache_queries=scheduler.kv.stats.queries,
-        prefix_cache_hits=scheduler.kv.stats.hits,
-    )
-
-
-def _prefix_stats(scheduler: Scheduler) -> tuple[int, int]:
-    return scheduler.kv.stats.queries, scheduler.kv.stats.hits
-
-
-class ProfilingUnavailable(RuntimeError):
-    """Profiling asked of an executor that cannot profile (gRPC UNIMPLEMENTED, HTTP 400)."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait than --max-queued-requests allows (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    served_model_name: str
-    enable_prefix_caching: bool = True
-    routing: str = "prefix-aware"
-    routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # a prefill block's cost against a block in use
-    max_queued_requests: int | None = None  # None: unbounded
-    trust_request_chat_template: bool = False  # render chat templates that clients send
-    async_scheduling: bool = False  # schedule each step while the executor runs the one before
-    stream_interval: int = 1  # tokens per streamed delta after a sequence's first (`RequestStream`)
-    # Passes per step of a sampling request (multi-step decoding); `AUTO_SCHEDULER_STEPS`: each
-    # executor's lane chooses them (`step_passes`).
-    num_scheduler_steps: int = 1
-
-    def __post_init__(self) -> None:
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
-        if not self.routing_prefill_weight >= 0:  # NOTE: NaN too
-            raise ValueError(f"--routing-prefill-weight must be >= 0, got {self.routing_prefill_weight}")
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
-        check_num_scheduler_steps(self.num_scheduler_steps)
-
-
-class NoExecutorError(RuntimeError):
-    """No executor is available to serve (gRPC UNAVAILABLE, HTTP 503)."""
+__all__ = ["Engine"]
 
 
 MAX_FAILOVERS = 3  # executors a request may lose before it fails
 
 
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
-class Engine:
+class Engine(ClientEntryPoints):
     def __init__(
         self,
         config: EngineConfig,
@@ -153,6 +63,7 @@ class Engine:
         self.vocab_size = first.vocab_size
         self.eos_token_ids = tuple(first.eos_token_ids) or tokenizer.eos_token_ids
         self.metrics = SchedulerMetrics(self.model_name)
+        self.recorder = MetricsRecorder(self.metrics)
         self.lanes: dict[str, Lane] = {}
         self._clients: dict[str, ClientRequest] = {}
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
@@ -162,17 +73,13 @@ class Engine:
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
         self._parked: list[Request] = []
         self._workers_restarting = 0
-        self._background = BackgroundTasks()
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Per lane (a rejoined executor is a new lane, its pool's counts start at zero again):
-        # the prefix-cache totals already counted.
-        self._prefix_counted: weakref.WeakKeyDictionary[Lane, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._pending = list(executors)
         # req_id -> (lane, prompt blocks, blocks to prefill there)
         self._unstarted: dict[str, tuple[Lane, int, int]] = {}
         # The API server processes serving client streams (`--api-server-count` above 1).
         self.stream_processes: StreamProcesses | None = None
-        self._held_acks: list[WorkerHandle] = []
+        self._workers = WorkerRelay(self)
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -189,7 +96,10 @@ class Engine:
                 self.grammars.settings,
                 self.config.num_scheduler_steps,
             )
-            self.step_workers.start(settings, self._on_report, self._on_reports_handled, self._on_worker_lost)
+            workers = self._workers
+            self.step_workers.start(
+                settings, workers.on_report, workers.on_reports_handled, workers.on_worker_lost
+            )
         for executor_id, executor, info in self._pending:
             self.add_executor(executor_id, executor, info)
         self._pending = []
@@ -311,41 +221,6 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str | None = None,
-        model: str | None = None,
-    ) -> RequestStream:
-        """Validates, tokenizes and queues a request; errors are raised before anything is queued."""
-        self.prompts.check_request(model, params)
-        grammar = await self._compile_grammar(params)
-        prompt_ids = await self.prompts.prompt_token_ids(prompt)
-        self.prompts.check_lengths(prompt_ids, params)
-        request_id = request_id or new_request_id()
-        stream = RequestStream(request_id, self.tokenizer, params, prompt_ids, self.config.stream_interval)
-        self.queue_request(request_id, prompt_ids, params, grammar, stream)
-        return stream
-
-    async def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
-        so = params.structured_outputs
-        return None if so is None else await self.grammars.compile(so)
-
-    async def add_tokenized(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        sink: OutputSink,
-        stream_at: tuple[int, int, int],
-    ) -> None:
-        """Queues a request an API server process has validated and tokenized (its model,
-        sampling parameters and lengths are checked there); errors are raised before anything
-        is queued. ``stream_at``: (that process's index, its incarnation, the stream's handle)."""
-        grammar = await self._compile_grammar(params)
-        self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at)
-
     def queue_request(
         self,
         request_id: str,
@@ -400,35 +275,6 @@ class Engine:
             executor=lane.executor_id,
         )
         return client
-
-    async def generate(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str | None = None,
-        model: str | None = None,
-    ) -> AsyncIterator[GenerateOutput]:
-        """Streams a request's outputs; leaving the iteration early (or being cancelled) aborts it."""
-        opened = await self.open(prompt, params, request_id, model)
-        async with aclosing(client_outputs(opened)) as outputs:
-            async for output in outputs:
-                yield output
-
-    async def open(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str | None = None,
-        model: str | None = None,
-    ) -> OpenStream:
-        """Queues a request for a client (`add_request`); closing it aborts what is left."""
-        stream = await self.add_request(prompt, params, request_id, model)
-
-        def leave() -> None:
-            if not stream.finished:
-                self.drop(stream.request_id)
-
-        return OpenStream(stream, leave)
 
     def abort(self, request_id: str) -> bool:
         client = self._clients.get(request_id)
@@ -492,130 +338,16 @@ class Engine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, lane, event)
 
-    def _on_report(self, worker: WorkerHandle, report: LaneReport) -> None:
-        """One lane report of a scheduler worker (event loop thread)."""
-        lane = worker.lanes.get(report.lane_key)
-        if lane is None:
-            return  # a lane the front has retired; its requests were placed again
-        lane.absorb(report)
-        if report.relayed:
-            assert self.stream_processes is not None, "tokens packed for API processes"
-            for key, pack in report.relayed.items():  # NOTE: unopened: no per-token work here
-                self.stream_processes.forward(key, pack)
-        num_tokens = sum(len(update[1]) for update in report.updates) + report.num_relayed_tokens
-        event = apply_report(report, self._sequences.get)
-        self._dispatch(lane, event, (report.num_sequences, num_tokens))
-
-    def _on_reports_handled(self, worker: WorkerHandle) -> None:
-        """A worker's message of reports is handled: it is acknowledged."""
-        # NOTE: the worker's lanes wait while too many go unacknowledged; and so they do while
-        # the processes serving client streams are behind (`--api-server-count`).
-        if self.stream_processes is not None and self.stream_processes.behind():
-            self._held_acks.append(worker)
-        else:
-            worker.send(("ack",))
-
     def streams_caught_up(self) -> None:
         """The processes serving client streams caught up: the workers held back step again."""
-        held, self._held_acks = self._held_acks, []
-        for worker in held:
-            worker.send(("ack",))
-
-    def _on_worker_lost(self, worker: WorkerHandle) -> None:
-        """A scheduler worker died: its lanes' requests move (or wait for its restart), and it
-        is restarted with the same executors, which start clean (the first plan resets them)."""
-        assert self.step_workers is not None
-        lost = list(worker.lanes.values())
-        lost_set = set(lost)
-        for lane in lost:
-            lane.alive = False
-            if self.lanes.get(lane.executor_id) is lane:
-                del self.lanes[lane.executor_id]
-        requests = []
-        for req_id, placed in list(self._lane_of.items()):
-            request = self._sequences.get(req_id)
-            if placed in lost_set and request is not None and not request.status.is_finished:
-                self._started(req_id)
-                requests.append(request)
-        log.error(
-            "scheduler worker lost", worker=worker.index, executors=len(lost), requests_moved=len(requests)
-        )
-        self._workers_restarting += 1
-        reason = f"scheduler worker {worker.index} died"
-        # NOTE: the worker sent the tokens of streams served by API processes straight to them:
-        # those processes hold what this copy lacks (`Request.relay_to`).
-        streamed = [r for r in requests if r.relay_to is not None]
-        if streamed:
-            self._background.spawn(self._take_output_and_fail_over(streamed, reason))
-        held_here = [r for r in requests if r.relay_to is None]
-        for request in held_here:
-            request.reset_for_recompute()
-        self._fail_over(held_here, reason)
-        self._background.spawn(self._restart_worker(worker, lost))
-
-    async def _take_output_and_fail_over(self, requests: list[Request], reason: str) -> None:
-        """Moves sequences whose tokens the lost worker sent straight to API processes, once
-        those processes have said what they streamed (a process that is gone took its clients
-        with it: its sequences end)."""
-        assert self.stream_processes is not None
-        try:
-            outputs = await self.stream_processes.delivered(requests)
-        except Exception:
-            log.exception("the API processes' outputs could not be taken", requests=len(requests))
-            outputs = {}
-        moving = []
-        for request in requests:
-            output = outputs.get(request.req_id)
-            if output is None:
-                self._end_unmoved(request, f"{reason}; its output could not be recovered")
-                continue
-            request.take_output(output, None)
-            request.reset_for_recompute()
-            moving.append(request)
-        log.info(
-            "outputs taken from the API processes", requests=len(moving), lost=len(requests) - len(moving)
-        )
-        self._fail_over(moving, reason)
-
-    def _end_unmoved(self, request: Request, why: str) -> None:
-        client = self._client_of_seq.get(request.req_id)
-        if client is None or request.status.is_finished:
-            return
-        self._mark_failed(request)
-        client.end(request, RequestStatus.FINISHED_ERROR, why)
-        self._forget_if_finished(client)
+        self._workers.streams_caught_up()
 
     def _mark_failed(self, request: Request) -> None:
         """A sequence that cannot go on: it failed, its matcher is freed, its finish counted."""
         request.status = RequestStatus.FINISHED_ERROR
         if request.grammar is not None:
             request.grammar.release()
-        self._record_finish(request, "error", time.monotonic())
-
-    async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
-        assert self.step_workers is not None
-        try:
-            # NOTE: serve's restart policy: 1 s, doubling while it keeps dying; a crash loop is given up.
-            delay_s = worker.history.died()
-            if delay_s is None:
-                log.error(
-                    "scheduler worker crash-looping; given up",
-                    worker=worker.index,
-                    deaths=worker.history.policy.describe(),
-                )
-                return
-            await asyncio.sleep(delay_s)
-            await asyncio.to_thread(self.step_workers.restart, worker)
-            for lane in lanes:
-                if lane.executor_id not in self.lanes:
-                    self.add_executor(lane.executor_id, lane.executor, lane.info)
-        except Exception:
-            log.exception("scheduler worker restart failed", worker=worker.index)
-        finally:
-            self._workers_restarting -= 1
-            if self._parked and not self.live_lanes and not self._workers_restarting:
-                parked, self._parked = self._parked, []
-                self._fail_over(parked, "no scheduler worker came back", count=False)
+        self.recorder.record_finish(request, "error", time.monotonic())
 
     def _dispatch(self, lane: Lane, event: LaneEvent, sampled: tuple[int, int] | None = None) -> None:
         """``sampled``: the sequences that sampled in the step and their tokens, when the event
@@ -638,7 +370,7 @@ class Engine:
             if stop is not None:
                 self._stop_by_string(lane, request, stop, now)
             elif finished is not None:
-                self._record_finish(request, finished.value, now)
+                self.recorder.record_finish(request, finished.value, now)
             if client.finished:
                 self._forget_if_finished(client)
         if event.lane_down:
@@ -657,10 +389,10 @@ class Engine:
                 client.end(request, request.status, event.error)
                 self._forget_if_finished(client)
             if request.status != RequestStatus.FINISHED_STOPPED:
-                self._record_finish(request, request.status.value, now)
+                self.recorder.record_finish(request, request.status.value, now)
         if sampled is None:
             sampled = len(event.updates), sum(len(update.new_token_ids) for update in event.updates)
-        self._record_step(lane, event, *sampled)
+        self.recorder.record_step(lane, event, *sampled)
         if event.failed_step:
             self.metrics.executors.step_failed(lane.executor_id)
         if event.joined_step:
@@ -674,7 +406,7 @@ class Engine:
         """A stop string ended a sequence: the executor stops computing it."""
         request.stop_reason = stop
         lane.finish([request.req_id], RequestStatus.FINISHED_STOPPED)
-        self._record_finish(request, "stop", now)
+        self.recorder.record_finish(request, "stop", now)
 
     def stopped_by_string(self, request_id: str, index: int, stop: str) -> None:
         """An API server process found a stop string in a sequence's text."""
@@ -722,47 +454,9 @@ class Engine:
             lane = self._place(siblings)
             log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)
 
-    def _record_finish(self, request: Request, reason: str, now: float) -> None:
-        self.metrics.request_finished(reason)
-        self.metrics.e2e_request_latency.observe(now - request.arrival_time)
-        if request.first_token_time is not None and request.num_output_tokens > 1:
-            tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
-            self.metrics.time_per_output_token.observe(tpot)
-
-    def _record_step(self, lane: Lane, event: LaneEvent, num_sequences: int, num_tokens: int) -> None:
-        m = self.metrics
-        if event.stats is not None:
-            m.step(lane.executor_id, event.step_seconds, num_tokens, num_sequences)
-            # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
-            if event.stats.num_prompt_tokens:
-                m.prompt_tokens.inc(event.stats.num_prompt_tokens)
-            if event.stats.num_preemptions:
-                m.num_preemptions.inc(event.stats.num_preemptions)
-        now_queries, now_hits = lane.prefix_stats
-        queries, hits = self._prefix_counted.get(lane, (0, 0))
-        if (now_queries, now_hits) != (queries, hits):  # NOTE: most steps look nothing up
-            m.prefix_cache(lane.executor_id, max(0, now_queries - queries), max(0, now_hits - hits))
-            self._prefix_counted[lane] = (now_queries, now_hits)
-
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
-        m = self.metrics
-        lanes = self.live_lanes
-        m.num_requests_running.set(sum(lane.num_running for lane in lanes))
-        m.num_requests_waiting.set(sum(lane.num_waiting for lane in lanes) + len(self._parked))
-        m.kv_cache_usage.set(sum(lane.kv_usage for lane in lanes) / len(lanes) if lanes else 0.0)
-        m.executors.refresh(
-            [
-                ExecutorLoad(
-                    lane.executor_id,
-                    lane.num_running,
-                    lane.num_waiting,
-                    lane.kv_usage,
-                    lane.num_scheduler_steps,
-                )
-                for lane in lanes
-            ]
-        )
+        self.recorder.refresh_gauges(self.live_lanes, len(self._parked))
 
     async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
         while True:
@@ -781,53 +475,20 @@ class Engine:
         the lane threads): the executors hold no request of this scheduler."""
         return not any(lane.has_work for lane in self.live_lanes)
 
-    async def check_integrity(self, expect_idle: bool = False) -> list[PoolState]:
+    async def check_integrity(self, expect_idle: bool = False) -> list[engine_probes.PoolState]:
         """Every lane's block pool passes its integrity check (run on the lane threads, between
         steps); raises AssertionError naming the first violation. Returns each pool's state."""
-        states = []
-        for lane in list(self.lanes.values()):
-            state = await asyncio.wrap_future(lane.call(partial(_checked_state, expect_idle=expect_idle)))
-            state.executor_id = lane.executor_id
-            states.append(state)
-        live = self.grammars.num_live_states
-        assert not (expect_idle and live), f"{live} grammar states of finished requests are still held"
-        return states
+        return await engine_probes.check_integrity(list(self.lanes.values()), self.grammars, expect_idle)
 
     async def start_profile(self) -> list[str]:
         """Starts profiling on every live executor; returns their ids. A failure (profiling off,
         or already running) raises the executor's error, named by its id."""
-        lanes = self._profiled_lanes()
-        await asyncio.gather(*(self._on_executor(lane, "start_profile") for lane in lanes))
-        return [lane.executor_id for lane in lanes]
+        return await engine_probes.start_profile(self.live_lanes)
 
     async def stop_profile(self) -> dict[str, list[str]]:
         """Ends every live executor's profile; returns the trace files each wrote."""
-        lanes = self._profiled_lanes()
-        files = await asyncio.gather(*(self._on_executor(lane, "stop_profile") for lane in lanes))
-        return {lane.executor_id: list(f) for lane, f in zip(lanes, files, strict=True)}
-
-    def _profiled_lanes(self) -> list[Lane]:
-        lanes = self.live_lanes
-        if not lanes:
-            raise NoExecutorError("no executor is available to profile")
-        return lanes
-
-    @staticmethod
-    async def _on_executor(lane: Lane, method: str) -> Any:
-        call = getattr(lane.executor, method, None)
-        if call is None:
-            raise ProfilingUnavailable(f"executor {lane.executor_id} runs in-process and cannot profile")
-        try:
-            return await asyncio.to_thread(call)
-        except Exception as exc:
-            # NOTE: keep the executor's status code (see SchedulerServicer), add its id.
-            exc.args = (f"executor {lane.executor_id}: {getattr(exc, 'message', exc)}",)
-            raise
+        return await engine_probes.stop_profile(self.live_lanes)
 
     async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""
-        result = {}
-        for lane in list(self.lanes.values()):
-            stats = await asyncio.wrap_future(lane.call(_prefix_stats))
-            result[lane.executor_id] = stats
-        return result
+        return await engine_probes.prefix_cache_stats(list(self.lanes.values()))

@@ -34,10 +34,8 @@ from npuserve.scheduler.api_relay import ApiProcessPool
 from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api_servicer import PublicApiServicer
 from npuserve.scheduler.api_status import guard
-from npuserve.scheduler.engine import (
-    Engine,
-    EngineConfig,
-)
+from npuserve.scheduler.engine import Engine
+from npuserve.scheduler.engine_config import EngineConfig
 from npuserve.scheduler.executor_client import ClientSpec
 from npuserve.scheduler.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.registry import RedisMembership

@@ -41,12 +41,12 @@ from npuserve.scheduler.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.async_lane import AsyncExecutorLane
 from npuserve.scheduler.background import BackgroundTasks
 from npuserve.scheduler.executor_client import ClientSpec
+from npuserve.scheduler.grammar_compiler import GrammarCompiler, GrammarSettings
 from npuserve.scheduler.lane import ExecutorLane, LaneEvent
 from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.request import Request
 from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.step_frames import LaneReport, carries_reports, evacuated, make_report
-from npuserve.scheduler.structured import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
 

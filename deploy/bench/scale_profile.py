@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # Where a sample's time goes: the innermost frame whose file matches names the cost.
 PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("metrics: per-step gauges over all lanes, histograms",
-     ("Engine._record_step", "Engine._record_finish", "prometheus_client/", "scheduler/metrics.py")),
+     ("scheduler/engine_metrics.py", "prometheus_client/", "scheduler/metrics.py")),
     ("detokenize (tokenizers)", ("detokenizer.py", "scheduler/tokenizer.py", "tokenizers/")),
     ("scheduling loop (scheduler, KV blocks, requests)",
      ("scheduler/scheduler.py", "kv_cache_manager.py", "block_pool.py", "block_hash.py", "scheduler/request.py")),
@@ -32,7 +32,8 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("public gRPC server (grpc.aio Python parts)", ("grpc/aio/", "grpc/_cython", "cygrpc")),
     ("logging (structlog)", ("structlog/", "logging/")),
     ("request streams (outputs)", ("scheduler/outputs.py",)),
-    ("engine: admission, dispatch, Generate handler", ("scheduler/engine.py", "scheduler/server.py")),
+    ("engine: admission, dispatch, Generate handler", ("scheduler/engine.py", "scheduler/client_entry.py",
+                                                     "scheduler/worker_relay.py", "scheduler/server.py")),
     ("lane thread (commands, events)", ("scheduler/lane.py",)),
     ("asyncio event loop", ("asyncio/",)),
     ("threads, queues, locks", ("threading.py", "queue.py", "concurrent/futures")),

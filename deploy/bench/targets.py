@@ -27,7 +27,9 @@ from npuserve.proto.channel import (
     message_size_options,
 )
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
-from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
+from npuserve.scheduler.engine import Engine
+from npuserve.scheduler.engine_config import EngineConfig
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import SamplingParams
 
 if TYPE_CHECKING:

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
-from npuserve.scheduler.engine import Engine, EngineConfig, PromptInput
+from npuserve.scheduler.engine import Engine
+from npuserve.scheduler.engine_config import EngineConfig
 from npuserve.scheduler.executor_client import ExecutorError
 from npuserve.scheduler.lane import ExecutorLane, StepExecutor
 from npuserve.scheduler.outputs import GenerateOutput
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 

@@ -17,8 +17,9 @@ from npuserve.scheduler.api_codec import (
     prompt_from_proto,
     sampling_from_proto,
 )
-from npuserve.scheduler.engine import PoolState, PromptInput
+from npuserve.scheduler.engine_probes import PoolState
 from npuserve.scheduler.outputs import CompletionDelta, GenerateOutput, Usage
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 

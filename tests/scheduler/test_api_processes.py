@@ -42,7 +42,7 @@ from npuserve.proto.channel import CONNECTION_INDEX_OPTION
 from npuserve.scheduler.api_process import RelayedStatus
 from npuserve.scheduler.api_relay import MAX_UNACKED_ITEMS, CallContext, Relay
 from npuserve.scheduler.api_status import field_of, relayed, status_of
-from npuserve.scheduler.engine import QueueFullError
+from npuserve.scheduler.engine_config import QueueFullError
 from npuserve.scheduler.pipe_link import PipeLink
 from npuserve.scheduler.request import InvalidRequestError
 

@@ -12,13 +12,8 @@ from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated
 
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedRunner
-from npuserve.scheduler.engine import (
-    EngineConfig,
-    ModelNotFoundError,
-    NoExecutorError,
-    PromptInput,
-    QueueFullError,
-)
+from npuserve.scheduler.engine_config import EngineConfig, NoExecutorError, QueueFullError
+from npuserve.scheduler.prompts import ModelNotFoundError, PromptInput
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS, MAX_SCHEDULER_STEPS
 from npuserve.scheduler.tokenizer import Tokenizer

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.executor.simulated import SimulatedRunner
-from npuserve.scheduler.engine import PromptInput
 from npuserve.scheduler.metrics import DEPARTED_SERIES_TTL_S, ExecutorLoad, ExecutorMetrics
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 

@@ -9,7 +9,6 @@ import asyncio
 from harness.simulated_engine import simulated_engine
 
 from npuserve.proto.step_plan import TokenLogprobs
-from npuserve.scheduler.engine import PromptInput
 from npuserve.scheduler.outputs import (
     CompletionDelta,
     GenerateOutput,
@@ -17,6 +16,7 @@ from npuserve.scheduler.outputs import (
     SequenceUpdate,
     coalesce,
 )
+from npuserve.scheduler.prompts import PromptInput
 from npuserve.scheduler.request import RequestStatus, SamplingParams
 from npuserve.scheduler.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 from harness.simulated_engine import SMALL, ControlledExecutor, generate, simulated_engine
 
 from npuserve.executor.simulated import SimulatedRunner
-from npuserve.scheduler.engine import EngineConfig
+from npuserve.scheduler.engine_config import EngineConfig
 from npuserve.scheduler.lane import ExecutorLane
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.router import cached_prefix_blocks, choose_lane, lane_load_blocks

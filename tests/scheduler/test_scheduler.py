@@ -18,9 +18,9 @@ from harness.step_driver import OneJoiningStep
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult, admits_only
 from npuserve.proto.structured_outputs import StructuredOutputs
+from npuserve.scheduler.grammar_compiler import GrammarCompiler
 from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
-from npuserve.scheduler.structured import GrammarCompiler
 from npuserve.scheduler.tokenizer import Tokenizer
 
 EOS = 2

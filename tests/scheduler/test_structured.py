@@ -21,15 +21,10 @@ from npuserve.proto import executor_pb2
 from npuserve.proto.step_codec import CodecError, plan_from_proto, plan_to_proto
 from npuserve.proto.step_plan import StepPlan, TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler import structured
+from npuserve.scheduler import grammar_compiler, structured
+from npuserve.scheduler.grammar_compiler import GrammarCompiler, GrammarTimeout, _closed_objects
 from npuserve.scheduler.request import InvalidRequestError, SamplingParams
-from npuserve.scheduler.structured import (
-    GrammarCompiler,
-    GrammarState,
-    GrammarTimeout,
-    _closed_objects,
-    advance_masks,
-)
+from npuserve.scheduler.structured import GrammarState, advance_masks
 from npuserve.scheduler.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -174,9 +169,9 @@ def test_a_constraint_past_a_bound_is_refused_before_any_compile(
 
 def test_rules_are_counted_in_lark_and_gbnf() -> None:
     lark = 'start: a b\n?a: "x" | b\n!b.2: "y"\nNAME: /[a-z]+/\n// c: comment\n  | "more"\n'
-    assert len(structured._RULE_HEAD.findall(lark)) == 4
+    assert len(grammar_compiler._RULE_HEAD.findall(lark)) == 4
     gbnf = 'root ::= a\na ::= "x" b\nword-list ::= [a-z]+\n'
-    assert len(structured._RULE_HEAD.findall(gbnf)) == 3
+    assert len(grammar_compiler._RULE_HEAD.findall(gbnf)) == 3
 
 
 def _alive(pid: int) -> bool:
