@@ -93,6 +93,8 @@ def _render_outcome(job: ChatRender) -> tuple[str, ...]:
         return ("ok", render(job))
     except ChatTemplateError as exc:
         return ("error", str(exc), exc.field or "")
+    except MemoryError:  # past the worker's address-space limit outside the render itself
+        return ("error", "the chat template used more memory than allowed", job.field or "")
 
 
 def _collect(chunks: Any, job: ChatRender) -> str:

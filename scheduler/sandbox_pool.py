@@ -67,12 +67,7 @@ def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str,
             job = conn.recv()
         except (EOFError, OSError):
             return
-        outcome: Outcome
-        try:
-            outcome = handler(job)
-        except MemoryError:
-            outcome = ("error", "the job used more memory than allowed", "")
-        conn.send(outcome)
+        conn.send(handler(job))  # NOTE: an exception ends the worker: its job gets ("died",)
 
 
 def _limit_address_space(memory_bytes: int) -> None:

@@ -57,10 +57,3 @@ def test_the_openai_api_on_a_public_address_without_a_key_refuses_to_start(comma
     assert "refusing to serve the OpenAI API on 0.0.0.0 with no API key" in stderr
     for fix in ("--api-key", "NPUSERVE_API_KEY", "--host 127.0.0.1", "--allow-unauthenticated"):
         assert fix in stderr, stderr
-
-
-def test_the_gateway_is_told_when_serve_allows_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`serve --allow-unauthenticated` passes it on to its gateway, which checks for itself."""
-    parser = cli.build_parser(only="gateway")
-    args = parser.parse_args(["gateway", "--scheduler", "127.0.0.1:1", "--allow-unauthenticated"])
-    assert args.allow_unauthenticated

@@ -230,12 +230,20 @@ def test_text_prompt_stop_strings_and_siblings(stories_dir: Path) -> None:
         assert_idle_and_intact(served)
 
 
-def test_serve_on_every_interface_with_a_key_says_where_it_listens(stories_dir: Path) -> None:
-    with serve(stories_dir, "--kv-cache-memory", "0.02", "--host", "0.0.0.0", "--api-key", "sk-k") as served:
+@pytest.mark.parametrize(
+    ("flags", "unkeyed"),
+    [(("--api-key", "sk-k"), 401), (("--allow-unauthenticated",), 200)],
+    ids=["key", "allowed"],
+)
+def test_serve_on_every_interface_says_where_it_listens(
+    stories_dir: Path, flags: tuple[str, ...], unkeyed: int
+) -> None:
+    """With a key, or allowed without one (its gateway is told so too, or it would not start)."""
+    with serve(stories_dir, "--kv-cache-memory", "0.02", "--host", "0.0.0.0", *flags) as served:
         assert served.url.startswith("http://0.0.0.0:")
         assert any(f"OpenAI API at {served.url}" in line for line in served.log)
         port = served.url.rsplit(":", 1)[1]
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            assert http.get("/v1/models").status_code == 401
+            assert http.get("/v1/models").status_code == unkeyed
             keyed = http.get("/v1/models", headers={"Authorization": "Bearer sk-k"})
             assert keyed.status_code == 200, keyed.text
