@@ -18,9 +18,9 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
-from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, ServiceConfig
-from npuserve.scheduler.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 
 
 def _scheduler_config(

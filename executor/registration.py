@@ -2,7 +2,7 @@
 
 Once the executor serves, it writes ``{prefix}:executor:{executor_id}`` as JSON (where to reach
 it, which process it is, what it serves) with a TTL, and rewrites it every TTL/3. The scheduler
-(`scheduler/registry.py`) reads these keys: a key that expired means the executor is gone, a new
+(`scheduler/engine/registry.py`) reads these keys: a key that expired means the executor is gone, a new
 ``instance_id`` under the same key means it restarted with an empty KV cache. A draining executor
 (SIGTERM) rewrites its record with ``"draining": true`` at once, so the scheduler routes no new
 request to it while its requests finish; its stop then deletes the key.

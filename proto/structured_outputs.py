@@ -1,7 +1,7 @@
 """Structured outputs: the constraint a request puts on its generated text, as plain data.
 
 The scheduler's API carries it as `SamplingParams.structured_outputs` (scheduler.proto); the
-scheduler compiles it into a grammar (`npuserve.scheduler.structured`) and sends the executor
+scheduler compiles it into a grammar (`npuserve.scheduler.structured.matchers`) and sends the executor
 one next-token bitmask per constrained row and step (`step_plan.TokenBitmask`). This module imports
 neither torch nor the grammar engine, so the gateway and the codecs can use it.
 """

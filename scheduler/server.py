@@ -28,25 +28,25 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
 from npuserve.proto.ready_file import write_ready_file
-from npuserve.scheduler import api_codec
-from npuserve.scheduler.api_process import ApiProcessSettings
-from npuserve.scheduler.api_relay import ApiProcessPool
-from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
-from npuserve.scheduler.api_servicer import PublicApiServicer
-from npuserve.scheduler.api_status import guard
-from npuserve.scheduler.engine import Engine
-from npuserve.scheduler.engine_config import EngineConfig
-from npuserve.scheduler.executor_client import ClientSpec
-from npuserve.scheduler.membership import StaticMembership, wait_for_executors
-from npuserve.scheduler.registry import RedisMembership
+from npuserve.scheduler.api import api_codec
+from npuserve.scheduler.api.api_process import ApiProcessSettings
+from npuserve.scheduler.api.api_relay import ApiProcessPool
+from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api.api_servicer import PublicApiServicer
+from npuserve.scheduler.api.api_status import guard
+from npuserve.scheduler.engine.engine import Engine
+from npuserve.scheduler.engine.engine_config import EngineConfig
+from npuserve.scheduler.engine.membership import StaticMembership, wait_for_executors
+from npuserve.scheduler.engine.registry import RedisMembership
+from npuserve.scheduler.lanes.executor_client import ClientSpec
+from npuserve.scheduler.lanes.step_workers import StepWorkerPool
 from npuserve.scheduler.service_config import (
     ServiceConfig,
     default_api_server_count,
     default_scheduler_workers,
     pipelines_steps,
 )
-from npuserve.scheduler.step_workers import StepWorkerPool
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

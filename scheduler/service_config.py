@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 
 # How steps reach an executor: a unary call each, or one long-lived stream per executor (the
 # default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and

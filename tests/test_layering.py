@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a fresh interpreter that imports every module
 
 
 def _modules(package: object) -> list[str]:
-    return [m.name for m in pkgutil.iter_modules(package.__path__, f"{package.__name__}.")]  # type: ignore[attr-defined]
+    return [m.name for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")]  # type: ignore[attr-defined]
 
 
 def test_scheduler_gateway_and_proto_load_neither_torch_nor_the_executor() -> None:

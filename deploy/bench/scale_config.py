@@ -8,9 +8,9 @@ from pathlib import Path
 
 from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.scheduler.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0

@@ -20,21 +20,21 @@ if TYPE_CHECKING:
 # Where a sample's time goes: the innermost frame whose file matches names the cost.
 PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("metrics: per-step gauges over all lanes, histograms",
-     ("scheduler/engine_metrics.py", "prometheus_client/", "scheduler/metrics.py")),
-    ("detokenize (tokenizers)", ("detokenizer.py", "scheduler/tokenizer.py", "tokenizers/")),
+     ("scheduler/engine/engine_metrics.py", "prometheus_client/", "scheduler/engine/metrics.py")),
+    ("detokenize (tokenizers)", ("detokenizer.py", "scheduler/text/tokenizer.py", "tokenizers/")),
     ("scheduling loop (scheduler, KV blocks, requests)",
-     ("scheduler/scheduler.py", "kv_cache_manager.py", "block_pool.py", "block_hash.py", "scheduler/request.py")),
-    ("routing (choose_lane)", ("scheduler/router.py",)),
+     ("scheduler/core/scheduler.py", "kv_cache_manager.py", "block_pool.py", "block_hash.py", "scheduler/core/request.py")),
+    ("routing (choose_lane)", ("scheduler/core/router.py",)),
     ("step plan/result <-> protobuf", ("step_codec.py", "executor_pb2")),
-    ("executor gRPC client (sync, lane threads)", ("scheduler/executor_client.py", "grpc/_channel.py", "grpc/_common.py",
+    ("executor gRPC client (sync, lane threads)", ("scheduler/lanes/executor_client.py", "grpc/_channel.py", "grpc/_common.py",
                                                  "grpc/_interceptor.py")),
     ("Generate response encode", ("api_codec.py", "scheduler_pb2")),
     ("public gRPC server (grpc.aio Python parts)", ("grpc/aio/", "grpc/_cython", "cygrpc")),
     ("logging (structlog)", ("structlog/", "logging/")),
-    ("request streams (outputs)", ("scheduler/outputs.py",)),
-    ("engine: admission, dispatch, Generate handler", ("scheduler/engine.py", "scheduler/client_entry.py",
-                                                     "scheduler/worker_relay.py", "scheduler/server.py")),
-    ("lane thread (commands, events)", ("scheduler/lane.py",)),
+    ("request streams (outputs)", ("scheduler/engine/outputs.py",)),
+    ("engine: admission, dispatch, Generate handler", ("scheduler/engine/engine.py", "scheduler/engine/client_entry.py",
+                                                     "scheduler/lanes/worker_relay.py", "scheduler/server.py")),
+    ("lane thread (commands, events)", ("scheduler/lanes/lane.py",)),
     ("asyncio event loop", ("asyncio/",)),
     ("threads, queues, locks", ("threading.py", "queue.py", "concurrent/futures")),
 ]  # fmt: skip
@@ -88,7 +88,7 @@ def _category(frames: list[str]) -> str:
 
 # Frames nearly every sample passes through: left out of the inclusive ranking.
 _GENERIC_FRAMES = ("<frozen runpy>", "deploy/cli.py", "asyncio/runners.py", "asyncio/base_events.py",
-                   "asyncio/events.py", "threading.py", "scheduler/lane.py")  # fmt: skip
+                   "asyncio/events.py", "threading.py", "scheduler/lanes/lane.py")  # fmt: skip
 
 
 def summarize_profile(raw: str, top: int = 15) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler.grammar_compiler import GrammarCompiler
-from npuserve.scheduler.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 BATCH = 32
 WORDS = {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 100}

@@ -27,10 +27,10 @@ from npuserve.proto.channel import (
     message_size_options,
 )
 from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
-from npuserve.scheduler.engine import Engine
-from npuserve.scheduler.engine_config import EngineConfig
-from npuserve.scheduler.prompts import PromptInput
-from npuserve.scheduler.request import SamplingParams
+from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.engine import Engine
+from npuserve.scheduler.engine.engine_config import EngineConfig
+from npuserve.scheduler.text.prompts import PromptInput
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
@@ -86,7 +86,7 @@ class OfflineTarget:
 
     async def open(self) -> None:
         from npuserve.executor.local import LocalExecutor  # torch: only when measuring in process
-        from npuserve.scheduler.tokenizer import Tokenizer
+        from npuserve.scheduler.text.tokenizer import Tokenizer
 
         def build() -> list[tuple[str, LocalExecutor, Any]]:
             executors = [LocalExecutor(self.config) for _ in range(self.num_executors)]

@@ -18,8 +18,8 @@ from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.executor.parallel_config import ParallelConfig
 from npuserve.executor.registration import RegistryConfig
 from npuserve.proto.auth import API_KEY
+from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import ServiceConfig
-from npuserve.scheduler.step_passes import AUTO_SCHEDULER_STEPS
 
 
 def parse(command: str, *flags: str):

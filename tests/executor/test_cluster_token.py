@@ -23,7 +23,7 @@ from npuserve.proto import executor_pb2 as executor_pb
 from npuserve.proto import executor_pb2_grpc as executor_pb_grpc
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import SamplingOptions, StepPlan, StepResult
-from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
 pytestmark = pytest.mark.slow  # executors and schedulers in processes of their own
 

@@ -14,7 +14,7 @@ from harness.cluster import PrivateRedis, private_redis, processes, shared_regis
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.executor_client import ExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorClient
 
 TTL_S = 2.0
 INFO = ExecutorInfo(

@@ -18,7 +18,7 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.server import start_executor_server
 from npuserve.proto.step_plan import ExecutorInfo, SamplingOptions, StepPlan, StepResult
-from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
 
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 KV_CACHE_GIB = 0.01

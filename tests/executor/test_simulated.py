@@ -30,7 +30,7 @@ from npuserve.proto.step_plan import (
     TokenBitmask,
     bitmask_words,
 )
-from npuserve.scheduler.executor_client import ExecutorClient, ExecutorError
+from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
 
 SMALL = SimulatedConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4)
 PROMPT = [1, 403, 407, 261, 378]

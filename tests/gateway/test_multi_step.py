@@ -13,7 +13,7 @@ from harness.demo_story import ONCE, ONCE_60, stream_the_story
 from harness.serve import Served, collect, greedy_request, serve_checked, streamed_chat_with_logprobs
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # a scheduler, its worker and API processes, an executor, a gateway
 

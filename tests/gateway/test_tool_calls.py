@@ -18,8 +18,8 @@ from npuserve.gateway.protocol import ChatCompletionRequest, validate
 from npuserve.gateway.tool_calls import Tool, tool_call_schema, tool_plan
 from npuserve.gateway.tool_parsers import TOOL_PARSERS, JsonCallsParser
 from npuserve.proto import scheduler_pb2 as pb
-from npuserve.scheduler.api_codec import prompt_from_proto
-from npuserve.scheduler.request import InvalidRequestError
+from npuserve.scheduler.api.api_codec import prompt_from_proto
+from npuserve.scheduler.core.request import InvalidRequestError
 
 WEATHER = {
     "type": "function",

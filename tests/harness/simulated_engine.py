@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
-from npuserve.scheduler.engine import Engine
-from npuserve.scheduler.engine_config import EngineConfig
-from npuserve.scheduler.executor_client import ExecutorError
-from npuserve.scheduler.lane import ExecutorLane, StepExecutor
-from npuserve.scheduler.outputs import GenerateOutput
-from npuserve.scheduler.prompts import PromptInput
-from npuserve.scheduler.request import SamplingParams
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.engine import Engine
+from npuserve.scheduler.engine.engine_config import EngineConfig
+from npuserve.scheduler.engine.outputs import GenerateOutput
+from npuserve.scheduler.lanes.executor_client import ExecutorError
+from npuserve.scheduler.lanes.lane import ExecutorLane, StepExecutor
+from npuserve.scheduler.text.prompts import PromptInput
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 MODEL = "simulated"
 # Small pools, so that block counts are easy to reason about; no modelled latency.

@@ -26,10 +26,10 @@ from npuserve.proto.api_spread import (
     probe_api_server,
     spread_channels,
 )
-from npuserve.scheduler.api_servers import start_api_servers, stop_api_servers
-from npuserve.scheduler.api_servicer import PublicApiServicer
-from npuserve.scheduler.prompts import ModelLimits, PromptProcessor
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api.api_servicer import PublicApiServicer
+from npuserve.scheduler.text.prompts import ModelLimits, PromptProcessor
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 
 class NotOpening:

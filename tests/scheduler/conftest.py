@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.scheduler.tokenizer import Tokenizer
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,284 @@
+"""An API server process (`--api-server-count N`): one of N processes serving the public gRPC API
+on the scheduler's port, so that the per-token work of client streams spreads over cores.
+
+Each API process shares the port with the others (SO_REUSEPORT: the kernel spreads connections
+over them) and, for its clients:
+  * checks the API key, validates requests, renders chat templates and tokenizes (`prompts`);
+  * hands each request, as token ids, to the engine's process (the core) and serves the client's
+    stream from the token batches the core relays back: detokenization, stop strings (a stop
+    string found here is sent to the core, which stops computing the sequence), usage, the
+    response messages and their writes;
+  * answers `Tokenize`, `Detokenize` itself, and passes every other call (`Abort`, `Health`,
+    `CheckIntegrity`, profiling, metrics, `ListModels`) to the core, which answers it as it
+    would in one process.
+The core keeps what must be one: the block tables (in its scheduler workers), routing, the
+failover copies of every request, and the metrics.
+
+Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
+  api -> core: ("ready", port) | ("submit", handle, request_id, prompt_ids, SamplingParams)
+               | ("ack", number of relayed items applied: flow control, see `api_relay.Relay`)
+               | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
+               | ("call", call_id, method, request message)
+  core -> api: ("add" | "end", handle, *SequenceUpdate's fields) | ("refuse", handle, RelayedError)
+               | ("relayed", pickled list of "add" items: a worker's tokens for this process's
+                  streams, which the core forwards unopened, see `step_frames`)
+               | ("delivered", query_id, [(handle, choice)]: what those streams hold, asked when
+                  the scheduler worker that ran them died; answered with the same kind)
+               | ("reply", call_id, response message | RelayedStatus) | ("drain",) | ("exit",)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+
+from npuserve.deploy.gc_heap import settle_heap_for_serving
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.api_spread import ApiServer
+from npuserve.proto.auth import API_KEY, AioTokenInterceptor
+from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api.api_servicer import PublicApiServicer
+from npuserve.scheduler.api.api_status import RelayedError
+from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.engine_config import new_request_id
+from npuserve.scheduler.engine.outputs import OpenStream, RequestStream, SequenceUpdate
+from npuserve.scheduler.lanes.pipe_link import PipeLink
+from npuserve.scheduler.text.prompts import ModelLimits, PromptInput, PromptProcessor
+from npuserve.scheduler.text.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
+RELAYED_KINDS = frozenset({"add", "end", "refuse"})  # what the core relays of streams (acknowledged)
+# ... and "relayed", a worker's pack of "add" items, acknowledged item by item.
+
+
+@dataclass(frozen=True, slots=True)
+class ApiProcessSettings:
+    index: int
+    count: int  # API server processes in all
+    model: str  # the tokenizer's model directory
+    chat_template: str | None
+    limits: ModelLimits
+    trust_request_chat_template: bool
+    stream_interval: int  # tokens per streamed delta after a sequence's first (`RequestStream`)
+    host: str
+    port: int  # 0: any free port (the first process); the others take the port it got
+    tls: tuple[bytes, bytes] | None
+    api_key: str | None
+    log_level: str
+    json_logs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RelayedStatus:
+    """A forwarded call's gRPC status, as the core's servicer ended it."""
+
+    code: str
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+
+
+# Calls the core answers (every one but Generate, Tokenize and Detokenize).
+FORWARDED_CALLS = (
+    "Abort",
+    "ListModels",
+    "Health",
+    "CheckIntegrity",
+    "StartProfile",
+    "StopProfile",
+    "GetMetrics",
+)
+
+
+class CoreLink:
+    """The API process's side of its pipe to the core (on the event loop)."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.streams: dict[int, RequestStream] = {}
+        self._handles = itertools.count()
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self.draining = asyncio.Event()
+        self.gone = asyncio.Event()  # the core said exit, or is no more
+        self.pipe = PipeLink(conn, self._apply, self.gone.set, loop)
+
+    def start(self) -> None:
+        self.pipe.start()
+
+    def _apply(self, batch: list[Any]) -> None:
+        relayed = 0
+        for item in batch:
+            kind = item[0]
+            if kind in RELAYED_KINDS:
+                relayed += 1
+            if kind == "add":
+                self._add(item)
+            elif kind == "relayed":  # a worker's pack of tokens, passed on by the core as it was
+                items = pickle.loads(item[1])
+                relayed += len(items)
+                for packed in items:  # NOTE: once per token
+                    self._add(packed)
+            elif kind == "delivered":
+                _, query_id, sequences = item
+                self.pipe.send(("delivered", query_id, [self._delivered(*s) for s in sequences]))
+            elif kind == "end":
+                stream = self.streams.get(item[1])
+                if stream is not None:
+                    stream.end(SequenceUpdate(*item[2:]))
+            elif kind == "refuse":
+                stream = self.streams.get(item[1])
+                if stream is not None and not stream.started:
+                    stream.refuse(item[2])
+            elif kind == "reply":
+                future = self._calls.pop(item[1], None)
+                if future is not None and not future.done():
+                    future.set_result(item[2])
+            elif kind == "drain":
+                self.draining.set()
+            elif kind == "exit":
+                self.gone.set()
+        if relayed:
+            self.pipe.send(("ack", relayed))
+
+    def _add(self, item: tuple[Any, ...]) -> None:
+        stream = self.streams.get(item[1])
+        if stream is not None:
+            update = SequenceUpdate._make(item[2:])
+            stop = stream.add(update)
+            if stop is not None:
+                self.pipe.send(("stop", item[1], update.choice, stop))
+
+    def _delivered(self, handle: int, choice: int) -> list[int] | None:
+        """A sequence's tokens as this process received them (its worker died: it resumes from
+        them); None for a stream that is over."""
+        stream = self.streams.get(handle)
+        return None if stream is None else stream.sequences[choice].token_ids
+
+    def open(self, stream: RequestStream, params: SamplingParams) -> int:
+        handle = next(self._handles)
+        self.streams[handle] = stream
+        self.pipe.send(("submit", handle, stream.request_id, stream.prompt_token_ids, params))
+        return handle
+
+    def close(self, handle: int) -> None:
+        """The client's stream is over: the core aborts what is left of the request."""
+        stream = self.streams.pop(handle)
+        self.pipe.send(("close", handle, not stream.finished))
+
+    async def call(self, method: str, request: Message) -> Any:
+        if self.gone.is_set():
+            raise RelayedError("UNAVAILABLE", "the scheduler is restarting; retry")
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self._calls[call_id] = future
+        self.pipe.send(("call", call_id, method, request))
+        return await future
+
+
+class ApiFront:
+    """Requests over the core: checks and tokenizes here, streams what the core relays."""
+
+    def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
+        self.link = link
+        self.prompts = prompts
+        self.stream_interval = stream_interval
+
+    async def open(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
+    ) -> OpenStream:
+        prompts = self.prompts
+        prompts.check_request(model, params)
+        prompt_ids = await prompts.prompt_token_ids(prompt)
+        prompts.check_lengths(prompt_ids, params)
+        stream = RequestStream(
+            request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
+        )
+        handle = self.link.open(stream, params)
+        return OpenStream(stream, lambda: self.link.close(handle))
+
+
+class ApiProcessServicer(PublicApiServicer):
+    """Generate, Tokenize, Detokenize here; every other call answered by the core."""
+
+    def __init__(
+        self, link: CoreLink, prompts: PromptProcessor, stream_interval: int, api_server: ApiServer
+    ) -> None:
+        super().__init__(ApiFront(link, prompts, stream_interval), prompts, api_server)
+        self.link = link
+
+    async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            answer = await self.link.call(method, request)
+        except RelayedError as exc:
+            answer = RelayedStatus(exc.code, exc.message)
+        if isinstance(answer, RelayedStatus):
+            await context.abort(grpc.StatusCode[answer.code], answer.details, answer.trailing_metadata)
+        return answer
+
+
+def _forwarding(method: str) -> Any:
+    async def forward(self: ApiProcessServicer, request: Message, context: grpc.aio.ServicerContext) -> Any:
+        return await self._forward(method, request, context)
+
+    forward.__name__ = method
+    return forward
+
+
+for _method in FORWARDED_CALLS:
+    setattr(ApiProcessServicer, _method, _forwarding(_method))
+
+
+async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
+    loop = asyncio.get_running_loop()
+    tokenizer = Tokenizer.from_pretrained(settings.model, chat_template=settings.chat_template)
+    prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
+    prompts.start()
+    link = CoreLink(conn, loop)
+    servicer = ApiProcessServicer(link, prompts, settings.stream_interval, (settings.index, settings.count))
+    interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
+    servers, port = await start_api_servers(
+        lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
+        interceptors,
+        settings.host,
+        settings.port,
+        settings.tls,
+    )
+    link.start()
+    await prompts.wait_started()  # NOTE: their imports would take the CPU of the first requests' steps
+    settle_heap_for_serving()
+    link.pipe.send(("ready", port))
+    log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
+
+    async def drain_on_request() -> None:
+        await link.draining.wait()
+        servicer.drain()
+
+    drain = loop.create_task(drain_on_request())
+    await link.gone.wait()
+    drain.cancel()
+    await stop_api_servers(servers, STOP_GRACE_S)
+    link.pipe.close()
+    prompts.close()
+
+
+def run_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
+    """The API process's entry point (spawned by `api_relay.ApiProcessPool`)."""
+    from npuserve.deploy.event_loop import run as run_loop
+    from npuserve.deploy.logs import configure_logging
+    from npuserve.deploy.process_name import API_SERVER, set_process_name
+
+    set_process_name(API_SERVER)
+    configure_logging(settings.log_level, settings.json_logs)
+    structlog.contextvars.bind_contextvars(api_server=settings.index)
+    run_loop(serve_api_process(conn, settings))

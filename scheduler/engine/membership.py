@@ -1,0 +1,105 @@
+"""Which executors the engine serves on, as they come and go.
+
+`StaticMembership` serves the `--executors` list and reconnects to one that went down once it
+answers again (a restarted executor rejoins with a fresh block pool). `RedisMembership`
+(`scheduler/engine/registry.py`) discovers executors from their registrations instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
+
+if TYPE_CHECKING:
+    from npuserve.scheduler.engine.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+ClientFactory = Callable[[str], ExecutorClient]
+
+
+def handshake(
+    make_client: ClientFactory, address: str, probe_timeout_s: float | None = None
+) -> tuple[str, ExecutorClient, ExecutorInfo]:
+    """Connects and runs the capacity handshake (blocking; call from a worker thread).
+
+    ``probe_timeout_s`` bounds this handshake only (probing a down executor must not wait for
+    the step timeout); steps keep the client's own timeout.
+    """
+    client = make_client(address)
+    step_timeout_s = client.timeout_s
+    if probe_timeout_s is not None:
+        client.timeout_s = probe_timeout_s
+    try:
+        info = client.info()
+    except Exception:
+        client.close()
+        raise
+    client.timeout_s = step_timeout_s
+    return client.executor_id or address, client, info
+
+
+async def wait_for_executors(
+    make_client: ClientFactory, addresses: list[str], timeout_s: float
+) -> list[tuple[str, ExecutorClient, ExecutorInfo]]:
+    """The handshake with every address, retried while they start (up to ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    joined = []
+    for address in addresses:
+        while True:
+            try:
+                joined.append(await asyncio.to_thread(handshake, make_client, address))
+                break
+            except ExecutorError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"executor {address} did not answer within {timeout_s:.0f} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(0.5)
+        log.info("executor connected", address=address, num_blocks=joined[-1][2].num_blocks)
+    return joined
+
+
+class StaticMembership:
+    def __init__(
+        self, make_client: ClientFactory, addresses: list[str], retry_interval_s: float = 1.0
+    ) -> None:
+        self.make_client = make_client
+        self.addresses = addresses
+        self.retry_interval_s = retry_interval_s
+        self.executor_of: dict[str, str] = {}  # address -> executor id, once connected
+
+    def num_known(self) -> int:
+        """The executors this scheduler serves on when all are up."""
+        return len(self.addresses)
+
+    def joined(self, address: str, executor_id: str) -> None:
+        self.executor_of[address] = executor_id
+
+    async def run(self, engine: Engine) -> None:
+        """Reconnects executors that went down; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.retry_interval_s)
+            for address in self.addresses:
+                if self.executor_of.get(address) in engine.lanes:
+                    continue
+                try:
+                    executor_id, client, info = await asyncio.to_thread(
+                        handshake, self.make_client, address, 2.0
+                    )
+                except ExecutorError:
+                    continue
+                try:
+                    engine.add_executor(executor_id, client, info)
+                except ValueError as exc:
+                    log.error("executor refused", address=address, error=str(exc))
+                    client.close()
+                    continue
+                self.executor_of[address] = executor_id

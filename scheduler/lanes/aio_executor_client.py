@@ -1,0 +1,189 @@
+"""One executor's steps from an event loop: the client a scheduler worker's lanes use.
+
+A worker drives all its executors from one thread (`async_lane`): a thread per lane, each with
+gRPC's own threads behind it, spent most of a step's CPU handing the GIL around. Steps go as
+`executor_client` sends them (the same requests, transports and errors), over grpc.aio:
+
+* ``stream``: one long-lived `StepStream`, opened on the first step and again after any failure;
+  steps may be pipelined (`submit` the next before the last one's `result`), the executor runs
+  them in order;
+* ``unary``: a `Step` call each, made when its result is asked for.
+
+`timeout_s` bounds each step's wait for its response (DEADLINE_EXCEEDED, and the stream ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto import executor_pb2_grpc as pb_grpc
+from npuserve.proto import step_codec
+from npuserve.proto.auth import bearer_metadata
+from npuserve.proto.channel import aio_client_channel
+from npuserve.proto.step_plan import StepPlan, StepResult
+from npuserve.scheduler.lanes.executor_client import (
+    CHANNEL_OPTIONS,
+    HEALTH_CHECK_TIMEOUT_S,
+    ClientSpec,
+    ExecutorError,
+    addressed_step,
+    serves_as,
+)
+
+
+def _error(exc: grpc.aio.AioRpcError) -> ExecutorError:
+    return ExecutorError(exc.code().name, exc.details() or str(exc))
+
+
+def _late(timeout_s: float | None) -> ExecutorError:
+    return ExecutorError("DEADLINE_EXCEEDED", f"no step response within {timeout_s} s")
+
+
+def _closed_under(client: AioExecutorClient, stream: Any, exc: asyncio.CancelledError) -> ExecutorError:
+    """A stream this client cancelled (a step before failed) cancels what waits on it; a wait
+    on the open stream was the task's own cancellation, which goes on."""
+    if stream is client.open_stream:
+        raise exc
+    return ExecutorError("CANCELLED", "the step stream was closed after a failed step")
+
+
+class AioPendingStep:
+    """A step sent (or, over unary calls, to be sent) whose result has not been read yet."""
+
+    def __init__(self, client: AioExecutorClient, request: pb.StepRequest, stream: Any | None) -> None:
+        self.client = client
+        self.request = request
+        self.stream = stream  # the StepStream call it went on; None: a unary call
+
+    async def result(self) -> StepResult:
+        """The step's next answer: its early answer first (`StepResult.partial`) when it has one
+        (`AioExecutorClient.answers_early`), then its result."""
+        client = self.client
+        if self.stream is None:
+            try:
+                response = await client.stub.Step(
+                    self.request, timeout=client.timeout_s, metadata=client.metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _error(exc) from None
+            return step_codec.result_from_proto(response)
+        # NOTE: a timer that ends the stream, not `wait_for`: that wraps the read in a task of
+        # its own (Python < 3.12), a task and a loop turn more per step.
+        timeout_s, expired = client.timeout_s, False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            client.close_stream(self.stream)
+
+        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(timeout_s, expire)
+        try:
+            response = await self.stream.read()
+        except asyncio.CancelledError as exc:
+            if expired:
+                raise _late(timeout_s) from None
+            raise _closed_under(client, self.stream, exc) from None
+        except grpc.aio.AioRpcError as exc:
+            client.close_stream(self.stream)
+            if expired:
+                raise _late(timeout_s) from None
+            raise _error(exc) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if response is grpc.aio.EOF:
+            client.close_stream(self.stream)
+            raise ExecutorError("UNAVAILABLE", "the executor closed the step stream")
+        return step_codec.result_from_proto(response)
+
+
+class AioExecutorClient:
+    """Steps to one executor instance (``instance_id``: the process the front handshook with)."""
+
+    def __init__(
+        self,
+        address: str,
+        instance_id: str,
+        stream: bool,
+        timeout_s: float | None = 60.0,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
+        self.address = address
+        self.instance_id = instance_id
+        self.streams = stream
+        self.timeout_s = timeout_s
+        self.channel = aio_client_channel(address, CHANNEL_OPTIONS, tls_ca)
+        self.stub = pb_grpc.ExecutorStub(self.channel)
+        self.metadata = bearer_metadata(token)
+        self._stream: Any | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ClientSpec, address: str, instance_id: str) -> AioExecutorClient:
+        """The client ``spec`` describes (the one the front's processes share), for one instance."""
+        return cls(
+            address, instance_id, spec.step_transport == "stream", spec.timeout_s, spec.token, spec.tls_ca
+        )
+
+    @property
+    def open_stream(self) -> Any | None:
+        return self._stream
+
+    @property
+    def answers_early(self) -> bool:
+        """Whether a multi-step plan's first-pass-only requests are answered after that pass,
+        before the step's result (`early_results`): over the step stream."""
+        return self.streams
+
+    async def submit(self, plan: StepPlan, early_results: bool = False) -> AioPendingStep:
+        """Sends a step (over a stream: now; read its result with ``.result()``, in order).
+
+        ``early_results``: where the client `answers_early`, a multi-step plan's first-pass-only
+        requests come in an answer of their own before its result (read both with ``.result()``)."""
+        request = addressed_step(plan, self.instance_id)
+        if not self.streams:
+            return AioPendingStep(self, request, None)
+        request.early_results = early_results and plan.has_first_pass_only
+        if self._stream is None:
+            self._stream = self.stub.StepStream(metadata=self.metadata)
+        stream = self._stream
+        try:
+            await stream.write(request)
+        except grpc.aio.AioRpcError as exc:
+            self.close_stream(stream)
+            raise _error(exc) from None
+        except asyncio.InvalidStateError:  # the stream ended meanwhile (its reader saw why)
+            self.close_stream(stream)
+            raise ExecutorError("UNAVAILABLE", "the executor closed the step stream") from None
+        except asyncio.CancelledError as exc:
+            raise _closed_under(self, stream, exc) from None
+        return AioPendingStep(self, request, stream)
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        return await (await self.submit(plan)).result()
+
+    async def health(self) -> bool:
+        """True when the executor answers and serves, as the process the front handshook with;
+        False when it is unreachable, stopping, or another process (asked after a failed step:
+        was that the executor's answer, or was it gone? `serves_as`)."""
+        try:
+            response = await self.stub.Health(
+                pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self.metadata
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # the second: a closed channel
+            return False
+        return serves_as(response, self.instance_id)
+
+    def close_stream(self, stream: Any) -> None:
+        """Ends ``stream`` if it is still the open one: the next step opens another."""
+        if self._stream is stream and stream is not None:
+            self._stream = None
+            stream.cancel()
+
+    async def close(self) -> None:
+        self.close_stream(self._stream)
+        await self.channel.close(grace=None)

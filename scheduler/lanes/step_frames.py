@@ -1,0 +1,258 @@
+"""What a scheduler worker process reports to the front, compactly: lane events without the
+request objects, the lane's load after them, and its prefix-cache changes.
+
+A worker owns the `Request` objects its lanes schedule; the front keeps its own copy of each
+(for streams, metrics and fail-over). Reports therefore name requests by id and carry only what
+changed: new tokens, finish statuses, the ids of requests that ended or must move (with their
+output, which the worker holds whole). The front applies them to its copies (`apply_report`),
+which rebuilds the `LaneEvent` the engine handles for an in-process lane, so both kinds of lane
+drive the same engine code.
+
+Tokens of a sequence that goes on and whose stream an API server process serves (most of them,
+with `--api-server-count` above 1) skip all that: the worker packs them per API process, as the
+items that process applies, and the front forwards each pack unopened (`LaneReport.relayed`).
+The front's copy only counts them; whoever moves the sequence takes its output back first.
+With `--stream-interval` above 1 (`Request.relay_every`) the worker packs a sequence's tokens
+in groups of that many, and the rest with its end or before it moves: one item, one
+detokenization and one message to the client per group.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any
+
+from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.scheduler.core.block_hash import BlockHash
+from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.scheduler import RequestUpdate, StepStats
+from npuserve.scheduler.lanes.lane import ExecutorLane, LaneEvent
+
+# (req_id, new token ids, their logprobs, the finish status's value or None, why it failed,
+#  the prompt tokens found in the prefix cache at its first schedule, its output tokens in all)
+CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, str | None, int, int]
+# A request that must move: (req_id, its output token ids, their logprobs), as the worker has them.
+Evacuated = tuple[str, list[int], list[TokenLogprobs | None]]
+# Packed tokens for one API process incarnation: (number of items, the pickled item list).
+RelayedPack = tuple[int, bytes]
+
+
+@dataclass(slots=True)
+class LaneLoad:
+    """A lane's state after a report (the front's routing and gauges read it)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    has_work: bool = False  # a step to send, drops of finished requests included
+    num_scheduler_steps: int = 1  # the passes its steps run now
+
+    def __reduce__(self) -> tuple[type[LaneLoad], tuple[object, ...]]:
+        return LaneLoad, _LOAD_FIELDS(self)
+
+
+@dataclass(slots=True)
+class LaneReport:
+    lane_key: str  # the front's name for this lane (an executor may rejoin as a new lane)
+    updates: list[CompactUpdate] = field(default_factory=list)
+    ended: list[tuple[str, str, int]] = field(default_factory=list)  # (req_id, status value, outputs)
+    evacuated: list[Evacuated] = field(default_factory=list)
+    # (API process index, incarnation) -> the tokens for its streams (`_pack_unsent`).
+    relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
+    num_relayed_tokens: int = 0  # tokens of this step in `relayed`, or held back for it
+    num_sequences: int = 0  # sequences that sampled in this step (relayed or not)
+    error: str | None = None
+    lane_down: bool = False
+    stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
+    step_seconds: float = 0.0
+    load: LaneLoad = field(default_factory=LaneLoad)
+    kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
+    executor_draining: bool = False  # the executor's step answer said it drains
+    failed_step: bool = False  # a step failed while the executor still served
+    joined_step: bool = False  # a step that ran inside another's pass landed
+
+    # NOTE: pickled as the arguments of the constructor, not as a state to set field by field:
+    # smaller, and cheaper both ways (a worker pickles one report per step).
+    def __reduce__(self) -> tuple[type[LaneReport], tuple[object, ...]]:
+        return LaneReport, _REPORT_FIELDS(self)
+
+
+_LOAD_FIELDS = attrgetter(*(f.name for f in fields(LaneLoad)))
+_REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
+
+
+def lane_load(lane: ExecutorLane) -> LaneLoad:
+    queries, hits = lane.prefix_stats
+    return LaneLoad(
+        lane.num_waiting,
+        lane.num_running,
+        lane.num_used_blocks,
+        lane.kv_usage,
+        queries,
+        hits,
+        lane.has_work,
+        lane.num_scheduler_steps,
+    )
+
+
+def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneReport:
+    """On the worker's lane thread, right after the event: its compact form and the lane's load."""
+    events = lane.scheduler.kv.pool.events
+    kv_events = list(events) if events else []
+    if events:
+        events.clear()
+    stats = event.stats
+    updates: list[CompactUpdate] = []
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]] = {}
+    num_relayed_tokens = 0
+    for u in event.updates:  # NOTE: once per token
+        request = u.request
+        if request.relay_to is not None:
+            if request.relay_started:
+                if u.finished is None:
+                    num_relayed_tokens += len(u.new_token_ids)
+                    _pack_unsent(relayed, request, least=request.relay_every)
+                    continue
+                _pack_unsent(relayed, request, keep=len(u.new_token_ids))  # what it held, before its end
+            else:  # its first token in this placement goes to the front
+                request.num_relayed_tokens = len(request.output_token_ids)
+        updates.append(
+            (
+                request.req_id,
+                u.new_token_ids,
+                u.new_logprobs,
+                None if u.finished is None else u.finished.value,
+                None if u.finished is None else request.error,
+                request.num_cached_tokens,
+                len(request.output_token_ids),
+            )
+        )
+    for request in (*event.ended, *event.evacuated):
+        if request.relay_to is not None and request.relay_started:  # held: before it ends or moves
+            _pack_unsent(relayed, request)
+    return LaneReport(
+        lane_key=lane_key,
+        updates=updates,
+        ended=[(r.req_id, r.status.value, len(r.output_token_ids)) for r in event.ended],
+        evacuated=[evacuated(r) for r in event.evacuated],
+        relayed={key: (len(items), pickle.dumps(items, protocol=5)) for key, items in relayed.items()},
+        num_relayed_tokens=num_relayed_tokens,
+        num_sequences=len(event.updates),
+        error=event.error,
+        lane_down=event.lane_down,
+        stats=None
+        if stats is None
+        else (stats.num_preemptions, stats.num_scheduled_tokens, stats.num_prompt_tokens),
+        step_seconds=event.step_seconds,
+        load=lane_load(lane),
+        kv_events=kv_events,
+        executor_draining=event.executor_draining,
+        failed_step=event.failed_step,
+        joined_step=event.joined_step,
+    )
+
+
+RUNNING = RequestStatus.RUNNING
+
+
+def _pack_unsent(
+    relayed: dict[tuple[int, int], list[tuple[object, ...]]], request: Request, keep: int = 0, least: int = 1
+) -> None:
+    """Packs the output tokens of ``request`` not sent in this placement yet, but its last
+    ``keep``, as one item for its API process, if there are at least ``least`` of them (a
+    worker holds fewer than `Request.relay_every`). They count as sent from then on.
+
+    The item is the one that process applies: ("add", stream handle, then the fields of
+    `outputs.SequenceUpdate` for tokens that end nothing)."""
+    output = request.output_token_ids
+    start, end = request.num_relayed_tokens, len(output) - keep
+    if end - start < least:
+        return
+    request.num_relayed_tokens = end
+    assert request.relay_to is not None
+    index, incarnation, handle, choice = request.relay_to
+    item = (
+        "add",
+        handle,
+        choice,
+        output[start:end],
+        request.output_logprobs[start:end],
+        None,
+        None,
+        None,
+        len(output),
+        request.num_cached_tokens,
+    )
+    items = relayed.get((index, incarnation))
+    if items is None:
+        relayed[(index, incarnation)] = [item]
+    else:
+        items.append(item)
+
+
+def evacuated(request: Request) -> Evacuated:
+    return request.req_id, request.output_token_ids, request.output_logprobs
+
+
+def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
+    """The front's copy counts the tokens its worker sent straight to an API process."""
+    request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
+
+
+def carries_reports(message: list[Any]) -> bool:
+    """Whether a worker's message holds lane reports: the worker counts those messages as
+    unacknowledged until the front, having handled one, acknowledges it."""
+    return any(isinstance(item, LaneReport) for item in message)
+
+
+def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]) -> LaneEvent:
+    """On the front's event loop: applies a report to the front's copies of the requests and
+    returns the event it stands for. Requests the front no longer tracks are skipped."""
+    event = LaneEvent(
+        error=report.error,
+        lane_down=report.lane_down,
+        step_seconds=report.step_seconds,
+        executor_draining=report.executor_draining,
+        failed_step=report.failed_step,
+        joined_step=report.joined_step,
+    )
+    updates = event.updates
+    for req_id, token_ids, logprobs, finished, error, num_cached, num_output in report.updates:
+        request = request_of(req_id)
+        if request is None:
+            continue
+        if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
+            request.num_cached_tokens = num_cached
+        request.add_reported_output(token_ids, logprobs)
+        count_direct_tokens(request, num_output)
+        if finished is None:  # NOTE: once per token: the common case sets nothing it need not
+            if request.status is not RUNNING:
+                request.status = RUNNING
+            updates.append(RequestUpdate(request, token_ids, logprobs, None))
+            continue
+        status = RequestStatus(finished)
+        request.status = status
+        request.error = error or request.error
+        updates.append(RequestUpdate(request, token_ids, logprobs, status))
+    for req_id, status_value, num_output in report.ended:
+        request = request_of(req_id)
+        if request is not None:
+            count_direct_tokens(request, num_output)
+            request.status = RequestStatus(status_value)
+            event.ended.append(request)
+    for req_id, output_token_ids, output_logprobs in report.evacuated:
+        request = request_of(req_id)
+        if request is not None:
+            request.take_output(output_token_ids, output_logprobs)
+            request.reset_for_recompute()
+            event.evacuated.append(request)
+    if report.stats is not None:
+        preemptions, scheduled, prompt = report.stats
+        event.stats = StepStats(preemptions, scheduled, prompt)
+    return event
