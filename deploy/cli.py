@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from npuserve.deploy.logs import configure_logging
+from npuserve.deploy.runtime.logs import configure_logging
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     from npuserve.deploy.executor_flags import add_executor_flags
     from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
+    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
     from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
-    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
     add_executor_flags(serve)
     serve.set_defaults(port=8000, host="127.0.0.1")
@@ -46,7 +46,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 def add_executor_command_flags(executor: argparse.ArgumentParser) -> None:
     from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
     from npuserve.deploy.flags import add_logging_flags
-    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
+    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
 
     add_executor_flags(executor)
     add_executor_cluster_flags(executor)
@@ -56,8 +56,8 @@ def add_executor_command_flags(executor: argparse.ArgumentParser) -> None:
 
 def add_scheduler_command_flags(scheduler: argparse.ArgumentParser) -> None:
     from npuserve.deploy.flags import add_logging_flags
+    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
     from npuserve.deploy.scheduler_flags import add_scheduler_flags
-    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
 
     add_scheduler_flags(scheduler)
     add_shutdown_timeout_flag(scheduler)
@@ -67,7 +67,7 @@ def add_scheduler_command_flags(scheduler: argparse.ArgumentParser) -> None:
 def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
     from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
-    from npuserve.deploy.shutdown import add_shutdown_timeout_flag
+    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
 
     gateway.add_argument("--scheduler", required=True, help="the scheduler's gRPC address, HOST:PORT")
     gateway.add_argument("--host", default="127.0.0.1")
@@ -123,13 +123,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
-    from npuserve.deploy.cpu_priority import control_plane_nice
     from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
     from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags, resolve_api_key
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
+    from npuserve.deploy.runtime.cpu_priority import control_plane_nice
+    from npuserve.deploy.runtime.shutdown import Shutdown, shutdown_timeout_flags
     from npuserve.deploy.scheduler_flags import SCHEDULER
-    from npuserve.deploy.shutdown import Shutdown, shutdown_timeout_flags
     from npuserve.deploy.supervisor import Supervisor
     from npuserve.proto.auth import API_KEY, GATEWAY_API_KEY, exposure_problem
     from npuserve.proto.ready_file import write_ready_file
@@ -267,7 +267,7 @@ def run_executor(args: argparse.Namespace) -> int:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from npuserve.deploy import event_loop
+    from npuserve.deploy.runtime import event_loop
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler

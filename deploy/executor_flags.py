@@ -24,7 +24,7 @@ from npuserve.deploy.flags import (
     cluster_token,
     server_tls,
 )
-from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.flag_table import Flag, FlagTable
 from npuserve.deploy.flags import resolve_api_key
-from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.gateway.reasoning import REASONING_PARSERS
 from npuserve.gateway.tool_parsers import TOOL_PARSERS
 from npuserve.proto.auth import API_KEY

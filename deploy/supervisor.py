@@ -21,8 +21,13 @@ from typing import Literal
 import structlog
 
 from npuserve.deploy.launcher import Child, Launcher
-from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY, Clock, RestartHistory, RestartPolicy
-from npuserve.deploy.shutdown import Shutdown
+from npuserve.deploy.runtime.restart_policy import (
+    DEFAULT_RESTART_POLICY,
+    Clock,
+    RestartHistory,
+    RestartPolicy,
+)
+from npuserve.deploy.runtime.shutdown import Shutdown
 
 log = structlog.get_logger(__name__)
 

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, TP_RANK_ENV
-from npuserve.deploy.gc_heap import settle_heap_for_serving
 from npuserve.deploy.launcher import Launcher
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
-from npuserve.deploy.gc_heap import settle_heap_for_serving
-from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS, choose_cpu_threads
 from npuserve.executor.model_runner import ModelRunner

@@ -24,8 +24,8 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from npuserve.deploy.gc_heap import settle_heap_for_serving
-from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
 from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.drain import Drain
@@ -76,7 +76,7 @@ class GatewayConfig:
 
 def run_gateway(config: GatewayConfig) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
-    from npuserve.deploy import event_loop
+    from npuserve.deploy.runtime import event_loop
 
     return event_loop.run(serve_gateway(config))
 

@@ -22,8 +22,8 @@ import grpc
 import structlog
 
 from npuserve.deploy.demo_model import default_served_name
-from npuserve.deploy.gc_heap import settle_heap_for_serving
-from npuserve.deploy.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor

@@ -414,7 +414,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     from npuserve.deploy.grpc_env import set_grpc_environment
-    from npuserve.deploy.logs import configure_logging
+    from npuserve.deploy.runtime.logs import configure_logging
 
     set_grpc_environment()  # NOTE: first, as `npuserve bench-scale` does: its children inherit it
     parser = argparse.ArgumentParser(

@@ -18,7 +18,7 @@ from npuserve.deploy.bench.report import percentile
 from npuserve.deploy.bench.scale_config import AWAITING_SAMPLE_S, CLOCK_TICKS, DRAIN_TIMEOUT_S, ScaleConfig
 from npuserve.deploy.bench.scale_load import Load, LoadState
 from npuserve.deploy.bench.scale_profile import profile_scheduler
-from npuserve.deploy.process_name import API_SERVER, STEP_WORKER, process_name
+from npuserve.deploy.runtime.process_name import API_SERVER, STEP_WORKER, process_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 

@@ -29,11 +29,11 @@ from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
-from npuserve.deploy.cpu_priority import control_plane_nice
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
+from npuserve.deploy.runtime.cpu_priority import control_plane_nice
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT

@@ -179,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
 
 def main(argv: list[str] | None = None) -> None:
     from npuserve.deploy.grpc_env import set_grpc_environment
-    from npuserve.deploy.logs import configure_logging
+    from npuserve.deploy.runtime.logs import configure_logging
 
     set_grpc_environment()  # NOTE: first, as an executor's `npuserve executor` does
     args = build_parser().parse_args(argv)

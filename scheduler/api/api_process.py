@@ -41,7 +41,7 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from npuserve.deploy.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import ApiServer
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
@@ -274,9 +274,9 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
 
 def run_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
     """The API process's entry point (spawned by `api_relay.ApiProcessPool`)."""
-    from npuserve.deploy.event_loop import run as run_loop
-    from npuserve.deploy.logs import configure_logging
-    from npuserve.deploy.process_name import API_SERVER, set_process_name
+    from npuserve.deploy.runtime.event_loop import run as run_loop
+    from npuserve.deploy.runtime.logs import configure_logging
+    from npuserve.deploy.runtime.process_name import API_SERVER, set_process_name
 
     set_process_name(API_SERVER)
     configure_logging(settings.log_level, settings.json_logs)

@@ -21,7 +21,7 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from npuserve.deploy.restart_policy import RestartHistory
+from npuserve.deploy.runtime.restart_policy import RestartHistory
 from npuserve.scheduler.api.api_process import ApiProcessSettings, RelayedStatus, run_api_process
 from npuserve.scheduler.api.api_status import relayed
 from npuserve.scheduler.core.request import Request, SamplingParams

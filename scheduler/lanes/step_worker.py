@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from npuserve.deploy.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.request import Request
 from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -231,9 +231,9 @@ def run_step_worker(
     json_logs: bool,
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
-    from npuserve.deploy.event_loop import run as run_loop
-    from npuserve.deploy.logs import configure_logging
-    from npuserve.deploy.process_name import STEP_WORKER, set_process_name
+    from npuserve.deploy.runtime.event_loop import run as run_loop
+    from npuserve.deploy.runtime.logs import configure_logging
+    from npuserve.deploy.runtime.process_name import STEP_WORKER, set_process_name
 
     set_process_name(STEP_WORKER)
     configure_logging(log_level, json_logs)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from npuserve.deploy.restart_policy import RestartHistory
+from npuserve.deploy.runtime.restart_policy import RestartHistory
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus

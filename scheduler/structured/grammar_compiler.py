@@ -34,7 +34,7 @@ import structlog
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from npuserve.deploy.process_name import GRAMMAR_COMPILE
+from npuserve.deploy.runtime.process_name import GRAMMAR_COMPILE
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
 from npuserve.scheduler.core.request import InvalidRequestError
 from npuserve.scheduler.structured.grammar_closing import ByteVocab

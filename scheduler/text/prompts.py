@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from npuserve.deploy.process_name import CHAT_RENDER
+from npuserve.deploy.runtime.process_name import CHAT_RENDER
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
 from npuserve.scheduler.core.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.text.chat_template import ChatRender, RenderLimits, render_worker

@@ -55,7 +55,7 @@ Setup = Callable[[], Handler]
 
 def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str, memory_bytes: int) -> None:
     """A worker's main loop: run each job received, answer its outcome; end on EOF."""
-    from npuserve.deploy.process_name import set_process_name
+    from npuserve.deploy.runtime.process_name import set_process_name
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when workers end
     set_process_name(role)

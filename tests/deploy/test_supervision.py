@@ -43,8 +43,8 @@ from harness.serve import (
     serve_child,
 )
 
-from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE
-from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
+from npuserve.deploy.runtime.cpu_priority import CONTROL_PLANE_NICE
+from npuserve.deploy.runtime.restart_policy import DEFAULT_RESTART_POLICY
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 

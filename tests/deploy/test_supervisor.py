@@ -12,8 +12,8 @@ from pathlib import Path
 from harness.clock import FakeClock
 
 from npuserve.deploy.launcher import Launcher
-from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY
-from npuserve.deploy.shutdown import Shutdown
+from npuserve.deploy.runtime.restart_policy import DEFAULT_RESTART_POLICY
+from npuserve.deploy.runtime.shutdown import Shutdown
 from npuserve.deploy.supervisor import Role, Supervisor
 
 SHELL = ["sh"]

@@ -35,7 +35,7 @@ from harness.serve import (
     worker_pids,
 )
 
-from npuserve.deploy.process_name import API_SERVER, CHAT_RENDER, STEP_WORKER, process_name
+from npuserve.deploy.runtime.process_name import API_SERVER, CHAT_RENDER, STEP_WORKER, process_name
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION

@@ -28,7 +28,7 @@ from harness.serve import (
     worker_pids,
 )
 
-from npuserve.deploy.process_name import STEP_WORKER
+from npuserve.deploy.runtime.process_name import STEP_WORKER
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo

@@ -15,7 +15,7 @@ from multiprocessing import resource_tracker
 import grpc
 import pytest
 
-from npuserve.deploy.process_name import CHAT_RENDER
+from npuserve.deploy.runtime.process_name import CHAT_RENDER
 from npuserve.scheduler.api.api_status import status_of
 from npuserve.scheduler.text.chat_template import ChatRender, RenderLimits, render_worker
 from npuserve.scheduler.text.prompts import render_in

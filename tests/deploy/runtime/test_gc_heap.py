@@ -14,7 +14,7 @@ def test_settling_keeps_the_startup_heap_out_of_collections_and_collects_later_g
     script = textwrap.dedent(
         """
         import gc, weakref
-        from npuserve.deploy.gc_heap import YOUNG_GENERATION_THRESHOLD, settle_heap_for_serving
+        from npuserve.deploy.runtime.gc_heap import YOUNG_GENERATION_THRESHOLD, settle_heap_for_serving
 
         class Node:
             pass

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from npuserve.deploy.process_name import MAX_COMM_BYTES, ROLES, process_name, set_process_name
+from npuserve.deploy.runtime.process_name import MAX_COMM_BYTES, ROLES, process_name, set_process_name
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process names")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from npuserve.deploy.cpu_priority import CONTROL_PLANE_NICE, control_plane_nice
+from npuserve.deploy.runtime.cpu_priority import CONTROL_PLANE_NICE, control_plane_nice
 from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 
 

@@ -14,7 +14,7 @@ import pytest
 # SIGTERM to itself (thread-directed: the main thread does not receive it).
 SIGNALLED_FROM_A_THREAD = """
 import signal, sys, threading, time
-from npuserve.deploy.shutdown import Shutdown
+from npuserve.deploy.runtime.shutdown import Shutdown
 
 shutdown = Shutdown()
 shutdown.install()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from harness.clock import FakeClock
 
-from npuserve.deploy.restart_policy import DEFAULT_RESTART_POLICY, RestartHistory, RestartPolicy
+from npuserve.deploy.runtime.restart_policy import DEFAULT_RESTART_POLICY, RestartHistory, RestartPolicy
 
 
 def test_the_backoff_doubles_from_one_second_to_its_cap() -> None:
