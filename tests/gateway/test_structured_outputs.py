@@ -1,7 +1,7 @@
 """Structured outputs through the official `openai` client against `npuserve serve` on the demo
 model (a KV cache small enough that a burst preempts): JSON schemas, JSON objects, choices and
 regexes hold on every answer, streaming or not, and under preemption; bad constraints get a 400
-naming the param. Fail-over is tested in-process (tests/scheduler/test_structured.py)."""
+naming the param. Fail-over is tested in-process (tests/scheduler/structured/test_matchers.py)."""
 
 from __future__ import annotations
 

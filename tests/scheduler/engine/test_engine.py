@@ -50,7 +50,7 @@ def test_concurrent_requests_stream_their_tokens_to_completion(
                 assert [o.finished for o in result.outputs] == [False] * (len(result.outputs) - 1) + [True]
                 usage = result.last.usage
                 assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (n, m)
-                assert result.text[0]  # detokenized on the way (tests/scheduler/test_detokenizer.py)
+                assert result.text[0]  # detokenized on the way (tests/scheduler/text/test_detokenizer.py)
             assert all(sampled > 0 for sampled in sim.sampled_by().values()), sim.sampled_by()
             assert sum(sim.sampled_by().values()) == sum(m for _, m in lengths)
             assert sim.engine.num_active_requests == 0
@@ -66,7 +66,7 @@ def test_concurrent_requests_stream_their_tokens_to_completion(
 
 def test_a_stream_interval_groups_each_streams_tokens(tokenizer: Tokenizer) -> None:
     """`--stream-interval 4` through the engine: every token arrives, in at most
-    1 + ceil((m - 1) / 4) outputs per sequence (the exact grouping: tests/scheduler/test_outputs.py).
+    1 + ceil((m - 1) / 4) outputs per sequence (the exact grouping: tests/scheduler/engine/test_outputs.py).
     An interval below 1 is refused."""
 
     async def scenario() -> None:
