@@ -261,9 +261,42 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def run_executor(args: argparse.Namespace) -> int:
-    from npuserve.deploy.executor_flags import run_executor
+    """`npuserve executor`: serves with these flags; 2 (and the message) on a user error. Rank 0
+    of a single-node tensor-parallel group starts the other ranks as `LocalRanks`."""
+    from npuserve.deploy.executor_flags import EXECUTOR, cluster_from_args, parallel_config_from_args
+    from npuserve.deploy.flags import cluster_token
+    from npuserve.deploy.local_ranks import LocalRanks
+    from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+    from npuserve.executor.config import ConfigError
+    from npuserve.executor.platform import PlatformError
+    from npuserve.executor.server import serve_executor
+    from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
-    return run_executor(args)
+    try:
+        token = cluster_token(args)
+        problem = exposure_problem(
+            args.host, CLUSTER_TOKEN, bool(token), getattr(args, "allow_unauthenticated", False)
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+        tls, registry = cluster_from_args(args)
+        serve_executor(
+            EXECUTOR.from_args(args),
+            args.host,
+            args.port,
+            args.ready_file,
+            args.executor_id,
+            cluster_token=token,
+            tls=tls,
+            registry=registry,
+            parallel=parallel_config_from_args(args),
+            start_ranks=LocalRanks,
+            shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
+        )
+    except (ConfigError, PlatformError) as exc:
+        print(f"npuserve executor: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

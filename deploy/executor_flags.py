@@ -2,7 +2,7 @@
 options (`ParallelConfig`), one for the registry (`RegistryConfig`), beside the server's own
 (address, ready file, id, TLS). Flag names follow vLLM's. Torch loads only when a config is built.
 
-    `npuserve executor`  -> add_executor_flags, add_executor_cluster_flags -> run_executor
+    `npuserve executor`  -> add_executor_flags, add_executor_cluster_flags -> `cli.run_executor`
     `npuserve serve`, TP ranks, benches, tests -> EXECUTOR.to_flags(config) for the children
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +20,10 @@ from npuserve.deploy.flags import (
     add_allow_unauthenticated_flag,
     add_cluster_token_flag,
     add_server_tls_flags,
-    cluster_token,
     server_tls,
 )
-from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
-from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
+from npuserve.executor.parallel_defaults import DEFAULT_TP_CONNECT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
@@ -34,7 +31,6 @@ if TYPE_CHECKING:
     from npuserve.executor.registration import RegistryConfig
 
 TP_RANK_ENV = "NPUSERVE_TP_RANK"
-DEFAULT_TP_CONNECT_TIMEOUT_S = 120.0
 DEVICE_FLAG = re.compile(r"auto|cpu|(cuda|npu)(:\d+)?")
 
 
@@ -256,35 +252,3 @@ def cluster_from_args(args: argparse.Namespace) -> tuple[tuple[bytes, bytes] | N
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
     return tls, registry
-
-
-def run_executor(args: argparse.Namespace) -> int:
-    """`npuserve executor`: serves with these flags; 2 (and the message) on a user error."""
-    from npuserve.executor.config import ConfigError
-    from npuserve.executor.platform import PlatformError
-    from npuserve.executor.server import serve_executor
-
-    try:
-        token = cluster_token(args)
-        problem = exposure_problem(
-            args.host, CLUSTER_TOKEN, bool(token), getattr(args, "allow_unauthenticated", False)
-        )
-        if problem is not None:
-            raise ConfigError(problem)
-        tls, registry = cluster_from_args(args)
-        serve_executor(
-            EXECUTOR.from_args(args),
-            args.host,
-            args.port,
-            args.ready_file,
-            args.executor_id,
-            cluster_token=token,
-            tls=tls,
-            registry=registry,
-            parallel=parallel_config_from_args(args),
-            shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
-        )
-    except (ConfigError, PlatformError) as exc:
-        print(f"npuserve executor: error: {exc}", file=sys.stderr)
-        return 2
-    return 0

@@ -1,8 +1,9 @@
 """Tensor parallelism: one executor group across N devices, one executor to the scheduler.
 
 Launch. On one node, ``npuserve executor --tensor-parallel-size N`` is rank 0 and starts ranks
-1..N-1 itself (`LocalRanks`: the same Python with ``--tp-rank r``, each pinned to one device
-through ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), rendezvousing on a free port of
+1..N-1 itself through the ``start_ranks`` it is given (`npuserve executor` gives
+`npuserve.deploy.local_ranks.LocalRanks`: the same Python with ``--tp-rank r``, each pinned to one
+device through ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), rendezvousing on a free port of
 127.0.0.1. Across nodes every rank is started on its own with ``--tensor-parallel-size N
 --tp-rank R --master-addr A --master-port P`` (or NPUSERVE_TP_RANK, MASTER_ADDR, MASTER_PORT);
 rank 0 listens on A:P. Only rank 0 serves gRPC.
@@ -42,24 +43,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, TP_RANK_ENV
-from npuserve.deploy.launcher import Launcher
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.model_runner import ModelRunner
-from npuserve.executor.parallel_config import (
-    VISIBLE_DEVICES_ENV,
-    ParallelConfig,
-    check_devices,
-    check_model_split,
-)
+from npuserve.executor.parallel_config import ParallelConfig, check_devices, check_model_split
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.rank_group import RankGroup, post_failure
 from npuserve.executor.rpc_status import ExecutorStopping
@@ -76,6 +70,25 @@ STOP_RANKS_GRACE_S = 10.0
 
 class GroupLost(ExecutorStopping):
     """A rank is gone: this executor cannot run steps any more (UNAVAILABLE to the scheduler)."""
+
+
+class RankProcesses(Protocol):
+    """Ranks 1..N-1 of a single-node group, as rank 0 started them."""
+
+    def exited(self) -> str | None:
+        """Why a started rank is gone, or None while all run."""
+
+    def stop(self, grace_s: float) -> None:
+        """Waits ``grace_s`` for the ranks to exit (they were told to stop), then ends them."""
+
+
+class StartRanks(Protocol):
+    """Starts ranks 1..N-1 of ``parallel``'s group on this node, on ``device``'s kind, to join
+    rank 0's rendezvous at ``host``:``port``."""
+
+    def __call__(
+        self, config: ExecutorConfig, parallel: ParallelConfig, device: torch.device, host: str, port: int
+    ) -> RankProcesses: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +114,7 @@ class TensorParallelRunner(ModelRunner):
 class GroupLeader:
     """Rank 0: the runner the gRPC server drives. Sends each plan to the other ranks first."""
 
-    def __init__(self, runner: TensorParallelRunner, ranks: LocalRanks | None) -> None:
+    def __init__(self, runner: TensorParallelRunner, ranks: RankProcesses | None) -> None:
         self.runner = runner
         self.group = runner.group
         self.ranks = ranks
@@ -233,59 +246,25 @@ def run_follower(runner: TensorParallelRunner) -> None:
     log.info("tensor-parallel rank stopped", rank=group.rank)
 
 
-# --------------------------------------------------------------------------------------------
-# Starting the ranks of one node
-# --------------------------------------------------------------------------------------------
-
-
-class LocalRanks:
-    """Ranks 1..N-1 as child processes of rank 0, each pinned to one device of this node."""
-
-    def __init__(
-        self, config: ExecutorConfig, parallel: ParallelConfig, device: torch.device, host: str, port: int
-    ) -> None:
-        variable = VISIBLE_DEVICES_ENV.get(device.type)
-        visible = os.environ.get(variable or "", "")
-        devices = [d for d in visible.split(",") if d] or [str(i) for i in range(parallel.size)]
-        self.launcher = Launcher()
-        for rank in range(1, parallel.size):
-            rank_config = replace(parallel, rank=rank, master_addr=host, master_port=port)
-            args = [
-                "executor",
-                *EXECUTOR.to_flags(config),
-                *PARALLEL.to_flags(rank_config),
-                *parallel.worker_flags,
-            ]
-            env = {variable: devices[rank]} if variable is not None else {}
-            env[TP_RANK_ENV] = ""  # NOTE: the rank is in the flags; an inherited one must not count
-            # NOTE: a process group of their own: a terminal's Ctrl-C reaches rank 0, which stops them.
-            child = self.launcher.start(f"rank-{rank}", args, env, ready_file=False, own_process_group=True)
-            log.info("tensor-parallel rank started", rank=rank, pid=child.pid)
-
-    def exited(self) -> str | None:
-        """Why a started rank is gone, or None while all run."""
-        return self.launcher.first_exited()
-
-    def stop(self, grace_s: float) -> None:
-        """Waits ``grace_s`` for the ranks to exit (they were told to stop), then SIGTERM, then
-        SIGKILL."""
-        self.launcher.wait_exit(grace_s)
-        self.launcher.stop(grace_s=5.0)
-
-
 def _settings(config: ExecutorConfig, model: ModelConfig) -> str:
     """What must be equal on every rank for their steps to agree (the model path may differ)."""
     shape = (model.architecture, model.vocab_size, model.hidden_size, model.num_layers, model.num_heads)
     return f"{replace(config, model='')!r} {shape}"
 
 
-def start_tensor_parallel(config: ExecutorConfig, parallel: ParallelConfig) -> GroupLeader | None:
+def start_tensor_parallel(
+    config: ExecutorConfig, parallel: ParallelConfig, start_ranks: StartRanks | None
+) -> GroupLeader | None:
     """Builds this process's rank. Rank 0 returns the `GroupLeader` to serve (call `close()`
     when done); ranks >= 1 run the group's steps here until rank 0 stops them, and return None.
+    Rank 0 of a single-node group (`ParallelConfig.starts_ranks`) starts the others with
+    ``start_ranks``.
 
     Everything a user can get wrong (a size that does not split the model, too few devices)
     raises ConfigError before any weight is loaded.
     """
+    if parallel.starts_ranks and start_ranks is None:
+        raise ValueError("rank 0 of a single-node tensor-parallel group needs start_ranks")
     model_config = ModelConfig.from_pretrained(config.model)
     check_model_split(model_config, parallel.size)
     device = resolve_device(config.device)
@@ -295,7 +274,9 @@ def start_tensor_parallel(config: ExecutorConfig, parallel: ParallelConfig) -> G
     structlog.contextvars.bind_contextvars(tp_rank=rank)
     host = parallel.master_addr or "127.0.0.1"
     store = RankGroup.connect_store(parallel, host, parallel.master_port or 0)
-    ranks = LocalRanks(config, parallel, device, host, store.port) if parallel.starts_ranks else None
+    ranks = None
+    if parallel.starts_ranks and start_ranks is not None:
+        ranks = start_ranks(config, parallel, device, host, store.port)
     try:
         group = RankGroup(parallel, device, store, ranks.exited if ranks is not None else lambda: None)
         group.check_same("settings", _settings(config, model_config))

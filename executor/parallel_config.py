@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from npuserve.deploy.executor_flags import DEFAULT_TP_CONNECT_TIMEOUT_S
 from npuserve.executor.config import ConfigError, ModelConfig
+from npuserve.executor.parallel_defaults import DEFAULT_TP_CONNECT_TIMEOUT_S
 
 VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 

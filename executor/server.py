@@ -57,6 +57,7 @@ from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_plan import ExecutorInfo
 
 if TYPE_CHECKING:
+    from npuserve.executor.parallel import StartRanks
     from npuserve.executor.parallel_config import ParallelConfig
 
 log = structlog.get_logger(__name__)
@@ -223,6 +224,7 @@ def serve_executor(
     tls: tuple[bytes, bytes] | None = None,
     registry: RegistryConfig | None = None,
     parallel: ParallelConfig | None = None,
+    start_ranks: StartRanks | None = None,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Loads the model, serves it until SIGTERM/SIGINT, drains (up to ``shutdown_timeout_s``, or
@@ -230,13 +232,14 @@ def serve_executor(
 
     With ``registry`` the executor registers once it serves, marks its record draining at the
     first signal and deregisters before it stops.
-    With ``parallel.size > 1`` the runner is a tensor-parallel group (`npuserve.executor.parallel`).
+    With ``parallel.size > 1`` the runner is a tensor-parallel group (`npuserve.executor.parallel`);
+    rank 0 of a single-node group starts the other ranks with ``start_ranks``.
     """
     leader = None
     if parallel is not None and parallel.size > 1:
         from npuserve.executor.parallel import start_tensor_parallel  # NOTE: only a group loads it
 
-        leader = start_tensor_parallel(config, parallel)
+        leader = start_tensor_parallel(config, parallel, start_ranks)
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
             return
     runner = leader or ModelRunner(config)
