@@ -3,19 +3,21 @@ parses them, `npuserve serve` takes the shared ones and writes them for the gate
 
 `--scheduler`, `--host`, `--port`, `--ready-file` and `--shutdown-timeout` are the commands' own;
 the API keys travel in the environment, never as flags of a child. The parser flags become the
-config's `parsers`, so a child's flags are written from the parsed flags (`forward`), not from a
-config.
+config's `parsers` and the limit flags its `limits` (`RequestLimits`), so a child's flags are
+written from the parsed flags (`forward`), not from a config.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.flag_table import Flag, FlagTable
 from npuserve.deploy.flags import resolve_api_key
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+from npuserve.gateway.limits import RequestLimits, flag_name
 from npuserve.gateway.reasoning import REASONING_PARSERS
 from npuserve.gateway.tool_parsers import TOOL_PARSERS
 from npuserve.proto.auth import API_KEY
@@ -29,16 +31,15 @@ def _gateway_config(
     api_key: str | None = None,
     scheduler_api_key: str | None = None,
     scheduler_tls_ca: Path | bytes | None = None,
-    max_request_bytes: int | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     **fields: Any,
 ) -> GatewayConfig:
     """The config; the keys fall back to the environment (the scheduler's key is the API key
-    unless --scheduler-api-key names another), ``--scheduler-tls-ca`` is read here and the parser
-    flags become `ParserSettings` (ValueError naming the flag that is wrong)."""
-    from npuserve.gateway.app import DEFAULT_MAX_REQUEST_BYTES
+    unless --scheduler-api-key names another), ``--scheduler-tls-ca`` is read here, the parser
+    flags become `ParserSettings` and the limit flags `RequestLimits` (ValueError naming the flag
+    that is wrong)."""
     from npuserve.gateway.chat_output import ParserSettings
     from npuserve.gateway.server import GatewayConfig
 
@@ -47,14 +48,70 @@ def _gateway_config(
         tls_ca = scheduler_tls_ca.read_bytes() if isinstance(scheduler_tls_ca, Path) else scheduler_tls_ca
     except OSError as exc:
         raise ValueError(f"cannot read --scheduler-tls-ca: {exc}") from exc
+    limits = _request_limits(fields)
     return GatewayConfig(
         api_key=key,
         scheduler_api_key=scheduler_api_key or key,
         scheduler_tls_ca=tls_ca,
-        max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+        limits=limits,
         parsers=ParserSettings.from_flags(enable_auto_tool_choice, tool_call_parser, reasoning_parser),
         **fields,
     )
+
+
+LIMIT_FIELDS = tuple(field.name for field in dataclasses.fields(RequestLimits))
+DEFAULT_LIMITS = RequestLimits()
+# The largest request, on every dimension (`RequestLimits`, which holds the defaults): a request
+# over one is refused whole, before the work it would cost. Per flag: what it bounds, and why its
+# default. A flag not given is not forwarded: the gateway takes the default.
+LIMIT_HELP = {
+    "max_request_bytes": (
+        "largest request body in bytes (then 413); parsing JSON holds the event loop for up to ~0.15 s "
+        "a MiB, so this bounds how long one request can stall the others",
+        "4 MiB, ~1M tokens of text",
+    ),
+    "max_prompts": (
+        "prompts in one /v1/completions request, each a scheduler request",
+        "vLLM's largest default --max-num-seqs",
+    ),
+    "max_token_ids": (
+        "token ids in one request's prompts together, and in /detokenize",
+        "the longest contexts served today",
+    ),
+    "max_messages": ("messages in one chat request", "more than a 128k-token context holds"),
+    "max_tools": ("tools in one request, and tool calls in one message", "as OpenAI"),
+    "max_tools_bytes": (
+        "bytes of one request's tools as JSON, whose schemas are checked at ~10 us a byte",
+        "the largest constraint the scheduler compiles",
+    ),
+    "max_stop": (
+        "stop strings, and stop token ids, in one request; each is checked at every token",
+        "OpenAI allows 4",
+    ),
+    "max_stop_chars": (
+        "characters in one stop string; a stream holds back as many",
+        "stop strings are words and markers",
+    ),
+    "max_output_tokens": (
+        "tokens one request may generate, all its sequences together: prompts x n x max_tokens "
+        "(unset: the context length)",
+        "OpenAI's n of 128 at 8k tokens each",
+    ),
+}
+
+
+def _limit_flag(field: str) -> Flag:
+    """The flag of the `RequestLimits` field ``field``, named after it; its default is the
+    dataclass's (the flag's own is None, so an unset one is not forwarded)."""
+    what, why = LIMIT_HELP[field]
+    default = getattr(DEFAULT_LIMITS, field)
+    return Flag(field, flag_name(field), {"type": int, "help": f"{what} (default {default}: {why})"})
+
+
+def _request_limits(fields: dict[str, Any]) -> RequestLimits:
+    """The limits that ``fields`` set (taken out of it); those unset (None) keep their defaults."""
+    given = {name: fields.pop(name, None) for name in LIMIT_FIELDS}
+    return RequestLimits(**{name: value for name, value in given.items() if value is not None})
 
 
 GATEWAY: FlagTable[GatewayConfig] = FlagTable(
@@ -70,11 +127,7 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
             },
             forward=False,
         ),
-        Flag(
-            "max_request_bytes",
-            "--max-request-bytes",
-            {"type": int, "default": None, "help": "largest request body accepted"},
-        ),
+        *(_limit_flag(field) for field in LIMIT_FIELDS),
         Flag(
             "request_header_timeout_s",
             "--request-header-timeout",
@@ -97,6 +150,17 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
             "keep_alive_timeout_s",
             "--keep-alive-timeout",
             {"type": float, "default": 5.0, "help": "seconds an idle keep-alive connection stays open"},
+        ),
+        Flag(
+            "stream_stall_timeout_s",
+            "--stream-stall-timeout",
+            {
+                "type": float,
+                "default": 30.0,
+                "help": "seconds a client may take no byte of a response (a stream) the gateway holds for it; "
+                "then its connection is closed and its request aborted, so the output of a client that "
+                "stopped reading is neither generated nor buffered on (0: never)",
+            },
         ),
         Flag(
             "max_connections",
@@ -153,6 +217,11 @@ STANDALONE_FIELDS = ("served_model_name", "scheduler_api_key", "scheduler_tls_ca
 SERVE_API_KEY_HELP = (
     f"require `Authorization: Bearer KEY` on /v1/* and the scheduler's gRPC API (default: ${API_KEY.env})"
 )
+SERVE_STALL_HELP = (
+    "seconds a client may take no byte of a response (a stream) the gateway holds for it; then its "
+    "connection is closed and its request aborted (0: never; the scheduler keeps its own default "
+    "for its gRPC clients, the gateway's calls)"
+)
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
@@ -160,7 +229,11 @@ def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None
     if standalone:
         GATEWAY.add(parser)
     else:
-        GATEWAY.add(parser, exclude=STANDALONE_FIELDS, overrides={"api_key": {"help": SERVE_API_KEY_HELP}})
+        overrides = {
+            "api_key": {"help": SERVE_API_KEY_HELP},
+            "stream_stall_timeout_s": {"help": SERVE_STALL_HELP},
+        }
+        GATEWAY.add(parser, exclude=STANDALONE_FIELDS, overrides=overrides)
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:

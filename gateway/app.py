@@ -12,6 +12,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -31,6 +32,7 @@ from npuserve.gateway.chat_output import OutputShape, ParserSettings
 from npuserve.gateway.drain import Drain, DrainMiddleware
 from npuserve.gateway.errors import APIError, bad_request, error_body, request_timeout, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
+from npuserve.gateway.limits import RequestLimits, flag_name
 from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
 from npuserve.gateway.protocol import (
     ChatCompletionRequest,
@@ -40,7 +42,6 @@ from npuserve.gateway.protocol import (
     TokenizeCompletionRequest,
     model_card,
     parse_json_object,
-    parse_request,
     validate,
 )
 from npuserve.gateway.scheduler_client import SchedulerClient
@@ -48,10 +49,10 @@ from npuserve.gateway.tool_calls import tool_plan
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class ClientGone(Exception):
@@ -60,14 +61,19 @@ class ClientGone(Exception):
 
 @dataclass
 class Gateway:
-    """What the routes share: the scheduler client and the served model's name."""
+    """What the routes share: the scheduler client, the served model's name, the request limits,
+    and the thread that checks tools' schemas."""
 
     client: SchedulerClient
     served_model_name: str | None
-    max_request_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     parsers: ParserSettings = field(default_factory=ParserSettings)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    # NOTE: one thread: the event loop shares the GIL with one schema check at a time, at most.
+    schema_checks: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tool-schemas")
+    )
     _models: list[convert.ModelInfo] = field(default_factory=list)
 
     async def models(self) -> list[convert.ModelInfo]:
@@ -88,6 +94,29 @@ class Gateway:
         if not requested or requested == name:
             return "", name  # "" is the scheduler's served model
         return requested, requested  # the scheduler answers NOT_FOUND for a model it lacks
+
+    async def check_output_tokens(
+        self, sequences: int, n: int, max_tokens: int | None, max_tokens_param: str
+    ) -> None:
+        """`RequestLimits.check_output_tokens`; sequences without a max_tokens may each run to the
+        longest context served, asked of the scheduler only then."""
+        context_len = 0
+        if max_tokens is None and sequences > 1:
+            context_len = max((m.max_model_len for m in await self.models()), default=0)
+        self.limits.check_output_tokens(sequences, n, max_tokens, max_tokens_param, context_len)
+
+    async def request_body(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object within every limit, bytes first, that the JSON shows."""
+        raw = parse_json_object(await read_body(request, self.limits.max_request_bytes, self.body_timeout_s))
+        self.limits.check(raw)
+        return raw
+
+    async def validated(self, raw: dict[str, Any], model: type[M]) -> M:
+        """`raw` as a `model`; a body with tools on the schema-check thread, since checking their
+        schemas takes up to about 10 us a byte (`tool_calls.check_parameters_schema`)."""
+        if not raw.get("tools"):
+            return validate(raw, model)
+        return await asyncio.get_running_loop().run_in_executor(self.schema_checks, validate, raw, model)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -111,7 +140,11 @@ def _error_response(error: APIError) -> Response:
 async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
     """The whole body, refused with 413 past `limit` bytes (by Content-Length, then as it streams)
     and with 408 (closing the connection) when it takes longer than `timeout_s` to arrive."""
-    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    too_large = APIError(
+        413,
+        f"the request body exceeds {limit} bytes ({flag_name('max_request_bytes')})",
+        code="request_too_large",
+    )
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -211,11 +244,10 @@ def _routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(
-            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), CompletionRequest
-        )
+        body = validate(await gateway.request_body(request), CompletionRequest)
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
+        await gateway.check_output_tokens(len(body.prompt) * body.n, body.n, body.max_tokens, "max_tokens")
         response_id = f"cmpl-{_request_id(request)}"
         requests = convert.completion_requests(body, response_id, target)
         kind = CompletionFormat(body.prompt, body.echo, body.logprobs is not None)
@@ -224,11 +256,10 @@ def _routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(
-            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), ChatCompletionRequest
-        )
+        body = await gateway.validated(await gateway.request_body(request), ChatCompletionRequest)
         _log_ignored(body)
         target, model = await gateway.scheduler_model(body.model)
+        await gateway.check_output_tokens(body.n, body.n, body.completion_limit, body.completion_limit_param)
         response_id = f"chatcmpl-{_request_id(request)}"
         parsers = gateway.parsers
         tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, parsers.auto_tool_parser)
@@ -246,9 +277,9 @@ def _routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         gateway = _gateway(request)
-        raw = parse_json_object(await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s))
+        raw = await gateway.request_body(request)
         body: TokenizeChatRequest | TokenizeCompletionRequest = (
-            validate(raw, TokenizeChatRequest)
+            await gateway.validated(raw, TokenizeChatRequest)
             if "messages" in raw
             else validate(raw, TokenizeCompletionRequest)
         )
@@ -266,9 +297,7 @@ def _routes(app: FastAPI) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         gateway = _gateway(request)
-        body = parse_request(
-            await read_body(request, gateway.max_request_bytes, gateway.body_timeout_s), DetokenizeRequest
-        )
+        body = validate(await gateway.request_body(request), DetokenizeRequest)
         target, _ = await gateway.scheduler_model(body.model)
         text = await _in_request_terms(body, gateway.client.detokenize(body.tokens, target))
         return _json({"prompt": text})
@@ -349,21 +378,33 @@ def create_app(
     scheduler_address: str,
     api_key: str | None = None,
     served_model_name: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     *,
+    limits: RequestLimits | None = None,
     scheduler_api_key: str | None = None,
     scheduler_tls_ca: bytes | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     parsers: ParserSettings | None = None,
 ) -> FastAPI:
     """The gateway app; its gRPC channel opens when the app starts (inside the server's loop).
-    `scheduler_api_key` is presented to the scheduler, `scheduler_tls_ca` verifies its TLS;
-    `parsers` read tool calls and reasoning out of chat answers."""
-    if max_request_bytes <= 0:
-        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    `limits` bound every request, `scheduler_api_key` is presented to the scheduler,
+    `scheduler_tls_ca` verifies its TLS; `parsers` read tool calls and reasoning out of chat
+    answers."""
     metrics = GatewayMetrics()
     client = SchedulerClient(
-        scheduler_address, scheduler_api_key, scheduler_tls_ca, on_resend=metrics.generations_resent.inc
+        scheduler_address,
+        scheduler_api_key,
+        scheduler_tls_ca,
+        on_resend=metrics.generations_resent.inc,
+        on_resume=metrics.generations_resumed.inc,
+    )
+
+    gateway = Gateway(
+        client,
+        served_model_name,
+        limits or RequestLimits(),
+        body_timeout_s,
+        parsers or ParserSettings(),
+        metrics,
     )
 
     @asynccontextmanager
@@ -372,12 +413,10 @@ def create_app(
         try:
             yield
         finally:
+            gateway.schema_checks.shutdown(wait=False, cancel_futures=True)
             await client.close()
 
     app = FastAPI(title="npuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    gateway = Gateway(
-        client, served_model_name, max_request_bytes, body_timeout_s, parsers or ParserSettings(), metrics
-    )
     app.state.gateway = gateway
     _routes(app)
     _error_handlers(app)

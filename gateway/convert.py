@@ -280,8 +280,11 @@ def _params_of_fields(body: BaseModel) -> dict[str, str]:
     if isinstance(body, ChatCompletionRequest | CompletionRequest):
         names = _constraint_param(body)
         if isinstance(body, ChatCompletionRequest):
-            max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            names |= {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
+            names |= {
+                "prompt": "messages",
+                "logprobs": "top_logprobs",
+                "max_tokens": body.completion_limit_param,
+            }
         return names
     if isinstance(body, TokenizeChatRequest):
         return {"prompt": "messages"}

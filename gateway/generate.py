@@ -62,15 +62,18 @@ async def _merged(
         while (update := await calls[0].next()) is not None:
             yield 0, update
         return
-    queue: asyncio.Queue[tuple[int, Update | APIError | None]] = asyncio.Queue()
+    # NOTE: bounded: output that a client does not read yet waits in its call's stream, as the
+    # scheduler sent it, not converted to updates here; a client that stopped reading is cut
+    # off after the stall timeout (`http_protocol`), and its calls with it.
+    queue: asyncio.Queue[tuple[int, Update | APIError | None]] = asyncio.Queue(maxsize=len(calls))
 
     async def pump(i: int, call: GenerateCall) -> None:
         try:
             while (update := await call.next()) is not None:
-                queue.put_nowait((i, update))
-            queue.put_nowait((i, None))
+                await queue.put((i, update))
+            await queue.put((i, None))
         except APIError as exc:
-            queue.put_nowait((i, exc))
+            await queue.put((i, exc))
 
     tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
     try:

@@ -37,7 +37,8 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 class GatewayMetrics:
     """Requests by route and status, their durations, how many are in flight, and the
-    generations sent again after their scheduler went away (`scheduler_client.GenerateCall`)."""
+    generations sent again or resumed after their scheduler went away
+    (`scheduler_client.GenerateCall`)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -57,6 +58,12 @@ class GatewayMetrics:
         self.generations_resent = Counter(
             "npuserve:gateway_generations_resent",
             "Generations sent to the scheduler again, having had no token when their call ended "
+            "(the scheduler restarted, or an API server process died).",
+            registry=self.registry,
+        )
+        self.generations_resumed = Counter(
+            "npuserve:gateway_generations_resumed",
+            "Generations resumed from the tokens they had, their call having ended mid-stream "
             "(the scheduler restarted, or an API server process died).",
             registry=self.registry,
         )

@@ -151,17 +151,23 @@ def normalize_prompt(value: Any) -> list[str | list[int]]:
         return [value]
     if not isinstance(value, list) or not value:
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
-    if all(_is_token_id(t) for t in value):
+    if _are_token_ids(value):
         return [value]
     for i, item in enumerate(value):
-        is_ids = isinstance(item, list) and item and all(_is_token_id(t) for t in item)
-        if not (isinstance(item, str) or is_ids):
+        if not (isinstance(item, str) or (isinstance(item, list) and _are_token_ids(item))):
             raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids")
     return value
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and INT32_MIN <= value <= INT32_MAX
+def _are_token_ids(values: list[Any]) -> bool:
+    """Whether ``values`` is a non-empty list of int32s (bools are not ids). Builtins walk the
+    list, not a Python loop: a prompt may hold `--max-token-ids` of them."""
+    return (
+        bool(values)
+        and set(map(type, values)) == {int}
+        and min(values) >= INT32_MIN
+        and max(values) <= INT32_MAX
+    )
 
 
 class ChatMessage(_Request):
@@ -248,6 +254,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def completion_limit_param(self) -> str:
+        """The parameter `completion_limit` comes from, as the client named it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class TokenizeCompletionRequest(_Request):
     """`POST /tokenize` with a prompt (vLLM's shape)."""
@@ -295,12 +306,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def parse_request(raw: bytes, model: type[M]) -> M:
-    """A request model from the raw body; 400 naming the first invalid field."""
-    return validate(parse_json_object(raw), model)
-
-
 def validate(value: dict[str, Any], model: type[M]) -> M:
+    """A request model from the parsed body; 400 naming the first invalid field."""
     try:
         return model.model_validate(value)
     except ValidationError as exc:

@@ -19,7 +19,8 @@ import structlog
 
 from npuserve.gateway import convert
 from npuserve.gateway.convert import HealthInfo, ModelInfo, TokenizeResult, Update
-from npuserve.gateway.errors import APIError, bad_request, from_status
+from npuserve.gateway.delivered import DeliveredOutput
+from npuserve.gateway.errors import APIError, bad_request, from_status, unavailable
 from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -52,6 +53,34 @@ _PROFILE_ERRORS = {
 }
 
 
+# -- how a generation in flight when its scheduler went away ends, where it cannot go on --------
+
+
+def lost_twice() -> APIError:
+    return APIError(
+        500,
+        "the scheduler went down twice while generating this request; it is not sent a third time",
+        "server_error",
+        code="scheduler_lost_twice",
+    )
+
+
+def unresumable() -> APIError:
+    return unavailable(
+        "the scheduler went down while generating this request, and a request with a finished "
+        "choice (n > 1) cannot be resumed; retry"
+    )
+
+
+def not_resumed() -> APIError:
+    return APIError(
+        500,
+        "the scheduler restarted while generating this request, and the one now serving cannot resume it",
+        "server_error",
+        code="generation_not_resumed",
+    )
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
     """The HTTP error for a failed scheduler call, with the field it names."""
     return from_status(exc.code(), exc.details(), error_field(exc))
@@ -66,61 +95,112 @@ class GenerateCall:
     (`GenerateFailed.status_lost`): its own call gets the scheduler's answer (an older one's,
     otherwise seen as an internal error), or its tokens.
 
-    A generation whose call ended UNAVAILABLE before it got anything is sent again, for up to
-    `SCHEDULER_RETURN_WAIT_S`, if the scheduler answered within that long before (one not seen
-    for longer is down, not restarting: 503 at once): once the scheduler is back where it then
-    answers no health check (it died, or was restarting when it was sent), at once where it
-    answers and the call was a `GenerateMany` (which refuses a generation with an event, never
-    by ending: the call broke, an API server process died, say). A `Generate` call that ended
-    UNAVAILABLE while the scheduler answers is its refusal. Nothing of the generation reached
-    the client, so it sees only the wait. One that had tokens fails: its scheduler is gone."""
+    A generation whose call broke (ended UNAVAILABLE) is sent again once its scheduler is there
+    again, within `SCHEDULER_RETURN_WAIT_S`: once the scheduler is back where it then answers no
+    health check (it died, or was restarting when it was sent), at once where it answers and the
+    call was a `GenerateMany` (which refuses a generation with an event, never by ending: the
+    call broke, an API server process died, say). A `Generate` call that ended UNAVAILABLE while
+    the scheduler answers is its refusal. The wait counts from the first break of a generation
+    that had nothing yet (and only if the scheduler answered within that long before: one not
+    seen for longer is down, not restarting, 503 at once), and from the break for one that had
+    tokens, which is resumed: sent again as a continuation of what it received (`delivered`).
+    Either way its client sees only a pause.
+
+    A generation in flight when its call broke (answered, or sent over a connected channel: it
+    reached a scheduler that then died, or the API server process serving the call did) is sent
+    again once only: if that call breaks too, it fails (`lost_twice`), so a request that brings
+    its scheduler down cannot do so more than twice. One with n > 1 that has a finished choice
+    cannot be resumed, and fails as before (`unresumable`)."""
 
     def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
         self._client = client
-        self._request = request
+        self._request = self._first_request = request
         self._stub_index = stub_index
         self._stream: GenerateStream | None = None
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._answered = False  # a response came
+        self._call_answered = False  # ... over the current call
+        self._sent_connected = False  # the current call went over a connected channel
+        self._lost_in_flight = False  # a call of it broke while it was in flight
         self._resend_until: float | None = None  # set at the first call that ended unanswered
+        self._delivered = DeliveredOutput(request)
         self._send()
 
     def _send(self) -> None:
+        self._call_answered = False
+        self._sent_connected = self._client.connected(self._stub_index)
         if self._client.multiplexed:
             self._stream, self._call = self._client.generators[self._stub_index].generate(self._request), None
         else:
             self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
 
-    async def _resent(self, code: grpc.StatusCode, call_ended: bool, refusable: bool) -> bool:
-        """Whether the generation was sent again after its call ended with ``code``: only an
-        unanswered one, whose call broke (``refusable``: such an end can be the scheduler's
-        refusal, a `Generate` call's) and whose scheduler is there again in time."""
-        if self._answered or not call_ended or code != grpc.StatusCode.UNAVAILABLE:
+    async def _sent_again(self, code: grpc.StatusCode, call_ended: bool, refusable: bool) -> bool:
+        """Whether the generation was sent again after its call ended with ``code``: only one
+        whose call broke (``refusable``: such an end can be the scheduler's refusal, a `Generate`
+        call's) and whose scheduler is there again in time. Raises `lost_twice` and
+        `unresumable` for one that must not or cannot go on."""
+        if not call_ended or code != grpc.StatusCode.UNAVAILABLE:
             return False
-        now = time.monotonic()
-        if self._resend_until is None:
-            seen_at = self._client.scheduler_seen_at
-            if seen_at is None or now - seen_at > SCHEDULER_RETURN_WAIT_S:
-                return False
-            self._resend_until = now + SCHEDULER_RETURN_WAIT_S
-        elif now >= self._resend_until:
+        until = self._send_again_until()
+        if until is None:
             return False
         answers = await self._client.answers(self._stub_index)
         if answers and refusable:  # the scheduler's own answer: it is there
             return False
-        # NOTE: a pause, so that one going down (which refuses calls, then stops) is asked a few
-        # times a second, not in a loop.
-        await asyncio.sleep(RESEND_PAUSE_S)
-        if not answers and not await self._client.wait_ready(
-            self._stub_index, self._resend_until - time.monotonic()
-        ):
+        if self._call_answered or self._sent_connected:
+            if self._lost_in_flight:
+                log.warning("generation lost in flight twice", request_id=self._request.request_id or None)
+                raise lost_twice()
+            self._lost_in_flight = True
+        request = self._request if not self._answered else self._delivered.resuming(self._first_request)
+        if request is None:
+            raise unresumable()
+        if not await self._back(answers, until):
             return False
-        log.info(
-            "generation sent again", request_id=self._request.request_id or None, scheduler_answered=answers
-        )
-        self._client.on_resend()
+        self._note_sent_again(request, answers)
+        self._request = request
         self._send()
         return True
+
+    async def _back(self, answers: bool, until: float) -> bool:
+        """Whether the scheduler is there by ``until``: it ``answers`` a health check over the
+        channel (where the channel connects, the process there may be one of a scheduler that
+        died, still stopping: an API server process, which takes calls it cannot serve)."""
+        while True:
+            # NOTE: a pause, so that one going down (which refuses calls, then stops) is asked a
+            # few times a second, not in a loop.
+            await asyncio.sleep(RESEND_PAUSE_S)
+            if answers:
+                return True
+            if not await self._client.wait_ready(self._stub_index, until - time.monotonic()):
+                return False
+            answers = await self._client.answers(self._stub_index)
+
+    def _send_again_until(self) -> float | None:
+        """Until when the generation waits for its scheduler to send it again; None: it does not."""
+        now = time.monotonic()
+        if self._answered:
+            return now + SCHEDULER_RETURN_WAIT_S
+        if self._resend_until is None:
+            seen_at = self._client.scheduler_seen_at
+            if seen_at is None or now - seen_at > SCHEDULER_RETURN_WAIT_S:
+                return None
+            self._resend_until = now + SCHEDULER_RETURN_WAIT_S
+        return self._resend_until if now < self._resend_until else None
+
+    def _note_sent_again(self, request: pb.GenerateRequest, scheduler_answered: bool) -> None:
+        request_id = request.request_id or None
+        if self._answered:
+            log.info(
+                "generation resumed",
+                request_id=request_id,
+                output_tokens=self._delivered.num_tokens,
+                scheduler_answered=scheduler_answered,
+            )
+            self._client.on_resume()
+        else:
+            log.info("generation sent again", request_id=request_id, scheduler_answered=scheduler_answered)
+            self._client.on_resend()
 
     async def next(self) -> Update | None:
         if self._stream is not None:
@@ -129,9 +209,9 @@ class GenerateCall:
             except GenerateFailed as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     self._client.multiplexed = False
-                elif await self._resent(exc.code, exc.call_ended, refusable=False):
+                elif await self._sent_again(exc.code, exc.call_ended, refusable=False):
                     return await self.next()
-                elif not exc.status_lost or self._answered:
+                elif not exc.status_lost or self._call_answered:
                     raise from_status(exc.code, exc.details, exc.field) from None
                 self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
                 return await self.next()
@@ -140,17 +220,26 @@ class GenerateCall:
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                if await self._resent(exc.code(), call_ended=True, refusable=True):
+                if await self._sent_again(exc.code(), call_ended=True, refusable=True):
                     return await self.next()
                 raise from_rpc_error(exc) from None
             if msg is grpc.aio.EOF:
                 msg = None
         if msg is None:
             return None
-        if not self._answered:
-            self._answered = True
-            self._client.scheduler_seen_at = time.monotonic()
+        if not self._call_answered:
+            self._first_response(msg)
+        self._delivered.add(msg)
         return convert.update_of(msg)
+
+    def _first_response(self, msg: pb.GenerateResponse) -> None:
+        """Notes the current call's first response; raises `not_resumed` where the scheduler
+        did not go on from a continuation's tokens (one that predates continuations starts over)."""
+        self._answered = self._call_answered = True
+        self._client.scheduler_seen_at = time.monotonic()
+        if self._request is not self._first_request and msg.resumed_tokens != self._delivered.num_tokens:
+            self.cancel()
+            raise not_resumed()
 
     def cancel(self) -> None:
         """Cancels the generation; the scheduler then aborts the request and frees its blocks."""
@@ -172,10 +261,13 @@ class SchedulerClient:
         api_key: str | None = None,
         tls_ca: bytes | None = None,
         on_resend: Callable[[], None] = lambda: None,
+        on_resume: Callable[[], None] = lambda: None,
     ) -> None:
-        """``on_resend``: called for each generation sent again (a metric counts them)."""
+        """``on_resend``, ``on_resume``: called for each generation sent again with nothing
+        yet, and for each resumed with what it had (metrics count them)."""
         self.address = address
         self.on_resend = on_resend
+        self.on_resume = on_resume
         self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
         self._channels: list[grpc.aio.Channel] = []
@@ -219,6 +311,13 @@ class SchedulerClient:
         except grpc.aio.UsageError:  # the client was closed (the gateway stops)
             return False
         return True
+
+    def connected(self, stub_index: int) -> bool:
+        """Whether channel ``stub_index`` is connected to the scheduler now."""
+        channels = self._channels
+        return stub_index < len(channels) and (
+            channels[stub_index].get_state() == grpc.ChannelConnectivity.READY
+        )
 
     async def wait_ready(self, stub_index: int, timeout_s: float) -> bool:
         """Whether channel ``stub_index`` is connected to the scheduler within ``timeout_s``."""

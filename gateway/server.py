@@ -26,11 +26,12 @@ import uvicorn
 
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
-from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, create_app
+from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, create_app
 from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.drain import Drain
 from npuserve.gateway.errors import APIError
-from npuserve.gateway.http_protocol import guarded_protocol
+from npuserve.gateway.http_protocol import DEFAULT_STREAM_STALL_TIMEOUT_S, guarded_protocol
+from npuserve.gateway.limits import RequestLimits
 from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto.ready_file import write_ready_file
 
@@ -49,10 +50,11 @@ class GatewayConfig:
     scheduler_api_key: str | None = None  # presented to the scheduler
     scheduler_tls_ca: bytes | None = None  # PEM roots: reach the scheduler over TLS
     served_model_name: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)  # the largest request, on every dimension
     request_header_timeout_s: float = 10.0
     request_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keep_alive_timeout_s: float = 5.0
+    stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S  # 0: never
     max_connections: int = 1000
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
@@ -60,8 +62,6 @@ class GatewayConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if self.max_request_bytes <= 0:
-            raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         if self.max_connections <= 0:
             raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
         timeouts = {
@@ -72,6 +72,12 @@ class GatewayConfig:
         for flag, seconds in timeouts.items():
             if not seconds > 0:
                 raise ValueError(f"{flag} must be positive, got {seconds}")
+        if not self.stream_stall_timeout_s >= 0:
+            raise ValueError(f"--stream-stall-timeout must be 0 or more, got {self.stream_stall_timeout_s}")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.limits.max_request_bytes
 
 
 def run_gateway(config: GatewayConfig) -> int:
@@ -111,7 +117,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
         config.scheduler,
         config.api_key,
         config.served_model_name,
-        config.max_request_bytes,
+        limits=config.limits,
         scheduler_api_key=config.scheduler_api_key,
         scheduler_tls_ca=config.scheduler_tls_ca,
         body_timeout_s=config.request_body_timeout_s,
@@ -125,7 +131,9 @@ async def serve_gateway(config: GatewayConfig) -> int:
     server = _Server(
         uvicorn.Config(
             app,
-            http=guarded_protocol(config.request_header_timeout_s, config.max_connections),
+            http=guarded_protocol(
+                config.request_header_timeout_s, config.max_connections, config.stream_stall_timeout_s
+            ),
             timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
             ws="none",
             lifespan="on",

@@ -13,21 +13,21 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from npuserve.gateway.errors import bad_request
 from npuserve.gateway.tool_parsers import JsonCallsParser, ToolParser
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
-MAX_TOOLS = 128  # functions per request, as OpenAI allows: each schema is checked on the event loop
 
 
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` if it is a valid JSON schema of an object, else ValueError saying why."""
+    """`schema` if it is a valid JSON schema of an object, else ValueError saying why. It takes
+    about 10 us a byte of schema, so the app validates a request with tools off its event loop."""
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
@@ -66,14 +66,8 @@ class Tool(_Model):
     function: FunctionDefinition
 
 
-def _at_most_max_tools(value: Any) -> Any:
-    """Refuses more than `MAX_TOOLS` tools before any of their schemas is checked."""
-    if isinstance(value, list) and len(value) > MAX_TOOLS:
-        raise ValueError(f"at most {MAX_TOOLS} tools are supported, got {len(value)}")
-    return value
-
-
-Tools = Annotated[list[Tool] | None, BeforeValidator(_at_most_max_tools)]
+# NOTE: how many tools, and how large, is `RequestLimits`'s to bound, before this validates them.
+Tools = list[Tool] | None
 
 
 class FunctionName(_Model):

@@ -35,11 +35,21 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
 from npuserve.deploy.runtime.process_name import GRAMMAR_COMPILE
+from npuserve.deploy.runtime.unknown_message import unknown_message
+from npuserve.proto.step_plan import bitmask_words
 from npuserve.proto.structured_outputs import FIELD, StructuredOutputs
 from npuserve.scheduler.core.request import InvalidRequestError
-from npuserve.scheduler.structured.grammar_closing import ByteVocab
+from npuserve.scheduler.structured.grammar_closing import ByteVocab, ClosingBounds
 from npuserve.scheduler.structured.matchers import Grammar, LiveCount
-from npuserve.scheduler.text.sandbox_pool import Outcome, SandboxPool
+from npuserve.scheduler.text.sandbox_outcomes import (
+    JobAnswer,
+    JobDone,
+    JobRefused,
+    JobTimedOut,
+    Outcome,
+    WorkerDied,
+)
+from npuserve.scheduler.text.sandbox_pool import SandboxPool
 
 log = structlog.get_logger(__name__)
 
@@ -216,7 +226,9 @@ class GrammarCompiler:
                 f"structured_outputs: the {constraint.kind} constraint is invalid: {matcher.get_error()}",
                 FIELD,
             )
-        grammar = Grammar(constraint, matcher, self.vocab_size, self.live, self._byte_vocab())
+        vocab = self._byte_vocab()
+        bounds = ClosingBounds.of(matcher, vocab)
+        grammar = Grammar(constraint, matcher, self.vocab_size, self.live, vocab, bounds)
         probe = grammar.new_state()  # NOTE: a constraint no token can start is refused up front
         error = probe.error
         probe.release()
@@ -238,28 +250,28 @@ class GrammarCompiler:
         tokenizer = self._llg_tokenizer()
         with self._tokenizer_lock:
             if self._vocab is None:
-                self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos))
+                words = bitmask_words(self.vocab_size)
+                self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos), words)
             return self._vocab
 
 
-def grammar_worker(settings: GrammarSettings) -> Callable[[StructuredOutputs], Outcome]:
-    """A grammar worker's job handler (`sandbox_pool`): compiles a constraint, answers ("ok",)
-    or ("error", message, field). The worker builds the grammar tokenizer once, here."""
+def grammar_worker(settings: GrammarSettings) -> Callable[[StructuredOutputs], JobAnswer]:
+    """A grammar worker's job handler (`sandbox_pool`): compiles a constraint, answers whether
+    it compiled. The worker builds the grammar tokenizer once, here."""
     compiler = GrammarCompiler(*settings)
     compiler._byte_vocab()
 
-    def vet(constraint: StructuredOutputs) -> Outcome:
+    def vet(constraint: StructuredOutputs) -> JobAnswer:
         try:
             compiler.compile_now(constraint)
         except InvalidRequestError as exc:
-            return ("error", str(exc), exc.field or FIELD)
+            return JobRefused(str(exc), exc.field or FIELD)
         except MemoryError:
-            return (
-                "error",
+            return JobRefused(
                 f"structured_outputs: the {constraint.kind} constraint needs more memory to compile than allowed",
                 FIELD,
             )
-        return ("ok",)
+        return JobDone()
 
     return vet
 
@@ -267,20 +279,24 @@ def grammar_worker(settings: GrammarSettings) -> Callable[[StructuredOutputs], O
 def _refusal(constraint: StructuredOutputs, outcome: Outcome, timeout_s: float) -> InvalidRequestError | None:
     """The refusal a grammar worker's outcome stands for; None when the constraint compiled."""
     kind = constraint.kind
-    if outcome[0] == "ok":
-        return None
-    if outcome[0] == "timeout":
-        return GrammarTimeout(
-            f"structured_outputs: the {kind} constraint did not compile within {timeout_s:g} s; simplify it",
-            FIELD,
-        )
-    if outcome[0] == "died":
-        return InvalidRequestError(
-            f"structured_outputs: the {kind} constraint crashed the grammar compiler (rules or "
-            "references chained too deep?); simplify it",
-            FIELD,
-        )
-    return InvalidRequestError(outcome[1], outcome[2] or FIELD)
+    match outcome:
+        case JobDone():
+            return None
+        case JobRefused(message=message, field=field):
+            return InvalidRequestError(message, field or FIELD)
+        case JobTimedOut():
+            return GrammarTimeout(
+                f"structured_outputs: the {kind} constraint did not compile within {timeout_s:g} s; simplify it",
+                FIELD,
+            )
+        case WorkerDied():
+            return InvalidRequestError(
+                f"structured_outputs: the {kind} constraint crashed the grammar compiler (rules or "
+                "references chained too deep?); simplify it",
+                FIELD,
+            )
+        case _:
+            unknown_message("a grammar compile", outcome)
 
 
 _SPACES_PROBE = "  a  b  "

@@ -24,8 +24,8 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from npuserve.proto.step_plan import TokenBitmask, bitmask_words
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler.core.request import Request
-from npuserve.scheduler.structured.grammar_closing import ByteVocab, close_within, narrow_to
+from npuserve.scheduler.core.request import InvalidRequestError, Request
+from npuserve.scheduler.structured.grammar_closing import ByteVocab, ClosingBounds, close_within, narrow_to
 
 __all__ = ["Grammar", "GrammarState", "LiveCount", "advance_masks", "step_bitmask"]
 
@@ -47,10 +47,20 @@ class Grammar:
     vocab_size: int
     live: LiveCount
     vocab: ByteVocab
+    closing: ClosingBounds | None  # None: its sequences are left to their budgets
 
     def new_state(self, max_tokens: int | None = None) -> GrammarState:
         """A matcher for one sequence that may write `max_tokens` tokens (None: no closing
-        before a budget; see `grammar_closing`)."""
+        before a budget; see `grammar_closing`). InvalidRequestError naming max_tokens when
+        they are fewer than the shortest output the scheduler writes of the constraint."""
+        shortest = None if self.closing is None else self.closing.shortest.cost
+        if max_tokens is not None and shortest is not None and max_tokens < shortest:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} is less than the {shortest} tokens of the shortest output "
+                f"its {self.constraint.kind} constraint allows (for a required or named tool_choice, "
+                f"the shortest call); raise it to at least {shortest}",
+                "max_tokens",
+            )
         return GrammarState(self, max_tokens)
 
 
@@ -177,14 +187,17 @@ def _fill_masks(states: list[GrammarState]) -> None:
 
 
 def _close_before_budget(state: GrammarState, remaining: int) -> None:
-    """Narrows the mask to the constraint's closing path as the budget runs out (see
-    `grammar_closing`); a sequence that follows the path keeps it without a new search (the
-    search from where it is now would find the same rest)."""
+    """Keeps the output closable as the budget runs out: masks out what would not fit, then
+    narrows the mask to the constraint's closing path (see `grammar_closing`); a sequence that
+    follows the path keeps it without a new search (the search from where it is now would find
+    the same rest)."""
     assert state.matcher is not None
-    vocab = state.grammar.vocab
+    vocab, bounds = state.grammar.vocab, state.grammar.closing
+    if bounds is None or remaining > bounds.window:
+        return
     if state.closing is not None and narrow_to(state.mask[0], state.closing, vocab):
         return
-    state.closing = close_within(state.mask[0], state.matcher, vocab, remaining)
+    state.closing = close_within(state.mask[0], state.matcher, vocab, remaining, bounds.limit)
 
 
 def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:

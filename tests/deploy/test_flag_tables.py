@@ -199,3 +199,19 @@ def test_counts_that_may_be_auto_refuse_anything_else(flag: str) -> None:
     with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
         parse("serve", flag, "many")
     assert "or 'auto', got 'many'" in err.getvalue()
+
+
+def test_serves_stall_timeout_is_the_gateways_and_the_scheduler_keeps_its_own() -> None:
+    from npuserve.deploy.gateway_flags import gateway_flags
+    from npuserve.deploy.scheduler_flags import serve_scheduler_config
+
+    serve = parse("serve", "--stream-stall-timeout", "2")
+    assert "--stream-stall-timeout=2.0" in gateway_flags(serve)
+    default = SCHEDULER.defaults()["stream_stall_timeout_s"]
+    assert serve_scheduler_config(serve, executors=["h:1"]).stream_stall_timeout_s == default != 2.0
+    scheduler = parse("scheduler", "--model", "m", "--executors", "h:1", "--stream-stall-timeout", "5")
+    assert SCHEDULER.from_args(scheduler).stream_stall_timeout_s == 5.0
+    with pytest.raises(ValueError, match="--stream-stall-timeout"):
+        SCHEDULER.from_args(
+            parse("scheduler", "--model", "m", "--executors", "h:1", "--stream-stall-timeout", "-1")
+        )

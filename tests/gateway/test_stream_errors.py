@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from npuserve.gateway.app import create_app
+from npuserve.gateway.limits import RequestLimits
 from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -84,7 +85,7 @@ async def exchange(
     pb_grpc.add_SchedulerServicer_to_server(scheduler or FakeScheduler(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    app = create_app(f"127.0.0.1:{port}", max_request_bytes=max_request_bytes)
+    app = create_app(f"127.0.0.1:{port}", limits=RequestLimits(max_request_bytes=max_request_bytes))
     client = app.state.gateway.client
     await client.open()  # NOTE: ASGITransport runs no lifespan
     try:

@@ -4,12 +4,14 @@ template that uses tools (tests/gateway/data/tools_chat_template.jinja).
 
 stories260K never writes a tool call by itself, so `auto` is covered by the parser unit tests;
 here the grammar forces calls (a named function, `required`): their arguments must validate
-against the function's parameters, streamed and whole alike, and greedy answers must repeat.
+against the function's parameters, streamed and whole alike, and greedy answers must repeat; a
+forced call closes within max_tokens, and a max_tokens below the shortest call is a 400.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,15 @@ TOOLS: list[dict[str, Any]] = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}},
 ]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+# A function whose argument is a free string, the longest way a forced call can wander.
+NOTE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "take_note",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, NOTE_TOOL]}
 PROMPTS = ["Once upon a time", "The little dog"]
 
 
@@ -172,3 +182,64 @@ def test_bad_tool_requests_are_400s_naming_the_param(
             model="stories260K", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra
         )
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def forced_call(client: openai.OpenAI, tool_choice: Any, seed: int, budget: dict[str, int]) -> Any:
+    """A call forced by `tool_choice` among `take_note` and `get_time` (all three tools would
+    not leave 64 tokens in the demo model's context), sampled at temperature 1, within `budget`
+    (max_tokens or max_completion_tokens)."""
+    return client.chat.completions.create(
+        model="stories260K",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        tools=[NOTE_TOOL, TOOLS[1]],
+        tool_choice=tool_choice,
+        temperature=1.0,
+        seed=seed,
+        **budget,
+    )
+
+
+def assert_whole_calls(answer: Any) -> None:
+    """The answer is one or more calls that parse and match their functions' parameters."""
+    assert answer.finish_reason == "tool_calls", answer.message.content
+    assert answer.message.content is None and answer.message.tool_calls
+    for call in answer.message.tool_calls:
+        checked_arguments(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", named("take_note"), named("get_time")])
+def test_forced_calls_are_whole_within_64_tokens(
+    client: openai.OpenAI, served: Served, tool_choice: Any
+) -> None:
+    """At temperature 1 a weak model wanders in a string or opens call after call; within 64
+    tokens the mask still keeps out what would not fit and closes the call in time, so each seed
+    answers whole calls."""
+    for seed in range(10):
+        assert_whole_calls(forced_call(client, tool_choice, seed, {"max_tokens": 64}).choices[0])
+    check = served.integrity(expect_idle=True)
+    assert check.ok, check.message
+
+
+@pytest.mark.parametrize("tool_choice", ["required", named("get_time")])
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+def test_a_budget_below_the_shortest_call_is_a_400_and_the_shortest_call_fits(
+    client: openai.OpenAI, served: Served, tool_choice: Any, limit: str
+) -> None:
+    """A budget too small for any call is refused up front, streamed or not, naming the limit
+    the client sent and the tokens the shortest call takes; with exactly that many the call is
+    whole."""
+    messages: list[str] = []
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            forced_call(client, tool_choice, 0, {limit: 8, "stream": stream})
+        error = caught.value.body
+        assert error["param"] == limit  # type: ignore[index]
+        messages.append(error["message"])  # type: ignore[index]
+    found = re.fullmatch(rf"{limit} 8 is less than the (\d+) tokens of the shortest output .*", messages[0])
+    assert found and messages[1] == messages[0], messages
+    shortest = int(found.group(1))
+    assert_whole_calls(forced_call(client, tool_choice, 0, {limit: shortest}).choices[0])
+    with pytest.raises(openai.BadRequestError):
+        forced_call(client, tool_choice, 0, {limit: shortest - 1})
+    check = served.integrity(expect_idle=True)
+    assert check.ok, check.message

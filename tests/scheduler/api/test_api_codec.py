@@ -11,6 +11,7 @@ import pytest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.api.api_codec import (
+    continuation_from_proto,
     fill_text,
     output_to_proto,
     pool_state_to_proto,
@@ -153,6 +154,20 @@ def test_a_text_output_is_written_as_its_whole_output_would_be(
     fill_text(msg, "r1", 1, text, token_ids)
     output = GenerateOutput("r1", [CompletionDelta(1, text, token_ids)])
     assert msg == output_to_proto(output, tokenizer, return_prompt=True)
+
+
+def test_a_continuation_is_each_choices_tokens_and_the_first_response_says_it_resumed(
+    tokenizer: Tokenizer,
+) -> None:
+    new = wire(pb.GenerateRequest(text="Once"))
+    assert continuation_from_proto(new) is None
+    resumed = pb.GenerateRequest(text="Once")
+    resumed.continuations.add(token_ids=[403, 407])
+    resumed.continuations.add()  # a choice that had nothing yet
+    continuation = continuation_from_proto(wire(resumed))
+    assert continuation is not None and continuation.token_ids == ([403, 407], [])
+    first = GenerateOutput("r1", [CompletionDelta(1, "", [])], resumed_tokens=2)
+    assert output_to_proto(first, tokenizer, return_prompt=False).resumed_tokens == 2
 
 
 def test_pool_state_round_trip() -> None:

@@ -318,34 +318,142 @@ UNBOUNDED = {
 }
 
 
+# Tool calls as a required tool_choice asks for them: an array of calls, each with required
+# members, so the comma that opens another call adds far more tokens than CLOSING_SLACK (and with
+# no free string, a uniform walk ends each call soon and opens the next).
+CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["get_weather", "get_time"]},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "dst": {"type": "boolean"},
+            },
+            "required": ["unit", "days", "dst"],
+        },
+    },
+    "required": ["name", "arguments"],
+}
+CALLS = {"type": "array", "items": CALL, "minItems": 1}
+
+
+def _completes(constraint: StructuredOutputs, text: str) -> bool:
+    if constraint.kind == "regex":
+        return re.fullmatch(constraint.spec, text) is not None
+    if constraint.kind == "choice":
+        return text in constraint.choices
+    value = json.loads(text)
+    if constraint.kind == "json_schema":
+        jsonschema.validate(value, json.loads(constraint.spec))
+    return True
+
+
 @pytest.mark.parametrize(
     "constraint",
     [
         StructuredOutputs("json_object"),
         StructuredOutputs.json_schema(UNBOUNDED),
         StructuredOutputs.json_schema({"type": "array", "items": UNBOUNDED, "minItems": 1}),
+        StructuredOutputs.json_schema(CALLS),
         StructuredOutputs("regex", r"[a-z]+ [a-z]+ [0-9]{3}"),
+        StructuredOutputs("choice", choices=("a" * 30, "no")),
     ],
 )
-def test_a_wandering_output_still_closes_within_its_budget(
+def test_a_wandering_output_closes_within_any_budget_from_its_shortest(
     tokenizer: Tokenizer, constraint: StructuredOutputs
 ) -> None:
-    """Uniform sampling inside the mask never ends a free string by itself; near the budget the
-    mask narrows to the constraint's closing path, so every output is complete within it."""
+    """Uniform sampling inside the mask never ends a free string by itself and opens whatever it
+    may; near the budget the mask keeps out what would not fit, then narrows to the constraint's
+    closing path, so every output is complete within its budget, down to the shortest output."""
     compiler = _compiler(tokenizer)
     grammar = compiler.compile_now(constraint)
+    assert grammar.closing is not None
+    shortest = grammar.closing.shortest.cost
     rng = np.random.default_rng(3)
-    for budget in (24, 40, 90):
+    for budget in sorted({shortest, shortest + 1, 64, 90}):
         for _ in range(4):
             state = grammar.new_state(budget)
             tokens = _walk(state, rng, tokenizer.eos_token_ids, budget)
-            assert tokens is not None and len(tokens) < budget
-            text = compiler._llg_tokenizer().decode_str(tokens)
-            if constraint.kind == "regex":
-                assert re.fullmatch(constraint.spec, text)
-            else:
-                json.loads(text)
+            assert tokens is not None and len(tokens) <= budget
+            assert _completes(constraint, compiler._llg_tokenizer().decode_str(tokens))
             state.release()
+    assert compiler.num_live_states == 0
+    compiler.close()
+
+
+@pytest.mark.parametrize(
+    ("constraint", "shortest"),
+    [
+        (StructuredOutputs("json_object"), "{}"),
+        (StructuredOutputs("choice", choices=("a" * 30, "no")), "no"),
+        (StructuredOutputs("regex", r"[a-z]+ [0-9]{2}"), "a 00"),
+        (
+            StructuredOutputs.json_schema(CALLS),
+            '[{"name":"get_time","arguments":{"unit":"celsius","days":1,"dst":false}}]',
+        ),
+    ],
+)
+def test_max_tokens_below_the_shortest_output_is_refused_and_at_it_writes_it(
+    tokenizer: Tokenizer, constraint: StructuredOutputs, shortest: str
+) -> None:
+    """A grammar's shortest output takes the shorter way at each choice, not the first one;
+    a sequence that may write fewer tokens is refused naming max_tokens, and one that may write
+    exactly as many writes that output."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(constraint)
+    assert grammar.closing is not None
+    cost = grammar.closing.shortest.cost
+    assert grammar.closing.shortest.text == shortest.encode()
+    with pytest.raises(InvalidRequestError) as refused:
+        grammar.new_state(cost - 1)
+    assert refused.value.field == "max_tokens"
+    assert str(refused.value).startswith(f"max_tokens {cost - 1} is less than the {cost} tokens")
+    state = grammar.new_state(cost)
+    tokens = _walk(state, np.random.default_rng(1), tokenizer.eos_token_ids, cost)
+    assert tokens is not None and compiler._llg_tokenizer().decode_str(tokens) == shortest
+    state.release()
+    assert compiler.num_live_states == 0
+    compiler.close()
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputs("json_object"),
+        StructuredOutputs.json_schema(CALLS),
+        StructuredOutputs("choice", choices=("a" * 30, "no")),
+    ],
+)
+def test_a_sequence_replayed_elsewhere_masks_as_the_one_it_replays(
+    tokenizer: Tokenizer, constraint: StructuredOutputs
+) -> None:
+    """A matcher built afresh for a sequence's tokens (fail-over) has the mask of the one that
+    wrote them at every step, while closing ones too: the guard and the path narrowed to
+    depend only on where the output is and how many tokens are left."""
+    compiler = _compiler(tokenizer)
+    grammar = compiler.compile_now(constraint)
+    assert grammar.closing is not None
+    rng = np.random.default_rng(11)
+    shortest = grammar.closing.shortest.cost
+    for budget in (shortest, shortest + 6, shortest + 30):
+        state = grammar.new_state(budget)
+        tokens: list[int] = []
+        while not state.is_complete and len(tokens) < budget:
+            twin = grammar.new_state(budget)
+            twin.sync(tokens)
+            assert np.array_equal(twin.mask, state.mask), (budget, tokens)
+            twin.release()
+            token = int(rng.choice(_allowed(state.mask)))
+            if token in tokenizer.eos_token_ids:
+                break
+            tokens.append(token)
+            state.accept(token)
+            advance_masks([state])
+        assert _completes(constraint, compiler._llg_tokenizer().decode_str(tokens))
+        state.release()
     assert compiler.num_live_states == 0
     compiler.close()
 
