@@ -23,11 +23,11 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
     from npuserve.deploy.gateway_flags import add_gateway_flags
     from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
-    from npuserve.deploy.scheduler_flags import SCHEDULER, SERVING_FIELDS
+    from npuserve.deploy.scheduler_flags import GATEWAY_NAMED_FIELDS, SCHEDULER, SERVING_FIELDS
 
     add_executor_flags(serve)
     serve.set_defaults(port=8000, host="127.0.0.1")
-    SCHEDULER.add(serve, only=SERVING_FIELDS)
+    SCHEDULER.add(serve, only=SERVING_FIELDS, exclude=GATEWAY_NAMED_FIELDS)
     serve.add_argument(
         "--scheduler-port", type=int, default=0, help="the scheduler's gRPC port (0: a free one)"
     )
@@ -129,7 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.runtime.cpu_priority import control_plane_nice
     from npuserve.deploy.runtime.shutdown import Shutdown, shutdown_timeout_flags
-    from npuserve.deploy.scheduler_flags import SCHEDULER
+    from npuserve.deploy.scheduler_flags import SCHEDULER, serve_scheduler_config
     from npuserve.deploy.supervisor import Supervisor
     from npuserve.proto.auth import API_KEY, GATEWAY_API_KEY, exposure_problem
     from npuserve.proto.ready_file import write_ready_file
@@ -167,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def scheduler_args(port: int) -> list[str]:
         executors = [address_of[s.name] for s in supervisor.live_executors()]
-        config = SCHEDULER.from_args(args, executors=executors)
+        config = serve_scheduler_config(args, executors=executors)
         return ["scheduler", *SCHEDULER.to_flags(config), *common, "--port", str(port)]
 
     def gateway_args(scheduler: str, port: int) -> list[str]:

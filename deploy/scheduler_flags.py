@@ -18,6 +18,7 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
+from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, ServiceConfig
@@ -137,7 +138,7 @@ SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
             "--scheduler-workers",
             {
                 "type": int,
-                "help": "processes that run the executors' step loops (0: threads of the scheduler process; "
+                "help": "processes that run the executors' step loops (0: the scheduler process's event loop; "
                 "default: one per core but one, at most 16)",
             },
         ),
@@ -168,6 +169,17 @@ SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
                 "default": 1,
                 "help": "tokens per streamed message after a sequence's first (its last goes at once): "
                 "fewer, larger messages cost the scheduler and clients less per token",
+            },
+        ),
+        Flag(
+            "stream_stall_timeout_s",
+            "--stream-stall-timeout",
+            {
+                "type": float,
+                "default": DEFAULT_STREAM_STALL_TIMEOUT_S,
+                "help": "seconds a client may leave a response of its Generate or GenerateMany stream unread; "
+                "then the stream's requests are aborted (their blocks freed) and the stream ends ABORTED "
+                "(0: never)",
             },
         ),
         Flag(
@@ -213,6 +225,11 @@ CLUSTER_FIELDS = (
     "tls_key",
 )
 SERVING_FIELDS = tuple(f.field for f in SCHEDULER.flags if f.field not in CLUSTER_FIELDS)
+# Flags the gateway has too, under the same name: `npuserve serve` takes the gateway's, and its
+# scheduler keeps its default for each. (The scheduler's stall timeout is for its own gRPC
+# clients; under `serve` that is the gateway, whose one call carries every stream: a timeout
+# meant for HTTP clients would end them all the first time its event loop fell behind as long.)
+GATEWAY_NAMED_FIELDS = ("stream_stall_timeout_s",)
 # How the scheduler runs (its processes, its steps, its streams): the benches take these flags
 # and pass them on to the scheduler they start.
 BENCH_FIELDS = (
@@ -223,6 +240,13 @@ BENCH_FIELDS = (
     "stream_interval",
     "num_scheduler_steps",
 )
+
+
+def serve_scheduler_config(args: argparse.Namespace, **fields: Any) -> ServiceConfig:
+    """The scheduler's config from `npuserve serve`'s flags, with ``fields`` set beside them;
+    `GATEWAY_NAMED_FIELDS` keep their defaults."""
+    defaults = SCHEDULER.defaults()
+    return SCHEDULER.from_args(args, **{name: defaults[name] for name in GATEWAY_NAMED_FIELDS}, **fields)
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ It keeps per-request state between steps (`InputBatch`), so a plan carries a req
 once and later only deltas. One step: drop finished requests, admit new ones, append blocks,
 gather the flat batch, run the model, compute logits only for the requests that reached their
 last known token, sample there, and record the sampled tokens. A multi-step plan then runs more
-passes over its multi-step requests, each feeding back the tokens the one before sampled.
+passes over its multi-step requests, each feeding back the tokens the one before sampled; the
+order of a step's passes, with the steps that join them and the early answers, is `PassLoop`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from npuserve.executor.kv_cache import (
 )
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
+from npuserve.executor.pass_loop import PassLoop, StepPass
 from npuserve.executor.platform import resolve_target
 from npuserve.executor.profiling import profile_kv_budget
 from npuserve.executor.sampler import (
@@ -39,7 +41,7 @@ from npuserve.executor.sampler import (
 )
 from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
-from npuserve.proto.plan_checks import check_num_steps, take_joining
+from npuserve.proto.plan_checks import check_num_steps
 from npuserve.proto.step_plan import (
     EMULATED_NPU_DEVICE,
     ExecutorInfo,
@@ -50,8 +52,6 @@ from npuserve.proto.step_plan import (
     StepTimings,
     TokenBitmask,
     TokenLogprobs,
-    named_req_ids,
-    take_first_pass_only,
 )
 
 log = structlog.get_logger(__name__)
@@ -99,7 +99,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
         self.sampler = Sampler()
         self._seed_source = np.random.default_rng(config.seed)
-        self._last_result: StepResult | None = None
+        self._passes = PassLoop(self, config.max_num_batched_tokens)
 
     def _size_kv_cache(self) -> int:
         per_block = block_bytes(self.model_config, self.block_size, self.dtype, self.tp)
@@ -150,122 +150,50 @@ class ModelRunner:
         on_first_pass: FirstPassAnswer | None = None,
         joining: JoiningSteps | None = None,
     ) -> StepResult:
-        """Runs one step. A repeated step id returns the earlier result (retries are idempotent).
+        """Runs one step, pass by pass (`PassLoop.run`: retries, early answers, the steps that
+        join its passes, the requests dropped when it fails). A plan that contradicts the
+        executor's state raises `PlanError`."""
+        return self._passes.run(plan, on_first_pass, joining)
 
-        ``on_first_pass``: takes the tokens of the requests that run only a multi-step plan's first
-        pass as soon as it is done (`take_first_pass_only`); the result then leaves them out.
-        ``joining``: before each pass of a multi-step plan (the first too: the steps sent while
-        it waited to run), the steps that join it (`StepPlan.joins_running`) are taken, as room
-        within max_num_batched_tokens allows; their prompts run in that pass, beside its own
-        tokens, and each is answered after it (`_run_pass_joined`).
+    # -- the passes of a step (`PassRunner`) ------------------------------------------------------
 
-        A plan that contradicts the executor's state raises `PlanError`; any failure drops the
-        state of every request in the plan (and in the steps that joined it), which the
-        scheduler then fails or re-sends whole.
-        """
-        if self._last_result is not None and plan.step_id == self._last_result.step_id:
-            return self._last_result
-        joined: list[StepPlan] = []
-        try:
-            result = self._execute(plan, on_first_pass, joining, joined)
-        except Exception:
-            for req_id in named_req_ids(plan, *joined):
-                self.batch.remove(req_id)
-            raise
-        self._last_result = result
-        return result
-
-    def _execute(
-        self,
-        plan: StepPlan,
-        on_first_pass: FirstPassAnswer | None,
-        joining: JoiningSteps | None,
-        joined: list[StepPlan],
-    ) -> StepResult:
-        start = time.perf_counter()
+    def begin_step(self, plan: StepPlan, started: float) -> None:
         self._update_states(plan)
-        result = StepResult(step_id=plan.step_id)
-        if not plan.num_scheduled_tokens:
-            return result
-        timings = StepTimings()
-        # NOTE: the steps sent while a multi-step plan waited to run join its first pass.
-        first_joining = joining if plan.num_steps else None
-        inputs, sampled_req_ids, joiners = self._prepare_pass(
-            plan.num_scheduled_tokens, first_joining, joined
-        )
-        if plan.num_steps:
-            self._check_num_steps(plan, inputs)
-        # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
-        allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
-        self._run_pass_joined(inputs, sampled_req_ids, allowed, joiners, result, timings, joining, start)
-        if on_first_pass is not None and plan.has_first_pass_only:
-            early = take_first_pass_only(result, plan.num_steps)
-            if early.sampled_req_ids:
-                on_first_pass(early)
-        # Multi-step decoding: each later pass feeds back the tokens the one before sampled.
-        for index in range(1, plan.num_passes):
-            pass_start = time.perf_counter()
-            decoding = {r: 1 for r, n in plan.num_steps.items() if n > index}
-            inputs, sampled_req_ids, joiners = self._prepare_pass(decoding, joining, joined)
-            self._run_pass_joined(
-                inputs, sampled_req_ids, None, joiners, result, timings, joining, pass_start
-            )
-        timings.total_s = time.perf_counter() - start
-        result.timings = timings
-        return result
 
-    def _prepare_pass(
-        self, own: dict[str, int], joining: JoiningSteps | None, joined: list[StepPlan]
-    ) -> tuple[StepInputs, list[str], list[StepPlan]]:
-        """A pass's inputs: ``own`` tokens per request, then those of the steps that join it
-        (taken while the pass stays within max_num_batched_tokens, their requests added to the
-        batch); with the requests that sample in it, and the steps that joined."""
-        joiners = take_joining(joining, joined, self.config.max_num_batched_tokens, sum(own.values()))
-        scheduled = own
-        if joiners:
-            scheduled = dict(own)
-            for joiner in joiners:
+    def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
+        """One forward pass: the plan's tokens of the pass, then the joiners' prompts (their
+        requests added to the batch first), in one batch."""
+        scheduled = step_pass.tokens
+        if step_pass.joiners:
+            scheduled = dict(scheduled)
+            for joiner in step_pass.joiners:
                 self._update_states(joiner)
                 scheduled.update(joiner.num_scheduled_tokens)
         inputs = self.batch.prepare(scheduled)
         sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
-        return inputs, sampled_req_ids, joiners
-
-    def _run_pass_joined(
-        self,
-        inputs: StepInputs,
-        sampled_req_ids: list[str],
-        allowed: AllowedTokens | None,
-        joiners: list[StepPlan],
-        result: StepResult,
-        timings: StepTimings,
-        joining: JoiningSteps | None,
-        start: float,
-    ) -> None:
-        """One pass of a plan (`_run_pass`) with the steps that joined it, whose requests run
-        their scheduled (prompt) tokens in the same forward: their tokens go to each joined
-        step's own result, answered at once, the rest to ``result``."""
-        if not joiners or joining is None:
-            self._run_pass(inputs, sampled_req_ids, allowed, result, timings, start)
-            return
+        allowed = None
+        if step_pass.index == 0:
+            if plan.num_steps:
+                self._check_num_steps(plan, inputs)
+            # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
+            allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
+        if not step_pass.joiners:
+            self._run_pass(inputs, sampled_req_ids, allowed, result, result.timings, step_pass.started)
+            return []
         mixed = StepResult(step_id=result.step_id)
-        self._run_pass(inputs, sampled_req_ids, allowed, mixed, timings, start)
-        pass_timings = StepTimings(total_s=time.perf_counter() - start)  # a joined step's: its pass
-        answers = [StepResult(step_id=joiner.step_id, timings=pass_timings) for joiner in joiners]
-        owner = {
-            req_id: answer
-            for joiner, answer in zip(joiners, answers, strict=True)
-            for req_id in joiner.num_scheduled_tokens
-        }
-        for req_id, token_id, logprobs in zip(
-            mixed.sampled_req_ids, mixed.sampled_token_ids, mixed.logprobs, strict=True
-        ):
-            into = owner.get(req_id, result)
-            into.sampled_req_ids.append(req_id)
-            into.sampled_token_ids.append(token_id)
-            into.logprobs.append(logprobs)
-        for answer in answers:
-            joining.answer(answer)
+        self._run_pass(inputs, sampled_req_ids, allowed, mixed, result.timings, step_pass.started)
+        return _split_joined(mixed, step_pass.joiners, result, step_pass.started)
+
+    def await_pass_end(self) -> None:
+        """A pass has ended once `run_pass` returns."""
+
+    def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
+        if plan.num_scheduled_tokens:  # NOTE: a step that ran no pass reports no time
+            result.timings.total_s = time.perf_counter() - started
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.batch.remove(req_id)
 
     def _run_pass(
         self,
@@ -370,6 +298,28 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
+
+
+def _split_joined(
+    mixed: StepResult, joiners: list[StepPlan], result: StepResult, pass_started: float
+) -> list[StepResult]:
+    """A pass's tokens (``mixed``) parted: the joiners' requests' into a result for each joiner
+    (returned; timed as the pass, begun at ``pass_started``), the rest into ``result``."""
+    pass_timings = StepTimings(total_s=time.perf_counter() - pass_started)
+    answers = [StepResult(step_id=joiner.step_id, timings=pass_timings) for joiner in joiners]
+    owner = {
+        req_id: answer
+        for joiner, answer in zip(joiners, answers, strict=True)
+        for req_id in joiner.num_scheduled_tokens
+    }
+    for req_id, token_id, logprobs in zip(
+        mixed.sampled_req_ids, mixed.sampled_token_ids, mixed.logprobs, strict=True
+    ):
+        into = owner.get(req_id, result)
+        into.sampled_req_ids.append(req_id)
+        into.sampled_token_ids.append(token_id)
+        into.logprobs.append(logprobs)
+    return answers
 
 
 def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[TokenLogprobs | None]:

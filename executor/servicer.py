@@ -26,22 +26,19 @@ from npuserve.executor.step_stream import StepStreamPipeline
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
+from npuserve.proto.step_plan import (
+    FirstPassAnswer,
+    JoiningSteps,
+    PlanRunner,
+    StepPlan,
+    StepResult,
+)
 
 log = structlog.get_logger(__name__)
 
 
-class StepRunner(Protocol):
+class StepRunner(PlanRunner, Protocol):
     """What the server needs of a runner (`ModelRunner` in production)."""
-
-    def info(self) -> ExecutorInfo: ...
-
-    def execute(
-        self,
-        plan: StepPlan,
-        on_first_pass: FirstPassAnswer | None = None,
-        joining: JoiningSteps | None = None,
-    ) -> StepResult: ...
 
     @property
     def num_requests(self) -> int:

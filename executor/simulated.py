@@ -20,14 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from npuserve.executor.pass_loop import PassLoop, StepPass
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
-from npuserve.proto.plan_checks import (
-    PlanError,
-    check_block_ids,
-    check_new_request,
-    check_num_steps,
-    take_joining,
-)
+from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request, check_num_steps
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     FirstPassAnswer,
@@ -37,8 +32,6 @@ from npuserve.proto.step_plan import (
     StepResult,
     StepTimings,
     TokenLogprobs,
-    named_req_ids,
-    take_first_pass_only,
 )
 
 _MASK32 = 0xFFFFFFFF
@@ -65,11 +58,6 @@ class LatencyModel:
     def joined_seconds(self, num_tokens: int, num_seqs: int) -> float:
         """What a step that joins another's pass adds to that pass: its tokens, no base."""
         return self.per_token_s * num_tokens + self.per_seq_s * num_seqs
-
-    def decode_passes_seconds(self, num_passes: int, num_tokens: int) -> float:
-        """``num_passes`` passes of one-token sequences, ``num_tokens`` of them in all (the
-        later passes of a multi-step plan): the sum of their `step_seconds`."""
-        return num_passes * self.base_s + (self.per_token_s + self.per_seq_s) * num_tokens
 
 
 @dataclass(slots=True)
@@ -121,6 +109,16 @@ class SimulatedStats:
 
 
 @dataclass(slots=True)
+class _ModelledStep:
+    """The step a simulated runner runs: when it began, and its modelled seconds and tokens so far
+    (its passes end at ``start + modeled_s`` in turn)."""
+
+    start: float  # time.perf_counter()
+    modeled_s: float = 0.0
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
 class _RequestState:
     key: int  # hash of the request id, the seed of its tokens
     num_tokens: int
@@ -158,7 +156,8 @@ class SimulatedRunner:
         self.config = config or SimulatedConfig()
         self.stats = SimulatedStats()
         self._requests: dict[str, _RequestState] = {}
-        self._last_result: StepResult | None = None
+        self._passes = PassLoop(self, self.config.max_num_batched_tokens)
+        self._step = _ModelledStep(0.0)
 
     @property
     def num_requests(self) -> int:
@@ -196,113 +195,72 @@ class SimulatedRunner:
         on_first_pass: FirstPassAnswer | None = None,
         joining: JoiningSteps | None = None,
     ) -> StepResult:
-        """Runs one step, as `ModelRunner.execute` does: a repeated step id returns the earlier
-        result; a refused plan drops the state of every request it names and raises; with
-        ``on_first_pass``, the first pass's answer for the requests that run only it comes once
-        that pass's modelled time has passed; with ``joining``, the steps that join this one
-        (`StepPlan.joins_running`) are taken before each of its passes (the first too: those
-        that came while it waited), as room within max_num_batched_tokens allows, their tokens
-        counted in that pass, and answered once the pass's modelled time has passed."""
-        if self._last_result is not None and plan.step_id == self._last_result.step_id:
-            return self._last_result
-        start = time.perf_counter()
-        joined: list[StepPlan] = []
-        try:
-            result = self._execute(plan)
-            num_tokens = plan.total_num_scheduled_tokens
-            num_seqs = len(plan.num_scheduled_tokens)
-            latency = self.config.latency
-            modeled = latency.step_seconds(num_tokens, num_seqs) if num_seqs else 0.0
-            joins = joining if plan.num_steps else None  # NOTE: only a multi-pass step takes joiners
-            if joins is not None:  # those that came while it waited join its first pass
-                first_joined, joined_s, joined_tokens = self._take_joining(joins, joined, num_tokens)
-                modeled += joined_s
-                num_tokens += joined_tokens
-                self._answer_joined(first_joined, joins, modeled, start + modeled)
-            if on_first_pass is not None and plan.has_first_pass_only:
-                early = take_first_pass_only(result, plan.num_steps)
-                if early.sampled_req_ids:
-                    self._sleep_until(start + modeled, time.perf_counter())
-                    on_first_pass(early)
-            if joins is not None:
-                modeled, num_tokens = self._run_later_passes_joining(
-                    plan, result, start, modeled, num_tokens, joins, joined
-                )
-            elif plan.num_steps:  # each later pass: one token for each request that runs it
-                for index in range(1, plan.num_passes):
-                    self._run_later_pass(plan.num_steps, index, result)
-                num_later_passes = plan.num_passes - 1
-                num_later = sum(plan.num_steps.values()) - len(plan.num_steps)
-                modeled += latency.decode_passes_seconds(num_later_passes, num_later)
-                num_tokens += num_later
-        except Exception:
-            for req_id in named_req_ids(plan, *joined):
-                self._requests.pop(req_id, None)
-            raise
+        """Runs one step, as `ModelRunner.execute` does (`PassLoop.run`), in its modelled time:
+        each pass ends `LatencyModel.step_seconds` of its own tokens after the one before, plus
+        `LatencyModel.joined_seconds` of the steps that join it. What is answered at the end of
+        a pass (the early answer, the steps that joined it) is answered once that time has come;
+        the step's result once all its passes' time has."""
+        return self._passes.run(plan, on_first_pass, joining)
+
+    # -- the passes of a step (`PassRunner`) ------------------------------------------------------
+
+    def begin_step(self, plan: StepPlan, started: float) -> None:
+        self._step = _ModelledStep(started)
+        self._update_states(plan)
+
+    def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
+        """The pass's tokens, then the joiners' (each sampled alone, as if it ran on its own);
+        its modelled seconds are counted, not slept (`await_pass_end`)."""
+        latency, step, stats = self.config.latency, self._step, self.stats
+        num_sampled = len(result.sampled_req_ids)
+        if step_pass.index == 0:
+            self._run_scheduled(plan, result)
+        else:
+            self._run_later_pass(step_pass.tokens, result)
+        stats.num_sampled += len(result.sampled_req_ids) - num_sampled
+        num_tokens = sum(step_pass.tokens.values())
+        pass_s = latency.step_seconds(num_tokens, len(step_pass.tokens))
+        answers = []
+        for joiner in step_pass.joiners:
+            self._update_states(joiner)
+            answer = StepResult(step_id=joiner.step_id)
+            self._run_scheduled(joiner, answer)
+            answers.append(answer)
+            joined_tokens = joiner.total_num_scheduled_tokens
+            pass_s += latency.joined_seconds(joined_tokens, len(joiner.num_scheduled_tokens))
+            num_tokens += joined_tokens
+            stats.num_sampled += len(answer.sampled_req_ids)
+        for answer in answers:
+            answer.timings = StepTimings(total_s=pass_s)
+        step.modeled_s += pass_s
+        step.num_tokens += num_tokens
+        return answers
+
+    def await_pass_end(self) -> None:
+        """Sleeps until the modelled end of the pass last run."""
+        step = self._step
+        self._sleep_until(step.start + step.modeled_s, time.perf_counter())
+
+    def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
+        """Sleeps what the step's bookkeeping left of its modelled time (an overrun where it left
+        none), and counts the step."""
+        step = self._step
+        num_seqs = len(plan.num_scheduled_tokens)
         done = time.perf_counter()
-        if not self._sleep_until(start + modeled, done) and num_seqs:
+        if not self._sleep_until(step.start + step.modeled_s, done) and num_seqs:
             self.stats.num_overruns += 1
         end = time.perf_counter()
-        result.timings = StepTimings(prepare_s=done - start, forward_s=end - done, total_s=end - start)
+        result.timings = StepTimings(prepare_s=done - started, forward_s=end - done, total_s=end - started)
         s = self.stats
         s.num_steps += 1
-        s.num_tokens += num_tokens
+        s.num_tokens += step.num_tokens
         s.num_seqs += num_seqs
-        s.num_sampled += len(result.sampled_req_ids)
-        s.modeled_s += modeled
-        s.busy_s += end - start
-        self._last_result = result
-        return result
+        s.modeled_s += step.modeled_s
+        s.busy_s += end - started
 
-    def _run_later_passes_joining(
-        self,
-        plan: StepPlan,
-        result: StepResult,
-        start: float,
-        modeled: float,
-        num_tokens: int,
-        joining: JoiningSteps,
-        joined: list[StepPlan],
-    ) -> tuple[float, int]:
-        """A multi-pass step's later passes one at a time, each in its modelled time, with the
-        tokens of the steps that join it (taken as the pass starts, answered as it ends);
-        returns the step's modelled seconds and tokens so far."""
-        latency = self.config.latency
-        for index in range(1, plan.num_passes):
-            self._sleep_until(start + modeled, time.perf_counter())  # the pass before is done
-            num_decode = sum(1 for n in plan.num_steps.values() if n > index)
-            joined_results, joined_s, joined_tokens = self._take_joining(joining, joined, num_decode)
-            self._run_later_pass(plan.num_steps, index, result)
-            pass_s = latency.step_seconds(num_decode, num_decode) + joined_s
-            modeled += pass_s
-            num_tokens += num_decode + joined_tokens
-            self._answer_joined(joined_results, joining, pass_s, start + modeled)
-        return modeled, num_tokens
-
-    def _take_joining(
-        self, joining: JoiningSteps, joined: list[StepPlan], pass_tokens: int
-    ) -> tuple[list[StepResult], float, int]:
-        """The steps that join the pass about to start (``pass_tokens`` of its own), run: their
-        results, and the seconds and tokens they add to the pass."""
-        latency, results, seconds, tokens = self.config.latency, [], 0.0, 0
-        for joiner in take_joining(joining, joined, self.config.max_num_batched_tokens, pass_tokens):
-            results.append(self._execute(joiner))
-            num_tokens = joiner.total_num_scheduled_tokens
-            seconds += latency.joined_seconds(num_tokens, len(joiner.num_scheduled_tokens))
-            tokens += num_tokens
-        return results, seconds, tokens
-
-    def _answer_joined(
-        self, results: list[StepResult], joining: JoiningSteps, pass_s: float, pass_end: float
-    ) -> None:
-        """Answers the steps that joined a pass once it has ended (at ``pass_end``, perf_counter;
-        ``pass_s``: its modelled time)."""
-        if results:
-            self._sleep_until(pass_end, time.perf_counter())
-        for result in results:
-            result.timings = StepTimings(total_s=pass_s)
-            self.stats.num_sampled += len(result.sampled_req_ids)
-            joining.answer(result)
+    def drop_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._requests.pop(req_id, None)
 
     @staticmethod
     def _sleep_until(deadline: float, now: float) -> bool:
@@ -312,7 +270,7 @@ class SimulatedRunner:
             time.sleep(remaining)
         return remaining > 0
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _update_states(self, plan: StepPlan) -> None:
         requests = self._requests
         if plan.reset:
             requests.clear()
@@ -326,6 +284,11 @@ class SimulatedRunner:
                 raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
             self._check_blocks(cached.req_id, cached.new_block_ids, state.num_blocks)
             state.num_blocks += len(cached.new_block_ids)
+
+    def _run_scheduled(self, plan: StepPlan, result: StepResult) -> None:
+        """A plan's first pass: its scheduled tokens, a token into ``result`` for each request
+        that reaches its known tokens."""
+        requests = self._requests
         # Check every scheduled request before changing any (the real runner's `prepare`).
         block_size = self.config.block_size
         scheduled = []
@@ -350,7 +313,6 @@ class SimulatedRunner:
                 )
             scheduled.append((req_id, state, seq_len))
         masks = self._masks(plan, scheduled)
-        result = StepResult(step_id=plan.step_id)
         for req_id, state, seq_len in scheduled:
             state.num_computed_tokens = seq_len
             if seq_len == state.num_tokens:
@@ -359,21 +321,19 @@ class SimulatedRunner:
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(self._logprobs(state, token))
                 state.num_tokens += 1
-        return result
 
-    def _run_later_pass(self, num_steps: dict[str, int], index: int, result: StepResult) -> None:
-        """Multi-step decoding: a pass after the first (``index`` >= 1) feeds back, for each
-        request that runs it, the token the pass before sampled."""
+    def _run_later_pass(self, tokens: dict[str, int], result: StepResult) -> None:
+        """Multi-step decoding: a pass after the first feeds back, for each request that runs it
+        (``tokens``), the token the pass before sampled."""
         requests = self._requests
-        for req_id, steps in num_steps.items():
-            if steps > index:
-                state = requests[req_id]
-                state.num_computed_tokens = state.num_tokens
-                token = self._sample(state)
-                result.sampled_req_ids.append(req_id)
-                result.sampled_token_ids.append(token)
-                result.logprobs.append(self._logprobs(state, token))
-                state.num_tokens += 1
+        for req_id in tokens:
+            state = requests[req_id]
+            state.num_computed_tokens = state.num_tokens
+            token = self._sample(state)
+            result.sampled_req_ids.append(req_id)
+            result.sampled_token_ids.append(token)
+            result.logprobs.append(self._logprobs(state, token))
+            state.num_tokens += 1
 
     def _add(self, req: NewRequest) -> None:
         c = self.config

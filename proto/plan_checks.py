@@ -3,7 +3,7 @@ and the scheduler's tests use them too)."""
 
 from __future__ import annotations
 
-from npuserve.proto.step_plan import JoiningSteps, NewRequest, StepPlan, admits_only
+from npuserve.proto.step_plan import NewRequest, StepPlan, admits_only
 
 
 class PlanError(ValueError):
@@ -28,22 +28,6 @@ def check_joining(plan: StepPlan) -> None:
     codec refuses any other from the wire; this guards a runner's callers in process)."""
     if not admits_only(plan):
         raise PlanError(f"step {plan.step_id} joins the running one but does more than admit requests")
-
-
-def take_joining(
-    joining: JoiningSteps | None, joined: list[StepPlan], max_batched_tokens: int, pass_tokens: int
-) -> list[StepPlan]:
-    """What a runner does before each pass of a multi-pass step: the steps that have come to join
-    it, while the pass's tokens (``pass_tokens`` of its own) stay within ``max_batched_tokens``;
-    each recorded in ``joined`` before it is checked (`check_joining`), so that a refused one has
-    its requests dropped with the running step's."""
-    joiners: list[StepPlan] = []
-    while joining is not None and (joiner := joining.take(max_batched_tokens - pass_tokens)) is not None:
-        joined.append(joiner)
-        check_joining(joiner)
-        joiners.append(joiner)
-        pass_tokens += joiner.total_num_scheduled_tokens
-    return joiners
 
 
 def check_block_ids(

@@ -196,6 +196,20 @@ class JoiningSteps(Protocol):
         ...
 
 
+class PlanRunner(Protocol):
+    """What runs step plans, wherever its caller is: the executor's servicer, or a scheduler
+    driving a runner in its own process (`ModelRunner`, `SimulatedRunner`)."""
+
+    def info(self) -> ExecutorInfo: ...
+
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult: ...
+
+
 def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepResult:
     """Moves the tokens of requests that run only the first pass (absent from ``num_steps``) out
     of ``result``, which holds a multi-step plan's first pass, into a partial result of their own."""

@@ -34,10 +34,12 @@ from npuserve.scheduler.api.api_relay import ApiProcessPool
 from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api.api_servicer import PublicApiServicer
 from npuserve.scheduler.api.api_status import guard
+from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.engine.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.engine.registry import RedisMembership
+from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.step_workers import StepWorkerPool
 from npuserve.scheduler.service_config import (
@@ -59,9 +61,13 @@ class SchedulerServicer(PublicApiServicer):
     """The public API served by the engine's own process (every call answered here)."""
 
     def __init__(
-        self, engine: Engine, model_root: str, known_executors: Callable[[], int] | None = None
+        self,
+        engine: Engine,
+        model_root: str,
+        known_executors: Callable[[], int] | None = None,
+        stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
     ) -> None:
-        super().__init__(engine, engine.prompts)
+        super().__init__(engine, engine.prompts, stream_stall_timeout_s=stream_stall_timeout_s)
         self.engine = engine
         self.model_root = model_root
         self.created = int(time.time())
@@ -85,7 +91,7 @@ class SchedulerServicer(PublicApiServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         lanes = self.engine.live_lanes
         total = max(self.known_executors(), len(self.engine.lanes))
-        ready = await asyncio.to_thread(lambda: sum(lane.executor.health() for lane in lanes))
+        ready = sum(await asyncio.gather(*(lane.client.health() for lane in lanes)))
         if self.draining:
             message = "the scheduler is shutting down"
         elif not ready:
@@ -154,7 +160,9 @@ async def serve_scheduler(
     # NOTE: pipelined steps need the streaming transport (the executor runs them in order).
     transport = "stream" if async_scheduling else config.step_transport
     spec = ClientSpec(transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
-    make_client = spec.connect
+
+    def make_client(address: str) -> AioExecutorClient:
+        return AioExecutorClient.from_spec(spec, address)
 
     membership: StaticMembership | RedisMembership
     if config.registry:
@@ -188,7 +196,7 @@ async def serve_scheduler(
     num_api = default_api_server_count() if config.api_server_count is None else config.api_server_count
     engine.start(serve_prompts=num_api == 1)
     watcher = asyncio.create_task(membership.run(engine))
-    servicer = SchedulerServicer(engine, config.model, membership.num_known)
+    servicer = SchedulerServicer(engine, config.model, membership.num_known, config.stream_stall_timeout_s)
     api_processes: ApiProcessPool | None = None
     servers: list[grpc.aio.Server] = []
     if num_api > 1:
@@ -202,6 +210,7 @@ async def serve_scheduler(
                 engine.limits,
                 config.trust_request_chat_template,
                 engine.config.stream_interval,
+                config.stream_stall_timeout_s,
                 host,
                 bind_port,
                 config.tls,
@@ -246,7 +255,7 @@ async def serve_scheduler(
     await stop_api_servers(servers, 0 if shutdown.now.is_set() else SERVER_STOP_GRACE_S)
     if api_processes is not None:
         await api_processes.close()
-    engine.stop()
+    await engine.stop()
     log.info("scheduler stopped")
 
 
@@ -264,7 +273,7 @@ async def drain_scheduler(servicer: SchedulerServicer, shutdown: Shutdown, timeo
             second_signal=shutdown.now.is_set(),
         )
         return
-    # NOTE: a finished request's blocks come back on its lane thread a moment after its stream
+    # NOTE: a finished request's blocks come back on its lane a moment after its stream
     # ends, and the executors learn of it in one more step; both are waited for.
     await shutdown.drain_until_async(lambda: engine.lanes_settled, INTEGRITY_SETTLE_S)
     deadline = time.monotonic() + INTEGRITY_SETTLE_S

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 
@@ -42,6 +43,8 @@ class ServiceConfig:
     # Build step N+1 while the executor runs step N (stream transport); None: `pipelines_steps`.
     async_scheduling: bool | None = None
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first
+    # How long a client may leave a stream's response unread before its requests are aborted; 0: for ever.
+    stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S
     # Passes per step of a sampling request (multi-step decoding); 0 (`AUTO_SCHEDULER_STEPS`): auto.
     num_scheduler_steps: int = AUTO_SCHEDULER_STEPS
     step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
@@ -54,6 +57,10 @@ class ServiceConfig:
     api_key: str | None = None  # clients of the public API present it (Health stays open)
     tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.stream_stall_timeout_s >= 0:
+            raise ValueError(f"--stream-stall-timeout must be 0 or more, got {self.stream_stall_timeout_s}")
 
 
 def default_api_server_count() -> int:

@@ -80,8 +80,8 @@ def scheduler_command(config: ScaleConfig) -> list[str]:
     """The scheduler's Python: `npuserve`, or with ``--switch-interval-ms`` a GIL switch interval."""
     if config.switch_interval_ms is None:
         return python_module()
-    # NOTE: an experiment, not a setting of the scheduler: how long a lane thread back from
-    # its executor waits for the GIL while the event loop holds it.
+    # NOTE: an experiment, not a setting of the scheduler: how long a thread of the scheduler
+    # (gRPC's own, tokenization's) waits for the GIL while the event loop holds it.
     return [sys.executable, "-c", f"import sys; sys.setswitchinterval({config.switch_interval_ms / 1e3}); "
             "sys.argv[0] = 'npuserve'; from npuserve.deploy.cli import main; main()"]  # fmt: skip
 

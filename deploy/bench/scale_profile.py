@@ -26,15 +26,16 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
      ("scheduler/core/scheduler.py", "kv_cache_manager.py", "block_pool.py", "block_hash.py", "scheduler/core/request.py")),
     ("routing (choose_lane)", ("scheduler/core/router.py",)),
     ("step plan/result <-> protobuf", ("step_codec.py", "executor_pb2")),
-    ("executor gRPC client (sync, lane threads)", ("scheduler/lanes/executor_client.py", "grpc/_channel.py", "grpc/_common.py",
-                                                 "grpc/_interceptor.py")),
+    ("executor gRPC client", ("scheduler/lanes/aio_executor_client.py",)),
     ("Generate response encode", ("api_codec.py", "scheduler_pb2")),
     ("public gRPC server (grpc.aio Python parts)", ("grpc/aio/", "grpc/_cython", "cygrpc")),
     ("logging (structlog)", ("structlog/", "logging/")),
     ("request streams (outputs)", ("scheduler/engine/outputs.py",)),
     ("engine: admission, dispatch, Generate handler", ("scheduler/engine/engine.py", "scheduler/engine/client_entry.py",
-                                                     "scheduler/lanes/worker_relay.py", "scheduler/server.py")),
-    ("lane thread (commands, events)", ("scheduler/lanes/lane.py",)),
+                                                     "scheduler/engine/failover.py", "scheduler/lanes/worker_relay.py",
+                                                     "scheduler/server.py")),
+    ("lanes: step loops (commands, events, pacing)",
+     ("scheduler/lanes/async_lane.py", "scheduler/lanes/step_joining.py", "scheduler/lanes/step_pacing.py")),
     ("asyncio event loop", ("asyncio/",)),
     ("threads, queues, locks", ("threading.py", "queue.py", "concurrent/futures")),
 ]  # fmt: skip
@@ -88,7 +89,7 @@ def _category(frames: list[str]) -> str:
 
 # Frames nearly every sample passes through: left out of the inclusive ranking.
 _GENERIC_FRAMES = ("<frozen runpy>", "deploy/cli.py", "asyncio/runners.py", "asyncio/base_events.py",
-                   "asyncio/events.py", "threading.py", "scheduler/lanes/lane.py")  # fmt: skip
+                   "asyncio/events.py", "threading.py", "scheduler/lanes/async_lane.py")  # fmt: skip
 
 
 def summarize_profile(raw: str, top: int = 15) -> dict[str, Any]:

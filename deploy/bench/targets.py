@@ -1,7 +1,7 @@
 """What the serving bench measures against, behind one interface (`Target`).
 
-* `OfflineTarget`: an `Engine` in this process over `LocalExecutor`s, the same scheduler and
-  ModelRunner without any RPC: the baseline that says what the gRPC split costs.
+* `OfflineTarget`: an `Engine` in this process over ModelRunners (`InProcessClient`), the same
+  scheduler and ModelRunner without any RPC: the baseline that says what the gRPC split costs.
 * `GrpcTarget`: a client of a running scheduler's `Generate` stream.
 """
 
@@ -30,6 +30,7 @@ from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
+from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.text.prompts import PromptInput
 
 if TYPE_CHECKING:
@@ -85,12 +86,14 @@ class OfflineTarget:
         self.engine: Engine | None = None
 
     async def open(self) -> None:
-        from npuserve.executor.local import LocalExecutor  # torch: only when measuring in process
+        from npuserve.executor.model_runner import ModelRunner  # torch: only when measuring in process
         from npuserve.scheduler.text.tokenizer import Tokenizer
 
-        def build() -> list[tuple[str, LocalExecutor, Any]]:
-            executors = [LocalExecutor(self.config) for _ in range(self.num_executors)]
-            return [(f"local-{i}", ex, ex.info()) for i, ex in enumerate(executors)]
+        def build() -> list[tuple[str, InProcessClient, Any]]:
+            runners = [ModelRunner(self.config) for _ in range(self.num_executors)]
+            return [
+                (f"local-{i}", InProcessClient(runner), runner.info()) for i, runner in enumerate(runners)
+            ]
 
         executors = await asyncio.to_thread(build)
         engine_config = EngineConfig(self.config.model, enable_prefix_caching=self.enable_prefix_caching)
@@ -101,7 +104,7 @@ class OfflineTarget:
 
     async def close(self) -> None:
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+            await self.engine.stop()
             self.engine = None
         gc.collect()  # NOTE: free the KV cache before the next variant allocates its own
 

@@ -12,6 +12,7 @@ from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.proto.structured_outputs import FIELD as STRUCTURED_FIELD
 from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.core.request import InvalidRequestError, SamplingParams
+from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.engine_probes import PoolState
 from npuserve.scheduler.engine.outputs import CompletionDelta, GenerateOutput
 from npuserve.scheduler.text.prompts import PromptInput
@@ -133,6 +134,13 @@ def _tool_from_proto(index: int, tool: pb.Tool) -> dict[str, object]:
     return {"type": tool.type or "function", "function": function}
 
 
+def continuation_from_proto(msg: pb.GenerateRequest) -> Continuation | None:
+    """The output a resumed generation's choices already have; None for a new generation."""
+    if not msg.continuations:
+        return None
+    return Continuation(tuple(list(choice.token_ids) for choice in msg.continuations))
+
+
 def output_to_proto(output: GenerateOutput, tokenizer: Tokenizer, return_prompt: bool) -> pb.GenerateResponse:
     msg = pb.GenerateResponse()
     fill_response(msg, output, tokenizer, return_prompt)
@@ -153,6 +161,8 @@ def fill_response(
     if return_prompt and output.prompt_token_ids is not None:
         msg.prompt.token_ids.extend(output.prompt_token_ids)
         msg.prompt.text = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+    if output.resumed_tokens:
+        msg.resumed_tokens = output.resumed_tokens
     if output.usage is not None:
         usage, usage_msg = output.usage, msg.usage
         usage_msg.prompt_tokens = usage.prompt_tokens

@@ -14,17 +14,8 @@ over them) and, for its clients:
 The core keeps what must be one: the block tables (in its scheduler workers), routing, the
 failover copies of every request, and the metrics.
 
-Wire over one `multiprocessing` pipe, each message a batch (`pipe_link`):
-  api -> core: ("ready", port) | ("submit", handle, request_id, prompt_ids, SamplingParams)
-               | ("ack", number of relayed items applied: flow control, see `api_relay.Relay`)
-               | ("stop", handle, choice, stop_string) | ("close", handle, aborted)
-               | ("call", call_id, method, request message)
-  core -> api: ("add" | "end", handle, *SequenceUpdate's fields) | ("refuse", handle, RelayedError)
-               | ("relayed", pickled list of "add" items: a worker's tokens for this process's
-                  streams, which the core forwards unopened, see `step_frames`)
-               | ("delivered", query_id, [(handle, choice)]: what those streams hold, asked when
-                  the scheduler worker that ran them died; answered with the same kind)
-               | ("reply", call_id, response message | RelayedStatus) | ("drain",) | ("exit",)
+The core and the process talk over one `multiprocessing` pipe (`pipe_link`), in batches of the
+messages of `api_messages`: `ApiToCore` one way, `CoreToApi` the other.
 """
 
 from __future__ import annotations
@@ -42,13 +33,35 @@ import structlog
 from google.protobuf.message import Message
 
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.api_spread import ApiServer
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
+from npuserve.scheduler.api.api_messages import (
+    ApiReady,
+    ApiToCore,
+    CallAnswer,
+    CoreToApi,
+    DeliveredTokens,
+    DrainApi,
+    EndStream,
+    ExitApi,
+    ForwardCall,
+    PackedUpdate,
+    QueryDelivered,
+    RefuseStream,
+    RelayedStatus,
+    RelayedUpdates,
+    StopStringFound,
+    StreamClosed,
+    StreamUpdates,
+    SubmitStream,
+    UpdatesApplied,
+)
 from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api.api_servicer import PublicApiServicer
 from npuserve.scheduler.api.api_status import RelayedError
 from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.continuation import Continuation, resume_stream
 from npuserve.scheduler.engine.engine_config import new_request_id
 from npuserve.scheduler.engine.outputs import OpenStream, RequestStream, SequenceUpdate
 from npuserve.scheduler.lanes.pipe_link import PipeLink
@@ -58,8 +71,6 @@ from npuserve.scheduler.text.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
-RELAYED_KINDS = frozenset({"add", "end", "refuse"})  # what the core relays of streams (acknowledged)
-# ... and "relayed", a worker's pack of "add" items, acknowledged item by item.
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,21 +82,13 @@ class ApiProcessSettings:
     limits: ModelLimits
     trust_request_chat_template: bool
     stream_interval: int  # tokens per streamed delta after a sequence's first (`RequestStream`)
+    stream_stall_timeout_s: float  # how long a client may leave a stream unread (`stall_watch`)
     host: str
     port: int  # 0: any free port (the first process); the others take the port it got
     tls: tuple[bytes, bytes] | None
     api_key: str | None
     log_level: str
     json_logs: bool
-
-
-@dataclass(frozen=True, slots=True)
-class RelayedStatus:
-    """A forwarded call's gRPC status, as the core's servicer ended it."""
-
-    code: str
-    details: str
-    trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
 
 
 # Calls the core answers (every one but Generate, Tokenize and Detokenize).
@@ -111,53 +114,56 @@ class CoreLink:
         self._call_ids = itertools.count()
         self.draining = asyncio.Event()
         self.gone = asyncio.Event()  # the core said exit, or is no more
-        self.pipe = PipeLink(conn, self._apply, self.gone.set, loop)
+        self.pipe: PipeLink[ApiToCore, CoreToApi] = PipeLink(conn, self._apply, self.gone.set, loop)
 
     def start(self) -> None:
         self.pipe.start()
 
-    def _apply(self, batch: list[Any]) -> None:
-        relayed = 0
-        for item in batch:
-            kind = item[0]
-            if kind in RELAYED_KINDS:
-                relayed += 1
-            if kind == "add":
-                self._add(item)
-            elif kind == "relayed":  # a worker's pack of tokens, passed on by the core as it was
-                items = pickle.loads(item[1])
-                relayed += len(items)
-                for packed in items:  # NOTE: once per token
-                    self._add(packed)
-            elif kind == "delivered":
-                _, query_id, sequences = item
-                self.pipe.send(("delivered", query_id, [self._delivered(*s) for s in sequences]))
-            elif kind == "end":
-                stream = self.streams.get(item[1])
-                if stream is not None:
-                    stream.end(SequenceUpdate(*item[2:]))
-            elif kind == "refuse":
-                stream = self.streams.get(item[1])
-                if stream is not None and not stream.started:
-                    stream.refuse(item[2])
-            elif kind == "reply":
-                future = self._calls.pop(item[1], None)
-                if future is not None and not future.done():
-                    future.set_result(item[2])
-            elif kind == "drain":
-                self.draining.set()
-            elif kind == "exit":
-                self.gone.set()
-        if relayed:
-            self.pipe.send(("ack", relayed))
+    def _apply(self, batch: list[CoreToApi]) -> None:
+        applied = 0  # the stream updates of the batch, acknowledged once it is applied
+        for message in batch:
+            match message:
+                case StreamUpdates(items=items):
+                    applied += len(items)
+                    for item in items:  # NOTE: once per token
+                        self._add(item)
+                case RelayedUpdates(payload=payload):  # a worker's, passed on by the core as it was
+                    items = pickle.loads(payload)
+                    applied += len(items)
+                    for item in items:  # NOTE: once per token
+                        self._add(item)
+                case EndStream(handle=handle, update=update):
+                    applied += 1
+                    if (stream := self.streams.get(handle)) is not None:
+                        stream.end(update)
+                case RefuseStream(handle=handle, error=error):
+                    applied += 1
+                    if (stream := self.streams.get(handle)) is not None and not stream.started:
+                        stream.refuse(error)
+                case QueryDelivered(query_id=query_id, sequences=sequences):
+                    outputs = [self._delivered(*sequence) for sequence in sequences]
+                    self.pipe.send(DeliveredTokens(query_id, outputs))
+                case CallAnswer(call_id=call_id, answer=answer):
+                    future = self._calls.pop(call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(answer)
+                case DrainApi():
+                    self.draining.set()
+                case ExitApi():
+                    self.gone.set()
+                case _:
+                    unknown_message("an API server process", message)
+        if applied:
+            self.pipe.send(UpdatesApplied(applied))
 
-    def _add(self, item: tuple[Any, ...]) -> None:
-        stream = self.streams.get(item[1])
+    def _add(self, item: PackedUpdate) -> None:
+        handle = item[0]
+        stream = self.streams.get(handle)
         if stream is not None:
-            update = SequenceUpdate._make(item[2:])
+            update = SequenceUpdate._make(item[1:])
             stop = stream.add(update)
             if stop is not None:
-                self.pipe.send(("stop", item[1], update.choice, stop))
+                self.pipe.send(StopStringFound(handle, update.choice, stop))
 
     def _delivered(self, handle: int, choice: int) -> list[int] | None:
         """A sequence's tokens as this process received them (its worker died: it resumes from
@@ -165,16 +171,16 @@ class CoreLink:
         stream = self.streams.get(handle)
         return None if stream is None else stream.sequences[choice].token_ids
 
-    def open(self, stream: RequestStream, params: SamplingParams) -> int:
+    def open(self, stream: RequestStream, params: SamplingParams, continuation: Continuation | None) -> int:
         handle = next(self._handles)
         self.streams[handle] = stream
-        self.pipe.send(("submit", handle, stream.request_id, stream.prompt_token_ids, params))
+        self.pipe.send(SubmitStream(handle, stream.request_id, stream.prompt_token_ids, params, continuation))
         return handle
 
     def close(self, handle: int) -> None:
         """The client's stream is over: the core aborts what is left of the request."""
         stream = self.streams.pop(handle)
-        self.pipe.send(("close", handle, not stream.finished))
+        self.pipe.send(StreamClosed(handle, not stream.finished))
 
     async def call(self, method: str, request: Message) -> Any:
         if self.gone.is_set():
@@ -182,7 +188,7 @@ class CoreLink:
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = self.loop.create_future()
         self._calls[call_id] = future
-        self.pipe.send(("call", call_id, method, request))
+        self.pipe.send(ForwardCall(call_id, method, request))
         return await future
 
 
@@ -195,7 +201,12 @@ class ApiFront:
         self.stream_interval = stream_interval
 
     async def open(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None,
+        model: str | None,
+        continuation: Continuation | None = None,
     ) -> OpenStream:
         prompts = self.prompts
         prompts.check_request(model, params)
@@ -204,17 +215,17 @@ class ApiFront:
         stream = RequestStream(
             request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
         )
-        handle = self.link.open(stream, params)
+        resume_stream(stream, continuation, params, prompts.limits)
+        handle = self.link.open(stream, params, continuation)
         return OpenStream(stream, lambda: self.link.close(handle))
 
 
 class ApiProcessServicer(PublicApiServicer):
     """Generate, Tokenize, Detokenize here; every other call answered by the core."""
 
-    def __init__(
-        self, link: CoreLink, prompts: PromptProcessor, stream_interval: int, api_server: ApiServer
-    ) -> None:
-        super().__init__(ApiFront(link, prompts, stream_interval), prompts, api_server)
+    def __init__(self, link: CoreLink, prompts: PromptProcessor, settings: ApiProcessSettings) -> None:
+        front = ApiFront(link, prompts, settings.stream_interval)
+        super().__init__(front, prompts, (settings.index, settings.count), settings.stream_stall_timeout_s)
         self.link = link
 
     async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
@@ -245,7 +256,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
     prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
     prompts.start()
     link = CoreLink(conn, loop)
-    servicer = ApiProcessServicer(link, prompts, settings.stream_interval, (settings.index, settings.count))
+    servicer = ApiProcessServicer(link, prompts, settings)
     interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
     servers, port = await start_api_servers(
         lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
@@ -257,7 +268,7 @@ async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> N
     link.start()
     await prompts.wait_started()  # NOTE: their imports would take the CPU of the first requests' steps
     settle_heap_for_serving()
-    link.pipe.send(("ready", port))
+    link.pipe.send(ApiReady(port))
     log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
 
     async def drain_on_request() -> None:

@@ -22,9 +22,31 @@ import structlog
 from google.protobuf.message import Message
 
 from npuserve.deploy.runtime.restart_policy import RestartHistory
-from npuserve.scheduler.api.api_process import ApiProcessSettings, RelayedStatus, run_api_process
+from npuserve.deploy.runtime.unknown_message import unknown_message
+from npuserve.scheduler.api.api_messages import (
+    ApiReady,
+    ApiToCore,
+    CallAnswer,
+    CoreToApi,
+    DeliveredTokens,
+    DrainApi,
+    EndStream,
+    ExitApi,
+    ForwardCall,
+    PackedUpdate,
+    QueryDelivered,
+    RefuseStream,
+    RelayedStatus,
+    RelayedUpdates,
+    StopStringFound,
+    StreamClosed,
+    StreamUpdates,
+    SubmitStream,
+    UpdatesApplied,
+)
+from npuserve.scheduler.api.api_process import ApiProcessSettings, run_api_process
 from npuserve.scheduler.api.api_status import relayed
-from npuserve.scheduler.core.request import Request, SamplingParams
+from npuserve.scheduler.core.request import Request, StreamRelay
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.outputs import SequenceUpdate
 from npuserve.scheduler.lanes.background import BackgroundTasks
@@ -46,17 +68,19 @@ DELIVERED_TIMEOUT_S = 30.0  # for an API process to say what its streams hold (a
 
 
 class Relay:
-    """Items for one API process, gathered over a turn of the event loop and sent as one.
+    """Messages for one API process, gathered over a turn of the event loop and sent as one batch.
 
-    The API process acknowledges the items it has applied; while `MAX_UNACKED_ITEMS` wait for
-    that, it is `behind` and the scheduler workers' steps wait (the engine holds their reports'
+    Its stream updates are items (a token each, or a `--stream-interval` group): each run of the
+    core's own goes as one `StreamUpdates`, each pack of a worker's as it came. The API process
+    acknowledges the items it has applied; while `MAX_UNACKED_ITEMS` wait for that, it is
+    `behind` and the scheduler workers' steps wait (the engine holds their reports'
     acknowledgements), so a slow API process slows the steps down instead of letting tokens pile
     up between the processes."""
 
-    def __init__(self, pipe: PipeLink, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pipe: PipeLink[CoreToApi, ApiToCore], loop: asyncio.AbstractEventLoop) -> None:
         self.pipe = pipe
         self.loop = loop
-        self.pending: list[tuple[Any, ...]] = []
+        self.pending: list[CoreToApi] = []
         self.pending_count = 0
         self.unacked = 0
 
@@ -64,16 +88,25 @@ class Relay:
     def behind(self) -> bool:
         return self.unacked >= MAX_UNACKED_ITEMS
 
-    def put(self, item: tuple[Any, ...], count: int = 1) -> None:
-        """``count``: the items ``item`` stands for (a worker's pack: `put_pack`)."""
+    def put(self, message: CoreToApi, count: int = 1) -> None:
+        """``count``: the items ``message`` stands for (a worker's pack: `put_pack`)."""
         if not self.pending:
             self.loop.call_soon(self._flush)
-        self.pending.append(item)
+        self.pending.append(message)
         self.pending_count += count
 
+    def put_update(self, item: PackedUpdate) -> None:
+        """One update of a stream: it joins the core's updates put just before it."""
+        pending = self.pending
+        if pending and isinstance(last := pending[-1], StreamUpdates):
+            last.items.append(item)
+            self.pending_count += 1
+        else:
+            self.put(StreamUpdates([item]))
+
     def put_pack(self, pack: RelayedPack) -> None:
-        count, items = pack
-        self.put(("relayed", items), count)
+        count, payload = pack
+        self.put(RelayedUpdates(payload), count)
 
     def _flush(self) -> None:
         items, self.pending = self.pending, []
@@ -93,17 +126,15 @@ class RelayedOutputs:
     def __init__(self, relay: Relay, handle: int) -> None:
         self.relay, self.handle = relay, handle
 
-    # NOTE: an update crosses as the fields of a plain tuple: a NamedTuple pickles through a
-    # Python call per item (measured 1.24 against 0.21 us per item).
     def add(self, update: SequenceUpdate) -> str | None:
-        self.relay.put(("add", self.handle, *update))
+        self.relay.put_update((self.handle, *update))  # NOTE: a plain tuple (`PackedUpdate`)
         return None  # NOTE: the API process finds stop strings and reports them (`stopped_by_string`)
 
     def end(self, update: SequenceUpdate) -> None:
-        self.relay.put(("end", self.handle, *update))
+        self.relay.put(EndStream(self.handle, update))
 
     def refuse(self, refusal: Exception) -> None:
-        self.relay.put(("refuse", self.handle, relayed(refusal)))
+        self.relay.put(RefuseStream(self.handle, relayed(refusal)))
 
 
 class CallContext:
@@ -122,7 +153,7 @@ class ApiProcessHandle:
         self.index = index
         self.pool = pool
         self.process: BaseProcess | None = None
-        self.pipe: PipeLink | None = None
+        self.pipe: PipeLink[CoreToApi, ApiToCore] | None = None
         self.relay: Relay | None = None
         self.requests: dict[int, str] = {}  # stream handle -> request id
         self.incarnation = 0  # counts its starts: a stream handle means nothing in another one
@@ -145,7 +176,9 @@ class ApiProcessHandle:
         )
         process.start()
         api_end.close()
-        pipe = PipeLink(core_end, lambda batch: self._apply(pipe, batch), lambda: self._lost(pipe), loop)
+        pipe: PipeLink[CoreToApi, ApiToCore] = PipeLink(
+            core_end, lambda batch: self._apply(pipe, batch), lambda: self._lost(pipe), loop
+        )
         self.process, self.pipe, self.requests = process, pipe, {}
         self.incarnation += 1
         self.relay = Relay(pipe, loop)
@@ -154,50 +187,57 @@ class ApiProcessHandle:
         log.info("api server process started", index=self.index, pid=process.pid)
         return self.ready
 
-    def send(self, item: tuple[Any, ...]) -> None:
+    def send(self, message: CoreToApi) -> None:
         if self.pipe is not None:
-            self.pipe.send(item)
+            self.pipe.send(message)
 
-    def _apply(self, pipe: PipeLink, batch: list[Any]) -> None:
+    def _apply(self, pipe: PipeLink[CoreToApi, ApiToCore], batch: list[ApiToCore]) -> None:
         if pipe is not self.pipe:
             return  # an earlier incarnation's
         engine = self.pool.engine
-        for item in batch:
-            kind = item[0]
-            if kind == "submit":
-                _, handle, request_id, prompt_ids, params = item
-                self.requests[handle] = request_id
-                self.pool.spawn(self._submit(handle, request_id, prompt_ids, params))
-            elif kind == "stop":
-                request_id = self.requests.get(item[1])
-                if request_id is not None:
-                    engine.stopped_by_string(request_id, item[2], item[3])
-            elif kind == "close":
-                request_id = self.requests.pop(item[1], None)
-                if request_id is not None and item[2]:
-                    engine.drop(request_id)
-            elif kind == "ack":
-                if self.relay is not None:
-                    self.relay.acked(item[1])
-                    self.pool.check_caught_up()
-            elif kind == "call":
-                self.pool.spawn(self._call(pipe, *item[1:]))
-            elif kind == "delivered":
-                future = self._queries.pop(item[1], None)
-                if future is not None and not future.done():
-                    future.set_result(item[2])
-            elif kind == "ready" and self.ready is not None and not self.ready.done():
-                self.ready.set_result(item[1])
+        for message in batch:
+            match message:
+                case UpdatesApplied(count=count):
+                    if self.relay is not None:
+                        self.relay.acked(count)
+                        self.pool.check_caught_up()
+                case SubmitStream():
+                    self.requests[message.handle] = message.request_id
+                    self.pool.spawn(self._submit(message))
+                case StopStringFound(handle=handle, choice=choice, stop=stop):
+                    if (request_id := self.requests.get(handle)) is not None:
+                        engine.stopped_by_string(request_id, choice, stop)
+                case StreamClosed(handle=handle, aborted=aborted):
+                    request_id = self.requests.pop(handle, None)
+                    if request_id is not None and aborted:
+                        engine.drop(request_id)
+                case ForwardCall(call_id=call_id, method=method, request=request):
+                    self.pool.spawn(self._call(pipe, call_id, method, request))
+                case DeliveredTokens(query_id=query_id, outputs=outputs):
+                    future = self._queries.pop(query_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(outputs)
+                case ApiReady(port=port):
+                    if self.ready is not None and not self.ready.done():
+                        self.ready.set_result(port)
+                case _:
+                    unknown_message("the scheduler core", message)
 
-    async def _submit(
-        self, handle: int, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> None:
+    async def _submit(self, submitted: SubmitStream) -> None:
         relay = self.relay
         assert relay is not None
+        handle, request_id = submitted.handle, submitted.request_id
         outputs = RelayedOutputs(relay, handle)
         stream_at = (self.index, self.incarnation, handle)
         try:
-            await self.pool.engine.add_tokenized(request_id, prompt_ids, params, outputs, stream_at)
+            await self.pool.engine.add_tokenized(
+                request_id,
+                submitted.prompt_token_ids,
+                submitted.params,
+                outputs,
+                stream_at,
+                submitted.continuation,
+            )
         except Exception as exc:
             self.requests.pop(handle, None)
             outputs.refuse(exc)
@@ -213,7 +253,7 @@ class ApiProcessHandle:
         query_id = next(self._query_ids)
         future: asyncio.Future[list[list[int] | None]] = self.pool.loop.create_future()
         self._queries[query_id] = future
-        self.pipe.send(("delivered", query_id, sequences))
+        self.pipe.send(QueryDelivered(query_id, sequences))
         try:
             answer = await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -221,17 +261,21 @@ class ApiProcessHandle:
             answer = []
         return answer if len(answer) == len(sequences) else [None] * len(sequences)
 
-    async def _call(self, pipe: PipeLink, call_id: int, method: str, request: Message) -> None:
+    async def _call(
+        self, pipe: PipeLink[CoreToApi, ApiToCore], call_id: int, method: str, request: Message
+    ) -> None:
         try:
-            answer: Any = await getattr(self.pool.servicer, method)(request, CallContext())
+            answer: Message | RelayedStatus = await getattr(self.pool.servicer, method)(
+                request, CallContext()
+            )
         except CallContext.Aborted as aborted:
             answer = aborted.status
         except Exception as exc:
             log.exception("forwarded call failed", method=method)
             answer = RelayedStatus("INTERNAL", str(exc))
-        pipe.send(("reply", call_id, answer))
+        pipe.send(CallAnswer(call_id, answer))
 
-    def _lost(self, pipe: PipeLink) -> None:
+    def _lost(self, pipe: PipeLink[CoreToApi, ApiToCore]) -> None:
         if pipe is not self.pipe or self.closing:
             return
         self.pipe = None
@@ -252,7 +296,7 @@ class ApiProcessHandle:
 
     def close(self) -> None:
         self.closing = True
-        self.send(("exit",))
+        self.send(ExitApi())
         if self.pipe is not None:
             self.pipe.close()
         join_or_kill(self.process, EXIT_TIMEOUT_S)
@@ -299,22 +343,22 @@ class ApiProcessPool:
             handle.relay.put_pack(pack)
 
     async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
-        groups: dict[tuple[int, int], list[Request]] = {}
+        groups: dict[tuple[int, int], list[tuple[str, StreamRelay]]] = {}
         for request in requests:
-            assert request.relay_to is not None
-            index, incarnation, _, _ = request.relay_to
-            groups.setdefault((index, incarnation), []).append(request)
+            relay = request.relay
+            assert relay is not None
+            groups.setdefault((relay.process, relay.incarnation), []).append((request.req_id, relay))
         answers = await asyncio.gather(
             *(
-                self.processes[index].delivered(incarnation, [r.relay_to[2:] for r in group])  # type: ignore[index]
+                self.processes[index].delivered(incarnation, [(r.handle, r.choice) for _, r in group])
                 for (index, incarnation), group in groups.items()
             )
         )
         outputs: dict[str, list[int]] = {}
         for group, answer in zip(groups.values(), answers, strict=True):
-            for request, output in zip(group, answer, strict=True):
+            for (req_id, _), output in zip(group, answer, strict=True):
                 if output is not None:
-                    outputs[request.req_id] = output
+                    outputs[req_id] = output
         return outputs
 
     def check_caught_up(self) -> None:
@@ -350,7 +394,7 @@ class ApiProcessPool:
 
     def drain(self) -> None:
         for handle in self.processes:
-            handle.send(("drain",))
+            handle.send(DrainApi())
 
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(handle.close) for handle in self.processes))

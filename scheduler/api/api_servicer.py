@@ -20,27 +20,41 @@ from npuserve.proto.api_spread import ApiServer, api_server_metadata
 from npuserve.scheduler.api import api_codec
 from npuserve.scheduler.api.api_status import ShuttingDown, abort_with, guard
 from npuserve.scheduler.api.generate_many import GenerateManyCall
+from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S, StreamStalled, WriteWatch
 from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.outputs import OpenStream, client_outputs
 from npuserve.scheduler.text.prompts import PromptInput, PromptProcessor
 
 
 class GenerateFront(Protocol):
     async def open(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None, model: str | None
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None,
+        model: str | None,
+        continuation: Continuation | None = None,
     ) -> OpenStream: ...
 
 
 class PublicApiServicer(pb_grpc.SchedulerServicer):
     """``api_server``: this process's index among the processes serving the API, and their
-    number; every `GenerateMany` call names it in its trailing metadata (`api_spread`)."""
+    number; every `GenerateMany` call names it in its trailing metadata (`api_spread`).
+    ``stream_stall_timeout_s``: how long a client may leave a stream's response unread before
+    the stream's requests are aborted (`stall_watch`; 0: for ever)."""
 
     def __init__(
-        self, front: GenerateFront, prompts: PromptProcessor, api_server: ApiServer = (0, 1)
+        self,
+        front: GenerateFront,
+        prompts: PromptProcessor,
+        api_server: ApiServer = (0, 1),
+        stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
     ) -> None:
         self.front = front
         self.prompts = prompts
         self._api_server_metadata = api_server_metadata(*api_server)
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.draining = False  # new generations are refused (UNAVAILABLE); see `drain`
         self._many_calls: set[GenerateManyCall] = set()
 
@@ -60,6 +74,7 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
             api_codec.sampling_from_proto(request.sampling),
             request.request_id or None,
             request.model or None,
+            api_codec.continuation_from_proto(request),
         )
 
     async def Generate(
@@ -72,9 +87,12 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
             # and leaving `client_outputs` aborts the request.
             opened = await self.open(request)
             tokenizer, return_prompt = self.prompts.tokenizer, request.sampling.return_prompt
-            async with aclosing(client_outputs(opened)) as outputs:
-                async for output in outputs:
-                    yield api_codec.output_to_proto(output, tokenizer, return_prompt)
+            with WriteWatch(self.stream_stall_timeout_s, lambda: opened.close(None)) as watch:
+                async with aclosing(client_outputs(opened)) as outputs:
+                    async for output in outputs:
+                        watch.writing()
+                        yield api_codec.output_to_proto(output, tokenizer, return_prompt)
+                        watch.written()
         except Exception as exc:
             await abort_with(context, exc)
 
@@ -87,8 +105,14 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
         call = GenerateManyCall(self.open, self.prompts.tokenizer, lambda: self.draining)
         self._many_calls.add(call)
         try:
-            async for response in call.responses(request_iterator):
-                yield response
+            with WriteWatch(self.stream_stall_timeout_s, call.abandon) as watch:
+                async with aclosing(call.responses(request_iterator)) as responses:
+                    async for response in responses:
+                        watch.writing()
+                        yield response
+                        watch.written()
+        except StreamStalled as exc:
+            await abort_with(context, exc)
         finally:
             self._many_calls.discard(call)
 

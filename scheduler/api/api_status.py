@@ -11,6 +11,7 @@ import structlog
 
 from npuserve.proto.error_details import field_status
 from npuserve.proto.sampling_ranges import FieldValueError
+from npuserve.scheduler.api.stall_watch import StreamStalled
 from npuserve.scheduler.core.request import InvalidRequestError
 from npuserve.scheduler.engine.engine_config import NoExecutorError, QueueFullError
 from npuserve.scheduler.engine.engine_probes import ProfilingUnavailable
@@ -47,6 +48,7 @@ STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoExecutorError, grpc.StatusCode.UNAVAILABLE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (StreamStalled, grpc.StatusCode.ABORTED),
     (SandboxUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ProfilingUnavailable, grpc.StatusCode.UNIMPLEMENTED),
 ]

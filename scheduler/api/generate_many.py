@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -65,15 +65,26 @@ class GenerateManyCall:
         self._gathering = pb.GenerateManyResponse()
         self._moved = asyncio.Event()  # an event was gathered, or the call may end
         self._reading = True  # the client has not half-closed
+        self._reader: asyncio.Task[None] | None = None  # the client's actions, while `responses` runs
 
     def wake(self) -> None:
         """Looks again at whether the call can end (the scheduler began to drain)."""
         self._moved.set()
 
+    def abandon(self) -> None:
+        """The client stopped reading the call (`stall_watch`): it takes no more actions, every
+        generation on it is closed (what is left of its request aborted, its blocks freed), and
+        what was gathered for them, unsent, is dropped."""
+        if self._reader is not None:
+            self._reader.cancel()
+        self._close_generations()
+        self._full.clear()
+        self._gathering = pb.GenerateManyResponse()
+
     async def responses(
         self, requests: AsyncIterator[pb.GenerateManyRequest]
-    ) -> AsyncIterator[pb.GenerateManyResponse]:
-        reader = asyncio.create_task(self._read(requests))
+    ) -> AsyncGenerator[pb.GenerateManyResponse, None]:
+        reader = self._reader = asyncio.create_task(self._read(requests))
         try:
             while True:
                 await self._moved.wait()
@@ -94,9 +105,12 @@ class GenerateManyCall:
                     return
         finally:
             reader.cancel()
-            generations, self._generations = self._generations, {}
-            for generation in generations.values():
-                generation.close()
+            self._close_generations()
+
+    def _close_generations(self) -> None:
+        generations, self._generations = self._generations, {}
+        for generation in generations.values():
+            generation.close()
 
     def _event(self, stream_id: int) -> pb.GenerateManyEvent:
         events = self._gathering.events

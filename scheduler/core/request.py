@@ -97,6 +97,21 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StreamRelay:
+    """Where an API server process serves a sequence's stream (`--api-server-count`). A scheduler
+    worker sends such a sequence's tokens, once its first one in a placement has gone through the
+    front, straight to that process through the front, packed (`step_frames.make_report`)."""
+
+    process: int  # the API process's index
+    incarnation: int  # its start (a handle means nothing in another one)
+    handle: int  # the stream's handle there
+    choice: int  # the sequence's index among its request's n
+    # Tokens per packed item (`--stream-interval`; 1 when stop strings are looked for, which the
+    # API process does at every token): the worker holds fewer until the sequence ends or moves.
+    every: int = 1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -138,20 +153,12 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: the matcher of this sequence
     error: str | None = None  # why the scheduler ended it with FINISHED_ERROR, when it did
-    # Where an API server process serves its stream: (process index, incarnation, stream handle,
-    # choice). A scheduler worker sends such a sequence's tokens, once its first one is out in
-    # this placement (`relay_started`), straight to that process through the front, packed
-    # (`step_frames.make_report`); the front's copy then counts them (`num_direct_tokens`) but
-    # does not hold them, and takes them back from the worker or the API process to move it.
-    relay_to: tuple[int, int, int, int] | None = None
-    # Tokens per packed item once started (`--stream-interval`; 1 when stop strings are looked
-    # for, which the API process does at every token): the worker holds fewer until the sequence
-    # ends or moves.
-    relay_every: int = 1
-    # On the worker's copy: its output tokens sent in this placement (0: none yet; the first
-    # goes through the front, and every output token before it counts as sent).
-    num_relayed_tokens: int = 0
-    num_direct_tokens: int = 0  # on the front's copy
+    # Where an API server process serves its stream, set by the front when it makes the request.
+    # The worker that runs it keeps what it has sent there (`step_frames.RelayProgress`); the
+    # front's copy counts those tokens (`num_direct_tokens`) but does not hold them, and takes
+    # them back from the worker or the API process to move it.
+    relay: StreamRelay | None = None
+    num_direct_tokens: int = 0  # on the front's copy: output tokens that went straight to `relay`
 
     def __post_init__(self) -> None:
         extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
@@ -174,11 +181,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def relay_started(self) -> bool:
-        """Whether the worker has sent this sequence's first token in its placement."""
-        return self.num_relayed_tokens > 0
 
     @property
     def num_output_tokens(self) -> int:

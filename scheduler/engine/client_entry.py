@@ -9,6 +9,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.engine.continuation import Continuation, resume_stream
 from npuserve.scheduler.engine.engine_config import EngineConfig, new_request_id
 from npuserve.scheduler.engine.outputs import (
     GenerateOutput,
@@ -44,6 +45,7 @@ class ClientEntryPoints:
             grammar: Grammar | None,
             sink: OutputSink,
             stream_at: tuple[int, int, int] | None = None,
+            continuation: Continuation | None = None,
         ) -> ClientRequest: ...
 
         def drop(self, request_id: str) -> None: ...
@@ -54,15 +56,18 @@ class ClientEntryPoints:
         params: SamplingParams,
         request_id: str | None = None,
         model: str | None = None,
+        continuation: Continuation | None = None,
     ) -> RequestStream:
-        """Validates, tokenizes and queues a request; errors are raised before anything is queued."""
+        """Validates, tokenizes and queues a request (``continuation``: a resumed generation's);
+        errors are raised before anything is queued."""
         self.prompts.check_request(model, params)
         grammar = await self._compile_grammar(params)
         prompt_ids = await self.prompts.prompt_token_ids(prompt)
         self.prompts.check_lengths(prompt_ids, params)
         request_id = request_id or new_request_id()
         stream = RequestStream(request_id, self.tokenizer, params, prompt_ids, self.config.stream_interval)
-        self.queue_request(request_id, prompt_ids, params, grammar, stream)
+        resume_stream(stream, continuation, params, self.prompts.limits)
+        self.queue_request(request_id, prompt_ids, params, grammar, stream, continuation=continuation)
         return stream
 
     async def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
@@ -76,12 +81,14 @@ class ClientEntryPoints:
         params: SamplingParams,
         sink: OutputSink,
         stream_at: tuple[int, int, int],
+        continuation: Continuation | None = None,
     ) -> None:
         """Queues a request an API server process has validated and tokenized (its model,
-        sampling parameters and lengths are checked there); errors are raised before anything
-        is queued. ``stream_at``: (that process's index, its incarnation, the stream's handle)."""
+        sampling parameters, lengths and continuation are checked there); errors are raised
+        before anything is queued. ``stream_at``: (that process's index, its incarnation, the
+        stream's handle)."""
         grammar = await self._compile_grammar(params)
-        self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at)
+        self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at, continuation)
 
     async def generate(
         self,
@@ -102,9 +109,10 @@ class ClientEntryPoints:
         params: SamplingParams,
         request_id: str | None = None,
         model: str | None = None,
+        continuation: Continuation | None = None,
     ) -> OpenStream:
         """Queues a request for a client (`add_request`); closing it aborts what is left."""
-        stream = await self.add_request(prompt, params, request_id, model)
+        stream = await self.add_request(prompt, params, request_id, model, continuation)
 
         def leave() -> None:
             if not stream.finished:

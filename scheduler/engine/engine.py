@@ -3,6 +3,8 @@
 It validates and tokenizes requests, places each on an executor (`router`), hands it to that
 executor's lane, and turns the lanes' step results into client streams (`outputs`) on the event
 loop. It never touches tensors: executors are gRPC clients, or in-process runners for offline use.
+The lanes run on the engine's event loop (`AsyncExecutorLane`), or in scheduler worker processes
+(`step_workers`).
 """
 
 from __future__ import annotations
@@ -14,18 +16,27 @@ from collections.abc import Sequence
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.core.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from npuserve.scheduler.core.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StreamRelay,
+)
 from npuserve.scheduler.core.router import choose_lane, uncached_blocks
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.engine import engine_probes
 from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
+from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
 from npuserve.scheduler.engine.engine_metrics import MetricsRecorder
+from npuserve.scheduler.engine.failover import FailOver
 from npuserve.scheduler.engine.metrics import SchedulerMetrics
 from npuserve.scheduler.engine.outputs import OutputSink
-from npuserve.scheduler.lanes.executor_client import ExecutorClient
-from npuserve.scheduler.lanes.lane import ExecutorLane, Lane, LaneEvent, StepExecutor
+from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.background import BackgroundTasks
+from npuserve.scheduler.lanes.lane import Lane, LaneEvent, StepClient
 from npuserve.scheduler.lanes.step_worker import LaneSettings
 from npuserve.scheduler.lanes.step_workers import WORKER_START_TIMEOUT_S, StepWorkerPool
 from npuserve.scheduler.lanes.worker_relay import StreamProcesses, WorkerRelay
@@ -39,19 +50,20 @@ log = structlog.get_logger(__name__)
 __all__ = ["Engine"]
 
 
-MAX_FAILOVERS = 3  # executors a request may lose before it fails
+LANE_CLOSE_TIMEOUT_S = 5.0  # a lane's step in flight may take this long to end when it closes
+RETIRE_AFTER_S = 1.0  # a lane that went down is closed this long after (its last reports come)
 
 
-class Engine(ClientEntryPoints):
+class Engine(ClientEntryPoints, FailOver):
     def __init__(
         self,
         config: EngineConfig,
         tokenizer: Tokenizer,
-        executors: Sequence[tuple[str, StepExecutor, ExecutorInfo]],
+        executors: Sequence[tuple[str, StepClient, ExecutorInfo]],
         step_workers: StepWorkerPool | None = None,
     ) -> None:
         """``step_workers``: run the executors' step loops in these worker processes (their
-        executors must be gRPC clients); None runs them as threads of this process."""
+        executors must be gRPC clients); None runs them on the engine's event loop."""
         if not executors:
             raise ValueError("an engine needs at least one executor")
         first = executors[0][2]
@@ -80,6 +92,8 @@ class Engine(ClientEntryPoints):
         # The API server processes serving client streams (`--api-server-count` above 1).
         self.stream_processes: StreamProcesses | None = None
         self._workers = WorkerRelay(self)
+        self._retiring: set[Lane] = set()  # down, and closed once their last reports have come
+        self._background = BackgroundTasks()
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -125,14 +139,14 @@ class Engine(ClientEntryPoints):
         except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
             log.warning("the scheduler's processes are still starting", waited_s=timeout_s)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
         self.prompts.close()
         self.grammars.close()
-        for lane in list(self.lanes.values()):
-            lane.stop()
-            lane.executor.close()
+        lanes = [*self.lanes.values(), *self._retiring]
+        self._retiring.clear()
+        await asyncio.gather(*(lane.aclose(LANE_CLOSE_TIMEOUT_S) for lane in lanes))
         if self.step_workers is not None:
             self.step_workers.close()
 
@@ -158,14 +172,14 @@ class Engine(ClientEntryPoints):
         self._remove_if_drained(lane)
 
     def _remove_if_drained(self, lane: Lane) -> None:
-        # NOTE: read off the lane's thread or worker, as a hint: no new request comes to a
-        # draining lane, so once nothing is queued, held or still to be dropped on the executor,
-        # it stays so.
+        # NOTE: a remote lane's work is as its worker last reported it, a hint: no new request
+        # comes to a draining lane, so once nothing is queued, held or still to be dropped on the
+        # executor, it stays so.
         if lane.draining and not lane.queued_requests and not lane.has_work:
             self.remove_executor(lane.executor_id, "drained")
             self.metrics.executors.left(lane.executor_id)
 
-    def add_executor(self, executor_id: str, executor: StepExecutor, info: ExecutorInfo) -> None:
+    def add_executor(self, executor_id: str, client: StepClient, info: ExecutorInfo) -> None:
         """Starts serving on an executor, with a fresh block pool; refuses a mismatched one."""
         if info.block_size != self.block_size or info.vocab_size != self.vocab_size:
             raise ValueError(
@@ -181,29 +195,29 @@ class Engine(ClientEntryPoints):
             self.remove_executor(executor_id, "replaced by a new instance")
         lane: Lane
         if self.step_workers is not None:
-            assert isinstance(executor, ExecutorClient), "worker processes drive remote executors"
-            lane = self.step_workers.open_lane(executor_id, executor, info)
+            assert isinstance(client, AioExecutorClient), "worker processes drive remote executors"
+            lane = self.step_workers.open_lane(executor_id, client, info)
         else:
-            scheduler = Scheduler(
-                SchedulerConfig.for_executor(
-                    info, self.config.enable_prefix_caching, self.config.num_scheduler_steps
-                )
-            )
-            lane = ExecutorLane(
-                executor_id, executor, scheduler, self._on_lane_event, self.config.async_scheduling
+            lane = AsyncExecutorLane.for_executor(
+                executor_id,
+                client,
+                info,
+                self._dispatch,
+                always_room,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                num_scheduler_steps=self.config.num_scheduler_steps,
+                async_scheduling=self.config.async_scheduling,
             )
         self.lanes[executor_id] = lane
         lane.start()
-        self.metrics.executors.joined(executor_id, getattr(executor, "address", None))
+        self.metrics.executors.joined(executor_id, getattr(client, "address", None))
         log.info(
             "executor joined",
             executor=executor_id,
             num_blocks=info.num_blocks,
             executors=len(self.live_lanes),
         )
-        if self._parked:
-            parked, self._parked = self._parked, []
-            self._fail_over(parked, "a scheduler worker restarted", count=False)
+        self._place_parked("a scheduler worker restarted")
 
     def remove_executor(self, executor_id: str, reason: str) -> None:
         """Stops using an executor; its requests move to the others (the lane reports them)."""
@@ -216,8 +230,9 @@ class Engine(ClientEntryPoints):
         lane.take_down(reason)
 
     def _retire(self, lane: Lane) -> None:
-        lane.stop()
-        lane.executor.close()
+        if lane in self._retiring:  # NOTE: else the engine stopped meanwhile, and closed it
+            self._retiring.discard(lane)
+            self._background.spawn(lane.aclose(LANE_CLOSE_TIMEOUT_S))
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -229,9 +244,11 @@ class Engine(ClientEntryPoints):
         grammar: Grammar | None,
         sink: OutputSink,
         stream_at: tuple[int, int, int] | None = None,
+        continuation: Continuation | None = None,
     ) -> ClientRequest:
         """Places a checked, tokenized request on an executor; its outputs go to ``sink``
-        (``stream_at``: in an API server process, see `add_tokenized`)."""
+        (``stream_at``: in an API server process, see `add_tokenized`; ``continuation``: the
+        output a resumed generation's choices already have)."""
         assert self._loop is not None, "Engine.start() was not called"
         if not self.routable_lanes:
             raise NoExecutorError("no executor is available; retry once one has joined")
@@ -257,10 +274,12 @@ class Engine(ClientEntryPoints):
         if grammar is not None:
             for child in children:
                 child.grammar = grammar.new_state(child.max_output_tokens)
+        if continuation is not None:
+            continuation.resume(children)
         if stream_at is not None:
-            relay_every = 1 if params.stop else self.config.stream_interval
+            every = 1 if params.stop else self.config.stream_interval
             for choice, child in enumerate(children):
-                child.relay_to, child.relay_every = (*stream_at, choice), relay_every
+                child.relay = StreamRelay(*stream_at, choice, every)
         client = ClientRequest(request_id, children, prompt_ids, sink)
         self._clients[request_id] = client
         for child in children:
@@ -332,22 +351,11 @@ class Engine(ClientEntryPoints):
             self._sequences.pop(child.req_id, None)
             self._lane_of.pop(child.req_id, None)
 
-    # -- lane events (lane threads -> event loop) ------------------------------------------------
-
-    def _on_lane_event(self, lane: ExecutorLane, event: LaneEvent) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, lane, event)
+    # -- lane events (on the event loop) --------------------------------------------------------
 
     def streams_caught_up(self) -> None:
         """The processes serving client streams caught up: the workers held back step again."""
         self._workers.streams_caught_up()
-
-    def _mark_failed(self, request: Request) -> None:
-        """A sequence that cannot go on: it failed, its matcher is freed, its finish counted."""
-        request.status = RequestStatus.FINISHED_ERROR
-        if request.grammar is not None:
-            request.grammar.release()
-        self.recorder.record_finish(request, "error", time.monotonic())
 
     def _dispatch(self, lane: Lane, event: LaneEvent, sampled: tuple[int, int] | None = None) -> None:
         """``sampled``: the sequences that sampled in the step and their tokens, when the event
@@ -377,7 +385,8 @@ class Engine(ClientEntryPoints):
             if self.lanes.get(lane.executor_id) is lane:  # not the executor's next lane
                 del self.lanes[lane.executor_id]
             assert self._loop is not None
-            self._loop.call_later(1.0, self._retire, lane)
+            self._retiring.add(lane)
+            self._loop.call_later(RETIRE_AFTER_S, self._retire, lane)
         if event.evacuated:
             for request in event.evacuated:
                 self._started(request.req_id)
@@ -418,42 +427,6 @@ class Engine(ClientEntryPoints):
             self._stop_by_string(self._lane_of[request.req_id], request, stop, time.monotonic())
             self._forget_if_finished(client)
 
-    def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
-        """Moves requests of a lost executor to others; each resumes from the tokens it has.
-        While a scheduler worker restarts and no other lane is up, they wait for it."""
-        if requests and not self.live_lanes and self._workers_restarting:
-            self._parked.extend(requests)
-            return
-        by_parent: dict[str, list[Request]] = {}
-        for request in requests:
-            client = self._client_of_seq.get(request.req_id)
-            parent = None if client is None else client.request_id
-            if parent is not None and parent in self._clients:  # else: aborted meanwhile
-                by_parent.setdefault(parent, []).append(request)
-            elif request.grammar is not None:
-                request.grammar.release()
-        for parent, siblings in by_parent.items():
-            client = self._clients[parent]
-            if count:
-                for request in siblings:
-                    request.num_failovers += 1
-            available = bool(self.routable_lanes)
-            if not available or siblings[0].num_failovers > MAX_FAILOVERS:
-                why = "no executor is available" if not available else f"lost {MAX_FAILOVERS} executors"
-                for request in siblings:
-                    self._mark_failed(request)
-                if not available and not client.started:
-                    # NOTE: nothing was sent: to the client this is a request that came while no
-                    # executor was up (UNAVAILABLE, HTTP 503 with Retry-After), not a failed one.
-                    client.refuse(NoExecutorError(f"{why} ({reason}); retry once one has joined"))
-                else:
-                    for request in siblings:
-                        client.end(request, RequestStatus.FINISHED_ERROR, f"{why} ({reason})")
-                self._forget_if_finished(client)
-                continue
-            lane = self._place(siblings)
-            log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)
-
     def refresh_gauges(self) -> None:
         """Running, waiting and KV usage over every executor (O(executors): not once a step)."""
         self.recorder.refresh_gauges(self.live_lanes, len(self._parked))
@@ -471,12 +444,12 @@ class Engine(ClientEntryPoints):
 
     @property
     def lanes_settled(self) -> bool:
-        """No live lane has a step to send, finished requests' drops included (a hint, read off
-        the lane threads): the executors hold no request of this scheduler."""
+        """No live lane has a step to send, finished requests' drops included (a hint for remote
+        lanes, from their workers' reports): the executors hold no request of this scheduler."""
         return not any(lane.has_work for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[engine_probes.PoolState]:
-        """Every lane's block pool passes its integrity check (run on the lane threads, between
+        """Every lane's block pool passes its integrity check (run on the lanes, between
         steps); raises AssertionError naming the first violation. Returns each pool's state."""
         return await engine_probes.check_integrity(list(self.lanes.values()), self.grammars, expect_idle)
 

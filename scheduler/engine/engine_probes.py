@@ -1,5 +1,5 @@
 """Looking into an engine's executors: block-pool integrity checks, prefix-cache counts, and
-profiling. Each reads its lanes (on their threads or workers, between steps) or their executors."""
+profiling. Each reads its lanes (on their tasks or workers, between steps) or their executors."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _prefix_stats(scheduler: Scheduler) -> tuple[int, int]:
 async def check_integrity(
     lanes: list[Lane], grammars: GrammarCompiler, expect_idle: bool = False
 ) -> list[PoolState]:
-    """Every lane's block pool passes its integrity check (run on the lane threads, between
+    """Every lane's block pool passes its integrity check (run on the lanes, between
     steps); raises AssertionError naming the first violation. Returns each pool's state."""
     states = []
     for lane in lanes:
@@ -104,11 +104,11 @@ async def stop_profile(lanes: list[Lane]) -> dict[str, list[str]]:
 
 
 async def _on_executor(lane: Lane, method: str) -> Any:
-    call = getattr(lane.executor, method, None)
+    call = getattr(lane.client, method, None)
     if call is None:
         raise ProfilingUnavailable(f"executor {lane.executor_id} runs in-process and cannot profile")
     try:
-        return await asyncio.to_thread(call)
+        return await call()
     except Exception as exc:
         # NOTE: keep the executor's status code (see SchedulerServicer), add its id.
         exc.args = (f"executor {lane.executor_id}: {getattr(exc, 'message', exc)}",)

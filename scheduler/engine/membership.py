@@ -15,47 +15,44 @@ from typing import TYPE_CHECKING
 import structlog
 
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
+from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 if TYPE_CHECKING:
     from npuserve.scheduler.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 
-ClientFactory = Callable[[str], ExecutorClient]
+ClientFactory = Callable[[str], AioExecutorClient]
 
 
-def handshake(
+async def handshake(
     make_client: ClientFactory, address: str, probe_timeout_s: float | None = None
-) -> tuple[str, ExecutorClient, ExecutorInfo]:
-    """Connects and runs the capacity handshake (blocking; call from a worker thread).
+) -> tuple[str, AioExecutorClient, ExecutorInfo]:
+    """Connects and runs the capacity handshake.
 
     ``probe_timeout_s`` bounds this handshake only (probing a down executor must not wait for
     the step timeout); steps keep the client's own timeout.
     """
     client = make_client(address)
-    step_timeout_s = client.timeout_s
-    if probe_timeout_s is not None:
-        client.timeout_s = probe_timeout_s
     try:
-        info = client.info()
+        info = await client.info(probe_timeout_s)
     except Exception:
-        client.close()
+        await client.close()
         raise
-    client.timeout_s = step_timeout_s
     return client.executor_id or address, client, info
 
 
 async def wait_for_executors(
     make_client: ClientFactory, addresses: list[str], timeout_s: float
-) -> list[tuple[str, ExecutorClient, ExecutorInfo]]:
+) -> list[tuple[str, AioExecutorClient, ExecutorInfo]]:
     """The handshake with every address, retried while they start (up to ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     joined = []
     for address in addresses:
         while True:
             try:
-                joined.append(await asyncio.to_thread(handshake, make_client, address))
+                joined.append(await handshake(make_client, address))
                 break
             except ExecutorError as exc:
                 if time.monotonic() > deadline:
@@ -91,15 +88,13 @@ class StaticMembership:
                 if self.executor_of.get(address) in engine.lanes:
                     continue
                 try:
-                    executor_id, client, info = await asyncio.to_thread(
-                        handshake, self.make_client, address, 2.0
-                    )
+                    executor_id, client, info = await handshake(self.make_client, address, 2.0)
                 except ExecutorError:
                     continue
                 try:
                     engine.add_executor(executor_id, client, info)
                 except ValueError as exc:
                     log.error("executor refused", address=address, error=str(exc))
-                    client.close()
+                    await client.close()
                     continue
                 self.executor_of[address] = executor_id

@@ -288,6 +288,11 @@ class SchedulerMetrics:
         self._generated += num_tokens
         self.executors.step(executor_id, seconds)
 
+    def answered_early(self, num_tokens: int) -> None:
+        """Tokens a multi-step plan's first pass gave before the step's result
+        (`early_first_tokens`): generated, in no step of their own."""
+        self._generated += num_tokens
+
     def flush(self) -> None:
         """Adds what the step path gathered to the series."""
         self._steps.flush_into(self.step_seconds)

@@ -48,6 +48,7 @@ class GenerateOutput:
     completions: list[CompletionDelta]
     prompt_token_ids: list[int] | None = None  # on the first output
     usage: Usage | None = None  # on the last output
+    resumed_tokens: int = 0  # on the first output of a resumed generation (`continuation`)
     finished: bool = False
     error: str | None = None
     refusal: Exception | None = None  # the request ended before its first output: raise this
@@ -143,6 +144,7 @@ class RequestStream:
         ]
         self.finish_reasons: list[str | None] = [None] * params.n
         self._sent_prompt = False
+        self.resumed_tokens = 0  # the output it resumed from (`continuation`), over all choices
         self.error: str | None = None
         self._num_unfinished = params.n
 
@@ -253,12 +255,16 @@ class RequestStream:
         output = GenerateOutput(self.request_id, [delta])
         if not self._sent_prompt:
             output.prompt_token_ids, self._sent_prompt = self.prompt_token_ids, True
+            output.resumed_tokens = self.resumed_tokens
         if not self._num_unfinished:
             output.finished, output.error = True, self.error
+            num_prompt = len(self.prompt_token_ids)
+            # NOTE: a resumed sequence's cache hit may reach into its output: prompt tokens only.
+            num_cached = max(0, max(s.num_cached_tokens for s in self.sequences))
             output.usage = Usage(
-                prompt_tokens=len(self.prompt_token_ids),
+                prompt_tokens=num_prompt,
                 completion_tokens=sum(s.num_output_tokens for s in self.sequences),
-                cached_prompt_tokens=max(0, max(s.num_cached_tokens for s in self.sequences)),
+                cached_prompt_tokens=min(num_cached, num_prompt),
             )
         self._hand_over(output)
 
@@ -319,17 +325,22 @@ def merge_delta(previous: CompletionDelta, delta: CompletionDelta) -> Completion
     return previous
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class OpenStream:
     """A request queued for a client: its stream, and what aborts what is left of the request
     once the client is done with it (`close`)."""
 
     stream: RequestStream
     leave: Callable[[], None]
+    closed: bool = field(default=False, init=False)
 
     def close(self, usage: Usage | None) -> None:
         """The client is done with the stream (at its end, early, or gone): what is left of the
-        request is aborted, and the request is logged."""
+        request is aborted, and the request is logged; once (a stream whose reader stalled is
+        closed before its generator is)."""
+        if self.closed:
+            return
+        self.closed = True
         self.leave()
         stream = self.stream
         log.info(

@@ -1,13 +1,13 @@
 """Executors discovered from the Redis registry that `executor/registration.py` writes.
 
 `RedisMembership` polls the registry (SCAN + MGET every ``poll_interval_s``) and keeps the
-engine's executors equal to the registered ones: a new registration is handshaken on a worker
-thread and added; one whose key expired, or whose ``instance_id`` changed (the executor
-restarted, its KV cache is empty), is removed, and a restarted one is added back with a fresh
-block pool. A registered executor whose lane went down (a failed step) is probed again with a
-capped backoff until it answers or its key expires. A record marked ``draining`` (the executor got
-SIGTERM) gets no new requests: the engine lets that executor's requests finish, then drops it,
-and a draining executor is never admitted.
+engine's executors equal to the registered ones: a new registration is handshaken and added;
+one whose key expired, or whose ``instance_id`` changed (the executor restarted, its KV cache is
+empty), is removed, and a restarted one is added back with a fresh block pool. A registered
+executor whose lane went down (a failed step) is probed again with a capped backoff until it
+answers or its key expires. A record marked ``draining`` (the executor got SIGTERM) gets no new
+requests: the engine lets that executor's requests finish, then drops it, and a draining
+executor is never admitted.
 
 Redis going away changes nothing that serves: the executors already known keep serving, the
 outage is logged once, and discovery resumes when Redis answers.
@@ -26,14 +26,15 @@ import structlog
 from npuserve.proto.registry_record import parse_record, redis_client, registry_pattern
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.engine.membership import ClientFactory, handshake
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
+from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 if TYPE_CHECKING:
     from npuserve.scheduler.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 
-Joined = tuple[str, ExecutorClient, ExecutorInfo]
+Joined = tuple[str, AioExecutorClient, ExecutorInfo]
 MAX_PROBE_BACKOFF_S = 10.0
 
 
@@ -56,7 +57,7 @@ class _Probe:
 
 
 class RedisMembership:
-    """Runs on the event loop; Redis and handshakes run on worker threads.
+    """Runs on the event loop; Redis calls run on worker threads.
 
     Ownership: every attribute is touched only on the event loop thread.
     """
@@ -137,14 +138,12 @@ class RedisMembership:
         """Connects to a registered executor; None (and a backoff) when it does not answer."""
         address = record["address"]
         try:
-            seen_id, client, info = await asyncio.to_thread(
-                handshake, self.make_client, address, self.probe_timeout_s
-            )
+            seen_id, client, info = await handshake(self.make_client, address, self.probe_timeout_s)
         except ExecutorError as exc:
             self._failed(executor_id, record, f"no handshake at {address}: {exc}")
             return None
         if seen_id != executor_id:
-            client.close()
+            await client.close()
             self._failed(executor_id, record, f"{address} answers as executor {seen_id}")
             return None
         self._probes.pop(executor_id, None)
@@ -245,12 +244,12 @@ class RedisMembership:
             _, client, info = joined
             current = self._latest.get(executor_id)
             if current is None or current["instance_id"] != record["instance_id"]:
-                client.close()  # it left or restarted during the handshake; the next poll sees it
+                await client.close()  # it left or restarted during the handshake; the next poll sees it
                 return
             try:
                 engine.add_executor(executor_id, client, info)
             except ValueError as exc:
-                client.close()
+                await client.close()
                 self._failed(executor_id, record, f"refused: {exc}")
                 return
             self._remember(executor_id, record)

@@ -1,15 +1,16 @@
-"""One executor's steps from an event loop: the client a scheduler worker's lanes use.
+"""One executor's gRPC service from an event loop: the client of every scheduler process.
 
-A worker drives all its executors from one thread (`async_lane`): a thread per lane, each with
-gRPC's own threads behind it, spent most of a step's CPU handing the GIL around. Steps go as
-`executor_client` sends them (the same requests, transports and errors), over grpc.aio:
+Steps go over either transport, and turn every gRPC failure into `ExecutorError` (the status
+code's name and message):
 
 * ``stream``: one long-lived `StepStream`, opened on the first step and again after any failure;
   steps may be pipelined (`submit` the next before the last one's `result`), the executor runs
   them in order;
 * ``unary``: a `Step` call each, made when its result is asked for.
 
-`timeout_s` bounds each step's wait for its response (DEADLINE_EXCEEDED, and the stream ends).
+`timeout_s` bounds each step's wait for its response (DEADLINE_EXCEEDED, and the stream ends),
+and each other call but `Health` (`HEALTH_CHECK_TIMEOUT_S`) and `StopProfile`. The capacity
+handshake (`info`) names the executor's process: every step is addressed to that one.
 """
 
 from __future__ import annotations
@@ -23,20 +24,32 @@ from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto import step_codec
 from npuserve.proto.auth import bearer_metadata
-from npuserve.proto.channel import aio_client_channel
-from npuserve.proto.step_plan import StepPlan, StepResult
-from npuserve.scheduler.lanes.executor_client import (
-    CHANNEL_OPTIONS,
-    HEALTH_CHECK_TIMEOUT_S,
-    ClientSpec,
-    ExecutorError,
-    addressed_step,
-    serves_as,
-)
+from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, aio_client_channel, message_size_options
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.lanes.executor_client import ClientSpec, ExecutorError
+
+CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
+# NOTE: stopping a profile exports its trace, which takes long after a busy profile.
+PROFILE_EXPORT_TIMEOUT_S = 600.0
+# A health check (the scheduler's own, and after a failed step: `lane.down_reason`) waits this
+# long for an executor's answer: one that takes longer is not taken as serving.
+HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
-def _error(exc: grpc.aio.AioRpcError) -> ExecutorError:
-    return ExecutorError(exc.code().name, exc.details() or str(exc))
+def serves_as(health: pb.HealthResponse, instance_id: str) -> bool:
+    """Whether a health answer comes from the executor process ``instance_id`` (empty: any)
+    and it serves: a restart on the same address is another process, which holds none of the
+    requests the first one did."""
+    same = not instance_id or not health.instance_id or health.instance_id == instance_id
+    return health.serving and same
+
+
+def addressed_step(plan: StepPlan, instance_id: str) -> pb.StepRequest:
+    """The plan, addressed to the executor instance a client handshook with (a restarted
+    process refuses it)."""
+    request = step_codec.plan_to_proto(plan)
+    request.executor_instance_id = instance_id
+    return request
 
 
 def _late(timeout_s: float | None) -> ExecutorError:
@@ -69,7 +82,7 @@ class AioPendingStep:
                     self.request, timeout=client.timeout_s, metadata=client.metadata
                 )
             except grpc.aio.AioRpcError as exc:
-                raise _error(exc) from None
+                raise ExecutorError.from_rpc_error(exc) from None
             return step_codec.result_from_proto(response)
         # NOTE: a timer that ends the stream, not `wait_for`: that wraps the read in a task of
         # its own (Python < 3.12), a task and a loop turn more per step.
@@ -91,7 +104,7 @@ class AioPendingStep:
             client.close_stream(self.stream)
             if expired:
                 raise _late(timeout_s) from None
-            raise _error(exc) from None
+            raise ExecutorError.from_rpc_error(exc) from None
         finally:
             if timer is not None:
                 timer.cancel()
@@ -102,7 +115,8 @@ class AioPendingStep:
 
 
 class AioExecutorClient:
-    """Steps to one executor instance (``instance_id``: the process the front handshook with)."""
+    """Calls to one executor instance (``instance_id``: the process the front handshook with;
+    empty until `info` learns it, for a client that makes the handshake)."""
 
     def __init__(
         self,
@@ -121,9 +135,12 @@ class AioExecutorClient:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.metadata = bearer_metadata(token)
         self._stream: Any | None = None
+        # Filled by `info`: the executor's identity, next to the capacity handshake.
+        self.executor_id: str | None = None
+        self.version: str | None = None
 
     @classmethod
-    def from_spec(cls, spec: ClientSpec, address: str, instance_id: str) -> AioExecutorClient:
+    def from_spec(cls, spec: ClientSpec, address: str, instance_id: str = "") -> AioExecutorClient:
         """The client ``spec`` describes (the one the front's processes share), for one instance."""
         return cls(
             address, instance_id, spec.step_transport == "stream", spec.timeout_s, spec.token, spec.tls_ca
@@ -155,7 +172,7 @@ class AioExecutorClient:
             await stream.write(request)
         except grpc.aio.AioRpcError as exc:
             self.close_stream(stream)
-            raise _error(exc) from None
+            raise ExecutorError.from_rpc_error(exc) from None
         except asyncio.InvalidStateError:  # the stream ended meanwhile (its reader saw why)
             self.close_stream(stream)
             raise ExecutorError("UNAVAILABLE", "the executor closed the step stream") from None
@@ -165,6 +182,36 @@ class AioExecutorClient:
 
     async def step(self, plan: StepPlan) -> StepResult:
         return await (await self.submit(plan)).result()
+
+    async def info(self, timeout_s: float | None = None) -> ExecutorInfo:
+        """The capacity handshake: waits (up to ``timeout_s``, else `timeout_s` of the client)
+        for an executor that is still starting; from then on steps go to the process that
+        answered."""
+        msg = await self._call(self.stub.Info, pb.InfoRequest(), timeout_s, wait_for_ready=True)
+        self.executor_id, self.version, self.instance_id = msg.executor_id, msg.version, msg.instance_id
+        return step_codec.info_from_proto(msg)
+
+    async def start_profile(self) -> str:
+        """Starts profiling the executor's steps; returns where its trace will be written."""
+        return str((await self._call(self.stub.StartProfile, pb.StartProfileRequest())).profile_dir)
+
+    async def stop_profile(self) -> list[str]:
+        """Ends the profile; returns the files the executor wrote (paths on its machine)."""
+        reply = await self._call(self.stub.StopProfile, pb.StopProfileRequest(), PROFILE_EXPORT_TIMEOUT_S)
+        return list(reply.trace_files)
+
+    async def _call(
+        self, method: Any, request: Any, timeout_s: float | None = None, wait_for_ready: bool = False
+    ) -> Any:
+        try:
+            return await method(
+                request,
+                timeout=timeout_s or self.timeout_s,
+                wait_for_ready=wait_for_ready,
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ExecutorError.from_rpc_error(exc) from None
 
     async def health(self) -> bool:
         """True when the executor answers and serves, as the process the front handshook with;

@@ -1,10 +1,16 @@
-"""An `ExecutorLane` driven by an event loop: how a scheduler worker runs its executors' step
-loops, all of them on one thread.
+"""One executor's step loop: a task on an event loop that schedules, sends steps to the executor
+and reports what they produced.
 
-The lane's logic is `ExecutorLane`'s (commands between steps, async scheduling, an executor
-going down, a refused step); only the waiting differs: a task instead of a thread, steps awaited
-on an `AioExecutorClient`, room in the worker's report window awaited. Commands come from the
-same loop (the worker's pipe), so they wake the task through a future it waits on (`_wake`).
+Every lane runs so: a scheduler worker's lanes on the worker's loop, beside its pipe to the
+front; the engine's own (`--scheduler-workers 0`, offline use) on the engine's loop. A lane, its
+client's steps and whoever takes its events share one thread: a step costs no thread wake-ups (a
+thread per lane, each with gRPC's threads behind it, spent most of a step's CPU handing the GIL
+around).
+
+Ownership: the lane's `Scheduler` (requests, block pool) is touched only by the lane's task.
+Others reach it through `submit`, `finish`, `take_down` and `call`, which queue commands that the
+task applies between steps (and, while a step is in flight, before it plans one that joins it);
+they wake the task (`Wakeup`). Results leave through ``on_event``, called on the task.
 """
 
 from __future__ import annotations
@@ -12,44 +18,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import cast
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
-from npuserve.proto.step_plan import StepPlan, StepResult
-from npuserve.scheduler.core.scheduler import Scheduler, StepStats
-from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.executor_client import ExecutorError
-from npuserve.scheduler.lanes.lane import (
-    AsyncPendingStep,
-    ExecutorLane,
-    InFlightStep,
-    LaneEvent,
-    down_reason,
-    executor_is_down,
-)
+import structlog
+
+from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.scheduler.core.block_hash import BlockHash
+from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig, StepStats
+from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep, StepClient, down_reason, executor_is_down
+from npuserve.scheduler.lanes.step_joining import StepJoining, take_joined
+from npuserve.scheduler.lanes.step_pacing import StepPacing
+from npuserve.scheduler.lanes.wakeup import Wakeup
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # a lane with nothing to do looks at its commands this often anyway
 NOTHING_FITS_WAIT_S = 0.01  # after a schedule that fitted nothing (a stop on its way, say)
-LAUNCH_LEAD_PASSES = 2  # a step after a multi-pass one is sent this many passes before it ends
-# A step that joins another is sent while that one has this many passes left to start, at least
-# (one that arrives after the last has begun runs on its own after it).
-JOIN_MIN_PASSES_LEFT = 1.5
-# Steps that join on their way at once, per executor: the requests that come meanwhile wait for
-# one to land (they then join the next pass, or start in the next step). In the scale bench (16
-# executors x 1,024 streams under auto, 2 cores, interleaved runs) two held back a third of the
-# requests that came while two were on their way, and 8-12% of all went in a regular step, a
-# pass or more later; with eight, 4-6% did. The streams without a first token: a mean of 54.3
-# over six runs with two, 50.7 over five with eight, for the same tokens/s and CPU per token.
-JOIN_MAX_IN_FLIGHT = 8
 
 
-def _resolve(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+async def always_room() -> bool:
+    """``has_room`` for a lane whose events are taken on its own loop: never behind."""
+    return True
+
+
+def _run_call(fn: Callable[[Scheduler], T], scheduler: Scheduler, future: Future[T]) -> None:
+    try:
+        future.set_result(fn(scheduler))
+    except Exception as exc:
+        future.set_exception(exc)
 
 
 class _Refused:
-    """A step the stream could not take: its result is that failure."""
+    """A step the client could not take: its result is that failure."""
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -62,237 +70,293 @@ class _Sending:
     """A step in flight while it is being sent: its answers are those of what the send gives."""
 
     def __init__(self) -> None:
-        self.sent: asyncio.Future[AsyncPendingStep] = asyncio.get_running_loop().create_future()
+        self.sent: asyncio.Future[PendingStep] = asyncio.get_running_loop().create_future()
 
     async def result(self) -> StepResult:
         return await (await self.sent).result()
 
 
-class AsyncExecutorLane(ExecutorLane):
+@dataclass(slots=True)
+class InFlightStep:
+    plan: StepPlan
+    stats: StepStats
+    pending: PendingStep
+    sent_at: float
+
+
+class AsyncExecutorLane:
     def __init__(
         self,
         executor_id: str,
-        executor: AioExecutorClient,
+        client: StepClient,
         scheduler: Scheduler,
-        on_event: Callable[[ExecutorLane, LaneEvent], None],
+        on_event: Callable[[AsyncExecutorLane, LaneEvent], None],
         async_scheduling: bool,
         has_room: Callable[[], Awaitable[bool]],
         joins_steps: bool = False,
     ) -> None:
-        """``has_room``: awaited before each new step; False holds it back for now (whoever
-        takes this lane's events is behind). ``joins_steps``: the executor runs a step that
-        joins the one it is running (`ExecutorInfo.joins_steps`); with async scheduling, the
-        requests that come during a multi-pass step start in a step that joins its next pass."""
-        super().__init__(executor_id, executor, scheduler, on_event)  # type: ignore[arg-type]
-        self.client = executor
-        self.async_scheduling = async_scheduling and executor.streams
-        self.joins_steps = joins_steps and self.async_scheduling
+        """``async_scheduling``: schedule and send each step while the executor runs the one
+        before (only over a client that `streams`). ``has_room``: awaited before each new step;
+        False holds it back for now (whoever takes this lane's events is behind).
+        ``joins_steps``: the executor runs a step that joins the one it is running
+        (`ExecutorInfo.joins_steps`); with async scheduling, the requests that come during a
+        multi-pass step start in a step that joins its next pass (`joining`)."""
+        self.executor_id = executor_id
+        self.client = client
+        self.scheduler = scheduler
+        self.on_event = on_event
+        self.async_scheduling = async_scheduling and client.streams
+        self.joining = StepJoining(self) if joins_steps and self.async_scheduling else None
         self._has_room = has_room
-        self._woken = False  # a command came since the lane last looked (`_wake`)
-        self._waiter: asyncio.Future[None] | None = None  # what `_wake` resolves while the task waits
-        self._task: asyncio.Task[None] | None = None
+        self.alive = True
+        self.down_reason: str | None = None
+        self.draining = False  # set by the engine: no new requests, its own finish here
+        # Placed here but without a token yet; kept by the engine.
+        self.queued_requests = 0
+        self.queued_blocks = 0
+        self.queued_prefill_blocks = 0
+        self.num_steps = 0
+        self.pacing = StepPacing(scheduler.config)
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._in_flight: deque[InFlightStep] = deque()
         self._landing: InFlightStep | None = None  # the step whose answers are awaited now
+        self._wakeup = Wakeup()  # woken by each command
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_executor(
+        cls,
+        executor_id: str,
+        client: StepClient,
+        info: ExecutorInfo,
+        on_event: Callable[[AsyncExecutorLane, LaneEvent], None],
+        has_room: Callable[[], Awaitable[bool]],
+        *,
+        enable_prefix_caching: bool,
+        num_scheduler_steps: int,
+        async_scheduling: bool,
+    ) -> AsyncExecutorLane:
+        """A lane over an executor as it answered the capacity handshake (``info``), with a
+        fresh block pool."""
+        config = SchedulerConfig.for_executor(
+            info, enable_prefix_caching, num_scheduler_steps, early_first_tokens=client.answers_early
+        )
+        return cls(
+            executor_id,
+            client,
+            Scheduler(config),
+            on_event,
+            async_scheduling,
+            has_room,
+            joins_steps=info.joins_steps,
+        )
+
+    # -- commands (any task of the loop) ---------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run_on_loop())
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def aclose(self, timeout_s: float) -> None:
-        """Ends the task (its requests still queued are handed back as evacuated) and the client."""
+        """Ends the task (the commands still queued are applied) and closes the client."""
         self._stopping = True
-        self._wake()
+        self._wakeup.wake()
         if self._task is not None:
             with contextlib.suppress(asyncio.TimeoutError):  # NOTE: wait_for cancelled it
                 await asyncio.wait_for(self._task, timeout_s)
         await self.client.close()
 
-    def _wake(self) -> None:
-        self._woken = True
-        _resolve(self._waiter)
+    def take_down(self, reason: str) -> None:
+        """The executor left (its registration expired, say): hand every request back."""
+        self._command(partial(self._go_down, reason))
 
-    async def _sleep(self, timeout_s: float) -> None:
-        """Until a command comes, or ``timeout_s``."""
-        await self._until_woken(timeout_s)
-        self._woken = False
+    def submit(self, requests: list[Request]) -> None:
+        self._command(partial(self._add, requests))
 
-    async def _until_woken(
-        self, timeout_s: float | None, landing: asyncio.Future[None] | None = None
-    ) -> None:
-        """Until a command wakes the lane (`_wake`), ``landing`` is done or ``timeout_s`` has
-        passed, whichever comes first (at once if it was woken already): one future that each
-        of them resolves, where `asyncio.wait` on an event's wait took a task of its own and
-        two more turns of the worker's loop, which serves every lane."""
-        if self._woken:
+    def finish(self, req_ids: list[str], status: RequestStatus) -> None:
+        self._command(partial(self._finish, req_ids, status))
+
+    def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
+        """Runs ``fn(scheduler)`` on the lane's task between steps (e.g. an integrity check)."""
+        future: Future[T] = Future()
+        self._command(partial(_run_call, fn, self.scheduler, future))
+        return future
+
+    def _command(self, apply: Callable[[], None]) -> None:
+        self._commands.append(apply)
+        self._wakeup.wake()
+
+    def _apply_commands(self) -> None:
+        commands = self._commands
+        while commands:
+            commands.popleft()()
+
+    def _add(self, requests: list[Request]) -> None:
+        if not self.alive:  # raced with the executor going down: send them elsewhere
+            self.on_event(self, LaneEvent(evacuated=list(requests), error=self.down_reason))
             return
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = None if timeout_s is None else loop.call_later(timeout_s, _resolve, waiter)
+        for request in requests:
+            self.scheduler.add_request(request)
 
-        def landed(_: asyncio.Future[None]) -> None:
-            _resolve(waiter)
+    def _finish(self, req_ids: list[str], status: RequestStatus) -> None:
+        ended = self.scheduler.finish_requests(req_ids, status)
+        if ended:
+            self.on_event(self, LaneEvent(ended=ended))
 
-        if landing is not None:
-            landing.add_done_callback(landed)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-            if landing is not None:
-                landing.remove_done_callback(landed)
+    # -- what the engine and the router read ------------------------------------------------------
 
-    async def _run_on_loop(self) -> None:
+    @property
+    def joins_steps(self) -> bool:
+        """Whether the requests that come during a multi-pass step join its next pass."""
+        return self.joining is not None
+
+    @property
+    def load(self) -> int:
+        """Requests this lane holds."""
+        return self.scheduler.num_unfinished
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._in_flight) or self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_scheduler_steps(self) -> int:
+        return self.scheduler.config.num_scheduler_steps
+
+    @property
+    def num_used_blocks(self) -> int:
+        pool = self.scheduler.kv.pool
+        return pool.num_blocks - 1 - pool.num_free_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv.usage
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        stats = self.scheduler.kv.stats
+        return stats.queries, stats.hits
+
+    def has_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.scheduler.kv.pool.cached_blocks
+
+    # -- the task --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
             if not self.alive or not self.has_work:
-                await self._sleep(IDLE_WAIT_S)
+                await self._wakeup.sleep(IDLE_WAIT_S)
                 continue
             try:
-                await self._step_on_loop()
+                await self._step()
             except Exception:  # never let the lane die: fail what is running, keep serving
                 self._crashed()
         self._apply_commands()
 
-    async def _step_on_loop(self) -> None:
-        """`ExecutorLane._step`, awaiting instead of blocking; a pipelined step that follows a
-        multi-pass one is sent shortly before that one ends (`_launch_delay_s`)."""
+    def _crashed(self) -> None:
+        log.exception("lane step crashed", executor=self.executor_id)
+        self._in_flight.clear()
+        ended = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
+
+    def _go_down(self, reason: str) -> None:
+        """Marks the executor lost and hands every request back for another executor."""
+        if not self.alive:
+            return
+        self.alive, self.down_reason = False, reason
+        evacuated = self.scheduler.evacuate()
+        log.warning("executor down", executor=self.executor_id, reason=reason, requests_moved=len(evacuated))
+        self.on_event(self, LaneEvent(evacuated=evacuated, error=reason, lane_down=True))
+
+    # -- steps: scheduled, sent, landed ---------------------------------------------------------
+
+    async def _step(self) -> None:
+        """One step lands. With async scheduling the next one is sent before it lands, so the
+        executor starts on it as soon as this one is done, not after this lane has handled its
+        result (the scheduler counts the tokens in flight: `num_pending_tokens`); after a
+        multi-pass step, shortly before that one ends (`StepPacing.launch_delay_s`)."""
         if not self._in_flight:
             if not await self._has_room():
-                return
-            if not await self._launch_on_loop():
-                await self._sleep(NOTHING_FITS_WAIT_S)
+                return  # whoever takes the events is behind: commands first, then ask again
+            if not await self._launch():
+                await self._wakeup.sleep(NOTHING_FITS_WAIT_S)
                 return
         running = [step for step in self._in_flight if not step.plan.joins_running]
         if not (self.async_scheduling and len(running) <= 1 and self.scheduler.has_work()):
             await self._land_watching(None)
             return
-        delay_s = self._launch_delay_s(running[0]) if running else 0.0
+        delay_s = (
+            self.pacing.launch_delay_s(running[0].plan.num_passes, running[0].sent_at) if running else 0.0
+        )
         if delay_s <= 0:
             if await self._has_room():
-                await self._launch_on_loop()
+                await self._launch()
             await self._land_watching(None)
             return
         await self._land_watching(delay_s)
 
     async def _land_watching(self, launch_in_s: float | None) -> None:
         """Lands the next step in flight; with ``launch_in_s``, sends the next step after that
-        long unless the landing came first. Where the executor `joins_steps`, the requests that
-        come meanwhile start at once, in a step that joins the one it runs (`_join_running`):
-        watched for only while a step in flight runs several passes (none else could host one)."""
-        watch = self._may_be_joined()
-        if launch_in_s is None and not watch:
-            await self._land_on_loop()
+        long unless the landing came first. Meanwhile the requests that come may join the step
+        the executor runs (`_until_landed`)."""
+        if launch_in_s is None and self._joinable() is None:
+            await self._land()
             return
         # NOTE: a task of its own, never cancelled by the wait: a step stream's read must not be.
-        landing = asyncio.ensure_future(self._land_on_loop())
+        landing = asyncio.ensure_future(self._land())
         try:
-            if watch:
-                await self._join_until(landing, launch_in_s)
-            else:
-                await asyncio.wait({landing}, timeout=launch_in_s)
+            await self._until_landed(landing, launch_in_s)
             if launch_in_s is not None and not landing.done():
                 self._apply_commands()  # what came meanwhile (new requests) joins the next step
                 if self.alive and not self._stopping and self.scheduler.has_work() and await self._has_room():
-                    await self._launch_on_loop()
+                    await self._launch()
                 # NOTE: what comes from here to the landing joins the step just sent; waiting for
                 # the landing instead, it would reach the executor after that step had begun.
-                if self._may_be_joined():
-                    await self._join_until(landing, None)
+                await self._until_landed(landing, None)
         except asyncio.CancelledError:  # the lane is closing
             landing.cancel()
             raise
         await landing
 
-    def _may_be_joined(self) -> bool:
-        """Whether a step in flight could take a joining step: the executor `joins_steps` and
-        the step runs several passes."""
-        return self.joins_steps and any(step.plan.num_steps for step in self._in_flight)
+    def _joinable(self) -> StepJoining | None:
+        """The lane's `joining` while a step in flight could take a joining step, else None."""
+        joining = self.joining
+        return joining if joining is not None and joining.may_join() else None
 
-    async def _join_until(self, landing: asyncio.Future[None], timeout_s: float | None) -> None:
-        """Until ``landing`` is done or ``timeout_s`` has passed: the requests that come start
-        in a step that joins the executor's (`_join_running`)."""
-        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        while not landing.done():
-            remaining_s = None if deadline is None else deadline - time.perf_counter()
-            if remaining_s is not None and remaining_s <= 0:
-                return
-            await self._until_woken(remaining_s, landing)
-            if landing.done() or not self._woken:
-                continue
-            self._woken = False
-            self._apply_commands()
-            if self.alive and not self._stopping:
-                await self._join_running()
+    async def _until_landed(self, landing: asyncio.Future[None], timeout_s: float | None) -> None:
+        """Waits until ``landing`` is done or ``timeout_s`` has passed; where a step in flight
+        could be joined, the requests that come meanwhile start in a step that joins it."""
+        joining = self._joinable()
+        if joining is not None:
+            await joining.join_until(landing, timeout_s)
+        else:
+            await asyncio.wait({landing}, timeout=timeout_s)
 
-    async def _join_running(self) -> None:
-        """Starts the waiting requests in a step that joins the next pass of the last step sent,
-        while that one has passes enough left (`JOIN_MIN_PASSES_LEFT`) and fewer than
-        `JOIN_MAX_IN_FLIGHT` such steps are on their way."""
-        if not self.scheduler.waiting or not await self._has_room():
-            return
-        # NOTE: nothing else runs from here to the send: the steps in flight are as seen here (a
-        # landing that failed meanwhile has taken them out and queued their requests again).
-        steps = [s for s in (self._landing, *self._in_flight) if s is not None]
-        if not self.alive or self._stopping or not steps:
-            return
-        if sum(s.plan.joins_running for s in steps) >= JOIN_MAX_IN_FLIGHT:
-            return
-        steps = [s for s in steps if not s.plan.joins_running]
-        if not steps:
-            return
-        host = steps[-1]  # NOTE: the steps in flight, in the order sent
-        if self._passes_left(host, queued=host is not steps[0]) < JOIN_MIN_PASSES_LEFT:
-            return
-        budget = self.scheduler.config.max_num_batched_tokens - len(host.plan.num_steps)
-        scheduled = self.scheduler.schedule_joining(budget) if budget > 0 else None
-        if scheduled is not None:
-            await self._send_on_loop(*scheduled)
-
-    def _passes_left(self, step: InFlightStep, queued: bool) -> float:
-        """About how many of a step's passes the executor has yet to start (all of them while
-        the step is ``queued`` behind another)."""
-        if step.plan.num_passes <= 1 or not self.pass_seconds:
-            return 0.0
-        if queued:
-            return float(step.plan.num_passes)
-        elapsed_s = time.perf_counter() - max(step.sent_at, self._last_landed)
-        return step.plan.num_passes - elapsed_s / self.pass_seconds
-
-    def _launch_delay_s(self, running: InFlightStep) -> float:
-        """How long to wait before sending the step after ``running``: none after a one-pass
-        step (the next is sent at once, to hide the round trip); after a multi-pass step, until
-        `LAUNCH_LEAD_PASSES` of its passes should be left. Sent at once, the next step would
-        hold every request that arrives during ``running`` back by a whole further step of
-        passes; sent then, their wait is about what it is without async scheduling, while the
-        executor still has the next step before it needs it (should the step land first, the
-        next goes out as it lands, as without async scheduling).
-
-        NOTE: in the scale bench (16 executors x 1,024 streams, 8 passes a step, 2 cores, three
-        interleaved runs each) this took the clients' TTFT p50 from 210-274 to 147-156 ms and
-        the streams without a first token from 204-238 to 108-141, for the same tokens/s; a
-        lead of one pass lost 6% of the tokens/s (one worker's loop serves many lanes: a
-        launch can come late)."""
-        passes = running.plan.num_passes
-        if passes <= 1 or not self.pass_seconds:
-            return 0.0
-        elapsed_s = time.perf_counter() - max(running.sent_at, self._last_landed)
-        return (passes - LAUNCH_LEAD_PASSES) * self.pass_seconds - elapsed_s
-
-    async def _launch_on_loop(self) -> bool:
-        scheduled = self._schedule()
-        if scheduled is None:
+    async def _launch(self) -> bool:
+        """Schedules and sends the next step; False when it would carry nothing."""
+        plan, stats = self.scheduler.schedule()
+        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
             return False
-        await self._send_on_loop(*scheduled)
+        await self._send(plan, stats)
         return True
 
-    async def _send_on_loop(self, plan: StepPlan, stats: StepStats) -> None:
+    async def _send(self, plan: StepPlan, stats: StepStats) -> None:
         # NOTE: in flight before it is sent: the step before it may fail while it is (a landing
         # runs beside a delayed launch), and that failure must count it among the steps after
         # it, planned from what the failure undoes.
         sending = _Sending()
         step = InFlightStep(plan, stats, sending, time.perf_counter())
         self._in_flight.append(step)
-        pending: AsyncPendingStep
+        pending: PendingStep
         try:
             pending = await self.client.submit(plan, early_results=self.scheduler.config.early_first_tokens)
         except Exception as exc:
@@ -300,7 +364,7 @@ class AsyncExecutorLane(ExecutorLane):
         step.pending = pending
         sending.sent.set_result(pending)
 
-    async def _land_on_loop(self) -> None:
+    async def _land(self) -> None:
         step = self._landing = self._in_flight.popleft()
         try:
             await self._land_step(step)
@@ -308,13 +372,13 @@ class AsyncExecutorLane(ExecutorLane):
             self._landing = None
 
     async def _land_step(self, step: InFlightStep) -> None:
-        pending = cast(AsyncPendingStep, step.pending)
+        pending = step.pending
         try:
             result = await pending.result()
             while result.partial or result.step_id != step.plan.step_id:
                 if result.step_id != step.plan.step_id:  # a step that joined this one's passes
-                    self._landed(self._take_joined(result.step_id), result, joined=True)
-                    self._wake()  # NOTE: the requests that came meanwhile may join the next pass
+                    self._landed(take_joined(self._in_flight, result.step_id), result, joined=True)
+                    self._wakeup.wake()  # NOTE: the requests that came meanwhile may join the next pass
                 else:  # the first tokens of the requests it admitted, say
                     self._answered_early(step, result)
                 result = await pending.result()
@@ -323,21 +387,71 @@ class AsyncExecutorLane(ExecutorLane):
             later = self._failed(exc, down_reason(self.executor_id, exc, answers))
             for after in later:
                 with contextlib.suppress(Exception):
-                    await cast(AsyncPendingStep, after.pending).result()
+                    await after.pending.result()
             self._fail_steps([step, *later], exc)
             return
         self._landed(step, result)
-
-    def _take_joined(self, step_id: int) -> InFlightStep:
-        """The step in flight that an answer out of turn is for: one that joined the running one."""
-        for step in self._in_flight:
-            if step.plan.step_id == step_id and step.plan.joins_running:
-                self._in_flight.remove(step)
-                return step
-        raise ExecutorError("INTERNAL", f"the executor answered step {step_id}, which is not in flight here")
 
     def _answered_early(self, step: InFlightStep, result: StepResult) -> None:
         """The tokens of the requests that ran only the step's first pass, before its result:
         reported now, with no step counted."""
         updates = self.scheduler.update_from_output(step.plan, result)
         self.on_event(self, LaneEvent(updates=updates))
+
+    def _failed(self, exc: Exception, down: str | None) -> list[InFlightStep]:
+        """A step failed: the steps sent after it (to drain before `_fail_steps`), or none
+        when its executor is ``down`` (why: `down_reason`; the lane went down with every request)."""
+        later = list(self._in_flight)
+        self._in_flight.clear()
+        self.pacing.interrupted()
+        if down is not None:
+            self._go_down(down)
+            return []
+        return later
+
+    def _fail_steps(self, steps: list[InFlightStep], exc: Exception) -> None:
+        """A step the executor failed while it still serves: its requests run again (once:
+        `Scheduler.fail_step`), with those of the steps sent after it (it may have refused them
+        with it); those that ran again already end with the error."""
+        if not self.alive:
+            return
+        failed: list[Request] = []
+        retried: list[Request] = []
+        for step in steps:
+            ended, again = self.scheduler.fail_step(step.plan)
+            failed += ended
+            retried += again
+        (log.error if failed else log.warning)(
+            "step failed",
+            executor=self.executor_id,
+            step_id=steps[0].plan.step_id,
+            error=str(exc),
+            requests_run_again=len(retried),
+            requests_failed=len(failed),
+        )
+        self.on_event(
+            self,
+            LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}", failed_step=True),
+        )
+
+    def _landed(self, step: InFlightStep, result: StepResult, joined: bool = False) -> None:
+        """A step's result: its tokens, and its time; ``joined``: it ran inside another's pass."""
+        updates = self.scheduler.update_from_output(step.plan, result)
+        self.num_steps += 1
+        now = time.perf_counter()
+        seconds = self.pacing.elapsed_s(step.sent_at, now)
+        if step.plan.joins_running:  # ran in another's pass, or alone: timings of no step of its own
+            event = LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds, joined_step=joined)
+            self.on_event(self, event)
+            return
+        passes = self.pacing.landed(
+            step.plan.num_passes, result.timings.total_s, seconds, now, self.scheduler.has_work()
+        )
+        if passes is not None:
+            log.debug("passes per step", executor=self.executor_id, passes=passes)
+        self.on_event(
+            self,
+            LaneEvent(
+                updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
+            ),
+        )

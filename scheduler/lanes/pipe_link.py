@@ -1,10 +1,11 @@
 """One end of a pipe between two of the scheduler's processes, served by an asyncio event loop.
 
 Messages are lists (batches) of picklable items, framed as `multiprocessing.Connection` frames
-them, so the other end may be a plain `Connection`. `send` queues an item; everything queued in
-one turn of the loop leaves as one message at the end of that turn. Reading is the loop's too: a
-received batch goes to ``on_batch`` on the loop thread, and ``on_closed`` runs once when the
-other end is gone.
+them, so the other end may be a plain `Connection`. A link is typed by the items it sends and
+those it receives (`PipeLink[Out, In]`: the two families of messages of its ends, such as
+`worker_messages`'s). `send` queues an item; everything queued in one turn of the loop leaves as
+one message at the end of that turn. Reading is the loop's too: a received batch goes to
+``on_batch`` on the loop thread, and ``on_closed`` runs once when the other end is gone.
 
 No threads: a message costs the loop one pickle and one write, not a wake-up of a sender thread
 and, on the way in, a reader thread's hand-over (`call_soon_threadsafe`) under the GIL.
@@ -24,11 +25,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Generic, TypeVar
 
 READ_CHUNK = 1 << 20
 SMALL_FRAME = struct.Struct("!i")  # `Connection`'s header: the payload's length
 LARGE_FRAME = struct.Struct("!Q")  # after a -1 header, for payloads of 2 GiB and more
+
+Out = TypeVar("Out")  # what a link sends
+In = TypeVar("In")  # what it receives
 
 
 def frame_header(size: int) -> bytes:
@@ -65,14 +69,14 @@ class FrameReader:
         return payloads
 
 
-class PipeLink:
+class PipeLink(Generic[Out, In]):
     def __init__(
         self,
         conn: Connection,
-        on_batch: Callable[[list[Any]], object],
+        on_batch: Callable[[list[In]], object],
         on_closed: Callable[[], object],
         loop: asyncio.AbstractEventLoop,
-        on_sent: Callable[[list[Any]], object] | None = None,
+        on_sent: Callable[[list[Out]], object] | None = None,
     ) -> None:
         """``on_sent``: told each batch as it leaves (a scheduler worker counts its reports)."""
         self.conn = conn
@@ -81,7 +85,7 @@ class PipeLink:
         self._on_closed = on_closed
         self._on_sent = on_sent
         self._fd = conn.fileno()
-        self._pending: list[Any] = []
+        self._pending: list[Out] = []
         self._out = bytearray()
         self._writing = False  # a writer callback waits for room in the pipe
         self._reading = False
@@ -101,7 +105,7 @@ class PipeLink:
         self.loop.add_reader(self._fd, self._readable)
         self._reading = True
 
-    def send(self, item: Any) -> None:
+    def send(self, item: Out) -> None:
         """Queues ``item`` for the end of this loop turn's message; from any thread."""
         if not self._on_loop():
             if self.loop.is_running():
@@ -112,7 +116,7 @@ class PipeLink:
         self._flush_at_turn_end()
         self._pending.append(item)
 
-    def send_many(self, items: list[Any]) -> None:
+    def send_many(self, items: list[Out]) -> None:
         """Queues ``items`` (on the loop thread)."""
         if items:
             self._flush_at_turn_end()

@@ -5,14 +5,15 @@ A worker owns the `Request` objects its lanes schedule; the front keeps its own 
 (for streams, metrics and fail-over). Reports therefore name requests by id and carry only what
 changed: new tokens, finish statuses, the ids of requests that ended or must move (with their
 output, which the worker holds whole). The front applies them to its copies (`apply_report`),
-which rebuilds the `LaneEvent` the engine handles for an in-process lane, so both kinds of lane
+which rebuilds the `LaneEvent` the engine handles for one of its own lanes, so both kinds of lane
 drive the same engine code.
 
 Tokens of a sequence that goes on and whose stream an API server process serves (most of them,
 with `--api-server-count` above 1) skip all that: the worker packs them per API process, as the
 items that process applies, and the front forwards each pack unopened (`LaneReport.relayed`).
 The front's copy only counts them; whoever moves the sequence takes its output back first.
-With `--stream-interval` above 1 (`Request.relay_every`) the worker packs a sequence's tokens
+What a worker has sent of each sequence is its own record (`RelayProgress`), not the request's.
+With `--stream-interval` above 1 (`StreamRelay.every`) the worker packs a sequence's tokens
 in groups of that many, and the rest with its end or before it moves: one item, one
 detokenization and one message to the client per group.
 """
@@ -20,16 +21,20 @@ detokenization and one message to the client per group.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.core.block_hash import BlockHash
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Request, RequestStatus, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, StepStats
-from npuserve.scheduler.lanes.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
+from npuserve.scheduler.lanes.lane import LaneEvent
+
+if TYPE_CHECKING:
+    from npuserve.scheduler.api.api_messages import PackedUpdate
 
 # (req_id, new token ids, their logprobs, the finish status's value or None, why it failed,
 #  the prompt tokens found in the prefix cache at its first schedule, its output tokens in all)
@@ -38,6 +43,11 @@ CompactUpdate = tuple[str, list[int], list[TokenLogprobs | None], str | None, st
 Evacuated = tuple[str, list[int], list[TokenLogprobs | None]]
 # Packed tokens for one API process incarnation: (number of items, the pickled item list).
 RelayedPack = tuple[int, bytes]
+# A worker lane's record of the sequences it runs whose streams API processes serve
+# (`Request.relay`): req_id -> its output tokens sent in this placement. A sequence enters once
+# its first token in the placement has gone through the front (every output token before it
+# counts as sent) and leaves when it finishes, ends or moves.
+RelayProgress = dict[str, int]
 
 
 @dataclass(slots=True)
@@ -87,7 +97,7 @@ _LOAD_FIELDS = attrgetter(*(f.name for f in fields(LaneLoad)))
 _REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
 
 
-def lane_load(lane: ExecutorLane) -> LaneLoad:
+def lane_load(lane: AsyncExecutorLane) -> LaneLoad:
     queries, hits = lane.prefix_stats
     return LaneLoad(
         lane.num_waiting,
@@ -101,27 +111,35 @@ def lane_load(lane: ExecutorLane) -> LaneLoad:
     )
 
 
-def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneReport:
-    """On the worker's lane thread, right after the event: its compact form and the lane's load."""
+def make_report(
+    lane_key: str, lane: AsyncExecutorLane, event: LaneEvent, progress: RelayProgress
+) -> LaneReport:
+    """On the worker's loop, right after the event: its compact form and the lane's load
+    (``progress``: the lane's, which this advances)."""
     events = lane.scheduler.kv.pool.events
     kv_events = list(events) if events else []
     if events:
         events.clear()
     stats = event.stats
     updates: list[CompactUpdate] = []
-    relayed: dict[tuple[int, int], list[tuple[object, ...]]] = {}
+    relayed: dict[tuple[int, int], list[PackedUpdate]] = {}
     num_relayed_tokens = 0
     for u in event.updates:  # NOTE: once per token
         request = u.request
-        if request.relay_to is not None:
-            if request.relay_started:
+        relay = request.relay
+        if relay is not None:
+            req_id = request.req_id
+            num_sent = progress.get(req_id)
+            if num_sent is None:  # its first token in this placement goes to the front
                 if u.finished is None:
-                    num_relayed_tokens += len(u.new_token_ids)
-                    _pack_unsent(relayed, request, least=request.relay_every)
-                    continue
-                _pack_unsent(relayed, request, keep=len(u.new_token_ids))  # what it held, before its end
-            else:  # its first token in this placement goes to the front
-                request.num_relayed_tokens = len(request.output_token_ids)
+                    progress[req_id] = len(request.output_token_ids)
+            elif u.finished is None:
+                num_relayed_tokens += len(u.new_token_ids)
+                progress[req_id] = _pack_unsent(relayed, request, relay, num_sent, least=relay.every)
+                continue
+            else:  # what it held goes before its end
+                _pack_unsent(relayed, request, relay, num_sent, keep=len(u.new_token_ids))
+                del progress[req_id]
         updates.append(
             (
                 request.req_id,
@@ -134,8 +152,9 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent) -> LaneRepo
             )
         )
     for request in (*event.ended, *event.evacuated):
-        if request.relay_to is not None and request.relay_started:  # held: before it ends or moves
-            _pack_unsent(relayed, request)
+        num_sent = progress.pop(request.req_id, None)
+        if num_sent is not None and request.relay is not None:  # held: before it ends or moves
+            _pack_unsent(relayed, request, request.relay, num_sent)
     return LaneReport(
         lane_key=lane_key,
         updates=updates,
@@ -162,25 +181,27 @@ RUNNING = RequestStatus.RUNNING
 
 
 def _pack_unsent(
-    relayed: dict[tuple[int, int], list[tuple[object, ...]]], request: Request, keep: int = 0, least: int = 1
-) -> None:
-    """Packs the output tokens of ``request`` not sent in this placement yet, but its last
-    ``keep``, as one item for its API process, if there are at least ``least`` of them (a
-    worker holds fewer than `Request.relay_every`). They count as sent from then on.
+    relayed: dict[tuple[int, int], list[PackedUpdate]],
+    request: Request,
+    relay: StreamRelay,
+    start: int,
+    keep: int = 0,
+    least: int = 1,
+) -> int:
+    """Packs the output tokens of ``request`` from ``start`` (the first not sent in this
+    placement) but its last ``keep``, as one item for its API process, if there are at least
+    ``least`` of them (a worker holds fewer than `StreamRelay.every`). Returns the tokens sent
+    from then on.
 
-    The item is the one that process applies: ("add", stream handle, then the fields of
-    `outputs.SequenceUpdate` for tokens that end nothing)."""
+    The item is the one that process applies (`api_messages.PackedUpdate`): the stream's handle,
+    then the fields of `outputs.SequenceUpdate` for tokens that end nothing."""
     output = request.output_token_ids
-    start, end = request.num_relayed_tokens, len(output) - keep
+    end = len(output) - keep
     if end - start < least:
-        return
-    request.num_relayed_tokens = end
-    assert request.relay_to is not None
-    index, incarnation, handle, choice = request.relay_to
-    item = (
-        "add",
-        handle,
-        choice,
+        return start
+    item: PackedUpdate = (
+        relay.handle,
+        relay.choice,
         output[start:end],
         request.output_logprobs[start:end],
         None,
@@ -189,11 +210,13 @@ def _pack_unsent(
         len(output),
         request.num_cached_tokens,
     )
-    items = relayed.get((index, incarnation))
+    key = (relay.process, relay.incarnation)
+    items = relayed.get(key)
     if items is None:
-        relayed[(index, incarnation)] = [item]
+        relayed[key] = [item]
     else:
         items.append(item)
+    return end
 
 
 def evacuated(request: Request) -> Evacuated:
@@ -205,7 +228,7 @@ def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
     request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
 
 
-def carries_reports(message: list[Any]) -> bool:
+def carries_reports(message: Sequence[object]) -> bool:
     """Whether a worker's message holds lane reports: the worker counts those messages as
     unacknowledged until the front, having handled one, acknowledges it."""
     return any(isinstance(item, LaneReport) for item in message)

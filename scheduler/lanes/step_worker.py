@@ -2,22 +2,17 @@
 
 The front (the process serving the public API) hands each worker some executors. For each, the
 worker runs an `AsyncExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client
-for the steps), the logic of an `ExecutorLane` in the front, all on one event loop: its lanes,
+for the steps), as the front runs its own without workers, all on one event loop: its lanes,
 their grpc.aio streams and the pipe to the front share one thread, so a step costs no thread
 wake-ups (a thread per lane, each with gRPC's threads behind it, spent most of a step's CPU
 handing the GIL around). The worker never chooses where requests go and never talks to clients:
 it applies the front's commands and reports what every step produced.
 
-Wire, both ways over one `multiprocessing` pipe (`pipe_link`), each message a list (a batch):
-  front -> worker: ("add", lane_key, executor_id, address, info, instance_id)
-                   | ("submit", lane_key, [Request])
-                   | ("finish", lane_key, [req_id], RequestStatus) | ("down", lane_key, reason)
-                   | ("stop", lane_key) | ("call", call_id, lane_key, fn) | ("exit",)
-  worker -> front: ("started",), once, when its loop runs
-                   | `LaneReport` | ("reply", call_id, ok, value or error text)
-Everything sent in one turn of the loop leaves as one message, so a busy worker reports many
-lanes' steps per message. The front acknowledges each message of reports once it has handled it
-(("ack",)); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's lanes start no new
+The front and the worker talk over one `multiprocessing` pipe (`pipe_link`), in batches of the
+messages of `worker_messages`: `FrontToWorker` one way, `WorkerToFront` the other.
+Everything sent in one turn of the loop leaves as one batch, so a busy worker reports many
+lanes' steps per batch. The front acknowledges each batch of reports once it has handled it
+(`AckReports`); while `MAX_UNACKED_REPORTS` messages wait for that, the worker's lanes start no new
 step. That is the flow control between the two: a front that falls behind slows the steps down
 (each then carries more requests) instead of letting reports pile up between the processes,
 unbounded, while its clients wait.
@@ -31,26 +26,45 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import structlog
 
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
-from npuserve.proto.step_plan import ExecutorInfo
+from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.scheduler.core.request import Request
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.executor_client import ClientSpec
-from npuserve.scheduler.lanes.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.lanes.lane import LaneEvent
 from npuserve.scheduler.lanes.pipe_link import PipeLink
-from npuserve.scheduler.lanes.step_frames import LaneReport, carries_reports, evacuated, make_report
+from npuserve.scheduler.lanes.step_frames import (
+    LaneReport,
+    RelayProgress,
+    carries_reports,
+    evacuated,
+    make_report,
+)
+from npuserve.scheduler.lanes.worker_messages import (
+    AckReports,
+    CallLane,
+    CallRaised,
+    CallReturned,
+    ExitWorker,
+    FinishRequests,
+    FrontToWorker,
+    OpenLane,
+    StopLane,
+    SubmitRequests,
+    TakeLaneDown,
+    WorkerStarted,
+    WorkerToFront,
+)
 from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler, GrammarSettings
 
 log = structlog.get_logger(__name__)
 
-Message = list[Any]
 STOP_LANE_TIMEOUT_S = 5.0
 MAX_UNACKED_REPORTS = 4  # messages of reports the front may hold unhandled before lanes wait
 ROOM_WAIT_S = 0.05  # a lane waiting for room checks its commands this often
@@ -65,7 +79,7 @@ class ReportWindow:
         self._room = asyncio.Event()
         self._room.set()
 
-    def sent(self, batch: list[Any]) -> None:
+    def sent(self, batch: list[WorkerToFront]) -> None:
         if carries_reports(batch):
             self._unacked += 1
             if self._unacked >= self.limit:
@@ -108,12 +122,12 @@ class StepWorker:
     async def run(self) -> None:
         """Serves the front's commands until it says exit or its end of the pipe closes."""
         self.done = asyncio.Event()
-        self.pipe = PipeLink(
+        self.pipe: PipeLink[WorkerToFront, FrontToWorker] = PipeLink(
             self.conn, self._received, self._front_gone, asyncio.get_running_loop(), self.window.sent
         )
         self.pipe.start()
         settle_heap_for_serving()
-        self.pipe.send(("started",))  # NOTE: its imports are done: it steps at full speed from here
+        self.pipe.send(WorkerStarted())  # NOTE: its imports are done: it steps at full speed from here
         try:
             await self.done.wait()
         finally:
@@ -124,44 +138,43 @@ class StepWorker:
         log.info("the scheduler front is gone; worker exiting")
         self.done.set()
 
-    def _received(self, message: Message) -> None:
-        for command in message:
-            if command[0] == "exit":
-                self.done.set()
-                return
-            if command[0] == "ack":
-                self.window.acked()
-                continue
-            self._apply(command)
+    def _received(self, batch: list[FrontToWorker]) -> None:
+        """The front's messages, in order; those for a lane this worker no longer has are dropped
+        (the front retired it), but for requests, which the front places again."""
+        lanes = self.lanes
+        for message in batch:
+            match message:
+                case AckReports():
+                    self.window.acked()
+                case SubmitRequests(lane_key=lane_key, requests=requests):
+                    self._submit(lane_key, requests)
+                case FinishRequests(lane_key=lane_key, req_ids=req_ids, status=status):
+                    if (lane := lanes.get(lane_key)) is not None:
+                        lane.finish(req_ids, status)
+                case TakeLaneDown(lane_key=lane_key, reason=reason):
+                    if (lane := lanes.get(lane_key)) is not None:
+                        lane.take_down(reason)
+                case OpenLane():
+                    self._open_lane(message)
+                case StopLane(lane_key=lane_key):
+                    if (lane := lanes.pop(lane_key, None)) is not None:
+                        self._background.spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
+                case CallLane(call_id=call_id, lane_key=lane_key, fn=fn):
+                    self._call(call_id, lane_key, fn)
+                case ExitWorker():
+                    self.done.set()
+                    return
+                case _:
+                    unknown_message("a scheduler worker", message)
 
-    def _apply(self, command: tuple[Any, ...]) -> None:
-        kind = command[0]
-        if kind == "add":
-            self._add(*command[1:])
-            return
-        if kind == "call":
-            _, call_id, lane_key, fn = command
-            self._call(call_id, lane_key, fn)
-            return
-        lane_key = command[1]
+    def _submit(self, lane_key: str, requests: list[Request]) -> None:
         lane = self.lanes.get(lane_key)
-        if kind == "submit":
-            requests: list[Request] = command[2]
-            if lane is None:  # stopped meanwhile: the front places them again
-                self._report_gone(lane_key, requests)
-            else:
-                for request in requests:
-                    self._attach_grammar(request)
-                lane.submit(requests)
-        elif lane is None:
+        if lane is None:  # stopped meanwhile: the front places them again
+            self._report_gone(lane_key, requests)
             return
-        elif kind == "finish":
-            lane.finish(command[2], command[3])
-        elif kind == "down":
-            lane.take_down(command[2])
-        elif kind == "stop":
-            del self.lanes[lane_key]
-            self._background.spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
+        for request in requests:
+            self._attach_grammar(request)
+        lane.submit(requests)
 
     def _attach_grammar(self, request: Request) -> None:
         """A constrained request's matcher, here, at the request's output tokens."""
@@ -171,34 +184,27 @@ class StepWorker:
         request.grammar = self.grammars.grammar_for(constraint).new_state(request.max_output_tokens)
         request.grammar.sync(request.output_token_ids)
 
-    def _add(
-        self, lane_key: str, executor_id: str, address: str, info: ExecutorInfo, instance_id: str
-    ) -> None:
+    def _open_lane(self, command: OpenLane) -> None:
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
-        client = AioExecutorClient.from_spec(self.spec, address, instance_id)
+        client = AioExecutorClient.from_spec(self.spec, command.address, command.instance_id)
+        lane_key, info = command.lane_key, command.info
+        progress: RelayProgress = {}  # what the lane has sent of the streams API processes serve
+
+        def on_event(lane: AsyncExecutorLane, event: LaneEvent) -> None:
+            self.pipe.send(make_report(lane_key, lane, event, progress))
+
         settings = self.settings
-        scheduler = Scheduler(
-            SchedulerConfig.for_executor(
-                info,
-                settings.enable_prefix_caching,
-                settings.num_scheduler_steps,
-                early_first_tokens=client.answers_early,
-            )
-        )
-        scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
-
-        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
-            self.pipe.send(make_report(lane_key, lane, event))
-
-        lane = AsyncExecutorLane(
-            executor_id,
+        lane = AsyncExecutorLane.for_executor(
+            command.executor_id,
             client,
-            scheduler,
+            info,
             on_event,
-            self.settings.async_scheduling,
             self.window.has_room,
-            joins_steps=info.joins_steps,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            num_scheduler_steps=settings.num_scheduler_steps,
+            async_scheduling=settings.async_scheduling,
         )
+        lane.scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
         self.lanes[lane_key] = lane
         lane.start()
 
@@ -209,16 +215,15 @@ class StepWorker:
     def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
         lane = self.lanes.get(lane_key)
         if lane is None:
-            self.pipe.send(("reply", call_id, False, f"error:lane {lane_key} is not in this worker"))
+            self.pipe.send(CallRaised(call_id, f"lane {lane_key} is not in this worker", assertion=False))
             return
 
         def reply(future: Future[object]) -> None:
             exc = future.exception()
             if exc is None:
-                self.pipe.send(("reply", call_id, True, future.result()))
+                self.pipe.send(CallReturned(call_id, future.result()))
             else:
-                kind = "assertion" if isinstance(exc, AssertionError) else "error"
-                self.pipe.send(("reply", call_id, False, f"{kind}:{exc}"))
+                self.pipe.send(CallRaised(call_id, str(exc), assertion=isinstance(exc, AssertionError)))
 
         lane.call(fn).add_done_callback(reply)
 

@@ -1,10 +1,10 @@
 """The front's side of the scheduler worker processes (`--scheduler-workers`).
 
 `StepWorkerPool` starts the workers (`step_worker`) and spreads executors over them; each
-executor becomes a `RemoteLane`, which the engine and the router use as they use an in-process
-`ExecutorLane`. A remote lane's load and prefix cache are mirrored from the worker's reports
-(KV stored/removed events, in order), so prefix-aware routing stays exact: the front sees every
-block hash an executor holds once the step that registered it has been reported.
+executor becomes a `RemoteLane`, which the engine and the router use as they use one of the
+engine's own `AsyncExecutorLane`s. A remote lane's load and prefix cache are mirrored from the
+worker's reports (KV stored/removed events, in order), so prefix-aware routing stays exact: the
+front sees every block hash an executor holds once the step that registered it has been reported.
 
 Each worker's pipe is served by the engine's event loop (`PipeLink`): reports reach the engine one
 at a time (`on_report`), in the order they came, a slice of the loop's time at a time
@@ -25,15 +25,31 @@ from typing import Any, TypeVar
 import structlog
 
 from npuserve.deploy.runtime.restart_policy import RestartHistory
+from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler
-from npuserve.scheduler.lanes.executor_client import ClientSpec, ExecutorClient
+from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.pipe_link import PipeLink, join_or_kill
 from npuserve.scheduler.lanes.step_frames import LaneLoad, LaneReport, carries_reports
 from npuserve.scheduler.lanes.step_worker import LaneSettings, run_step_worker
 from npuserve.scheduler.lanes.worker_inbox import WorkerInbox
+from npuserve.scheduler.lanes.worker_messages import (
+    CallLane,
+    CallRaised,
+    CallReturned,
+    ExitWorker,
+    FinishRequests,
+    FrontToWorker,
+    OpenLane,
+    StopLane,
+    SubmitRequests,
+    TakeLaneDown,
+    WorkerStarted,
+    WorkerToFront,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -47,11 +63,11 @@ class RemoteLane:
     """An executor's lane inside a worker process, as the front sees it."""
 
     def __init__(
-        self, key: str, executor_id: str, executor: ExecutorClient, info: ExecutorInfo, worker: WorkerHandle
+        self, key: str, executor_id: str, client: AioExecutorClient, info: ExecutorInfo, worker: WorkerHandle
     ) -> None:
         self.key = key
         self.executor_id = executor_id
-        self.executor = executor  # the front's own client: health, profiling (steps go from the worker)
+        self.client = client  # the front's own client: health, profiling (steps go from the worker)
         self.info = info
         self.worker = worker
         self.alive = True
@@ -111,29 +127,31 @@ class RemoteLane:
     # -- commands to the worker ----------------------------------------------------------------
 
     def start(self) -> None:
-        add = ("add", self.key, self.executor_id, self.executor.address, self.info, self.executor.instance_id)
-        self.worker.send(add)
+        client = self.client
+        self.worker.send(OpenLane(self.key, self.executor_id, client.address, self.info, client.instance_id))
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self.worker.send(("stop", self.key))
+    async def aclose(self, timeout_s: float) -> None:
+        """Stops the worker's lane (it closes its own client) and closes the front's."""
+        self.worker.send(StopLane(self.key))
         self.worker.lanes.pop(self.key, None)
+        await self.client.close()
 
     def take_down(self, reason: str) -> None:
-        self.worker.send(("down", self.key, reason))
+        self.worker.send(TakeLaneDown(self.key, reason))
 
     def submit(self, requests: list[Request]) -> None:
         for request in requests:  # NOTE: the worker builds and advances its own matcher
             if request.grammar is not None:
                 request.grammar.release()
                 request.grammar = None
-        self.worker.send(("submit", self.key, requests))
+        self.worker.send(SubmitRequests(self.key, requests))
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
-        self.worker.send(("finish", self.key, req_ids, status))
+        self.worker.send(FinishRequests(self.key, req_ids, status))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
-        """Runs ``fn(scheduler)`` on the worker's lane thread; ``fn`` must pickle (a module-level
-        function or a partial of one)."""
+        """Runs ``fn(scheduler)`` on the worker's lane, between steps; ``fn`` must pickle (a
+        module-level function or a partial of one)."""
         return self.worker.call(self.key, fn)
 
 
@@ -145,7 +163,7 @@ class WorkerHandle:
         self.pool = pool
         self.lanes: dict[str, RemoteLane] = {}
         self.process: BaseProcess | None = None
-        self.link: PipeLink | None = None
+        self.link: PipeLink[FrontToWorker, WorkerToFront] | None = None
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self.closing = False
@@ -176,14 +194,16 @@ class WorkerHandle:
         process.start()
         worker_end.close()
         assert pool.loop is not None, "the pool starts workers once it has the engine's loop"
-        link = PipeLink(front_end, self._received, lambda: self._closed(link), pool.loop)
+        link: PipeLink[FrontToWorker, WorkerToFront] = PipeLink(
+            front_end, self._received, lambda: self._closed(link), pool.loop
+        )
         self.process, self.link = process, link
         self.alive = True
         self.started.clear()  # NOTE: the same event, so a wait that outlives a death sees the restart
         link.start()
         log.info("scheduler worker started", worker=self.index, pid=process.pid)
 
-    def send(self, command: tuple[Any, ...]) -> None:
+    def send(self, command: FrontToWorker) -> None:
         if self.link is not None:
             self.link.send(command)
 
@@ -191,22 +211,31 @@ class WorkerHandle:
         future: Future[T] = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self.send(("call", call_id, lane_key, fn))
+        self.send(CallLane(call_id, lane_key, fn))
         return future
 
-    def _received(self, batch: list[Any]) -> None:
-        """A message from the worker (on the event loop): handled in turn (`WorkerInbox`)."""
+    def _received(self, batch: list[WorkerToFront]) -> None:
+        """A batch from the worker (on the event loop): handled in turn (`WorkerInbox`)."""
         self.pool.inbox.put(self, batch)
 
-    def _handle(self, item: Any) -> None:
-        if isinstance(item, LaneReport):
-            self.pool.on_report(self, item)
-        elif item[0] == "started":
-            self.started.set()
-        else:
-            self._resolve(*item[1:])
+    def _handle(self, message: WorkerToFront) -> None:
+        match message:
+            case LaneReport():
+                self.pool.on_report(self, message)
+            case CallReturned(call_id=call_id, value=value):
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    future.set_result(value)
+            case CallRaised(call_id=call_id, message=text, assertion=assertion):
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    future.set_exception(AssertionError(text) if assertion else RuntimeError(text))
+            case WorkerStarted():
+                self.started.set()
+            case _:
+                unknown_message("the scheduler front", message)
 
-    def _closed(self, link: PipeLink) -> None:
+    def _closed(self, link: PipeLink[FrontToWorker, WorkerToFront]) -> None:
         if link is not self.link:
             return  # an earlier incarnation's pipe
         self.alive = False
@@ -219,20 +248,10 @@ class WorkerHandle:
             log.error("scheduler worker died", worker=self.index, exit_code=code, lanes=len(self.lanes))
             self.pool.on_lost(self)
 
-    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
-        future = self._calls.pop(call_id, None)
-        if future is None:
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            kind, _, message = str(value).partition(":")
-            future.set_exception(AssertionError(message) if kind == "assertion" else RuntimeError(message))
-
     def close(self) -> None:
         self.closing = True
         if self.link is not None:
-            self.link.send(("exit",))
+            self.link.send(ExitWorker())
             self.link.close()
         join_or_kill(self.process, WORKER_EXIT_TIMEOUT_S)
 
@@ -259,7 +278,7 @@ class StepWorkerPool:
         self.on_reports_handled: Callable[[WorkerHandle], None] = lambda w: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
         self.loop: asyncio.AbstractEventLoop | None = None  # the engine's, which serves the pipes
-        self._inbox: WorkerInbox[WorkerHandle] | None = None
+        self._inbox: WorkerInbox[WorkerHandle, WorkerToFront] | None = None
 
     def start(
         self,
@@ -282,14 +301,14 @@ class StepWorkerPool:
         """Returns once every worker's process has started (imported what it runs)."""
         await asyncio.gather(*(worker.started.wait() for worker in self.workers))
 
-    def open_lane(self, executor_id: str, executor: ExecutorClient, info: ExecutorInfo) -> RemoteLane:
+    def open_lane(self, executor_id: str, client: AioExecutorClient, info: ExecutorInfo) -> RemoteLane:
         """A lane on the running worker with the fewest; ValueError while none runs."""
         running = [w for w in self.workers if w.alive]
         if not running:
             raise ValueError("no scheduler worker is running (one is restarting)")
         worker = min(running, key=lambda w: (len(w.lanes), w.index))
         key = f"{executor_id}#{next(self._lane_keys)}"
-        lane = RemoteLane(key, executor_id, executor, info, worker)
+        lane = RemoteLane(key, executor_id, client, info, worker)
         worker.lanes[key] = lane
         return lane
 
@@ -302,11 +321,11 @@ class StepWorkerPool:
         worker.history.started()
 
     @property
-    def inbox(self) -> WorkerInbox[WorkerHandle]:
+    def inbox(self) -> WorkerInbox[WorkerHandle, WorkerToFront]:
         assert self._inbox is not None, "the workers' messages come once the pool has started"
         return self._inbox
 
-    def _handled(self, worker: WorkerHandle, items: list[Any]) -> None:
+    def _handled(self, worker: WorkerHandle, items: list[WorkerToFront]) -> None:
         if carries_reports(items):
             self.on_reports_handled(worker)
 

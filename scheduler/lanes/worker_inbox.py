@@ -19,38 +19,39 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 SLICE_S = 0.002  # the longest the loop spends on the workers' messages before serving the rest
 
 Source = TypeVar("Source")
+Item = TypeVar("Item")
 
 
-class _Message(Generic[Source]):
+class _Message(Generic[Source, Item]):
     __slots__ = ("items", "next", "source")
 
-    def __init__(self, source: Source, items: list[Any]) -> None:
+    def __init__(self, source: Source, items: list[Item]) -> None:
         self.source = source
         self.items = items
         self.next = 0  # the first item not handled yet
 
 
-class WorkerInbox(Generic[Source]):
+class WorkerInbox(Generic[Source, Item]):
     """``on_item(source, item)`` handles one item, ``on_done(source, items)`` ends a message;
     both run on ``loop``'s thread, which calls `put`. ``slice_s``: 0 handles one item a turn."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        on_item: Callable[[Source, Any], object],
-        on_done: Callable[[Source, list[Any]], object],
+        on_item: Callable[[Source, Item], object],
+        on_done: Callable[[Source, list[Item]], object],
         slice_s: float = SLICE_S,
     ) -> None:
         self._loop = loop
         self._on_item = on_item
         self._on_done = on_done
         self.slice_s = slice_s
-        self._messages: deque[_Message[Source]] = deque()
+        self._messages: deque[_Message[Source, Item]] = deque()
         self._resume: asyncio.Handle | None = None  # the next turn's slice, when one waits
         self._handling = False  # an item is being handled (what it puts waits its turn)
 
@@ -58,7 +59,7 @@ class WorkerInbox(Generic[Source]):
         """Messages not done yet."""
         return len(self._messages)
 
-    def put(self, source: Source, items: list[Any]) -> None:
+    def put(self, source: Source, items: list[Item]) -> None:
         """A message from ``source``: handled now if nothing waits ahead of it (up to the slice)."""
         self._messages.append(_Message(source, items))
         if self._resume is None and not self._handling:

@@ -14,6 +14,7 @@ from npuserve.scheduler.core.request import Request, RequestStatus
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.lanes.step_workers import RemoteLane, WorkerHandle
+from npuserve.scheduler.lanes.worker_messages import AckReports
 
 if TYPE_CHECKING:
     from npuserve.scheduler.engine.engine import Engine
@@ -72,13 +73,13 @@ class WorkerRelay:
         if engine.stream_processes is not None and engine.stream_processes.behind():
             self._held_acks.append(worker)
         else:
-            worker.send(("ack",))
+            worker.send(AckReports())
 
     def streams_caught_up(self) -> None:
         """The processes serving client streams caught up: the workers held back step again."""
         held, self._held_acks = self._held_acks, []
         for worker in held:
-            worker.send(("ack",))
+            worker.send(AckReports())
 
     def on_worker_lost(self, worker: WorkerHandle) -> None:
         """A scheduler worker died: its lanes' requests move (or wait for its restart), and it
@@ -103,11 +104,11 @@ class WorkerRelay:
         engine._workers_restarting += 1
         reason = f"scheduler worker {worker.index} died"
         # NOTE: the worker sent the tokens of streams served by API processes straight to them:
-        # those processes hold what this copy lacks (`Request.relay_to`).
-        streamed = [r for r in requests if r.relay_to is not None]
+        # those processes hold what this copy lacks (`Request.relay`).
+        streamed = [r for r in requests if r.relay is not None]
         if streamed:
             self._background.spawn(self._take_output_and_fail_over(streamed, reason))
-        held_here = [r for r in requests if r.relay_to is None]
+        held_here = [r for r in requests if r.relay is None]
         for request in held_here:
             request.reset_for_recompute()
         engine._fail_over(held_here, reason)
@@ -164,11 +165,10 @@ class WorkerRelay:
             await asyncio.to_thread(engine.step_workers.restart, worker)
             for lane in lanes:
                 if lane.executor_id not in engine.lanes:
-                    engine.add_executor(lane.executor_id, lane.executor, lane.info)
+                    engine.add_executor(lane.executor_id, lane.client, lane.info)
         except Exception:
             log.exception("scheduler worker restart failed", worker=worker.index)
         finally:
             engine._workers_restarting -= 1
-            if engine._parked and not engine.live_lanes and not engine._workers_restarting:
-                parked, engine._parked = engine._parked, []
-                engine._fail_over(parked, "no scheduler worker came back", count=False)
+            if not engine.live_lanes and not engine._workers_restarting:
+                engine._place_parked("no scheduler worker came back")

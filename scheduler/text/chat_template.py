@@ -3,8 +3,8 @@
 A template is code. Rendering here bounds what it may produce: the output is streamed and counted,
 and refused past `RenderLimits`; repeating a string or list (`"ab " * 10000000`) or raising to a
 power past those limits is refused before the value is built. Time and memory are bounded by
-running renders in worker processes (`sandbox_pool`, with `render_worker` as their setup). This module imports Jinja only, so a worker
-process stays small.
+running renders in worker processes (`sandbox_pool`, with `render_worker` as their setup). This module imports Jinja and
+`sandbox_outcomes` only, so a worker process stays small.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from npuserve.scheduler.text.sandbox_outcomes import JobAnswer, JobDone, JobRefused
 
 # Largest exponent `a ** b` may take with |a| > 1 (larger powers are CPU and memory bombs).
 MAX_POWER_EXPONENT = 4096
@@ -83,18 +85,18 @@ def render(job: ChatRender) -> str:
         _limits.reset(token)
 
 
-def render_worker() -> Callable[[ChatRender], tuple[str, ...]]:
-    """A render worker's job handler (`sandbox_pool`): ("ok", text) or ("error", message, field)."""
+def render_worker() -> Callable[[ChatRender], JobAnswer]:
+    """A render worker's job handler (`sandbox_pool`): the rendered text, or why it failed."""
     return _render_outcome
 
 
-def _render_outcome(job: ChatRender) -> tuple[str, ...]:
+def _render_outcome(job: ChatRender) -> JobAnswer:
     try:
-        return ("ok", render(job))
+        return JobDone(render(job))
     except ChatTemplateError as exc:
-        return ("error", str(exc), exc.field or "")
+        return JobRefused(str(exc), exc.field)
     except MemoryError:  # past the worker's address-space limit outside the render itself
-        return ("error", "the chat template used more memory than allowed", job.field or "")
+        return JobRefused("the chat template used more memory than allowed", job.field)
 
 
 def _collect(chunks: Any, job: ChatRender) -> str:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from npuserve.deploy.runtime.process_name import CHAT_RENDER
+from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto.channel import MAX_API_MESSAGE_BYTES
 from npuserve.scheduler.core.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.text.chat_template import ChatRender, RenderLimits, render_worker
+from npuserve.scheduler.text.sandbox_outcomes import JobDone, JobRefused, JobTimedOut, WorkerDied
 from npuserve.scheduler.text.sandbox_pool import SandboxPool
 from npuserve.scheduler.text.tokenizer import Tokenizer, TokenizerError
 
@@ -207,10 +209,16 @@ async def render_in(pool: SandboxPool, job: ChatRender) -> str:
     """The rendered text of `job`, by a worker of `pool`; TokenizerError when the template fails
     or exceeds a limit (time, memory, size)."""
     outcome = await pool.run(job)
-    if outcome[0] == "ok":
-        return str(outcome[1])
-    if outcome[0] == "timeout":
-        raise TokenizerError(f"the chat template took longer than {pool.timeout_s:g} s to render", job.field)
-    if outcome[0] == "died":
-        raise TokenizerError("the chat template ended its render process (out of memory?)", job.field)
-    raise TokenizerError(outcome[1], outcome[2] or None)
+    match outcome:
+        case JobDone(value=text):
+            return str(text)
+        case JobRefused(message=message, field=field):
+            raise TokenizerError(message, field or None)
+        case JobTimedOut():
+            raise TokenizerError(
+                f"the chat template took longer than {pool.timeout_s:g} s to render", job.field
+            )
+        case WorkerDied():
+            raise TokenizerError("the chat template ended its render process (out of memory?)", job.field)
+        case _:
+            unknown_message("a chat template render", outcome)

@@ -12,8 +12,8 @@ start). Each pool serves one kind of job; the engine keeps the model's template,
 templates and grammars in separate pools, so one cannot hold up another.
 
 A pool's `setup` is what a worker runs once it has started: a picklable callable (a module-level
-function, or a `functools.partial` of one) that returns the job handler. A handler answers
-`("ok", value)` or `("error", message, field)`; `run` gives that, `("timeout",)` or `("died",)`.
+function, or a `functools.partial` of one) that returns the job handler. A handler answers a
+`JobAnswer`; `run` gives the job's `Outcome` (`sandbox_outcomes`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ from typing import Any
 import structlog
 
 from npuserve.scheduler.lanes.background import BackgroundTasks
+from npuserve.scheduler.text.sandbox_outcomes import (
+    JobAnswer,
+    JobTimedOut,
+    Outcome,
+    WorkerDied,
+    WorkerReady,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -46,10 +53,7 @@ class SandboxUnavailable(RuntimeError):
     a job fails at once rather than waiting for a worker that may never come."""
 
 
-# What a handler answers: ("ok", value) or ("error", message, field).
-# What `run` gives: one of those, ("timeout",) or ("died",).
-Outcome = tuple[Any, ...]
-Handler = Callable[[Any], Outcome]
+Handler = Callable[[Any], JobAnswer]
 Setup = Callable[[], Handler]
 
 
@@ -61,13 +65,13 @@ def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str,
     set_process_name(role)
     handler = setup()
     _limit_address_space(memory_bytes)
-    conn.send(("ready",))
+    conn.send(WorkerReady())
     while True:
         try:
             job = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(handler(job))  # NOTE: an exception ends the worker: its job gets ("died",)
+        conn.send(handler(job))  # NOTE: an exception ends the worker: its job's outcome is WorkerDied
 
 
 def _limit_address_space(memory_bytes: int) -> None:
@@ -97,7 +101,7 @@ class _Worker:
         child.close()
         # NOTE: a job's time starts once the worker has imported and set up what it needs.
         try:
-            ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == ("ready",)
+            ready = self.conn.poll(WORKER_START_TIMEOUT_S) and isinstance(self.conn.recv(), WorkerReady)
         except (EOFError, OSError):
             ready = False
         if not ready:
@@ -108,14 +112,16 @@ class _Worker:
             )
 
     def call(self, job: object, timeout_s: float) -> Outcome:
-        """The job's outcome; ("timeout",) past `timeout_s`, ("died",) when the worker ended."""
+        """The job's outcome: the handler's answer, JobTimedOut past `timeout_s`, WorkerDied when
+        the worker ended."""
         try:
             self.conn.send(job)
             if not self.conn.poll(timeout_s):
-                return ("timeout",)
-            return self.conn.recv()
+                return JobTimedOut()
+            answer: JobAnswer = self.conn.recv()
+            return answer
         except (EOFError, OSError):
-            return ("died",)
+            return WorkerDied()
 
     def kill(self) -> None:
         if self.process.pid is not None and self.process.is_alive():
@@ -201,8 +207,9 @@ class SandboxPool:
 
     async def _call(self, worker: _Worker, job: object) -> Outcome:
         outcome = await asyncio.to_thread(worker.call, job, self.timeout_s)
-        if outcome[0] in ("timeout", "died"):
-            log.warning("a sandboxed job was stopped", role=self.role, pool=self.name, why=outcome[0])
+        if isinstance(outcome, JobTimedOut | WorkerDied):
+            why = type(outcome).__name__
+            log.warning("a sandboxed job was stopped", role=self.role, pool=self.name, why=why)
             self._workers.discard(worker)
             await asyncio.to_thread(worker.kill)
             self._background.spawn(self._add_worker())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from harness.blocking_client import BlockingClient
 from harness.cluster import Proc, processes
 from harness.serve import collect, greedy_request
 from harness.step_driver import DrivenRequest, StepDriver
@@ -23,13 +24,13 @@ from npuserve.proto import executor_pb2 as executor_pb
 from npuserve.proto import executor_pb2_grpc as executor_pb_grpc
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import SamplingOptions, StepPlan, StepResult
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 pytestmark = pytest.mark.slow  # executors and schedulers in processes of their own
 
 TOKEN = "s3cret-cluster-token"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
-CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}
+MODES = ["unary", "stream"]  # the step transports
 _step_ids = itertools.count(7_000_000, 10_000)
 
 
@@ -67,7 +68,7 @@ def cluster(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 class RemoteRunner:
     """What StepDriver needs of a runner, over one client."""
 
-    def __init__(self, client: ExecutorClient) -> None:
+    def __init__(self, client: BlockingClient) -> None:
         info = client.info()
         self.client, self.block_size, self.num_blocks = client, info.block_size, info.num_blocks
         self.base_step_id = next(_step_ids)
@@ -77,7 +78,7 @@ class RemoteRunner:
         return self.client.step(plan)
 
 
-def drive(client: ExecutorClient, tag: str) -> list[int]:
+def drive(client: BlockingClient, tag: str) -> list[int]:
     request = DrivenRequest(f"{tag}-{next(_step_ids)}", PROMPT_IDS, 8, SamplingOptions(temperature=0))
     return StepDriver(RemoteRunner(client), token_budget=16).run([request])[0].output
 
@@ -89,21 +90,21 @@ def refused(call: object) -> ExecutorError:
     return caught.value
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 def test_calls_without_the_token_are_unauthenticated(cluster: Cluster, mode: str) -> None:
     plan = StepPlan(step_id=next(_step_ids))
-    with CLIENTS[mode](cluster.plain, timeout_s=10) as client:
+    with BlockingClient(cluster.plain, timeout_s=10, stream=mode == "stream") as client:
         assert "requires the cluster token" in refused(client.info).message
         assert "requires the cluster token" in refused(lambda: client.step(plan)).message
         assert client.health(), "Health stays open for probes"
-    with CLIENTS[mode](cluster.plain, timeout_s=10, token="wrong") as client:
+    with BlockingClient(cluster.plain, timeout_s=10, token="wrong", stream=mode == "stream") as client:
         assert "does not match" in refused(client.info).message
         assert "does not match" in refused(lambda: client.step(plan)).message
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 def test_calls_with_the_token_are_served(cluster: Cluster, mode: str) -> None:
-    with CLIENTS[mode](cluster.plain, timeout_s=10, token=TOKEN) as client:
+    with BlockingClient(cluster.plain, timeout_s=10, token=TOKEN, stream=mode == "stream") as client:
         assert len(drive(client, mode)) == 8
 
 
@@ -116,11 +117,11 @@ def test_the_token_header_is_accepted_too(cluster: Cluster) -> None:
 def test_tls_client_is_served_and_plaintext_client_is_not(cluster: Cluster) -> None:
     ca = cluster.tls_ca()
     assert cluster.tls is not None
-    with ExecutorClient(cluster.tls, timeout_s=10, token=TOKEN, tls_ca=ca) as client:
+    with BlockingClient(cluster.tls, timeout_s=10, token=TOKEN, tls_ca=ca) as client:
         assert len(drive(client, "tls")) == 8
-    with ExecutorClient(cluster.tls, timeout_s=10, tls_ca=ca) as client:
+    with BlockingClient(cluster.tls, timeout_s=10, tls_ca=ca) as client:
         refused(client.info)  # TLS is no substitute for the token
-    with ExecutorClient(cluster.tls, timeout_s=10, token=TOKEN) as client:  # plaintext to a TLS port
+    with BlockingClient(cluster.tls, timeout_s=10, token=TOKEN) as client:  # plaintext to a TLS port
         with pytest.raises(ExecutorError) as caught:
             client.step(StepPlan(step_id=next(_step_ids)))
         assert caught.value.code == "UNAVAILABLE"
@@ -177,5 +178,5 @@ def test_an_executor_on_a_public_address_starts_with_a_token(cluster: Cluster, s
         public = procs.start("public", "executor", "--model", str(stories_dir), "--host", "0.0.0.0",
                              "--port", "0", "--kv-cache-memory", "0.02", "--no-warmup",
                              env={"NPUSERVE_CLUSTER_TOKEN": TOKEN})  # fmt: skip
-        with ExecutorClient(public.wait_ready()["address"], timeout_s=10, token=TOKEN) as client:
+        with BlockingClient(public.wait_ready()["address"], timeout_s=10, token=TOKEN) as client:
             assert client.info().block_size == 16

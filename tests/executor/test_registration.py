@@ -9,12 +9,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness.blocking_client import BlockingClient
 from harness.cluster import PrivateRedis, private_redis, processes, shared_registry, wait_until
 
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.proto.registry_record import registration_record
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.lanes.executor_client import ExecutorClient
 
 TTL_S = 2.0
 INFO = ExecutorInfo(
@@ -47,7 +47,7 @@ def test_registers_refreshes_and_deregisters(stories_dir: Path, tmp_path: Path) 
         assert record["version"] == ready["version"] and record["started_at"]
         assert 0 < registry.client.pttl(registry.key("exec-a")) <= TTL_S * 1000
         # The executor behind the registration answers.
-        with ExecutorClient(record["address"], timeout_s=10) as client:
+        with BlockingClient(record["address"], timeout_s=10) as client:
             assert client.info().num_blocks == record["num_blocks"]
 
         # Refreshed: the TTL goes back up, and the key outlives its first TTL.
@@ -86,7 +86,7 @@ def test_rides_out_a_redis_outage(stories_dir: Path, tmp_path: Path) -> None:
         )
         time.sleep(1.0)  # several failed heartbeats (backoff capped at TTL/3)
         assert executor.process.poll() is None, "the executor must keep running"
-        with ExecutorClient(ready["address"], timeout_s=10) as grpc_client:
+        with BlockingClient(ready["address"], timeout_s=10) as grpc_client:
             assert grpc_client.health(), "the executor keeps serving while Redis is down"
 
         redis_server.start()  # an empty Redis on the same port: the key is gone

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from harness.blocking_client import BlockingClient
 from harness.faulty_runner import FaultyRunner
 from harness.step_driver import DrivenRequest, StepDriver
 
@@ -18,12 +19,12 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.server import start_executor_server
 from npuserve.proto.step_plan import ExecutorInfo, SamplingOptions, StepPlan, StepResult
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError, StreamingExecutorClient
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 KV_CACHE_GIB = 0.01
 START_TIMEOUT_S = 60.0
-CLIENTS = {"unary": ExecutorClient, "stream": StreamingExecutorClient}
+MODES = ["unary", "stream"]  # the step transports
 
 
 @dataclass
@@ -85,7 +86,7 @@ _step_ids = itertools.count(1_000_000, 10_000)
 class RemoteRunner:
     """What StepDriver needs of a runner (`execute`, `block_size`, `num_blocks`), over gRPC."""
 
-    def __init__(self, client: ExecutorClient, info: ExecutorInfo) -> None:
+    def __init__(self, client: BlockingClient, info: ExecutorInfo) -> None:
         self.client = client
         self.block_size = info.block_size
         self.num_blocks = info.num_blocks
@@ -114,7 +115,7 @@ def expected(local_runner: ModelRunner) -> list[DrivenRequest]:
 
 @pytest.mark.slow
 def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) -> None:
-    with ExecutorClient(executor.address, timeout_s=10) as client:
+    with BlockingClient(executor.address, timeout_s=10) as client:
         info = client.info()
         assert info == local_runner.info()
         assert info.model == "stories260K" and info.block_size == 16 and info.device == "cpu"
@@ -125,12 +126,12 @@ def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) ->
     assert executor.ready["executor_id"] == client.executor_id
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.slow
 def test_greedy_generation_matches_in_process_runner(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
-    with CLIENTS[mode](executor.address, timeout_s=30) as client:
+    with BlockingClient(executor.address, timeout_s=30, stream=mode == "stream") as client:
         got = _drive(RemoteRunner(client, client.info()), mode)
     assert [r.output for r in got] == [r.output for r in expected]
     assert len(got[0].output) == 60
@@ -139,12 +140,12 @@ def test_greedy_generation_matches_in_process_runner(
     assert all(lp is not None and len(lp.top_token_ids) == 3 for lp in got[1].logprobs)
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.slow
 def test_bad_plan_is_invalid_argument_and_serving_goes_on(
     executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
 ) -> None:
-    with CLIENTS[mode](executor.address, timeout_s=30) as client:
+    with BlockingClient(executor.address, timeout_s=30, stream=mode == "stream") as client:
         remote = RemoteRunner(client, client.info())
         with pytest.raises(ExecutorError) as failure:
             remote.execute(StepPlan(step_id=0, num_scheduled_tokens={"ghost": 1}))
@@ -158,9 +159,9 @@ def test_bad_plan_is_invalid_argument_and_serving_goes_on(
 
 @pytest.mark.slow
 def test_health(executor: ExecutorProcess) -> None:
-    with ExecutorClient(executor.address, timeout_s=5) as client:
+    with BlockingClient(executor.address, timeout_s=5) as client:
         assert client.health()
-    with ExecutorClient("127.0.0.1:1", timeout_s=2) as nobody:
+    with BlockingClient("127.0.0.1:1", timeout_s=2) as nobody:
         assert not nobody.health()
         with pytest.raises(ExecutorError) as failure:
             nobody.step(StepPlan(step_id=0))
@@ -174,18 +175,18 @@ def faulty_executor(local_runner: ModelRunner) -> Iterator[str]:
     running.stop(grace_s=0)
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 def test_other_failures_are_internal(faulty_executor: str, mode: str) -> None:
-    with CLIENTS[mode](faulty_executor, timeout_s=10) as client:
+    with BlockingClient(faulty_executor, timeout_s=10, stream=mode == "stream") as client:
         with pytest.raises(ExecutorError) as failure:
             client.step(StepPlan(step_id=0))
         assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
         assert client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
 
 
-@pytest.mark.parametrize("mode", CLIENTS)
+@pytest.mark.parametrize("mode", MODES)
 def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode: str) -> None:
-    with CLIENTS[mode](faulty_executor, timeout_s=0.1) as client:
+    with BlockingClient(faulty_executor, timeout_s=0.1, stream=mode == "stream") as client:
         with pytest.raises(ExecutorError) as failure:
             client.step(StepPlan(step_id=1))
         assert failure.value.code == "DEADLINE_EXCEEDED"
@@ -196,7 +197,7 @@ def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode
 @pytest.mark.slow
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
     running = _start_executor(stories_dir, tmp_path)
-    with StreamingExecutorClient(running.address, timeout_s=10) as client:
+    with BlockingClient(running.address, timeout_s=10, stream=True) as client:
         client.info()
         client.step(StepPlan(step_id=0))  # an open stream must not hold the shutdown
         assert _stop(running) == 0, running.log()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from harness.blocking_client import BlockingClient
 from harness.step_driver import OneJoiningStep
 
 from npuserve.executor import simulated
@@ -30,7 +31,7 @@ from npuserve.proto.step_plan import (
     TokenBitmask,
     bitmask_words,
 )
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 SMALL = SimulatedConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=4)
 PROMPT = [1, 403, 407, 261, 378]
@@ -42,16 +43,16 @@ def new(req_id: str, block_ids: list[int], prompt: list[int] = PROMPT, **samplin
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[SimulatedRunner, ExecutorClient]]:
+def served() -> Iterator[tuple[SimulatedRunner, BlockingClient]]:
     runner = SimulatedRunner(SMALL)
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
-    with ExecutorClient(running.address, timeout_s=10) as client:
+    with BlockingClient(running.address, timeout_s=10) as client:
         yield runner, client
     running.stop(grace_s=0)
 
 
 def test_client_drives_chunked_prefill_decode_and_finish(
-    served: tuple[SimulatedRunner, ExecutorClient],
+    served: tuple[SimulatedRunner, BlockingClient],
 ) -> None:
     runner, client = served
     info = client.info()
@@ -99,7 +100,7 @@ def test_client_drives_chunked_prefill_decode_and_finish(
     ],
 )
 def test_refused_plans_are_invalid_argument(
-    served: tuple[SimulatedRunner, ExecutorClient], plan: StepPlan, message: str
+    served: tuple[SimulatedRunner, BlockingClient], plan: StepPlan, message: str
 ) -> None:
     runner, client = served
     with pytest.raises(ExecutorError) as failure:
@@ -344,14 +345,14 @@ def test_steps_take_the_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_plan_for_an_earlier_instance_of_the_executor_is_unavailable(
-    served: tuple[SimulatedRunner, ExecutorClient],
+    served: tuple[SimulatedRunner, BlockingClient],
 ) -> None:
     """A scheduler that handshook before the executor restarted on the same address must not
     trust the new process with its requests: UNAVAILABLE (it reconnects), the state untouched."""
     runner, client = served
     client.info()
     client.step(StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
-    with ExecutorClient(client.address, timeout_s=10) as stale:
+    with BlockingClient(client.address, timeout_s=10) as stale:
         stale.info()
         assert stale.instance_id == client.instance_id != ""
         stale.instance_id = "an-earlier-instance"
@@ -364,7 +365,7 @@ def test_a_plan_for_an_earlier_instance_of_the_executor_is_unavailable(
 def test_a_draining_executor_is_not_ready_but_steps_until_it_holds_nothing() -> None:
     running = start_executor_server(SimulatedRunner(SMALL), "127.0.0.1", 0, "sim")
     try:
-        with ExecutorClient(running.address, timeout_s=10) as client:
+        with BlockingClient(running.address, timeout_s=10) as client:
             client.info()
             client.step(
                 StepPlan(1, new_requests=[new("a", [1, 2]), new("b", [3, 4])], num_scheduled_tokens={"a": 5})
@@ -391,7 +392,7 @@ def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() 
     runner = SimulatedRunner(SMALL)
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
     try:
-        with ExecutorClient(running.address, timeout_s=10) as client:
+        with BlockingClient(running.address, timeout_s=10) as client:
             client.info()
             client.step(StepPlan(1, new_requests=[new("a", [1, 2])], num_scheduled_tokens={"a": 5}))
             assert running.servicer.num_held_requests == 1
@@ -403,7 +404,7 @@ def test_a_refused_plan_leaves_the_server_counting_only_what_the_runner_holds() 
 
 
 def test_a_step_older_than_one_of_its_scheduler_that_ran_is_refused_and_changes_nothing(
-    served: tuple[SimulatedRunner, ExecutorClient],
+    served: tuple[SimulatedRunner, BlockingClient],
 ) -> None:
     """A step stream that broke may leave steps queued on the executor after the scheduler went on
     over a new stream: a step older than one of the same scheduler (session) that ran is not

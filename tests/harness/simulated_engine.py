@@ -1,6 +1,7 @@
 """The real `Engine`, its lanes and their schedulers in this process, over `SimulatedRunner`s
-behind `LocalExecutor` (as `scheduler/server.py` builds it over gRPC clients): no model, no
-network, steps as fast as the bookkeeping allows.
+behind `InProcessClient`s (as `scheduler/server.py` builds it over gRPC clients): the lanes
+are the ones scheduler worker processes run, on the engine's event loop; no model, no network,
+steps as fast as the bookkeeping allows.
 
 A simulated runner samples a token that depends only on the request id and the position
 (`SimulatedRunner.token_for`), so the tokens a request must stream are known in advance, on
@@ -10,22 +11,20 @@ whichever executor it runs, and after any move between executors.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.engine.outputs import GenerateOutput
 from npuserve.scheduler.lanes.executor_client import ExecutorError
-from npuserve.scheduler.lanes.lane import ExecutorLane, StepExecutor
+from npuserve.scheduler.lanes.in_process_client import InProcessClient
+from npuserve.scheduler.lanes.lane import StepClient
 from npuserve.scheduler.text.prompts import PromptInput
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -42,13 +41,14 @@ SMALL = SimulatedConfig(
 )
 
 
-class ControlledExecutor(LocalExecutor):
-    """A simulated executor whose steps after the first ``pause_at`` wait for `resume` (so a
-    test can act while a request is surely mid-run), and whose steps after the first
-    ``fail_at`` fail with the gRPC status ``code``, as the executor client reports it
-    (UNAVAILABLE: the executor is gone, and from then answers no `health` check; INTERNAL: this
-    step's requests failed, while it still answers `health`; once ``answers_health`` is False,
-    a killed executor's stream that ended as INTERNAL)."""
+class ControlledExecutor(InProcessClient):
+    """An in-process executor over a simulated runner (the client is its own runner: its steps
+    pass through `execute` on the client's thread), whose steps after the first ``pause_at``
+    wait for `resume` (so a test can act while a request is surely mid-run), and whose steps
+    after the first ``fail_at`` fail with the gRPC status ``code``, as the executor client
+    reports it (UNAVAILABLE: the executor is gone, and from then answers no `health` check;
+    INTERNAL: this step's requests failed, while it still answers `health`; once
+    ``answers_health`` is False, a killed executor's stream that ended as INTERNAL)."""
 
     def __init__(
         self,
@@ -57,7 +57,6 @@ class ControlledExecutor(LocalExecutor):
         fail_at: int | None = None,
         code: str = "UNAVAILABLE",
     ) -> None:
-        super().__init__(runner)
         self.simulated = runner
         self.pause_at, self.fail_at, self.code = pause_at, fail_at, code
         self.num_steps = 0
@@ -65,11 +64,20 @@ class ControlledExecutor(LocalExecutor):
         self.resume = threading.Event()
         self.draining = False  # what its step answers say (SIGTERM: no new requests for it)
         self.answers_health = True
+        super().__init__(self)
 
-    def health(self) -> bool:
+    def info(self) -> ExecutorInfo:
+        return self.simulated.info()
+
+    async def health(self) -> bool:
         return self.answers_health
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def execute(
+        self,
+        plan: StepPlan,
+        on_first_pass: FirstPassAnswer | None = None,
+        joining: JoiningSteps | None = None,
+    ) -> StepResult:
         self.num_steps += 1
         if self.pause_at is not None and self.num_steps > self.pause_at:
             self.paused.set()
@@ -79,7 +87,7 @@ class ControlledExecutor(LocalExecutor):
             if self.code == "UNAVAILABLE":
                 self.answers_health = False
             raise ExecutorError(self.code, "injected failure")
-        result = super().step(plan)
+        result = self.simulated.execute(plan, on_first_pass, joining)
         result.draining = self.draining
         return result
 
@@ -88,7 +96,6 @@ class ControlledExecutor(LocalExecutor):
 class SimulatedEngine:
     engine: Engine
     executors: dict[str, ControlledExecutor]
-    lanes: list[ExecutorLane] = field(default_factory=list)  # every lane started, for the teardown
 
     def expected_tokens(self, req_id: str, num_prompt: int, num_new: int) -> list[int]:
         runner = next(iter(self.executors.values())).simulated
@@ -135,6 +142,7 @@ async def simulated_engine(
     max_queued_requests: int | None = None,
     stream_interval: int = 1,
     num_scheduler_steps: int = 1,
+    async_scheduling: bool = False,
 ) -> AsyncIterator[SimulatedEngine]:
     """A started engine over ``num_executors`` simulated executors ``e0, e1, ...``, each pausing
     after ``pause_at`` steps; ``failing`` maps some of them to (the number of steps they serve,
@@ -145,7 +153,7 @@ async def simulated_engine(
         name: ControlledExecutor(SimulatedRunner(config), pause_at, *failing.get(name, (None,)))
         for name in (f"e{i}" for i in range(num_executors))
     }
-    executors: list[tuple[str, StepExecutor, ExecutorInfo]] = [
+    executors: list[tuple[str, StepClient, ExecutorInfo]] = [
         (name, executor, executor.info()) for name, executor in controlled.items()
     ]
     engine_config = EngineConfig(
@@ -154,18 +162,17 @@ async def simulated_engine(
         max_queued_requests=max_queued_requests,
         stream_interval=stream_interval,
         num_scheduler_steps=num_scheduler_steps,
+        async_scheduling=async_scheduling,
     )
     engine = Engine(engine_config, tokenizer, executors)
     engine.start()
-    simulated = SimulatedEngine(engine, controlled, list(engine.lanes.values()))
+    simulated = SimulatedEngine(engine, controlled)
     try:
         yield simulated
         await engine.check_integrity(expect_idle=True)
     finally:
         simulated.resume()
-        engine.stop()
-        for lane in simulated.lanes:  # lanes the engine retired meanwhile too
-            lane.stop()
+        await engine.stop()  # NOTE: the lanes it retired too
 
 
 @dataclass
@@ -198,46 +205,3 @@ async def generate(
     """Streams one request to its end."""
     stream = engine.generate(PromptInput(token_ids=prompt_ids), params, request_id)
     return collect_outputs([output async for output in stream])
-
-
-class PipelinedExecutor:
-    """An in-process executor that takes the next step before the last one's result is read
-    (as the streaming gRPC client does): its steps run in order on a thread of their own."""
-
-    def __init__(self, executor: LocalExecutor) -> None:
-        self.executor = executor
-        self._steps: queue.SimpleQueue[tuple[StepPlan, Future[StepResult]]] = queue.SimpleQueue()
-        self.max_queued = 0  # most steps sent and not yet run at once
-        self._queued = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="pipelined-executor", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            plan, future = self._steps.get()
-            try:
-                future.set_result(self.executor.step(plan))
-            except Exception as exc:
-                future.set_exception(exc)
-            with self._lock:
-                self._queued -= 1
-
-    def submit(self, plan: StepPlan) -> Future[StepResult]:
-        future: Future[StepResult] = Future()
-        with self._lock:
-            self._queued += 1
-            self.max_queued = max(self.max_queued, self._queued)
-        self._steps.put((plan, future))
-        return future
-
-    def info(self) -> ExecutorInfo:
-        return self.executor.info()
-
-    def step(self, plan: StepPlan) -> StepResult:
-        return self.submit(plan).result()
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -36,14 +38,25 @@ from harness.serve import (
 )
 
 from npuserve.deploy.runtime.process_name import API_SERVER, CHAT_RENDER, STEP_WORKER, process_name
+from npuserve.deploy.runtime.unknown_message import UnknownMessage
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.channel import CONNECTION_INDEX_OPTION
-from npuserve.scheduler.api.api_process import RelayedStatus
-from npuserve.scheduler.api.api_relay import MAX_UNACKED_ITEMS, CallContext, Relay
+from npuserve.scheduler.api.api_messages import (
+    ApiToCore,
+    CoreToApi,
+    EndStream,
+    PackedUpdate,
+    RelayedStatus,
+    RelayedUpdates,
+    StreamUpdates,
+)
+from npuserve.scheduler.api.api_process import CoreLink
+from npuserve.scheduler.api.api_relay import MAX_UNACKED_ITEMS, ApiProcessHandle, CallContext, Relay
 from npuserve.scheduler.api.api_status import field_of, relayed, status_of
 from npuserve.scheduler.core.request import InvalidRequestError
 from npuserve.scheduler.engine.engine_config import QueueFullError
+from npuserve.scheduler.engine.outputs import SequenceUpdate
 from npuserve.scheduler.lanes.pipe_link import PipeLink
 
 NUM_STREAMS = 32
@@ -76,21 +89,40 @@ def test_a_forwarded_calls_abort_becomes_a_status() -> None:
     assert asyncio.run(abort()) == RelayedStatus("NOT_FOUND", "no such model", (("k", b"v"),))
 
 
+def update(handle: int, token: int) -> PackedUpdate:
+    return (handle, 0, [token], [None], None, None, None, 1, -1)
+
+
 def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -> None:
+    """A run of the core's own updates goes as one `StreamUpdates`; a worker's pack, and an end,
+    as they are, in the order they were put. Every item counts until acknowledged."""
     core_end, api_end = multiprocessing.Pipe()
+    end = SequenceUpdate(0, [], [], "abort", None, None, 1, -1)
+    pack = [update(9, 5)]
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        pipe = PipeLink(core_end, lambda batch: None, lambda: None, loop)
+        pipe: PipeLink[CoreToApi, ApiToCore] = PipeLink(core_end, lambda batch: None, lambda: None, loop)
         pipe.start()
         relay = Relay(pipe, loop)
-        for i in range(MAX_UNACKED_ITEMS):
-            relay.put(("add", i))
+        half = MAX_UNACKED_ITEMS // 2
+        for i in range(half):
+            relay.put_update(update(i, i))
+        relay.put_pack((len(pack), pickle.dumps(pack)))
+        relay.put(EndStream(3, end))
+        for i in range(half, MAX_UNACKED_ITEMS - 2):
+            relay.put_update(update(i, i))
         assert not api_end.poll(0.2) and not relay.behind  # sent at the end of the loop's turn
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         received = await asyncio.to_thread(api_end.recv)  # one message, however many items
-        assert received == [("add", i) for i in range(MAX_UNACKED_ITEMS)] and relay.behind
+        assert received == [
+            StreamUpdates([update(i, i) for i in range(half)]),
+            RelayedUpdates(pickle.dumps(pack)),
+            EndStream(3, end),
+            StreamUpdates([update(i, i) for i in range(half, MAX_UNACKED_ITEMS - 2)]),
+        ]
+        assert relay.behind
         relay.acked(1)
         assert not relay.behind
         pipe.close()
@@ -99,6 +131,30 @@ def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -
         asyncio.run(scenario())
     finally:
         api_end.close()
+
+
+def test_a_message_of_no_class_a_side_handles_is_refused_by_name() -> None:
+    """The core and an API process each match what they receive against their family of
+    messages (`api_messages`): anything else (a tuple, as the messages once were) raises,
+    naming it."""
+    ours, theirs = multiprocessing.Pipe()
+    loop = asyncio.new_event_loop()
+    try:
+        link = CoreLink(ours, loop)
+        with pytest.raises(
+            UnknownMessage, match=r"an API server process has no handler for tuple: \('drain',\)"
+        ):
+            link._apply([("drain",)])  # type: ignore[list-item]
+        handle = ApiProcessHandle(0, SimpleNamespace(engine=None))  # type: ignore[arg-type]
+        handle.pipe = link.pipe  # type: ignore[assignment]
+        with pytest.raises(
+            UnknownMessage, match=r"the scheduler core has no handler for tuple: \('ready', 1\)"
+        ):
+            handle._apply(link.pipe, [("ready", 1)])  # type: ignore[arg-type, list-item]
+    finally:
+        loop.close()
+        ours.close()
+        theirs.close()
 
 
 # -- the scheduler over API processes -----------------------------------------------------------

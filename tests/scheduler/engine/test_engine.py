@@ -10,11 +10,11 @@ import pytest
 from harness.serve import metric_total
 from harness.simulated_engine import SMALL, SimulatedEngine, generate, simulated_engine
 
-from npuserve.executor.local import LocalExecutor
 from npuserve.executor.simulated import LatencyModel, SimulatedRunner
 from npuserve.scheduler.core.request import InvalidRequestError, SamplingParams
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS, MAX_SCHEDULER_STEPS
 from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
+from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.text.prompts import ModelNotFoundError, PromptInput
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -23,17 +23,24 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 7) % 500 + 3 for i in range(n)]
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4, AUTO_SCHEDULER_STEPS])
+@pytest.mark.parametrize(
+    ("num_scheduler_steps", "async_scheduling"),
+    [(1, False), (4, False), (AUTO_SCHEDULER_STEPS, False), (1, True), (4, True)],
+)
 def test_concurrent_requests_stream_their_tokens_to_completion(
-    tokenizer: Tokenizer, num_scheduler_steps: int
+    tokenizer: Tokenizer, num_scheduler_steps: int, async_scheduling: bool
 ) -> None:
     """Six requests over two executors: each streams exactly its tokens, in order, then "length"
     with its usage; the prompt comes with the first output; both executors take work. With
-    `--num-scheduler-steps 4` the same tokens come, several a step, and with `auto` too."""
+    `--num-scheduler-steps 4` the same tokens come, several a step, and with `auto` too; and so
+    they do with async scheduling (each step sent while the one before runs)."""
 
     async def scenario() -> None:
         async with simulated_engine(
-            tokenizer, num_executors=2, num_scheduler_steps=num_scheduler_steps
+            tokenizer,
+            num_executors=2,
+            num_scheduler_steps=num_scheduler_steps,
+            async_scheduling=async_scheduling,
         ) as sim:
             lengths = [(5 + 3 * i, 4 + i) for i in range(6)]
             results = await asyncio.gather(
@@ -125,7 +132,7 @@ def test_abort_frees_the_blocks_at_once(tokenizer: Tokenizer) -> None:
             stream = engine.generate(PromptInput(token_ids=prompt_of(30)), SamplingParams(max_tokens=90), "a")
             first = await anext(stream)
             assert first.completions[0].token_ids and not first.finished
-            await sim.wait_paused()  # in its third step: the lane thread is still
+            await sim.wait_paused()  # in its third step: the lane waits on it
             pool = engine.lanes["e0"].scheduler.kv.pool
             assert pool.num_free_blocks == SMALL.num_blocks - 1 - 8  # 30 prompt + 2 output tokens
             assert engine.abort("a") and not engine.abort("nobody")
@@ -363,7 +370,7 @@ def test_an_executor_that_does_not_match_is_refused(tokenizer: Tokenizer) -> Non
             ):
                 runner = SimulatedRunner(dataclasses.replace(SMALL, **change))  # type: ignore[arg-type]
                 with pytest.raises(ValueError, match=words):
-                    sim.engine.add_executor("odd", LocalExecutor(runner), runner.info())
+                    sim.engine.add_executor("odd", InProcessClient(runner), runner.info())
             assert list(sim.engine.lanes) == ["e0"]
 
     asyncio.run(scenario())

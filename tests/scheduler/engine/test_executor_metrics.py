@@ -85,7 +85,6 @@ def test_per_executor_series_follow_the_lanes(tokenizer: Tokenizer) -> None:
             # that the requests they take stay running.
             sim.executors["e0"] = ControlledExecutor(SimulatedRunner(SMALL), pause_at=0)
             engine.add_executor("e0", sim.executors["e0"], sim.executors["e0"].info())
-            sim.lanes.append(engine.lanes["e0"])
             sim.executors["e1"].pause_at = sim.executors["e1"].num_steps
             held = [
                 engine.generate(PromptInput(token_ids=shared + prompt(3, 10 + i)), params) for i in range(3)
@@ -200,7 +199,6 @@ def test_an_executor_replaced_mid_step_stays_served_and_counts_one_restart(token
             replacement = ControlledExecutor(SimulatedRunner(SMALL))
             engine.add_executor(holder, replacement, replacement.info())  # the old lane is taken down
             new_lane = engine.lanes[holder]
-            sim.lanes.append(new_lane)
             sim.resume()
             result = await running
             assert result.tokens[0] == sim.expected_tokens("r", 9, 12)

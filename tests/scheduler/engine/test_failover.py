@@ -58,18 +58,24 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("api_server_count", "stream_interval", "client_call", "num_scheduler_steps"),
-    [(1, 1, "generate", 1), (2, 4, "generate-many", 4)],
+    ("api_server_count", "stream_interval", "client_call", "num_scheduler_steps", "scheduler_workers"),
+    [(1, 1, "generate", 1, None), (2, 4, "generate-many", 4, None), (1, 1, "generate", 4, 0)],
 )
 def test_sigkill_one_executor_mid_run(
-    stories_dir: Path, api_server_count: int, stream_interval: int, client_call: str, num_scheduler_steps: int
+    stories_dir: Path,
+    api_server_count: int,
+    stream_interval: int,
+    client_call: str,
+    num_scheduler_steps: int,
+    scheduler_workers: int | None,
 ) -> None:
     """With API server processes the front's copies lack the tokens its worker sent straight
     to them: a moved request takes its output from the worker first. With `--stream-interval`
     the worker also holds some back: they reach the client before the request moves. The
     streams go as Generate calls (one API process, the defaults), or over one GenerateMany call
     (as the gateway sends them) with `--stream-interval 4` and `--num-scheduler-steps 4`: the dead
-    executor may have been several passes into a step."""
+    executor may have been several passes into a step. With `--scheduler-workers 0` the front
+    runs the lanes on its own event loop, and they fail over alike."""
     model = str(stories_dir)
     requests = [greedy_request(p, NUM_NEW) for p in prompts()]
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(NUM_CONSTRAINED)]
@@ -96,6 +102,8 @@ def test_sigkill_one_executor_mid_run(
             "--num-scheduler-steps",
             str(num_scheduler_steps),
         )
+        if scheduler_workers is not None:
+            scheduler_flags += ("--scheduler-workers", str(scheduler_workers))
         with npuserve_process("scheduler", *scheduler_flags, "--api-server-count", str(api_server_count)) as (
             scheduler,
             scheduler_ready,

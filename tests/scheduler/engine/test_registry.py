@@ -217,17 +217,17 @@ class FakeClient:
     """What `handshake` needs of an executor client."""
 
     def __init__(self, address: str) -> None:
-        self.address, self.timeout_s, self.closed = address, 10.0, False
+        self.address, self.closed = address, False
         self.executor_id = address.split("/", 1)[0]  # "<executor id>/<instance>"
 
-    def info(self) -> ExecutorInfo:
+    async def info(self, timeout_s: float | None = None) -> ExecutorInfo:
         return ExecutorInfo(
             model="m", architecture="LlamaForCausalLM", block_size=16, num_blocks=64, max_model_len=512,
             max_num_seqs=8, max_num_batched_tokens=512, vocab_size=512, eos_token_ids=[2], dtype="float32",
             device="cpu",
         )  # fmt: skip
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.closed = True
 
 

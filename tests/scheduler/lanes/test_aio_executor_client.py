@@ -1,5 +1,5 @@
-"""`AioExecutorClient` against a real executor server over real gRPC: steps over either
-transport, a refused step and a late one leave the client usable, pipelined steps come back in
+"""`AioExecutorClient` against a real executor server over real gRPC: the handshake, steps over
+either transport, a refused step and a late one leave the client usable, pipelined steps come back in
 order (whether the executor runs them as a pipeline or one at a time), a step sent after a
 refused one fails with an executor error (not a cancellation), and a multi-step plan's admitted
 requests are answered before its result when asked."""
@@ -16,7 +16,7 @@ from npuserve.executor.server import start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import ExecutorInfo, NewRequest, SamplingOptions, StepPlan, StepResult
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.executor_client import ExecutorClient, ExecutorError
+from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 INFO = ExecutorInfo(
     model="m", architecture="LlamaForCausalLM", block_size=4, num_blocks=16, max_model_len=64,
@@ -31,10 +31,7 @@ def executor(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     executor process's) or not (as the simulated fleet's)."""
     pipelined = request.param == "pipelined"
     running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty", pipelined_streams=pipelined)
-    with ExecutorClient(running.address, timeout_s=10) as handshake:
-        handshake.info()
-        instance_id = handshake.instance_id
-    yield running.address, instance_id
+    yield running.address, running.servicer.instance_id
     running.stop(grace_s=0)
 
 
@@ -87,6 +84,27 @@ def test_pipelined_steps_come_back_in_order_and_a_refusal_fails_those_after_it(
         with pytest.raises(ExecutorError):
             await after.result()
         await client.close()
+
+    asyncio.run(run())
+
+
+def test_the_handshake_names_the_executor_and_the_process_its_steps_go_to(executor: tuple[str, str]) -> None:
+    """`info` answers the executor's capacity and names it; from then on the client's steps and
+    health checks are those of the process that answered. A handshake that waits past its
+    timeout for an executor that is not there fails UNAVAILABLE or DEADLINE_EXCEEDED."""
+
+    async def run() -> None:
+        address, instance_id = executor
+        client = AioExecutorClient(address, "", True, 10)
+        assert await client.info() == INFO
+        assert (client.executor_id, client.instance_id) == ("faulty", instance_id) and client.version
+        assert await client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
+        await client.close()
+        nobody = AioExecutorClient("127.0.0.1:1", "", True, 10)
+        with pytest.raises(ExecutorError) as failure:
+            await nobody.info(timeout_s=0.2)
+        assert failure.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        await nobody.close()
 
     asyncio.run(run())
 
@@ -148,10 +166,8 @@ def test_the_requests_a_multi_step_plan_admits_are_answered_before_its_result(mo
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
 
     async def run() -> None:
-        with ExecutorClient(running.address, timeout_s=10) as handshake:
-            handshake.info()
-            instance_id = handshake.instance_id
-        client = AioExecutorClient(running.address, instance_id, mode == "stream", 10)
+        client = AioExecutorClient(running.address, "", mode == "stream", 10)
+        await client.info()
         assert client.answers_early == (mode == "stream")
         admit_a, both = _two_request_plans(0)
         await client.step(admit_a)

@@ -1,8 +1,14 @@
-"""`AsyncExecutorLane`, the lane a scheduler worker runs on its event loop: commands reach the
-scheduler between steps (a call answers through its future), and an executor that cannot be
-reached takes the lane down with every request handed back (evacuated) for another executor, and
-a request admitted beside running ones (multi-step) is answered before its step lands.
-Its steps over a live executor are the scenarios' (`test_step_workers`, `test_failover`)."""
+"""`AsyncExecutorLane`, every executor's step loop (a scheduler worker's, and the engine's own).
+
+Over a simulated executor in this process (`InProcessClient`): requests run to completion,
+`finish` frees blocks at once, `call` runs between steps and returns or raises, a step that
+fails runs its requests again once and then ends them, an executor that is gone (or answers no
+health check) hands every request back, and async scheduling pipelines steps without changing a
+token. Over a real executor server (gRPC): an executor that cannot be reached takes the lane
+down with every request handed back (evacuated) for another executor, a request admitted beside
+running ones (multi-step) is answered before its step lands, steps join running ones, and
+`--num-scheduler-steps auto` follows the executor's waits. Its steps in whole deployments are
+the scenarios' (`test_step_workers`, `test_failover`)."""
 
 from __future__ import annotations
 
@@ -12,17 +18,18 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from harness.simulated_engine import SMALL, ControlledExecutor
 
 from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
-from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS, PassController
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
-from npuserve.scheduler.lanes.executor_client import ExecutorClient
-from npuserve.scheduler.lanes.lane import ExecutorLane, LaneEvent
+from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.in_process_client import InProcessClient
+from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep
 from npuserve.scheduler.lanes.step_frames import lane_load
 
 
@@ -33,6 +40,309 @@ def _request(req_id: str) -> Request:
 
 async def _room() -> bool:
     return True
+
+
+# -- over an executor in this process ------------------------------------------------------------
+
+EOS = SMALL.eos_token_ids
+
+
+def _small_request(req_id: str, num_prompt: int, max_tokens: int) -> Request:
+    """A request sized for `SMALL`'s pool of 64 blocks of 4."""
+    params = SamplingParams(max_tokens=max_tokens)
+    prompt = [3 + (i * 7) % 500 for i in range(num_prompt)]
+    return Request(req_id, prompt, params, params.to_options(EOS), EOS, SMALL.max_model_len, SMALL.block_size)
+
+
+class _Awaited:
+    """A lane's `on_event`: keeps every event; `until` waits for one that satisfies a test."""
+
+    def __init__(self) -> None:
+        self.seen: list[LaneEvent] = []
+        self._came = asyncio.Event()
+
+    def __call__(self, lane: AsyncExecutorLane, event: LaneEvent) -> None:
+        self.seen.append(event)
+        self._came.set()
+
+    async def until(self, done: Callable[[LaneEvent], bool]) -> LaneEvent:
+        """The first event since the last `until` that satisfies ``done``, within 10 s (a bound)."""
+        while True:
+            while self.seen:
+                event = self.seen.pop(0)
+                if done(event):
+                    return event
+            self._came.clear()
+            await asyncio.wait_for(self._came.wait(), 10)
+
+
+def _in_process_lane(
+    client: InProcessClient, on_event: _Awaited, async_scheduling: bool = False, **config: Any
+) -> AsyncExecutorLane:
+    """A started lane over ``client`` (its executor's capacity, and ``config`` on top)."""
+    info = client.runner.info()
+    scheduler_config = SchedulerConfig.for_executor(info, **config)
+    lane = AsyncExecutorLane(
+        "x", client, Scheduler(scheduler_config), on_event, async_scheduling, always_room
+    )
+    lane.start()
+    return lane
+
+
+async def _close_idle(lane: AsyncExecutorLane) -> None:
+    """The lane's pool is whole and idle (checked between its steps), and it closes."""
+    await asyncio.wrap_future(lane.call(lambda s: s.check_integrity(expect_idle=True)))
+    await lane.aclose(5)
+
+
+def test_requests_run_to_completion_with_their_tokens() -> None:
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL))
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 9, 5), _small_request("b", 3, 2)])
+        finished: dict[str, RequestStatus] = {}
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        while len(finished) < 2:
+            event = await events.until(lambda e: True)
+            assert event.stats is not None and not event.ended and not event.evacuated
+            for update in event.updates:
+                tokens[update.request.req_id] += update.new_token_ids
+                if update.finished is not None:
+                    finished[update.request.req_id] = update.finished
+        runner = executor.simulated
+        assert tokens == {
+            "a": [runner.token_for("a", 9 + i) for i in range(5)],
+            "b": [runner.token_for("b", 3 + i) for i in range(2)],
+        }
+        assert finished == {"a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_LENGTH}
+        assert lane.num_steps >= 5 and lane.alive and lane.load == 0  # then a plan with the drops
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
+def test_call_runs_between_steps_and_returns_or_raises() -> None:
+    async def run() -> None:
+        lane = _in_process_lane(ControlledExecutor(SimulatedRunner(SMALL)), _Awaited())
+        assert (
+            await asyncio.wrap_future(lane.call(lambda s: s.kv.pool.num_free_blocks)) == SMALL.num_blocks - 1
+        )
+
+        def broken(_: Scheduler) -> None:
+            raise KeyError("nope")
+
+        with pytest.raises(KeyError):
+            await asyncio.wrap_future(lane.call(broken))
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
+def test_finish_frees_a_running_requests_blocks_at_once() -> None:
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), pause_at=2)
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 20, 50)])
+        assert await asyncio.to_thread(executor.paused.wait, 10)  # in its third step
+        assert lane.scheduler.kv.pool.num_free_blocks == SMALL.num_blocks - 1 - 6  # 22 tokens
+        lane.finish(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
+        executor.resume.set()
+        (ended,) = (await events.until(lambda e: bool(e.ended))).ended
+        assert (ended.req_id, ended.status, ended.num_output_tokens) == (
+            "a",
+            RequestStatus.FINISHED_ABORTED,
+            3,
+        )
+        free = await asyncio.wrap_future(lane.call(lambda s: s.kv.pool.num_free_blocks))
+        assert free == SMALL.num_blocks - 1
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
+def test_a_step_that_fails_again_ends_its_requests_with_an_error() -> None:
+    """Every step after the first fails: the requests run again once, then end with the error."""
+
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), fail_at=1, code="INTERNAL")
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 6, 10), _small_request("b", 6, 10)])
+        event = await events.until(lambda e: bool(e.ended))
+        assert sorted(r.req_id for r in event.ended) == ["a", "b"] and event.failed_step
+        assert all(r.status == RequestStatus.FINISHED_ERROR and r.num_step_retries == 1 for r in event.ended)
+        assert executor.num_steps >= 3  # the first, the failed one, and the one they ran again in
+        assert event.error == "executor x failed: INTERNAL: injected failure"
+        assert lane.alive  # one failed step does not take the executor out
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
+def test_a_failed_step_is_no_interval_of_the_executors_busy_time() -> None:
+    """Under `--num-scheduler-steps auto` the lane measures the executor's busy share between
+    steps that land back to back. A step that fails (here after hanging 1 s) tells nothing of
+    it, so the step after it does not follow a landing: no interval across the failure is
+    measured as the executor waiting."""
+    spans: list[float] = []
+
+    class Watched(PassController):
+        """The controller the lane starts with, whose intervals this test sees."""
+
+        def observe(self, busy_s: float, span_s: float, now: float) -> int:
+            spans.append(span_s)
+            return super().observe(busy_s, span_s, now)
+
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), pause_at=1, fail_at=1, code="INTERNAL")
+        events = _Awaited()
+        lane = _in_process_lane(executor, events, num_scheduler_steps=AUTO_SCHEDULER_STEPS)
+        assert lane.pacing.controller is not None
+        lane.pacing.controller = Watched()
+        lane.submit([_small_request("a", 6, 10)])
+        assert await asyncio.to_thread(executor.paused.wait, 10)  # its second step hangs
+        await asyncio.sleep(1.0)
+        executor.resume.set()
+        await events.until(lambda e: bool(e.ended))  # ... and fails
+        executor.fail_at = None
+        lane.submit([_small_request("b", 6, 10)])
+        await events.until(lambda e: any(u.finished for u in e.updates))
+        # b's steps, back to back (sub-millisecond here), and none across the hang
+        assert spans and max(spans) < 1.0, spans
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_executor_hands_every_request_back() -> None:
+    """The requests come back reset to recompute, with the tokens they have; requests submitted
+    afterwards come straight back too."""
+
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), fail_at=2, code="UNAVAILABLE")
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 6, 10), _small_request("b", 10, 10)])
+        event = await events.until(lambda e: e.lane_down)
+        assert sorted(r.req_id for r in event.evacuated) == ["a", "b"]
+        for request in event.evacuated:
+            assert request.status == RequestStatus.WAITING
+            assert request.num_computed_tokens == 0 and request.num_output_tokens == 2
+        assert not lane.alive and event.error == lane.down_reason
+        assert lane.down_reason is not None and "executor x is unreachable" in lane.down_reason
+        lane.submit([_small_request("late", 4, 2)])
+        late = await events.until(lambda e: True)
+        assert [r.req_id for r in late.evacuated] == ["late"] and not late.lane_down
+        await lane.aclose(5)
+
+    asyncio.run(run())
+
+
+def test_a_failed_step_of_an_executor_that_answers_no_health_check_takes_the_lane_down() -> None:
+    """A killed executor's step stream can end as INTERNAL (gRPC's client reports a write after
+    the connection broke so): not the executor failing the step's requests, since it no longer
+    answers. Its requests are handed back with their tokens, none ends in an error."""
+
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), fail_at=2, code="INTERNAL")
+        executor.answers_health = False
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 6, 10), _small_request("b", 10, 10)])
+        event = await events.until(lambda e: e.lane_down or bool(e.ended))
+        assert event.lane_down and not event.ended
+        assert sorted(r.req_id for r in event.evacuated) == ["a", "b"]
+        assert all(r.num_output_tokens == 2 for r in event.evacuated)
+        assert lane.down_reason is not None and "answers no health check" in lane.down_reason
+        await lane.aclose(5)
+
+    asyncio.run(run())
+
+
+def test_take_down_hands_every_request_back() -> None:
+    async def run() -> None:
+        executor = ControlledExecutor(SimulatedRunner(SMALL), pause_at=1)
+        events = _Awaited()
+        lane = _in_process_lane(executor, events)
+        lane.submit([_small_request("a", 6, 10)])
+        assert await asyncio.to_thread(executor.paused.wait, 10)
+        lane.take_down("its registration expired")
+        executor.resume.set()
+        event = await events.until(lambda e: e.lane_down)
+        assert [r.req_id for r in event.evacuated] == ["a"]
+        assert (event.error, lane.alive) == ("its registration expired", False)
+        await lane.aclose(5)
+
+    asyncio.run(run())
+
+
+class _CountsUnread(InProcessClient):
+    """Counts the steps sent whose answer has not been read: two at once when the lane sends the
+    next step before it reads the last one's result."""
+
+    def __init__(self, runner: SimulatedRunner) -> None:
+        super().__init__(runner)
+        self.unread = 0
+        self.most_unread = 0
+
+    async def submit(self, plan: StepPlan, early_results: bool = False) -> PendingStep:
+        pending = await super().submit(plan, early_results)
+        self.unread += 1
+        self.most_unread = max(self.most_unread, self.unread)
+        return _Counted(self, pending)
+
+
+class _Counted:
+    def __init__(self, client: _CountsUnread, pending: PendingStep) -> None:
+        self.client, self.pending = client, pending
+
+    async def result(self) -> StepResult:
+        try:
+            return await self.pending.result()
+        finally:
+            self.client.unread -= 1
+
+
+async def _run_to_completion(
+    client: InProcessClient, requests: list[Request], async_scheduling: bool
+) -> dict[str, list[int]]:
+    """Every request's tokens, run on one lane (which had to preempt); the pool is intact and
+    idle afterwards."""
+    events = _Awaited()
+    lane = _in_process_lane(client, events, async_scheduling)
+    tokens: dict[str, list[int]] = {r.req_id: [] for r in requests}
+    finished: set[str] = set()
+    lane.submit(requests)
+    while len(finished) < len(requests):
+        event = await events.until(lambda e: True)
+        assert not event.ended and not event.evacuated
+        for update in event.updates:
+            tokens[update.request.req_id] += update.new_token_ids
+            if update.finished is not None:
+                finished.add(update.request.req_id)
+    assert await asyncio.wrap_future(lane.call(lambda s: s.total_preemptions)) > 0
+    await _close_idle(lane)
+    return tokens
+
+
+def test_async_scheduling_pipelines_steps_and_gives_the_same_tokens_under_preemption() -> None:
+    # 12 requests of 9 + 20 tokens need 96 blocks of 4 at the end: 64 force preemptions.
+    def requests() -> list[Request]:
+        return [_small_request(f"r{i}", 9 + i % 3, 20) for i in range(12)]
+
+    async def run() -> None:
+        one_at_a_time = await _run_to_completion(InProcessClient(SimulatedRunner(SMALL)), requests(), False)
+        pipelined = _CountsUnread(SimulatedRunner(SMALL))
+        assert await _run_to_completion(pipelined, requests(), True) == one_at_a_time
+        assert pipelined.most_unread == 2, "the next step was sent before the last one's result was read"
+        assert all(len(t) == 20 or t[-1] in EOS for t in one_at_a_time.values())
+
+    asyncio.run(run())
+
+
+# -- over an executor server ---------------------------------------------------------------------
 
 
 class _PacedRunner(SimulatedRunner):
@@ -50,12 +360,13 @@ def _paced_executor(pass_s: float, num_blocks: int) -> tuple[SimulatedRunner, Ru
     return runner, start_executor_server(runner, "127.0.0.1", 0, "sim")
 
 
-def _stream_client(address: str, kind: type[AioExecutorClient] = AioExecutorClient) -> AioExecutorClient:
+async def _stream_client(
+    address: str, kind: type[AioExecutorClient] = AioExecutorClient
+) -> AioExecutorClient:
     """A step-stream client of the executor at ``address``, after the front's handshake."""
-    with ExecutorClient(address, timeout_s=10) as handshake:
-        handshake.info()
-        instance_id = handshake.instance_id
-    return kind(address, instance_id, True, 10)
+    client = kind(address, "", True, 10)
+    await client.info()
+    return client
 
 
 class _Events:
@@ -66,7 +377,7 @@ class _Events:
         self.woken = asyncio.Event()
         self.wakes = wakes
 
-    def __call__(self, lane: ExecutorLane, event: LaneEvent) -> None:
+    def __call__(self, lane: AsyncExecutorLane, event: LaneEvent) -> None:
         self.seen.append(event)
         if self.wakes(event):
             self.woken.set()
@@ -110,7 +421,7 @@ async def _start_and_learn_the_pace(
     config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
     lane = AsyncExecutorLane(
         "e0",
-        _stream_client(address, client),
+        await _stream_client(address, client),
         Scheduler(config),
         on_event,
         True,
@@ -124,7 +435,7 @@ async def _start_and_learn_the_pace(
     for _ in range(3):
         on_event.woken.clear()
         await asyncio.wait_for(on_event.woken.wait(), 10)
-    assert lane.pass_seconds > 0
+    assert lane.pacing.pass_seconds > 0
     await asyncio.sleep(0.05)
     return lane, a
 
@@ -199,7 +510,7 @@ def test_a_failed_step_runs_its_requests_again_once_while_the_executor_answers_h
         on_event = _Events(
             lambda event: bool(event.ended or event.lane_down) or all(r.status.is_finished for r in requests)
         )
-        client = _stream_client(running.address)
+        client = await _stream_client(running.address)
         lane = AsyncExecutorLane(
             "e0", client, Scheduler(SchedulerConfig(num_blocks=16, block_size=4)), on_event, True, _room
         )
@@ -249,7 +560,7 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
                 await asyncio.wait_for(woken.wait(), 10)
             raise AssertionError("the lane did not get there")
 
-        client = _stream_client(running.address)
+        client = await _stream_client(running.address)
         config = SchedulerConfig(num_blocks=16, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
         scheduler = Scheduler(config)
         lane = AsyncExecutorLane("e0", client, scheduler, on_event, False, _room)
@@ -453,7 +764,7 @@ def _run_auto_passes(
             await asyncio.sleep(room_wait_s)
             return True
 
-        client = _stream_client(running.address)
+        client = await _stream_client(running.address)
         config = SchedulerConfig.for_executor(
             runner.info(), num_scheduler_steps=AUTO_SCHEDULER_STEPS, early_first_tokens=True
         )
@@ -553,10 +864,7 @@ def test_a_step_being_sent_when_the_one_before_it_fails_fails_with_it() -> None:
         for request in requests:
             request.params.max_tokens = 24
         on_event = _Events(lambda event: all(r.status.is_finished for r in requests))
-        with ExecutorClient(running.address, timeout_s=10) as handshake:
-            handshake.info()
-            instance_id = handshake.instance_id
-        client = _HeldClient(running.address, instance_id, True, 10)
+        client = await _stream_client(running.address, _HeldClient)
         client.hold_at = 6  # the step sent while the 5th runs
         config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
         lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room)

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from npuserve.scheduler.lanes.pipe_link import FrameReader, PipeLink, frame_header
+from npuserve.scheduler.lanes.worker_messages import ExitWorker, FrontToWorker, WorkerToFront
 
 
 def test_frames_are_cut_as_connection_writes_them_whatever_the_chunks() -> None:
@@ -107,9 +108,9 @@ def test_a_link_whose_loop_is_over_still_sends_at_close() -> None:
     """An engine stopped after its loop ended (a shutdown path) still tells its workers to exit."""
     ours, theirs = multiprocessing.Pipe()
     loop = asyncio.new_event_loop()
-    link = PipeLink(ours, lambda batch: None, lambda: None, loop)
+    link: PipeLink[FrontToWorker, WorkerToFront] = PipeLink(ours, lambda batch: None, lambda: None, loop)
     loop.run_until_complete(asyncio.sleep(0))
     loop.close()
-    link.send(("exit",))
+    link.send(ExitWorker())
     link.close()
-    assert theirs.recv() == [("exit",)]
+    assert theirs.recv() == [ExitWorker()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 from npuserve.scheduler.lanes.step_frames import LaneLoad, LaneReport, carries_reports
+from npuserve.scheduler.lanes.worker_messages import CallRaised, CallReturned, WorkerStarted
 
 
 def test_a_report_crosses_the_pipe_unchanged() -> None:
@@ -26,6 +27,6 @@ def test_a_report_crosses_the_pipe_unchanged() -> None:
 
 def test_only_messages_with_reports_wait_for_an_acknowledgement() -> None:
     """The worker counts, and the front acknowledges, the same messages."""
-    assert carries_reports([("reply", 1, True, None), LaneReport("lane-1")])
-    assert not carries_reports([("started",)])
-    assert not carries_reports([("reply", 1, True, None), ("reply", 2, False, "error")])
+    assert carries_reports([CallReturned(1, None), LaneReport("lane-1")])
+    assert not carries_reports([WorkerStarted()])
+    assert not carries_reports([CallReturned(1, None), CallRaised(2, "error", assertion=False)])

@@ -29,16 +29,22 @@ from harness.serve import (
 )
 
 from npuserve.deploy.runtime.process_name import STEP_WORKER
+from npuserve.deploy.runtime.unknown_message import UnknownMessage
+from npuserve.executor.simulated import SimulatedRunner
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_pool import BlockPool
-from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
+from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
+from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
 from npuserve.scheduler.lanes.executor_client import ClientSpec
-from npuserve.scheduler.lanes.lane import ExecutorLane, LaneEvent
-from npuserve.scheduler.lanes.step_frames import LaneReport, apply_report, make_report
+from npuserve.scheduler.lanes.in_process_client import InProcessClient
+from npuserve.scheduler.lanes.lane import LaneEvent
+from npuserve.scheduler.lanes.step_frames import LaneReport, RelayProgress, apply_report, make_report
+from npuserve.scheduler.lanes.step_worker import LaneSettings, StepWorker
 from npuserve.scheduler.lanes.step_workers import RemoteLane, StepWorkerPool
+from npuserve.scheduler.lanes.worker_messages import CallRaised, CallReturned
 
 NUM_STREAMS = 32
 NUM_NEW = 40
@@ -47,6 +53,12 @@ NUM_NEW = 40
 def request(req_id: str, prompt: list[int]) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=8)
     return Request(req_id, prompt, params, params.to_options((2,)), (2,), 512, 4)
+
+
+def unstarted_lane(scheduler: Scheduler) -> AsyncExecutorLane:
+    """A worker's lane that takes no step: a report reads its scheduler."""
+    client = InProcessClient(SimulatedRunner())
+    return AsyncExecutorLane("e0", client, scheduler, lambda lane, event: None, False, always_room)
 
 
 # -- units --------------------------------------------------------------------------------------
@@ -65,7 +77,7 @@ def test_block_pool_reports_stored_and_removed_hashes_in_order() -> None:
 def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
     scheduler.kv.pool.events = []
-    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    lane = unstarted_lane(scheduler)
     worker_copy, front_copy = request("r1", [1, 5, 6, 7, 8]), request("r1", [1, 5, 6, 7, 8])
     stopped_worker, stopped_front = request("r2", [1, 9]), request("r2", [1, 9])
     scheduler.add_request(worker_copy)
@@ -78,7 +90,7 @@ def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
         step_seconds=0.25,
     )
     stopped_worker.status = RequestStatus.FINISHED_ABORTED
-    report = make_report("e0#0", lane, event)
+    report = make_report("e0#0", lane, event, {})
     assert report.load.num_running == 1 and report.load.num_used_blocks == 2
     assert [stored for stored, _ in report.kv_events] == [True]
 
@@ -95,42 +107,46 @@ def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
 def test_tokens_of_a_sequence_an_api_process_streams_skip_the_front() -> None:
     """Its first token in a placement goes to the front (TTFT, the stream's start); the next ones
     are packed per API process incarnation, as that process's items, and the front's copy only
-    counts them. A move takes the worker's whole output back onto the front's copy."""
+    counts them. What the worker has sent is its lane's record, which forgets a sequence that
+    ends. A move takes the worker's whole output back onto the front's copy."""
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
-    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    lane = unstarted_lane(scheduler)
     worker_copy, front_copy = request("r1", [1, 5, 6]), request("r1", [1, 5, 6])
     plain_worker, plain_front = request("r2", [1, 9]), request("r2", [1, 9])
-    worker_copy.relay_to = front_copy.relay_to = (1, 3, 7, 0)  # API process 1, 3rd start, stream 7
+    worker_copy.relay = front_copy.relay = StreamRelay(1, 3, 7, 0)  # API process 1, 3rd start, stream 7
     copies = {"r1": front_copy, "r2": plain_front}
+    progress: RelayProgress = {}
 
     def step(token: int) -> LaneReport:
         worker_copy.append_output(token, None)
         plain_worker.append_output(token, None)
         updates = [RequestUpdate(r, [token], [None], None) for r in (worker_copy, plain_worker)]
-        return make_report("e0#0", lane, LaneEvent(updates=updates))
+        return make_report("e0#0", lane, LaneEvent(updates=updates), progress)
 
     first = step(42)
     assert [u[0] for u in first.updates] == ["r1", "r2"] and not first.relayed
+    assert progress == {"r1": 1}  # the first token counts as sent, and nothing of r2 is relayed
     apply_report(first, copies.get)
     second, third = step(43), step(44)
     for report, token in ((second, 43), (third, 44)):
         assert [u[0] for u in report.updates] == ["r2"]
         ((key, (count, pack)),) = report.relayed.items()
         assert key == (1, 3) and count == 1
-        assert pickle.loads(pack) == [("add", 7, 0, [token], [None], None, None, None, token - 41, -1)]
+        assert pickle.loads(pack) == [(7, 0, [token], [None], None, None, None, token - 41, -1)]
         apply_report(report, copies.get)
     assert front_copy.output_token_ids == [42] and plain_front.output_token_ids == [42, 43, 44]
+    assert progress == {"r1": 3}
     # What the front does not hold, it counts from the next update it gets (a finish, an end).
     worker_copy.status = RequestStatus.FINISHED_ABORTED
-    ended = make_report("e0#0", lane, LaneEvent(ended=[worker_copy]))
+    ended = make_report("e0#0", lane, LaneEvent(ended=[worker_copy]), dict(progress))
     assert apply_report(ended, copies.get).ended == [front_copy]
     assert front_copy.output_token_ids == [42] and front_copy.num_output_tokens == 3
 
     # Had the executor been lost instead, the request moves with the worker's output, whole.
-    moved = make_report("e0#0", lane, LaneEvent(evacuated=[worker_copy], error="gone"))
+    moved = make_report("e0#0", lane, LaneEvent(evacuated=[worker_copy], error="gone"), progress)
     assert [r.req_id for r in apply_report(moved, copies.get).evacuated] == ["r1"]
     assert front_copy.output_token_ids == [42, 43, 44] and front_copy.num_output_tokens == 3
-    assert front_copy.status == RequestStatus.WAITING and not front_copy.relay_started
+    assert front_copy.status == RequestStatus.WAITING and progress == {}
 
 
 def test_a_stream_interval_packs_a_sequences_tokens_in_groups_and_the_rest_at_its_end() -> None:
@@ -138,10 +154,11 @@ def test_a_stream_interval_packs_a_sequences_tokens_in_groups_and_the_rest_at_it
     packs them as one item; what it holds goes out before its finish (which goes to the front),
     and before it ends outside a step or moves. The step's token count stays exact."""
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
-    lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    lane = unstarted_lane(scheduler)
     finishing, aborted, moved = (request(f"r{i}", [1, 5, 6]) for i in range(3))
     for i, sequence in enumerate((finishing, aborted, moved)):
-        sequence.relay_to, sequence.relay_every = (0, 1, i, 0), 3
+        sequence.relay = StreamRelay(0, 1, i, 0, every=3)
+    progress: RelayProgress = {}
 
     def step(token: int, finished: RequestStatus | None = None) -> LaneReport:
         for sequence in (finishing, aborted, moved):
@@ -149,12 +166,12 @@ def test_a_stream_interval_packs_a_sequences_tokens_in_groups_and_the_rest_at_it
         updates = [RequestUpdate(finishing, [token], [None], finished)] + [
             RequestUpdate(r, [token], [None], None) for r in (aborted, moved)
         ]
-        return make_report("e0#0", lane, LaneEvent(updates=updates))
+        return make_report("e0#0", lane, LaneEvent(updates=updates), progress)
 
     def items(report: LaneReport) -> list[tuple[int, list[int], int]]:
         """(stream handle, its tokens, the output count) per packed item."""
         packs = [pickle.loads(pack) for _, pack in report.relayed.values()]
-        return [(item[1], item[3], item[8]) for pack in packs for item in pack]
+        return [(item[0], item[2], item[7]) for pack in packs for item in pack]
 
     reports = [step(token) for token in (10, 11, 12, 13, 14)]
     assert [len(r.updates) for r in reports] == [3, 0, 0, 0, 0]  # the first tokens go to the front
@@ -169,10 +186,11 @@ def test_a_stream_interval_packs_a_sequences_tokens_in_groups_and_the_rest_at_it
     last = step(15, RequestStatus.FINISHED_LENGTH)
     assert items(last) == [(0, [14], 6)]  # held, then the finish with its own token via the front
     assert [(u[0], u[1], u[3]) for u in last.updates] == [("r0", [15], "length")]
-    assert last.num_relayed_tokens == 2
+    assert last.num_relayed_tokens == 2 and "r0" not in progress  # its record ends with it
     aborted.status = RequestStatus.FINISHED_ABORTED
-    moving = make_report("e0#0", lane, LaneEvent(ended=[aborted], evacuated=[moved], error="gone"))
+    moving = make_report("e0#0", lane, LaneEvent(ended=[aborted], evacuated=[moved], error="gone"), progress)
     assert items(moving) == [(1, [14, 15], 6), (2, [14, 15], 6)] and moving.num_relayed_tokens == 0
+    assert progress == {}
     assert moving.evacuated[0][1] == [10, 11, 12, 13, 14, 15]  # the move takes the whole output
 
 
@@ -190,16 +208,34 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
     assert isinstance(lane, RemoteLane) and lane.key.startswith("e0#")
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
     scheduler.kv.pool.events = []
-    worker_lane = ExecutorLane("e0", None, scheduler, lambda lane, event: None)  # type: ignore[arg-type]
+    worker_lane = unstarted_lane(scheduler)
     scheduler.add_request(request("r1", [1, 5, 6, 7, 8, 9, 10, 11, 12]))
     scheduler.schedule()
-    lane.absorb(make_report(lane.key, worker_lane, LaneEvent()))
+    lane.absorb(make_report(lane.key, worker_lane, LaneEvent(), {}))
     hashes = scheduler.requests["r1"].block_hashes
     assert all(lane.has_cached(h) for h in hashes) and lane.num_used_blocks == 3
     scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
     scheduler.kv.pool.get_new_blocks(15)  # every cached block handed out again
-    lane.absorb(make_report(lane.key, worker_lane, LaneEvent()))
+    lane.absorb(make_report(lane.key, worker_lane, LaneEvent(), {}))
     assert not any(lane.has_cached(h) for h in hashes)
+
+
+def test_a_message_of_no_class_a_side_handles_is_refused_by_name() -> None:
+    """The worker and the front each match what they receive against their family of messages
+    (`worker_messages`): anything else (a tuple, as the messages once were) raises, naming it.
+    A call's answer resolves the front's future as the worker's call ended."""
+    worker = StepWorker(None, ClientSpec(), LaneSettings())  # type: ignore[arg-type]
+    with pytest.raises(UnknownMessage, match=r"a scheduler worker has no handler for tuple: \('ack',\)"):
+        worker._received([("ack",)])  # type: ignore[list-item]
+    front = StepWorkerPool(1, ClientSpec()).workers[0]
+    with pytest.raises(UnknownMessage, match=r"the scheduler front has no handler for tuple: \('started',\)"):
+        front._handle(("started",))  # type: ignore[arg-type]
+    returned, failed = front.call("e0#0", len), front.call("e0#0", len)  # type: ignore[arg-type]
+    front._handle(CallReturned(0, 7))
+    front._handle(CallRaised(1, "a block is leaked", assertion=True))
+    assert returned.result(0) == 7
+    with pytest.raises(AssertionError, match="a block is leaked"):
+        failed.result(0)
 
 
 # -- the scheduler over worker processes --------------------------------------------------------

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from npuserve.deploy.runtime.process_name import CHAT_RENDER
+from npuserve.deploy.runtime.unknown_message import UnknownMessage
 from npuserve.scheduler.api.api_status import status_of
 from npuserve.scheduler.text.chat_template import ChatRender, RenderLimits, render_worker
 from npuserve.scheduler.text.prompts import render_in
@@ -165,3 +166,19 @@ def test_a_pool_whose_workers_cannot_start_fails_renders_at_once(monkeypatch: py
 
     run(scenario)
     assert status_of(SandboxUnavailable("x")) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_outcome_of_no_class_a_render_handles_is_refused_by_name() -> None:
+    """`render_in` matches a job's outcome against `sandbox_outcomes`: anything else (a tuple,
+    as outcomes once were) raises, naming it."""
+
+    class TuplePool:
+        timeout_s = 1.0
+
+        async def run(self, job: object) -> object:
+            return ("ok", "text")
+
+    with pytest.raises(
+        UnknownMessage, match=r"a chat template render has no handler for tuple: \('ok', 'text'\)"
+    ):
+        asyncio.run(render_in(TuplePool(), job(ECHO)))  # type: ignore[arg-type]
