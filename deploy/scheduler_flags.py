@@ -18,7 +18,7 @@ from npuserve.deploy.flags import (
     resolve_cluster_token,
     server_tls,
 )
-from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, ServiceConfig

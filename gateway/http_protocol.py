@@ -20,11 +20,11 @@ import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from npuserve.gateway.errors import APIError, request_timeout, unavailable
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
 
 REFUSAL_LOG_INTERVAL_S = 10.0
-DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
 # How often, within the stall timeout, a connection whose writes wait looks for bytes its client
 # took: a client is cut off at most a quarter of the timeout after it stopped reading for as long.
 STALL_CHECKS_PER_TIMEOUT = 4

@@ -30,9 +30,10 @@ from npuserve.gateway.app import DEFAULT_BODY_TIMEOUT_S, create_app
 from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.drain import Drain
 from npuserve.gateway.errors import APIError
-from npuserve.gateway.http_protocol import DEFAULT_STREAM_STALL_TIMEOUT_S, guarded_protocol
+from npuserve.gateway.http_protocol import guarded_protocol
 from npuserve.gateway.limits import RequestLimits
 from npuserve.gateway.scheduler_client import SchedulerClient
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.proto.ready_file import write_ready_file
 
 log = structlog.get_logger(__name__)
@@ -74,10 +75,6 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be positive, got {seconds}")
         if not self.stream_stall_timeout_s >= 0:
             raise ValueError(f"--stream-stall-timeout must be 0 or more, got {self.stream_stall_timeout_s}")
-
-    @property
-    def max_request_bytes(self) -> int:
-        return self.limits.max_request_bytes
 
 
 def run_gateway(config: GatewayConfig) -> int:

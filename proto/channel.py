@@ -9,6 +9,9 @@ import grpc
 MAX_STEP_MESSAGE_BYTES = 256 * 1024 * 1024
 # Clients <-> the scheduler's public API: one request or one stream message.
 MAX_API_MESSAGE_BYTES = 64 * 1024 * 1024
+# Seconds a client may leave a response stream untaken before it is cut off and its requests
+# aborted (`--stream-stall-timeout`): the gateway's HTTP clients, the public API's gRPC clients.
+DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
 
 
 # The scheduler's public API is served by this many gRPC servers sharing one port (each admits

@@ -27,6 +27,7 @@ from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdow
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.scheduler.api import api_codec
 from npuserve.scheduler.api.api_process import ApiProcessSettings
@@ -34,7 +35,6 @@ from npuserve.scheduler.api.api_relay import ApiProcessPool
 from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
 from npuserve.scheduler.api.api_servicer import PublicApiServicer
 from npuserve.scheduler.api.api_status import guard
-from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.engine.membership import StaticMembership, wait_for_executors

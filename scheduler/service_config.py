@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 

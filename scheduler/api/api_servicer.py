@@ -17,10 +17,11 @@ import structlog
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import ApiServer, api_server_metadata
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.api import api_codec
 from npuserve.scheduler.api.api_status import ShuttingDown, abort_with, guard
 from npuserve.scheduler.api.generate_many import GenerateManyCall
-from npuserve.scheduler.api.stall_watch import DEFAULT_STREAM_STALL_TIMEOUT_S, StreamStalled, WriteWatch
+from npuserve.scheduler.api.stall_watch import StreamStalled, WriteWatch
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.outputs import OpenStream, client_outputs

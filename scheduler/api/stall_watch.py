@@ -20,8 +20,6 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
-
 
 class StreamStalled(Exception):
     """The stream's client left a response unread for the stall timeout (gRPC ABORTED)."""

@@ -36,7 +36,7 @@ from npuserve.scheduler.engine.outputs import OutputSink
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
 from npuserve.scheduler.lanes.background import BackgroundTasks
-from npuserve.scheduler.lanes.lane import Lane, LaneEvent, StepClient
+from npuserve.scheduler.lanes.lane import LANE_CLOSE_TIMEOUT_S, Lane, LaneEvent, StepClient
 from npuserve.scheduler.lanes.step_worker import LaneSettings
 from npuserve.scheduler.lanes.step_workers import WORKER_START_TIMEOUT_S, StepWorkerPool
 from npuserve.scheduler.lanes.worker_relay import StreamProcesses, WorkerRelay
@@ -50,7 +50,6 @@ log = structlog.get_logger(__name__)
 __all__ = ["Engine"]
 
 
-LANE_CLOSE_TIMEOUT_S = 5.0  # a lane's step in flight may take this long to end when it closes
 RETIRE_AFTER_S = 1.0  # a lane that went down is closed this long after (its last reports come)
 
 

@@ -27,6 +27,10 @@ T = TypeVar("T")
 EXECUTOR_DOWN_CODES = frozenset({"DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "UNAUTHENTICATED"})
 
 
+# A lane's step in flight may take this long to end when the lane closes.
+LANE_CLOSE_TIMEOUT_S = 5.0
+
+
 def executor_is_down(exc: Exception) -> bool:
     return getattr(exc, "code", None) in EXECUTOR_DOWN_CODES
 

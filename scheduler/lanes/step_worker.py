@@ -37,7 +37,7 @@ from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.executor_client import ClientSpec
-from npuserve.scheduler.lanes.lane import LaneEvent
+from npuserve.scheduler.lanes.lane import LANE_CLOSE_TIMEOUT_S, LaneEvent
 from npuserve.scheduler.lanes.pipe_link import PipeLink
 from npuserve.scheduler.lanes.step_frames import (
     LaneReport,
@@ -65,7 +65,6 @@ from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler, Gram
 
 log = structlog.get_logger(__name__)
 
-STOP_LANE_TIMEOUT_S = 5.0
 MAX_UNACKED_REPORTS = 4  # messages of reports the front may hold unhandled before lanes wait
 ROOM_WAIT_S = 0.05  # a lane waiting for room checks its commands this often
 
@@ -131,7 +130,7 @@ class StepWorker:
         try:
             await self.done.wait()
         finally:
-            await asyncio.gather(*(lane.aclose(STOP_LANE_TIMEOUT_S) for lane in self.lanes.values()))
+            await asyncio.gather(*(lane.aclose(LANE_CLOSE_TIMEOUT_S) for lane in self.lanes.values()))
             self.pipe.close()
 
     def _front_gone(self) -> None:
@@ -158,7 +157,7 @@ class StepWorker:
                     self._open_lane(message)
                 case StopLane(lane_key=lane_key):
                     if (lane := lanes.pop(lane_key, None)) is not None:
-                        self._background.spawn(lane.aclose(STOP_LANE_TIMEOUT_S))
+                        self._background.spawn(lane.aclose(LANE_CLOSE_TIMEOUT_S))
                 case CallLane(call_id=call_id, lane_key=lane_key, fn=fn):
                     self._call(call_id, lane_key, fn)
                 case ExitWorker():

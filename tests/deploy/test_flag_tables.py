@@ -157,7 +157,11 @@ def test_gateway_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
     args = parse("gateway", *where, *given)
     config = gateway_config_from_args(args)
-    assert (config.max_request_bytes, config.max_connections, config.served_model_name) == (4096, 7, "mine")
+    assert (config.limits.max_request_bytes, config.max_connections, config.served_model_name) == (
+        4096,
+        7,
+        "mine",
+    )
     assert (config.request_header_timeout_s, config.request_body_timeout_s) == (2.5, 30.0)
     assert config.parsers.auto_tool_parser is TOOL_PARSERS["hermes"] and config.parsers.reasoning is None
     assert gateway_config_from_args(parse("gateway", *where, *GATEWAY.forward(args))) == config
