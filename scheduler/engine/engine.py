@@ -3,7 +3,7 @@
 It validates and tokenizes requests, places each on an executor (`router`), hands it to that
 executor's lane, and turns the lanes' step results into client streams (`outputs`) on the event
 loop. It never touches tensors: executors are gRPC clients, or in-process runners for offline use.
-The lanes run on the engine's event loop (`AsyncExecutorLane`), or in scheduler worker processes
+The lanes run on the engine's event loop (`ExecutorLane`), or in scheduler worker processes
 (`step_workers`).
 """
 
@@ -34,7 +34,7 @@ from npuserve.scheduler.engine.failover import FailOver
 from npuserve.scheduler.engine.metrics import SchedulerMetrics
 from npuserve.scheduler.engine.outputs import OutputSink
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.lane import LANE_CLOSE_TIMEOUT_S, Lane, LaneEvent, StepClient
 from npuserve.scheduler.lanes.step_worker import LaneSettings
@@ -197,7 +197,7 @@ class Engine(ClientEntryPoints, FailOver):
             assert isinstance(client, AioExecutorClient), "worker processes drive remote executors"
             lane = self.step_workers.open_lane(executor_id, client, info)
         else:
-            lane = AsyncExecutorLane.for_executor(
+            lane = ExecutorLane.for_executor(
                 executor_id,
                 client,
                 info,

@@ -84,13 +84,13 @@ class InFlightStep:
     sent_at: float
 
 
-class AsyncExecutorLane:
+class ExecutorLane:
     def __init__(
         self,
         executor_id: str,
         client: StepClient,
         scheduler: Scheduler,
-        on_event: Callable[[AsyncExecutorLane, LaneEvent], None],
+        on_event: Callable[[ExecutorLane, LaneEvent], None],
         async_scheduling: bool,
         has_room: Callable[[], Awaitable[bool]],
         joins_steps: bool = False,
@@ -130,13 +130,13 @@ class AsyncExecutorLane:
         executor_id: str,
         client: StepClient,
         info: ExecutorInfo,
-        on_event: Callable[[AsyncExecutorLane, LaneEvent], None],
+        on_event: Callable[[ExecutorLane, LaneEvent], None],
         has_room: Callable[[], Awaitable[bool]],
         *,
         enable_prefix_caching: bool,
         num_scheduler_steps: int,
         async_scheduling: bool,
-    ) -> AsyncExecutorLane:
+    ) -> ExecutorLane:
         """A lane over an executor as it answered the capacity handshake (``info``), with a
         fresh block pool."""
         config = SchedulerConfig.for_executor(

@@ -2,7 +2,7 @@
 steps): the `Lane` they use, the `LaneEvent` it reports, the `StepClient` its steps go through,
 and whether a failed step means its executor is gone.
 
-A lane is an `AsyncExecutorLane` (`async_lane`: a task on an event loop of this process) or a
+A lane is an `ExecutorLane` (`async_lane`: a task on an event loop of this process) or a
 `RemoteLane` (`step_workers`: one in a scheduler worker process, seen through its reports).
 """
 

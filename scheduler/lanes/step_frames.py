@@ -30,7 +30,7 @@ from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, StepStats
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
+from npuserve.scheduler.lanes.async_lane import ExecutorLane
 from npuserve.scheduler.lanes.lane import LaneEvent
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ _LOAD_FIELDS = attrgetter(*(f.name for f in fields(LaneLoad)))
 _REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
 
 
-def lane_load(lane: AsyncExecutorLane) -> LaneLoad:
+def lane_load(lane: ExecutorLane) -> LaneLoad:
     queries, hits = lane.prefix_stats
     return LaneLoad(
         lane.num_waiting,
@@ -111,9 +111,7 @@ def lane_load(lane: AsyncExecutorLane) -> LaneLoad:
     )
 
 
-def make_report(
-    lane_key: str, lane: AsyncExecutorLane, event: LaneEvent, progress: RelayProgress
-) -> LaneReport:
+def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: RelayProgress) -> LaneReport:
     """On the worker's loop, right after the event: its compact form and the lane's load
     (``progress``: the lane's, which this advances)."""
     events = lane.scheduler.kv.pool.events

@@ -1,7 +1,7 @@
 """A lane's side of joining steps: the requests that come while its executor runs a multi-pass
 step start at once, in a step that joins that step's next pass (`StepPlan.joins_running`).
 
-`AsyncExecutorLane` holds a `StepJoining` only where its executor `joins_steps` and it schedules
+`ExecutorLane` holds a `StepJoining` only where its executor `joins_steps` and it schedules
 asynchronously (steps go over a stream); the lane's step loop hands it the wait for each landing
 while a step in flight could take a joining one (`may_join`). It is a part of the lane: it runs
 on the lane's task and reads the lane's steps in flight, commands and wake-ups.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 if TYPE_CHECKING:
-    from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, InFlightStep
+    from npuserve.scheduler.lanes.async_lane import ExecutorLane, InFlightStep
 
 # A step that joins another is sent while that one has this many passes left to start, at least
 # (one that arrives after the last has begun runs on its own after it).
@@ -34,7 +34,7 @@ JOIN_MAX_IN_FLIGHT = 8
 class StepJoining:
     """Sends the steps that join the executor's running multi-pass step, on ``lane``'s task."""
 
-    def __init__(self, lane: AsyncExecutorLane) -> None:
+    def __init__(self, lane: ExecutorLane) -> None:
         self._lane = lane
 
     def may_join(self) -> bool:

@@ -1,7 +1,7 @@
 """A scheduler worker process: the step loops of some executors, away from the front's GIL.
 
 The front (the process serving the public API) hands each worker some executors. For each, the
-worker runs an `AsyncExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client
+worker runs an `ExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client
 for the steps), as the front runs its own without workers, all on one event loop: its lanes,
 their grpc.aio streams and the pipe to the front share one thread, so a step costs no thread
 wake-ups (a thread per lane, each with gRPC's threads behind it, spent most of a step's CPU
@@ -34,7 +34,7 @@ from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.scheduler.core.request import Request
 from npuserve.scheduler.core.scheduler import Scheduler
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane
+from npuserve.scheduler.lanes.async_lane import ExecutorLane
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.lane import LANE_CLOSE_TIMEOUT_S, LaneEvent
@@ -114,7 +114,7 @@ class StepWorker:
         self.settings = settings
         self.grammars = None if settings.grammar is None else GrammarCompiler(*settings.grammar)
         self.spec = spec
-        self.lanes: dict[str, AsyncExecutorLane] = {}
+        self.lanes: dict[str, ExecutorLane] = {}
         self.window = ReportWindow()
         self._background = BackgroundTasks()
 
@@ -189,11 +189,11 @@ class StepWorker:
         lane_key, info = command.lane_key, command.info
         progress: RelayProgress = {}  # what the lane has sent of the streams API processes serve
 
-        def on_event(lane: AsyncExecutorLane, event: LaneEvent) -> None:
+        def on_event(lane: ExecutorLane, event: LaneEvent) -> None:
             self.pipe.send(make_report(lane_key, lane, event, progress))
 
         settings = self.settings
-        lane = AsyncExecutorLane.for_executor(
+        lane = ExecutorLane.for_executor(
             command.executor_id,
             client,
             info,

@@ -2,7 +2,7 @@
 
 `StepWorkerPool` starts the workers (`step_worker`) and spreads executors over them; each
 executor becomes a `RemoteLane`, which the engine and the router use as they use one of the
-engine's own `AsyncExecutorLane`s. A remote lane's load and prefix cache are mirrored from the
+engine's own `ExecutorLane`s. A remote lane's load and prefix cache are mirrored from the
 worker's reports (KV stored/removed events, in order), so prefix-aware routing stays exact: the
 front sees every block hash an executor holds once the step that registered it has been reported.
 

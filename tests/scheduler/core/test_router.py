@@ -14,7 +14,7 @@ from npuserve.scheduler.core.request import Request, RequestStatus, SamplingPara
 from npuserve.scheduler.core.router import cached_prefix_blocks, choose_lane, lane_load_blocks
 from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.engine.engine_config import EngineConfig
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -38,14 +38,14 @@ def make_request(req_id: str, prompt: list[int]) -> Request:
     )
 
 
-def idle_lane(name: str) -> AsyncExecutorLane:
+def idle_lane(name: str) -> ExecutorLane:
     """A lane that is not started: routing reads only its scheduler."""
     runner = SimulatedRunner(SMALL)
     scheduler = Scheduler(SchedulerConfig.for_executor(runner.info()))
-    return AsyncExecutorLane(name, InProcessClient(runner), scheduler, lambda *_: None, False, always_room)
+    return ExecutorLane(name, InProcessClient(runner), scheduler, lambda *_: None, False, always_room)
 
 
-def admit(lane: AsyncExecutorLane, request: Request) -> None:
+def admit(lane: ExecutorLane, request: Request) -> None:
     """Schedules ``request`` on the lane's scheduler: its blocks are taken and its full ones cached."""
     lane.scheduler.add_request(request)
     plan, _ = lane.scheduler.schedule()
@@ -93,7 +93,7 @@ def test_queued_blocks_count_as_load_and_queued_requests_break_ties() -> None:
     assert choose_lane(lanes[:1], hashes, 3, "least-load") is lanes[0]
 
 
-def place(lanes: list[AsyncExecutorLane], num_prompt_blocks: int, prefill_weight: float) -> AsyncExecutorLane:
+def place(lanes: list[ExecutorLane], num_prompt_blocks: int, prefill_weight: float) -> ExecutorLane:
     """What the engine does with a new prompt of no cached prefix: choose, then count it queued."""
     lane = choose_lane(lanes, [], num_prompt_blocks, "prefix-aware", prefill_weight)
     lane.queued_blocks += num_prompt_blocks

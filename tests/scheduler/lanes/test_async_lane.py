@@ -1,4 +1,4 @@
-"""`AsyncExecutorLane`, every executor's step loop (a scheduler worker's, and the engine's own).
+"""`ExecutorLane`, every executor's step loop (a scheduler worker's, and the engine's own).
 
 Over a simulated executor in this process (`InProcessClient`): requests run to completion,
 `finish` frees blocks at once, `call` runs between steps and returns or raises, a step that
@@ -27,7 +27,7 @@ from npuserve.scheduler.core.request import Request, RequestStatus, SamplingPara
 from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS, PassController
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep
 from npuserve.scheduler.lanes.step_frames import lane_load
@@ -61,7 +61,7 @@ class _Awaited:
         self.seen: list[LaneEvent] = []
         self._came = asyncio.Event()
 
-    def __call__(self, lane: AsyncExecutorLane, event: LaneEvent) -> None:
+    def __call__(self, lane: ExecutorLane, event: LaneEvent) -> None:
         self.seen.append(event)
         self._came.set()
 
@@ -78,18 +78,16 @@ class _Awaited:
 
 def _in_process_lane(
     client: InProcessClient, on_event: _Awaited, async_scheduling: bool = False, **config: Any
-) -> AsyncExecutorLane:
+) -> ExecutorLane:
     """A started lane over ``client`` (its executor's capacity, and ``config`` on top)."""
     info = client.runner.info()
     scheduler_config = SchedulerConfig.for_executor(info, **config)
-    lane = AsyncExecutorLane(
-        "x", client, Scheduler(scheduler_config), on_event, async_scheduling, always_room
-    )
+    lane = ExecutorLane("x", client, Scheduler(scheduler_config), on_event, async_scheduling, always_room)
     lane.start()
     return lane
 
 
-async def _close_idle(lane: AsyncExecutorLane) -> None:
+async def _close_idle(lane: ExecutorLane) -> None:
     """The lane's pool is whole and idle (checked between its steps), and it closes."""
     await asyncio.wrap_future(lane.call(lambda s: s.check_integrity(expect_idle=True)))
     await lane.aclose(5)
@@ -377,7 +375,7 @@ class _Events:
         self.woken = asyncio.Event()
         self.wakes = wakes
 
-    def __call__(self, lane: AsyncExecutorLane, event: LaneEvent) -> None:
+    def __call__(self, lane: ExecutorLane, event: LaneEvent) -> None:
         self.seen.append(event)
         if self.wakes(event):
             self.woken.set()
@@ -391,9 +389,7 @@ async def _until_finished(*requests: Request) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _close_after_generating(
-    lane: AsyncExecutorLane, runner: SimulatedRunner, *requests: Request
-) -> None:
+async def _close_after_generating(lane: ExecutorLane, runner: SimulatedRunner, *requests: Request) -> None:
     """Each of ``requests`` (a prompt of 4 tokens) ran to its ``max_tokens`` with the simulated
     executor's tokens; the lane closes with its pool idle and whole."""
     for request in requests:
@@ -413,13 +409,13 @@ def _run_against(running: RunningExecutor, run: Callable[[], Coroutine[Any, Any,
 
 async def _start_and_learn_the_pace(
     address: str, on_event: _Events, joins_steps: bool, client: type[AioExecutorClient] = AioExecutorClient
-) -> tuple[AsyncExecutorLane, Request]:
+) -> tuple[ExecutorLane, Request]:
     """A lane with four passes a step, async scheduling and early first tokens over the
     executor at ``address``, and a request "a" of 24 tokens on it, once three steps have landed
     (its prefill, then multi-pass steps: the lane has learnt their pace; ``on_event`` must wake
     at each landing) and 50 ms more: into the first pass of the step in flight."""
     config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
-    lane = AsyncExecutorLane(
+    lane = ExecutorLane(
         "e0",
         await _stream_client(address, client),
         Scheduler(config),
@@ -447,7 +443,7 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
 
         client = AioExecutorClient("127.0.0.1:1", "", True, 5)
         scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
-        lane = AsyncExecutorLane("e0", client, scheduler, on_event, True, _room)
+        lane = ExecutorLane("e0", client, scheduler, on_event, True, _room)
         lane.start()
         assert await asyncio.wrap_future(lane.call(lambda s: s.num_unfinished)) == 0
         lane.submit([_request("r1"), _request("r2")])
@@ -511,7 +507,7 @@ def test_a_failed_step_runs_its_requests_again_once_while_the_executor_answers_h
             lambda event: bool(event.ended or event.lane_down) or all(r.status.is_finished for r in requests)
         )
         client = await _stream_client(running.address)
-        lane = AsyncExecutorLane(
+        lane = ExecutorLane(
             "e0", client, Scheduler(SchedulerConfig(num_blocks=16, block_size=4)), on_event, True, _room
         )
         lane.start()
@@ -563,7 +559,7 @@ def test_a_request_admitted_beside_running_ones_gets_its_first_token_before_the_
         client = await _stream_client(running.address)
         config = SchedulerConfig(num_blocks=16, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
         scheduler = Scheduler(config)
-        lane = AsyncExecutorLane("e0", client, scheduler, on_event, False, _room)
+        lane = ExecutorLane("e0", client, scheduler, on_event, False, _room)
         lane.start()
         a, b = _request("a"), _request("b")
         lane.submit([a])
@@ -769,7 +765,7 @@ def _run_auto_passes(
             runner.info(), num_scheduler_steps=AUTO_SCHEDULER_STEPS, early_first_tokens=True
         )
         assert config.auto_passes and config.num_scheduler_steps == 1
-        lane = AsyncExecutorLane("e0", client, Scheduler(config), _Events(landed), async_scheduling, room)
+        lane = ExecutorLane("e0", client, Scheduler(config), _Events(landed), async_scheduling, room)
         lane.start()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         request = Request("a", [1, 5, 6, 7], params, params.to_options((2,)), (2,), 512, 4)
@@ -867,7 +863,7 @@ def test_a_step_being_sent_when_the_one_before_it_fails_fails_with_it() -> None:
         client = await _stream_client(running.address, _HeldClient)
         client.hold_at = 6  # the step sent while the 5th runs
         config = SchedulerConfig(num_blocks=64, block_size=4, num_scheduler_steps=4, early_first_tokens=True)
-        lane = AsyncExecutorLane("e0", client, Scheduler(config), on_event, True, _room)
+        lane = ExecutorLane("e0", client, Scheduler(config), on_event, True, _room)
         lane.start()
         lane.submit(requests)
         await asyncio.wait_for(on_event.woken.wait(), 30)

@@ -37,7 +37,7 @@ from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_pool import BlockPool
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
-from npuserve.scheduler.lanes.async_lane import AsyncExecutorLane, always_room
+from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.lanes.lane import LaneEvent
@@ -55,10 +55,10 @@ def request(req_id: str, prompt: list[int]) -> Request:
     return Request(req_id, prompt, params, params.to_options((2,)), (2,), 512, 4)
 
 
-def unstarted_lane(scheduler: Scheduler) -> AsyncExecutorLane:
+def unstarted_lane(scheduler: Scheduler) -> ExecutorLane:
     """A worker's lane that takes no step: a report reads its scheduler."""
     client = InProcessClient(SimulatedRunner())
-    return AsyncExecutorLane("e0", client, scheduler, lambda lane, event: None, False, always_room)
+    return ExecutorLane("e0", client, scheduler, lambda lane, event: None, False, always_room)
 
 
 # -- units --------------------------------------------------------------------------------------
