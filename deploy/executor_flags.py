@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto
+from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto, csv
 from npuserve.deploy.flags import (
     add_allow_unauthenticated_flag,
     add_cluster_token_flag,
@@ -23,7 +23,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
-from npuserve.executor.parallel_defaults import DEFAULT_TP_CONNECT_TIMEOUT_S
+from npuserve.executor.parallel_defaults import DEFAULT_DISTRIBUTED_TIMEOUT_S, DEFAULT_TP_CONNECT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
@@ -88,6 +88,18 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         Flag("max_num_seqs", "--max-num-seqs", {"type": int, "default": 256}),
         Flag("max_num_batched_tokens", "--max-num-batched-tokens", {"type": int, "default": 8192}),
         Flag("kv_cache_memory_gib", "--kv-cache-memory", {"type": float, "help": "KV cache size in GiB"}),
+        Flag(
+            "kv_host_memory_gib",
+            "--kv-host-memory",
+            {
+                "type": float,
+                "default": 0.0,
+                "metavar": "GIB",
+                "help": "host memory for KV blocks: prefix-cache blocks evicted from the device go there "
+                "and come back on a prefix hit instead of being computed again (needs prefix caching; "
+                "default: 0, off)",
+            },
+        ),
         Flag("gpu_memory_utilization", "--gpu-memory-utilization", {"type": float, "default": 0.9}),
         Flag("load_format", "--load-format", {"default": "auto"}),
         Flag("seed", "--seed", {"type": int, "default": 0}),
@@ -109,6 +121,24 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
                 "help": "torch threads where the model computes on the CPU (default: one per core; "
                 "auto, which `npuserve serve` gives: one fewer when a decode step then takes at most "
                 "10%% longer)",
+            },
+        ),
+        Flag(
+            "enforce_eager",
+            "--enforce-eager",
+            {
+                "action": "store_true",
+                "help": "run every step eagerly: no decode graphs (graph mode is on by default on npu and cuda)",
+            },
+        ),
+        Flag(
+            "graph_capture_sizes",
+            "--graph-capture-sizes",
+            {
+                "type": csv(int),
+                "metavar": "N,N,...",
+                "help": "decode batch sizes to capture graphs of (default: 1,2,4,8,16,24,... up to "
+                "--max-num-seqs; on npu at most what the device's streams hold)",
             },
         ),
         Flag(
@@ -159,7 +189,16 @@ PARALLEL: FlagTable[ParallelConfig] = FlagTable(
             {
                 "type": float,
                 "default": DEFAULT_TP_CONNECT_TIMEOUT_S,
-                "help": "seconds to wait for every rank to join (and for one collective)",
+                "help": "seconds to wait for every rank to join the group",
+            },
+        ),
+        Flag(
+            "collective_timeout_s",
+            "--distributed-timeout-seconds",
+            {
+                "type": float,
+                "default": DEFAULT_DISTRIBUTED_TIMEOUT_S,
+                "help": "seconds one collective waits for the other ranks once the group formed",
             },
         ),
     ],
@@ -205,9 +244,9 @@ def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_parallel_flags(args: argparse.Namespace) -> list[str]:
-    """The group size and timeout `npuserve serve` gives each executor (each is rank 0 of its own
+    """The group size and timeouts `npuserve serve` gives each executor (each is rank 0 of its own
     group on this node)."""
-    return PARALLEL.forward(args, only=["size", "connect_timeout_s"])
+    return PARALLEL.forward(args, only=["size", "connect_timeout_s", "collective_timeout_s"])
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:

@@ -21,7 +21,7 @@ from npuserve.deploy.flags import (
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
-from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT, STEP_TRANSPORTS, ServiceConfig
+from npuserve.scheduler.service_config import ServiceConfig
 
 
 def _scheduler_config(
@@ -157,8 +157,8 @@ SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
             "--async-scheduling",
             {
                 "action": argparse.BooleanOptionalAction,
-                "help": "schedule and send each step while the executor runs the one before "
-                "(steps go over the streaming transport; default: on, unless --step-transport unary)",
+                "default": True,
+                "help": "schedule and send each step while the executor runs the one before (default: on)",
             },
         ),
         Flag(
@@ -197,15 +197,6 @@ SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
             },
         ),
         Flag(
-            "step_transport",
-            "--step-transport",
-            {
-                "default": DEFAULT_STEP_TRANSPORT,
-                "choices": list(STEP_TRANSPORTS),
-                "help": "how steps reach an executor: one long-lived stream each (default), or a call per step",
-            },
-        ),
-        Flag(
             "step_timeout_s",
             "--step-timeout",
             {"type": float, "default": 60.0, "help": "seconds an executor may take per step"},
@@ -233,7 +224,6 @@ GATEWAY_NAMED_FIELDS = ("stream_stall_timeout_s",)
 # How the scheduler runs (its processes, its steps, its streams): the benches take these flags
 # and pass them on to the scheduler they start.
 BENCH_FIELDS = (
-    "step_transport",
     "scheduler_workers",
     "api_server_count",
     "async_scheduling",

@@ -219,6 +219,8 @@ class ExecutorConfig:
     # KV cache budget: an explicit size (the only option on CPU), or a fraction of device memory.
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9
+    # Host memory for KV blocks evicted from the device's prefix cache (vLLM's --kv-offloading-size).
+    kv_host_memory_gib: float = 0.0
     load_format: str = "auto"
     seed: int = 0
     warmup: bool = True  # dummy steps before serving, so the first requests are not the slow ones
@@ -227,6 +229,10 @@ class ExecutorConfig:
     # backend emulated on it): a number, `AUTO_CPU_THREADS` (`cpu_threads`: chosen after the
     # warm-up) or None (torch's own, one per core). Ignored on a device.
     cpu_threads: int | None = None
+    # Graph mode (`graph_runner`): pure-decode passes replay captured graphs on npu and cuda
+    # unless enforce_eager; the batch sizes captured (None: the default ladder, `graph_sizes`).
+    enforce_eager: bool = False
+    graph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
@@ -239,10 +245,14 @@ class ExecutorConfig:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if not self.kv_host_memory_gib >= 0:
+            raise ConfigError(f"--kv-host-memory must be >= 0 GiB, got {self.kv_host_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.graph_capture_sizes is not None and any(size < 1 for size in self.graph_capture_sizes):
+            raise ConfigError(f"--graph-capture-sizes must be positive, got {list(self.graph_capture_sizes)}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"--load-format {self.load_format!r} is unknown (choose {', '.join(LOAD_FORMATS)})"

@@ -6,11 +6,17 @@ gather the flat batch, run the model, compute logits only for the requests that 
 last known token, sample there, and record the sampled tokens. A multi-step plan then runs more
 passes over its multi-step requests, each feeding back the tokens the one before sampled; the
 order of a step's passes, with the steps that join them and the early answers, is `PassLoop`'s.
+On npu and cuda a pure-decode pass replays a captured graph (`graph_runner`) unless
+``enforce_eager``; a step's inputs reach the device through pinned staging buffers (`HostStaging`).
+Before anything else a step runs its KV block copies: to and from the host-memory tier
+(`kv_host_tier`), then the pulls from other executors' caches (`kv_transfer`), whose source
+side is `read_blocks`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import structlog
@@ -18,6 +24,9 @@ import torch
 
 from npuserve.executor.config import ExecutorConfig, ModelConfig, check_npu_model
 from npuserve.executor.dtypes import resolve_dtype
+from npuserve.executor.graph_device import GraphDevice
+from npuserve.executor.graph_runner import DecodeGraphs, pool_estimate_bytes
+from npuserve.executor.graph_sizes import capture_sizes
 from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
 from npuserve.executor.kv_cache import (
     CPU_DEFAULT_KV_CACHE_GIB,
@@ -26,6 +35,8 @@ from npuserve.executor.kv_cache import (
     block_bytes,
     num_blocks_for_budget,
 )
+from npuserve.executor.kv_host_tier import HostKvTier
+from npuserve.executor.kv_transfer import KvPuller, read_blocks
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model
 from npuserve.executor.pass_loop import PassLoop, StepPass
@@ -39,14 +50,21 @@ from npuserve.executor.sampler import (
     build_allowed_tokens,
     build_sampling_metadata,
 )
+from npuserve.executor.step_profiler import StepClock
 from npuserve.executor.token_bitmask import bitmask_rows
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
-from npuserve.proto.plan_checks import check_num_steps
+from npuserve.kernels.staging import HostStaging
+from npuserve.proto import executor_pb2 as pb
+from npuserve.proto.plan_checks import check_kv_pulls, check_num_steps
 from npuserve.proto.step_plan import (
     EMULATED_NPU_DEVICE,
+    KV_TRANSFER_EXECUTOR,
+    KV_TRANSFER_HOST_TIER,
     ExecutorInfo,
     FirstPassAnswer,
     JoiningSteps,
+    KvPull,
+    KvTransfer,
     StepPlan,
     StepResult,
     StepTimings,
@@ -73,6 +91,8 @@ class ModelRunner:
         # an emulated NPU).
         self.target = resolve_target(config.device)
         self.device = self.target.device
+        # Step timings: device times while a profile runs (`StepProfiler`), else launch times.
+        self.step_clock = StepClock(self.target)
         if config.cpu_threads and self.device.type == "cpu":  # NOTE: 0 is auto (`cpu_threads`)
             torch.set_num_threads(config.cpu_threads)  # NOTE: the process's, for every runner in it
         is_npu = self.target.kind == "npu"
@@ -92,16 +112,78 @@ class ModelRunner:
             config.seed,
             self.tp,
         )
+        self.graph_sizes = self._graph_sizes()
         self.num_blocks = self._size_kv_cache()
+        # NOTE: in graph mode the cache holds one block beyond the scheduler's pool, block
+        # `num_blocks`, which no plan may name: the scratch block padded decode rows write to.
         self.kv_caches = allocate_kv_caches(
-            self.model_config, self.num_blocks, self.block_size, self.dtype, self.device, self.tp
+            self.model_config,
+            self.num_blocks + (1 if self.graph_sizes else 0),
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.tp,
         )
+        self.host_kv = (
+            HostKvTier.for_budget(
+                config.kv_host_memory_gib,
+                self.kv_caches,
+                block_bytes(self.model_config, self.block_size, self.dtype, self.tp),
+            )
+            if config.kv_host_memory_gib
+            else None
+        )
+        # Pulls from other executors; `serve_executor` gives it the cluster token.
+        self.kv_puller = KvPuller()
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
+        self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
         self.sampler = Sampler()
         self._seed_source = np.random.default_rng(config.seed)
         self._passes = PassLoop(self, config.max_num_batched_tokens)
+        self.graphs = self._capture_graphs() if self.graph_sizes else None
+
+    def _graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture graphs of; none on the CPU or with enforce_eager."""
+        if self.config.enforce_eager or self.target.kind not in ("npu", "cuda"):
+            return []
+        return capture_sizes(
+            self.config.graph_capture_sizes,
+            self.config.max_num_seqs,
+            self.model_config.num_layers,
+            self.tp.size,
+            on_npu=self.target.kind == "npu",
+        )
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        def capture() -> DecodeGraphs:
+            return DecodeGraphs.capture(
+                GraphDevice(self.target.kind),
+                self.model,
+                self.kv_caches,
+                self.backend,
+                self.staging,
+                self.graph_sizes,
+                self.block_size,
+                self.batch.max_blocks_per_req,
+                scratch_block=self.num_blocks,
+                tensor_device=self.device,
+            )
+
+        if self.target.kind == "npu":
+            return capture()
+        # NOTE: the CUDA path has not run on a GPU in npuserve's tests: a capture that fails
+        # leaves the executor eager rather than down.
+        try:
+            return capture()
+        except RuntimeError as exc:
+            log.warning("decode graph capture failed; every step runs eagerly", error=str(exc))
+            return None
 
     def _size_kv_cache(self) -> int:
+        """The scheduler's blocks. In graph mode a profiled budget also holds the graphs' memory
+        pool (estimated: it is captured afterwards) and the scratch block; an explicit one
+        (--kv-cache-memory) is the scheduler's blocks alone."""
         per_block = block_bytes(self.model_config, self.block_size, self.dtype, self.tp)
         if self.config.kv_cache_memory_gib is not None:
             budget = int(self.config.kv_cache_memory_gib * GIB)
@@ -109,6 +191,9 @@ class ModelRunner:
             budget = CPU_DEFAULT_KV_CACHE_GIB * GIB
         else:
             budget = profile_kv_budget(self)
+            if self.graph_sizes:
+                pool = pool_estimate_bytes(self.model_config, self.graph_sizes, self.dtype, self.tp.size)
+                budget -= pool + per_block
         num_blocks = num_blocks_for_budget(budget, per_block, self.block_size, self.max_model_len)
         log.info(
             "kv cache sized",
@@ -136,6 +221,7 @@ class ModelRunner:
             # NOTE: a tensor-parallel group's other ranks run the steps its leader sends them,
             # whole: none could take a joining step at the same pass as the leader.
             joins_steps=self.tp.size == 1,
+            num_host_blocks=self.host_kv.num_blocks if self.host_kv is not None else 0,
         )
 
     @property
@@ -189,7 +275,26 @@ class ModelRunner:
 
     def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
         if plan.num_scheduled_tokens:  # NOTE: a step that ran no pass reports no time
-            result.timings.total_s = time.perf_counter() - started
+            result.timings.total_s = self.step_clock() - started
+        # NOTE: its joiners' copies too: they ran in its passes.
+        transfers = [KvTransfer(KV_TRANSFER_EXECUTOR, *self.kv_puller.take_pulled())]
+        if self.host_kv is not None:
+            transfers.insert(0, KvTransfer(KV_TRANSFER_HOST_TIER, *self.host_kv.take_copied()))
+        result.timings.kv_transfers = [t for t in transfers if t.num_bytes]
+
+    def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
+        """Blocks of this cache for another executor's pull, chunk by chunk, each copied to the
+        host as it is taken (`kv_transfer.read_blocks`; the caller keeps steps out meanwhile);
+        `PlanError` for an id outside 1..num_blocks-1, or on a tensor-parallel rank."""
+        self._refuse_tensor_parallel_transfer()
+        return read_blocks(self.kv_caches, block_ids, self.num_blocks)
+
+    def _refuse_tensor_parallel_transfer(self) -> None:
+        if self.tp.size > 1:
+            raise PlanError(
+                f"KV blocks move between executors of tensor-parallel size 1 only: this one's are "
+                f"sharded over {self.tp.size} ranks"
+            )
 
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -204,27 +309,36 @@ class ModelRunner:
         timings: StepTimings,
         start: float,
     ) -> None:
-        """One forward pass over ``inputs``; the tokens it samples join ``result`` and the batch."""
-        metadata = build_attention_metadata(
-            inputs.query_lens,
-            inputs.seq_lens,
-            inputs.block_table,
-            inputs.slot_mapping,
-            self.block_size,
-            self.device,
-        )
-        self.backend.prepare(metadata)
-        input_ids = torch.from_numpy(inputs.input_ids.astype(np.int64)).to(self.device)  # [T]
-        positions = torch.from_numpy(inputs.positions).to(self.device)  # [T]
-        prepared = time.perf_counter()
+        """One forward pass over ``inputs``, replayed in a decode graph where one fits; the
+        tokens it samples join ``result`` and the batch."""
+        graph = self.graphs.load(inputs) if self.graphs is not None else None
+        if graph is None:
+            metadata = build_attention_metadata(
+                inputs.query_lens,
+                inputs.seq_lens,
+                inputs.block_table,
+                inputs.slot_mapping,
+                self.block_size,
+                self.device,
+                self.staging,
+            )
+            self.backend.prepare(metadata)
+            input_ids = self.staging.to_device("input_ids", inputs.input_ids, torch.int64)  # [T]
+            positions = self.staging.to_device("positions", inputs.positions, torch.int64)  # [T]
+        prepared = self.step_clock()
 
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+        if graph is not None:
+            hidden = graph.replay(len(inputs.query_lens))  # [B, hidden]
+            timings.graph_passes += 1
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # [T, hidden]
+            timings.eager_passes += 1
         sampled_ids = np.zeros(0, dtype=np.int32)
-        forwarded = sampled = time.perf_counter()
+        forwarded = sampled = self.step_clock()
         if len(inputs.logits_indices):
-            indices = torch.from_numpy(inputs.logits_indices).to(self.device)
+            indices = self.staging.to_device("logits_indices", inputs.logits_indices, torch.int64)
             logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
-            forwarded = time.perf_counter()
+            forwarded = self.step_clock()
             sampling = self._sampling_metadata(inputs)
             sampling.allowed_tokens = allowed
             output = self.sampler(logits, sampling)
@@ -234,7 +348,7 @@ class ModelRunner:
             result.logprobs += _logprobs_lists(
                 output, self.batch.sampling.columns["num_logprobs"][inputs.rows[inputs.sample_mask]]
             )
-            sampled = time.perf_counter()
+            sampled = self.step_clock()
         self.batch.commit(inputs, sampled_ids)
         timings.prepare_s += prepared - start
         timings.forward_s += forwarded - prepared
@@ -256,6 +370,14 @@ class ModelRunner:
                 )
 
     def _update_states(self, plan: StepPlan) -> None:
+        if plan.kv_pulls:
+            self._check_pulls(plan.kv_pulls)  # NOTE: before the block copies run
+        if plan.block_copies:
+            if self.host_kv is None:
+                raise PlanError("block copies to a host tier this executor does not have (--kv-host-memory)")
+            self.host_kv.run(plan.block_copies, self.kv_caches, self.num_blocks)
+        if plan.kv_pulls:
+            self.kv_puller.run(plan.kv_pulls, self.kv_caches)
         batch = self.batch
         if plan.reset:
             for req_id in list(batch.row_of):
@@ -274,6 +396,10 @@ class ModelRunner:
                 raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
+
+    def _check_pulls(self, pulls: list[KvPull]) -> None:
+        self._refuse_tensor_parallel_transfer()
+        check_kv_pulls(pulls, self.num_blocks)
 
     def _allowed_tokens(
         self, bitmask: TokenBitmask | None, sampled_req_ids: list[str]

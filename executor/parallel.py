@@ -17,10 +17,13 @@ process sees: give each rank of a multi-node group its own).
 Rendezvous (`RankGroup`, in `rank_group`). Rank 0 hosts a TCPStore at the master address; every
 rank announces itself there and waits for the others for ``--tp-connect-timeout`` seconds
 (default 120): a rank that does not come fails the group with an error naming it. Then
-`torch.distributed` starts with the device's backend (hccl on NPU, nccl on CUDA, gloo on CPU)
-and a gloo group carries host metadata. The same timeout bounds each collective. Start-up
-results (the KV block count: the minimum over ranks) and start-up failures travel through the
-store.
+`torch.distributed` starts on the rank's device (the index of ``--device npu:N``) with the
+device's backend (hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries host
+metadata. A collective waits up to ``--distributed-timeout-seconds`` (default 1800, vLLM's
+name). Ranks wait for each other after loading their weights (a barrier through the store), so
+ranks that finish loading minutes apart meet before the first all-reduce, the memory profile's.
+Start-up results (the KV block count: the minimum over ranks) and start-up failures travel
+through the store.
 
 Steps (`GroupLeader`). Rank 0 broadcasts each plan over the gloo group (pickled) and every rank
 runs the same step. NOTE: the LM head all-gathers the logits, so every rank samples the same
@@ -41,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -57,6 +60,7 @@ from npuserve.executor.parallel_config import ParallelConfig, check_devices, che
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.rank_group import RankGroup, post_failure
 from npuserve.executor.rpc_status import ExecutorStopping
+from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
@@ -104,6 +108,10 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(config, model_config, group.tp)
 
     def _size_kv_cache(self) -> int:
+        # NOTE: ModelRunner sizes the cache right after loading the weights: every rank must have
+        # loaded before the profiling run's first all-reduce, or ranks loading minutes apart would
+        # spend the collective timeout waiting inside it.
+        self.group.barrier("loaded", "load their weights")
         local = super()._size_kv_cache()
         num_blocks = self.group.agree_min("num_blocks", local)
         if num_blocks < local:
@@ -126,7 +134,7 @@ class GroupLeader:
         # Called once when the group is lost, before the process signals itself to stop: the
         # server refuses new schedulers at once (`serve_executor` sets it).
         self.on_lost: Callable[[], None] = lambda: None
-        self._heartbeat_s = min(HEARTBEAT_MAX_S, runner.group.parallel.connect_timeout_s / 4)
+        self._heartbeat_s = min(HEARTBEAT_MAX_S, runner.group.parallel.collective_timeout_s / 4)
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
         if ranks is not None:
             threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -137,6 +145,10 @@ class GroupLeader:
     @property
     def num_requests(self) -> int:
         return self.runner.num_requests
+
+    def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
+        """Refused (`PlanError`): each rank holds a shard of every block (`kv_transfer`)."""
+        return self.runner.read_blocks(block_ids)
 
     def execute(
         self,

@@ -1,7 +1,7 @@
 """A tensor-parallel group's configuration, and the checks that run before any weight is loaded.
 
-`ParallelConfig` is this process's part of a group (size, rank, rank 0's address, connect
-timeout), from the command line and environment, validated as it is built. `check_model_split`
+`ParallelConfig` is this process's part of a group (size, rank, rank 0's address, the rendezvous
+and collective timeouts), from the command line and environment, validated as it is built. `check_model_split`
 refuses a group size that does not split the model's heads and MLP evenly, and `check_devices` a
 single-node group that needs more devices than the node shows (`VISIBLE_DEVICES_ENV`: the
 variable that pins a process to its devices). `npuserve.executor.parallel` runs the group.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from npuserve.executor.config import ConfigError, ModelConfig
-from npuserve.executor.parallel_defaults import DEFAULT_TP_CONNECT_TIMEOUT_S
+from npuserve.executor.parallel_defaults import DEFAULT_DISTRIBUTED_TIMEOUT_S, DEFAULT_TP_CONNECT_TIMEOUT_S
 
 VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}
 
@@ -28,7 +28,8 @@ class ParallelConfig:
     rank: int | None = None  # None: rank 0, which starts ranks 1..size-1 on this node
     master_addr: str | None = None
     master_port: int | None = None
-    connect_timeout_s: float = DEFAULT_TP_CONNECT_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_TP_CONNECT_TIMEOUT_S  # the rendezvous
+    collective_timeout_s: float = DEFAULT_DISTRIBUTED_TIMEOUT_S  # each collective, once formed
     worker_flags: tuple[str, ...] = ()  # extra flags for the ranks this process starts
 
     def __post_init__(self) -> None:
@@ -40,6 +41,8 @@ class ParallelConfig:
             )
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"--tp-connect-timeout must be > 0 s, got {self.connect_timeout_s}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"--distributed-timeout-seconds must be > 0, got {self.collective_timeout_s}")
         if self.master_port is not None and not 0 <= self.master_port < 65536:
             raise ConfigError(f"--master-port must be in 0..65535, got {self.master_port}")
         if self.rank is not None and self.size > 1 and (self.master_addr is None or not self.master_port):

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from npuserve.executor.version_matrix import cann_problem
+from npuserve.executor.version_matrix import cann_fit
 from npuserve.kernels import npu_emulation
 
 logger = logging.getLogger(__name__)
@@ -325,12 +325,14 @@ def register_atb_extensions() -> None:
 
 def check_cann_version(torch_npu_version: str) -> None:
     cann = getattr(torch.version, "cann", None)
-    problem = cann_problem(torch_npu_version, cann)
-    if problem is not None:
+    fit = cann_fit(torch_npu_version, cann)
+    if fit.status == "mismatch":
         raise PlatformError(
-            f"{problem}. Install that CANN release (toolkit and NNAL) and {CANN_SET_ENV}, or the "
+            f"{fit.message}. Install that CANN release (toolkit and NNAL) and {CANN_SET_ENV}, or the "
             f"torch_npu built for your CANN ({VERSION_SET_EXAMPLE})."
         )
+    if fit.status == "rc_only":
+        logger.warning("%s: serving anyway; `npuserve doctor` checks the whole set", fit.message)
     if cann is None:
         logger.warning("CANN version unknown (torch.version.cann unset): not checked against torch_npu")
 

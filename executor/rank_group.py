@@ -2,9 +2,11 @@
 
 Rank 0 hosts a TCPStore at the master address; every rank announces itself there and waits for
 the others within the connect timeout (a rank that does not come fails the group with an error
-naming it). Then `torch.distributed` starts with the device's backend (`BACKENDS`: hccl on NPU,
-nccl on CUDA, gloo on CPU) and a gloo group carries host metadata: rank 0's messages to the
-others (`send`, `receive`). Start-up results (`agree_min`, `check_same`) and start-up failures
+naming it). Then `torch.distributed` starts on this rank's device (`select_device`) with the
+device's backend (`BACKENDS`: hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries
+host metadata: rank 0's messages to the others (`send`, `receive`). Collectives of both groups wait
+up to the collective timeout (``--distributed-timeout-seconds``), not the connect timeout.
+Start-up results (`agree_min`, `check_same`), start-up barriers (`barrier`) and start-up failures
 (`post_failure`) travel through the store; a group that cannot form raises `TensorParallelError`.
 """
 
@@ -54,12 +56,11 @@ class RankGroup:
         self.tp = TensorParallel(self.rank, self.size)
         self.store = store
         self.probe = probe
-        self.timeout = timedelta(seconds=parallel.connect_timeout_s)
+        self.timeout = timedelta(seconds=parallel.collective_timeout_s)
         store.set(f"npuserve/joined/{self.rank}", socket.gethostname())
         self.wait_for("npuserve/joined", parallel.connect_timeout_s, "join the group")
         backend = BACKENDS[device.type]
-        if device.type in VISIBLE_DEVICES_ENV:
-            getattr(torch, device.type).set_device(0)
+        select_device(device)
         try:
             dist.init_process_group(
                 backend,
@@ -112,9 +113,10 @@ class RankGroup:
                     raise TensorParallelError(f"tensor-parallel group failed to start: {failure}")
                 if time.monotonic() > deadline:
                     missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                    flag = " (--tp-connect-timeout)" if timeout_s == self.parallel.connect_timeout_s else ""
                     raise TensorParallelError(
                         f"tensor-parallel ranks {missing} of {self.size} did not {what} within "
-                        f"{timeout_s:g} s (--tp-connect-timeout); start each with --tensor-parallel-size "
+                        f"{timeout_s:g} s{flag}; start each with --tensor-parallel-size "
                         f"{self.size} --tp-rank R and rank 0's --master-addr/--master-port, or raise "
                         "the timeout"
                     )
@@ -141,6 +143,12 @@ class RankGroup:
                 f"against {values[0]}); start every rank with the same executor flags and model"
             )
 
+    def barrier(self, name: str, what: str) -> None:
+        """Waits until every rank has reached ``name`` (start-up only: it waits through the store,
+        up to the start-up timeout, and a rank that failed meanwhile is named)."""
+        self.store.set(f"npuserve/{name}/{self.rank}", "done")
+        self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, what)
+
     def agree_min(self, name: str, value: int) -> int:
         """The smallest ``value`` over the ranks (start-up only: it waits through the store)."""
         self.store.set(f"npuserve/{name}/{self.rank}", str(value))
@@ -151,7 +159,7 @@ class RankGroup:
         dist.broadcast_object_list([message], src=0, group=self.meta_group)
 
     def receive(self) -> tuple[str, Any]:
-        """Ranks >= 1: rank 0's next message (waits at most the connect timeout)."""
+        """Ranks >= 1: rank 0's next message (waits at most the collective timeout)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
         return box[0]
@@ -159,6 +167,14 @@ class RankGroup:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def select_device(device: torch.device) -> None:
+    """Makes ``device`` this process's current device before its process group forms: hccl and
+    nccl bind their communicator to the current device. ``--device npu:N`` is index N; a rank
+    pinned to one device through `VISIBLE_DEVICES_ENV` sees it as index 0."""
+    if device.type in VISIBLE_DEVICES_ENV:
+        getattr(torch, device.type).set_device(device.index or 0)
 
 
 def post_failure(store: dist.TCPStore, rank: int, message: str) -> None:

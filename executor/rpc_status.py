@@ -4,8 +4,9 @@
 step must not run; `StatusInterceptor` wraps every handler of the executor's gRPC server so that an
 exception becomes a status code instead of a dead stream or process: a plan the runner refuses
 (`PlanError`, `CodecError`) is INVALID_ARGUMENT, a stopping or restarted executor UNAVAILABLE, a
-stale step or a profiler in the wrong state FAILED_PRECONDITION, disabled profiling
-UNIMPLEMENTED, and anything else INTERNAL.
+stale step or a profiler in the wrong state FAILED_PRECONDITION, disabled profiling (or blocks
+read off an executor that has none) UNIMPLEMENTED, a step whose pull from another executor
+failed ABORTED, and anything else INTERNAL.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ class StaleStep(RuntimeError):
     unchanged): a step of a stream that broke, still queued here after the scheduler went on
     over a new stream. Run then, it would advance requests that the scheduler has sent again
     whole since."""
+
+
+class KvPullFailed(RuntimeError):
+    """A step's pull from another executor failed there or on the way (`kv_transfer`): ABORTED,
+    not UNAVAILABLE or INTERNAL, because this executor is fine and serves on; the step's requests
+    are dropped (the scheduler sends them again whole) and the message names the source's error."""
+
+
+class NoKvBlocks(RuntimeError):
+    """`ReadBlocks` on an executor with no KV cache to read (a simulated one): UNIMPLEMENTED."""
 
 
 class StatusInterceptor(grpc.ServerInterceptor):
@@ -100,8 +111,11 @@ def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoRetu
         code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     elif isinstance(exc, ExecutorStopping):
         code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
-    elif isinstance(exc, ProfilingDisabled):
+    elif isinstance(exc, (ProfilingDisabled, NoKvBlocks)):
         code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    elif isinstance(exc, KvPullFailed):
+        log.warning("kv pull failed", method=method, error=str(exc))
+        code, details = grpc.StatusCode.ABORTED, str(exc)
     elif isinstance(exc, (ProfilerStateError, StaleStep)):
         code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     else:

@@ -6,7 +6,8 @@ and no host sync on the sampling path. Random rows draw by inverse CDF with one 
 uniform per row, `u = hash(seed, position)`: the token is the first whose cumulative probability
 reaches `u`. A request's tokens depend only on its own logits, seed and position, the same
 whatever the batch around it and on every run (the hash is exact integer arithmetic), and the
-cost is one cumulative sum over the vocabulary rather than a random number per token.
+cost is one cumulative sum over the vocabulary rather than a random number per token. The hash
+runs on the host with the rest of the per-row metadata (`hash_uniform`).
 
 Semantics follow vLLM: logprobs come from the raw logits; repetition penalty applies to tokens in
 the prompt or the output, frequency/presence penalties to output tokens only; greedy rows take
@@ -25,8 +26,11 @@ from npuserve.executor.token_bitmask import bitmask_matrix
 
 # NOTE: like vLLM, a temperature this small is treated as greedy (dividing by it would overflow).
 _GREEDY_TEMPERATURE = 1e-5
-_MASK32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio
+# The hash's constants as uint64, so numpy never promotes its arrays to float or int64.
+_MASK32 = np.uint64(0xFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B9)  # 2**32 / golden ratio
+_FMIX_C1, _FMIX_C2 = np.uint64(0x85EBCA6B), np.uint64(0xC2B2AE35)
+_U2, _U6, _U8, _U13, _U16, _U32 = (np.uint64(n) for n in (2, 6, 8, 13, 16, 32))
 
 
 @dataclass
@@ -64,8 +68,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64, 0 = off; None when no row uses top-k
     top_p: torch.Tensor | None  # [B] float32; None when no row uses it (all 1)
     min_p: torch.Tensor | None  # [B] float32; None when no row uses it (all 0)
-    seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64: sequence index of the token being sampled
+    uniforms: torch.Tensor  # [B] float32 in (0, 1): hash(seed, position of the token sampled)
     all_greedy: bool
     max_num_logprobs: int | None  # None: no row wants logprobs
     penalties: PenaltyMetadata | None  # None when no row has a penalty
@@ -113,8 +116,7 @@ def build_sampling_metadata(
         top_k=on_device(top_k, torch.int64) if uses_top_k else None,
         top_p=on_device(top_p, torch.float32) if uses_top_p else None,
         min_p=on_device(min_p, torch.float32) if uses_min_p else None,
-        seeds=on_device(options["seed"], torch.int64),
-        positions=on_device(num_tokens, torch.int64),
+        uniforms=on_device(hash_uniform(options["seed"], num_tokens), torch.float32),
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(num_logprobs[wants_logprobs].max()) if wants_logprobs.any() else None,
         penalties=_build_penalties(
@@ -194,46 +196,38 @@ def _build_min_tokens_block(
 
 # ------------------------------------------------------------------------------ hash noise
 
-
-def _mul32_(x: torch.Tensor, c: int, scratch: torch.Tensor) -> torch.Tensor:
-    """x <- (x * c) mod 2**32 in place, for int64 x in [0, 2**32). c is split into 16-bit halves
-    so no product exceeds 2**48: int64 never overflows, so the result is exact on any device."""
-    torch.mul(x, c >> 16, out=scratch)
-    scratch.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
-    return x.mul_(c & 0xFFFF).add_(scratch).bitwise_and_(_MASK32)
+# NOTE: on the host, in numpy: the hash shifts 64-bit integers, and op-plugin has no NPU kernel
+# for bitwise_left_shift / bitwise_right_shift, so torch_npu would run them on the CPU and
+# synchronize the device on every sampled step. [B] integers cost nothing here; the draws travel
+# to the device with the other per-row metadata. uint64 keeps every product of two uint32 values
+# exact, so the draws are the same bits on every machine.
 
 
-def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> torch.Tensor:
-    torch.bitwise_right_shift(x, shift, out=scratch)
-    return x.bitwise_xor_(scratch)
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche) of [N] uint64 holding
+    uint32 values -> [N] uint64 holding uint32 values."""
+    x = x ^ (x >> _U16)
+    x = (x * _FMIX_C1) & _MASK32
+    x = x ^ (x >> _U13)
+    x = (x * _FMIX_C2) & _MASK32
+    return x ^ (x >> _U16)
 
 
-def _fmix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in place on int64 x
-    holding uint32 values. NOTE: in place over one scratch buffer: on CPU, allocating [B, V]
-    temporaries costs several times the arithmetic."""
-    _xorshift_(x, 16, scratch)
-    _mul32_(x, 0x85EBCA6B, scratch)
-    _xorshift_(x, 13, scratch)
-    _mul32_(x, 0xC2B2AE35, scratch)
-    return _xorshift_(x, 16, scratch)
+def _combine(h: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Hash of the pairs (h, v), [N] uint64 holding uint32 values (boost::hash_combine, then fmix32)."""
+    return _fmix32(h ^ (((h << _U6) + (h >> _U2) + _GOLDEN + v) & _MASK32))
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    return _fmix32_(x.clone(), torch.empty_like(x))
-
-
-def _combine(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Hash of the pair (h, v), uint32 values in int64 (boost::hash_combine, then fmix32)."""
-    return _fmix32(h ^ (((h << 6) + (h >> 2) + _GOLDEN + v) & _MASK32))
-
-
-def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """u[b] = hash(seeds[b], positions[b]) mapped into (0, 1). seeds, positions: [B] int64
-    -> [B] float32. Exact integer arithmetic: depends on nothing but these two inputs."""
-    key = _combine(_fmix32(seeds & _MASK32), (seeds >> 32) & _MASK32)  # [B]
-    bits = _combine(key, positions & _MASK32) >> 8  # [B], 24 bits: exact in float32
-    return bits.float().add_(0.5).mul_(1.0 / (1 << 24))
+def hash_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """u[b] = hash(seeds[b], positions[b]) mapped into (0, 1). seeds [B] int64 (any sign),
+    positions [B] non-negative -> [B] float32. Exact integer arithmetic: depends on nothing but
+    these two inputs."""
+    seeds = np.ascontiguousarray(seeds, dtype=np.int64).view(np.uint64)  # two's complement bits
+    positions = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    key = _combine(_fmix32(seeds & _MASK32), seeds >> _U32)  # [B]
+    bits = _combine(key, positions & _MASK32) >> _U8  # [B], 24 bits: exact in float32
+    # NOTE: float32 arithmetic: bits + 0.5 rounds to float32, and that rounding is part of u.
+    return (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
 
 
 # ---------------------------------------------------------------------- logit processors
@@ -364,6 +358,5 @@ class Sampler:
         # Inverse CDF: the first token whose cumulative probability reaches u * total. A token
         # of probability zero never adds to the sum, so it can never be the first to reach it.
         cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
-        u = hash_uniform(metadata.seeds, metadata.positions)  # [B]
-        targets = (u * cdf[:, -1]).unsqueeze(1)  # [B, 1]
+        targets = (metadata.uniforms * cdf[:, -1]).unsqueeze(1)  # [B, 1]
         return torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=logits.shape[-1] - 1)

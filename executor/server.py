@@ -3,12 +3,13 @@
 Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`, in
 `servicer`); a `StepStream` does so as a pipeline (`step_stream`), so that a step sent while the
 one before it ran starts as that one ends. A single lock keeps steps from overlapping, whichever
-RPC (unary `Step` or a `StepStream`) brings them. One interceptor (`StatusInterceptor`, in
+stream brings them. One interceptor (`StatusInterceptor`, in
 `rpc_status`) turns exceptions into status codes: a plan the runner refuses is INVALID_ARGUMENT,
 anything else INTERNAL, and the process keeps serving either way.
 With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
-`Health` that does not present the token as UNAUTHENTICATED; with ``--tls-cert``/``--tls-key`` the
-port is TLS. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
+`Health` that does not present the token as UNAUTHENTICATED (`ReadBlocks`, another executor's
+pull of KV blocks, included); with ``--tls-cert``/``--tls-key`` the port is TLS. The executor's
+own pulls (`kv_transfer`) present the same token, and over TLS trust its own certificate chain. A non-loopback ``--host`` without a token refuses to start (``--allow-unauthenticated``).
 
 `serve_executor` is the process entry: it builds the runner (model load and KV sizing fail here,
 as ConfigError or PlatformError, before anything is served), binds, writes the ready file, and
@@ -43,11 +44,12 @@ from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS, choose_cpu_threads
+from npuserve.executor.kv_transfer import KvPuller, ReadBlocksClient
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.executor.rpc_status import StatusInterceptor
 from npuserve.executor.servicer import ExecutorServicer, StepRunner
-from npuserve.executor.step_profiler import StepProfiler
+from npuserve.executor.step_profiler import StepClock, StepProfiler
 from npuserve.executor.warmup import warm_up
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto.auth import CLUSTER_TOKEN, TokenInterceptor
@@ -114,14 +116,13 @@ def start_executor_server(
     cluster_token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
     profile_dir: Path | None = None,
-    pipelined_streams: bool = True,
+    step_clock: StepClock | None = None,
 ) -> RunningExecutor:
     """Binds `host:port` (port 0: a free one) and starts serving `runner` on worker threads.
 
     ``cluster_token``: refuse calls that do not present it; ``tls``: (private key, certificate
-    chain) in PEM, to serve over TLS; ``profile_dir``: allow profiles, written there;
-    ``pipelined_streams``: run each StepStream's steps as a pipeline (`step_stream`), as an
-    executor process does (False: in the call's handler, one step at a time).
+    chain) in PEM, to serve over TLS; ``profile_dir``: allow profiles, written there; ``step_clock``: the runner's, synchronized with
+    the device while a profile runs (`StepClock`).
     """
     interceptors: list[grpc.ServerInterceptor] = [StatusInterceptor()]
     if cluster_token:
@@ -136,8 +137,8 @@ def start_executor_server(
     executor_id = executor_id or f"{socket.gethostname()}:{bound}"
     version = npuserve_version()
     info = runner.info()
-    profiler = StepProfiler(profile_dir, info.device, executor_id)
-    servicer = ExecutorServicer(runner, executor_id, version, profiler, pipelined_streams=pipelined_streams)
+    profiler = StepProfiler(profile_dir, info.device, executor_id, step_clock)
+    servicer = ExecutorServicer(runner, executor_id, version, profiler)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()
     return RunningExecutor(server, servicer, bound, _connect_address(host, bound), executor_id, version, info)
@@ -242,7 +243,10 @@ def serve_executor(
         leader = start_tensor_parallel(config, parallel, start_ranks)
         if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
             return
-    runner = leader or ModelRunner(config)
+    model_runner = leader.runner if leader is not None else ModelRunner(config)
+    # NOTE: the chain's certificates are the roots it trusts: its peers serve the same certificate.
+    model_runner.kv_puller = KvPuller(ReadBlocksClient(cluster_token, tls[1] if tls is not None else None))
+    runner = leader or model_runner
     if config.warmup:
         warm_up(runner)
     # NOTE: a tensor-parallel group's ranks would each time their share alone: it keeps torch's.
@@ -253,7 +257,14 @@ def serve_executor(
     ):
         choose_cpu_threads(runner)
     running = start_executor_server(
-        runner, host, port, executor_id, cluster_token=cluster_token, tls=tls, profile_dir=config.profile_dir
+        runner,
+        host,
+        port,
+        executor_id,
+        cluster_token=cluster_token,
+        tls=tls,
+        profile_dir=config.profile_dir,
+        step_clock=model_runner.step_clock,
     )
     if leader is not None:  # NOTE: a lost group's rank 0 must not join a scheduler while it stops
         leader.on_lost = running.servicer.start_draining

@@ -3,14 +3,15 @@
 `ExecutorServicer` implements the `npuserve.executor.v1.Executor` service over a `StepRunner`
 (`ModelRunner` in production). A `StepStream` runs as a pipeline (`step_stream`), so that a step
 sent while the one before it ran starts as that one ends; a single lock keeps steps from
-overlapping, whichever RPC (unary `Step` or a `StepStream`) brings them. The servicer refuses a
+overlapping, whichever of the scheduler's streams brings them. The servicer refuses a
 plan addressed to another instance of the executor, a plan older than one of the same scheduler
 already run, and any step once it shuts down (`rpc_status` turns those into status codes).
+`ReadBlocks` serves another executor's pull of this one's KV blocks (`kv_transfer`), each chunk
+read under the step lock, between steps.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
-from npuserve.executor.rpc_status import ExecutorRestarted, ExecutorStopping, StaleStep
+from npuserve.executor.rpc_status import ExecutorRestarted, ExecutorStopping, NoKvBlocks, StaleStep
 from npuserve.executor.step_profiler import StepProfiler
 from npuserve.executor.step_stream import StepStreamPipeline
 from npuserve.proto import executor_pb2 as pb
@@ -59,30 +60,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         executor_id: str,
         version: str,
         profiler: StepProfiler | None = None,
-        *,
-        pipelined_streams: bool = True,
     ) -> None:
         self._runner = runner
         self.instance_id = uuid.uuid4().hex
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
         self._info.instance_id = self.instance_id
-        # NOTE: a step joins another's passes only on a pipelined stream (`step_stream`).
-        self._info.joins_steps = self._info.joins_steps and pipelined_streams
         self._step_lock = threading.Lock()
         self._last_step_id: int | None = None
         self._last_session = 0  # the scheduler that sent that step (`StepPlan.session`)
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
-        # A StepStream's steps read, run and answered on threads of their own (`step_stream`).
-        self._pipelined_streams = pipelined_streams
         self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
         self._step_thread = (
             futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
             if self._profiler.enabled
             else None
         )
-        # Runs the steps whose first-pass answer goes out before they end (`early_results`) of a
-        # StepStream that is not pipelined.
-        self._answering = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="executor-answer")
         self.serving = True  # steps accepted
         self.draining = False  # Health says not serving, steps go on
 
@@ -110,28 +102,38 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             raise ExecutorStopping("the executor is draining; it takes no new scheduler")
         return self._info
 
-    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        return self._step(request)
-
     def StepStream(
         self, request_iterator: Iterator[pb.StepRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResponse]:
         self._streams.add(context)
+        pipeline = StepStreamPipeline(request_iterator, self._read, self._run, self._answer)
         try:
-            if self._pipelined_streams:
-                pipeline = StepStreamPipeline(request_iterator, self._read, self._run, self._answer)
-                try:
-                    yield from pipeline.answers()
-                finally:
-                    pipeline.close()
-                return
-            for request in request_iterator:
-                if request.early_results:
-                    yield from self._step_answers(request)
-                else:
-                    yield self._step(request)
+            yield from pipeline.answers()
         finally:
+            pipeline.close()
             self._streams.discard(context)
+
+    def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.BlockChunk]:
+        """The blocks another executor's step pulls (`kv_transfer`). Each chunk is copied off the
+        cache under the step lock, so no read overlaps a step, and a step waits at most one
+        chunk's copy; the chunk is sent outside it. A draining executor still serves reads (its
+        blocks may be what another executor's requests continue from)."""
+        if request.instance_id and request.instance_id != self.instance_id:
+            raise ExecutorRestarted("this executor restarted and holds none of the blocks asked for")
+        read_blocks = getattr(self._runner, "read_blocks", None)
+        if read_blocks is None:
+            raise NoKvBlocks("this executor has no KV cache to read blocks of")
+        chunks = read_blocks(request.block_ids[:])  # NOTE: checks the ids (PlanError), reads nothing yet
+        while True:
+            with self._step_lock:
+                if not self.serving:
+                    raise ExecutorStopping("the executor is shutting down")
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield chunk
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
@@ -163,24 +165,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self._on_step_thread(self._profiler.stop)  # keep what was recorded
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
-        self._answering.shutdown(wait=True)
-
-    def _step_answers(self, request: pb.StepRequest) -> Iterator[pb.StepResponse]:
-        """A step's early answer (`early_results`), sent while its later passes run, then its result."""
-        answers: queue.SimpleQueue[pb.StepResponse | None] = queue.SimpleQueue()
-
-        def answer_early(early: StepResult) -> None:
-            answers.put(self._answer(early))  # NOTE: encoded as every answer is, as the pipeline does
-
-        final = self._answering.submit(self._step, request, answer_early)
-        final.add_done_callback(lambda _: answers.put(None))
-        while (answer := answers.get()) is not None:
-            yield answer
-        yield final.result()
-
-    def _step(self, request: pb.StepRequest, on_first_pass: FirstPassAnswer | None = None) -> pb.StepResponse:
-        plan, _ = self._read(request)
-        return self._answer(self._run(plan, on_first_pass))
 
     def _read(self, request: pb.StepRequest) -> tuple[StepPlan, bool]:
         """A step's plan, and whether its first pass is answered early (`early_results`)."""

@@ -5,6 +5,8 @@ then block deltas, finished ids, reset), refuses the plans the real runner refus
 cheap to check (`PlanError`), and answers every request whose computed plus scheduled tokens
 reach its known tokens with one token. The token is a hash of the request id and the position,
 so runs are reproducible (`simulated_token`), and never an EOS unless `eos_after` asks for one.
+A plan's KV block copies and pulls from other executors are checked and counted; they move
+nothing and take no modelled time, and its `ReadBlocks` is UNIMPLEMENTED (no KV cache).
 
 Each step takes as long as a latency model says a real NPU step would (`LatencyModel`); the
 bookkeeping runs inside that time, and a step whose bookkeeping alone overruns it is counted.
@@ -22,7 +24,14 @@ import numpy as np
 
 from npuserve.executor.pass_loop import PassLoop, StepPass
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
-from npuserve.proto.plan_checks import PlanError, check_block_ids, check_new_request, check_num_steps
+from npuserve.proto.plan_checks import (
+    PlanError,
+    check_block_copies,
+    check_block_ids,
+    check_kv_pulls,
+    check_new_request,
+    check_num_steps,
+)
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     FirstPassAnswer,
@@ -75,6 +84,7 @@ class SimulatedConfig:
     eos_after: int | None = None  # every request's N-th output token is EOS; None: never
     model: str = "simulated"
     seed: int = 0  # mixed into every token, for runs that must differ
+    num_host_blocks: int = 0  # a host-memory KV tier: its copies are checked, not modelled in time
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -155,6 +165,9 @@ class SimulatedRunner:
     def __init__(self, config: SimulatedConfig | None = None) -> None:
         self.config = config or SimulatedConfig()
         self.stats = SimulatedStats()
+        self.num_block_copies = 0  # block copies of the host tier run so far (checked, not modelled)
+        # Blocks pulled from other executors so far (checked here, not fetched: no KV to move).
+        self.num_pulled_blocks = 0
         self._requests: dict[str, _RequestState] = {}
         self._passes = PassLoop(self, self.config.max_num_batched_tokens)
         self._step = _ModelledStep(0.0)
@@ -182,6 +195,7 @@ class SimulatedRunner:
             dtype="bfloat16",
             device="simulated",
             joins_steps=True,
+            num_host_blocks=c.num_host_blocks,
         )
 
     def token_for(self, req_id: str, position: int) -> int:
@@ -271,6 +285,10 @@ class SimulatedRunner:
         return remaining > 0
 
     def _update_states(self, plan: StepPlan) -> None:
+        check_kv_pulls(plan.kv_pulls, self.config.num_blocks)
+        check_block_copies(plan.block_copies, self.config.num_blocks, self.config.num_host_blocks)
+        self.num_block_copies += len(plan.block_copies)
+        self.num_pulled_blocks += sum(len(pull.dst_block_ids) for pull in plan.kv_pulls)
         requests = self._requests
         if plan.reset:
             requests.clear()

@@ -6,6 +6,11 @@ the operators by self time. On NPU it is torch_npu.profiler (CPU and NPU activit
 memory; its handler writes the Ascend profiling folder with the trace inside); elsewhere
 torch.profiler (CPU, plus CUDA on a CUDA device).
 
+While a profile runs, the step timings a runner reports (`StepTimings`) are device times:
+`StepClock` waits for the device before each reading. Otherwise they are host times, and on NPU
+or CUDA a forward's is how long the host took to queue its kernels; the serving path never
+synchronizes for a timing.
+
 NOTE: torch's profiler records the thread that starts it; the server therefore runs every step
 and both calls on one thread of its own while profiling is enabled (`ExecutorServicer`).
 """
@@ -20,6 +25,7 @@ from typing import Any
 import structlog
 import torch
 
+from npuserve.executor.platform import Target, synchronize
 from npuserve.proto.step_plan import EMULATED_NPU_DEVICE
 
 log = structlog.get_logger(__name__)
@@ -67,11 +73,29 @@ def _torch_profiler(profile_dir: Path, worker_name: str, device_type: str) -> An
     )
 
 
-class StepProfiler:
-    """One profile at a time, written under ``profile_dir`` (None: profiling is off)."""
+class StepClock:
+    """The clock a runner's step timings read: `time.perf_counter`, after the device has finished
+    the work queued so far while ``synchronized`` (set while a profile runs, `StepProfiler`)."""
 
-    def __init__(self, profile_dir: Path | None, device: str, worker_name: str) -> None:
+    def __init__(self, target: Target | torch.device) -> None:
+        self.target = target
+        self.synchronized = False
+
+    def __call__(self) -> float:
+        if self.synchronized:
+            synchronize(self.target)  # NOTE: a no-op on the CPU
+        return time.perf_counter()
+
+
+class StepProfiler:
+    """One profile at a time, written under ``profile_dir`` (None: profiling is off). ``clock``:
+    the runner's step clock, synchronized while a profile runs."""
+
+    def __init__(
+        self, profile_dir: Path | None, device: str, worker_name: str, clock: StepClock | None = None
+    ) -> None:
         self.profile_dir = profile_dir
+        self.clock = clock
         # "npu:0" -> "npu"; an emulated NPU and "simulated" profile the host with torch's profiler
         self.device_type = "cpu" if device == EMULATED_NPU_DEVICE else device.split(":", 1)[0]
         self.worker_name = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_name)
@@ -103,6 +127,8 @@ class StepProfiler:
             profile = _torch_profiler(profile_dir, self.worker_name, self.device_type)
         profile.start()
         self._profile = profile
+        if self.clock is not None:
+            self.clock.synchronized = True
         log.info("profile started", profile_dir=str(profile_dir), device=self.device_type)
         return profile_dir
 
@@ -112,6 +138,8 @@ class StepProfiler:
         if self._profile is None:
             raise ProfilerStateError("no profile is running; start one first (POST /start_profile)")
         profile, self._profile = self._profile, None
+        if self.clock is not None:
+            self.clock.synchronized = False
         before = set(profile_dir.rglob("*"))
         started = time.perf_counter()
         profile.stop()  # NOTE: calls on_trace_ready, which exports the trace

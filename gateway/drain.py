@@ -4,6 +4,8 @@
 `DrainMiddleware` counts the requests in flight and refuses new ones while draining; the server
 (`gateway.server`) waits for `Drain.idle` (or its ``--shutdown-timeout``) before it stops.
 `/version` and `/metrics` still answer: liveness and monitoring see a process that is up.
+Each time the last request in flight ends, the gateway's heap is released if no other comes
+meanwhile (`IdleHeapRelease`): a large body's memory goes back to the system.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from npuserve.deploy.runtime.gc_heap import IdleHeapRelease
 from npuserve.gateway.errors import send_error, unavailable
 
 ANSWERED_WHILE_DRAINING = frozenset({"/version", "/metrics"})
@@ -31,6 +34,7 @@ class DrainMiddleware:
     def __init__(self, app: ASGIApp, drain: Drain) -> None:
         self.app = app
         self.drain = drain
+        self.heap = IdleHeapRelease(lambda: drain.idle)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,3 +50,4 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.drain.in_flight -= 1
+            self.heap.work_ended()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from npuserve.kernels.layout import cdiv
+from npuserve.kernels.staging import HostStaging
 
 
 @dataclass
@@ -35,6 +36,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Derived state a backend computes once per step and reuses in every layer.
     backend_state: dict[str, Any] = field(default_factory=dict)
+    # Set while a graph captures this step: the backend records there each attention call whose
+    # host-side arguments a replay must be given anew (`KernelBackend.update_graph_attention`).
+    graph_attention: list[Any] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -53,8 +57,14 @@ def build_attention_metadata(
     slot_mapping: np.ndarray,
     block_size: int,
     device: torch.device,
+    staging: HostStaging | None = None,
 ) -> AttentionMetadata:
-    """query_lens, seq_lens: [B] ints; block_table: [B, >= needed] block ids; slot_mapping: [T]."""
+    """query_lens, seq_lens: [B] ints; block_table: [B, >= needed] block ids; slot_mapping: [T].
+
+    The device tensors come through ``staging``'s pinned buffers, with asynchronous copies; without
+    it (a one-off, such as the memory profile) the copies block, so the host temporaries they
+    read cannot be freed while a copy is in flight.
+    """
     num_reqs = int(query_lens.shape[0])
     assert seq_lens.shape == (num_reqs,) and block_table.shape[0] == num_reqs
     assert (query_lens >= 1).all() and (seq_lens >= query_lens).all()
@@ -67,8 +77,10 @@ def build_attention_metadata(
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device, non_blocking=True)
+    def to_device(name: str, array: np.ndarray) -> torch.Tensor:
+        if staging is not None:
+            return staging.to_device(name, array, torch.int32)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device)
 
     return AttentionMetadata(
         num_reqs=num_reqs,
@@ -76,10 +88,10 @@ def build_attention_metadata(
         block_size=block_size,
         max_query_len=int(query_lens.max()),
         max_seq_len=max_seq_len,
-        query_start_loc=to_device(query_start_loc),
-        seq_lens=to_device(seq_lens),
-        block_table=to_device(table),
-        slot_mapping=to_device(slot_mapping),
+        query_start_loc=to_device("query_start_loc", query_start_loc),
+        seq_lens=to_device("seq_lens", seq_lens),
+        block_table=to_device("block_table", table),
+        slot_mapping=to_device("slot_mapping", slot_mapping),
         query_lens_host=query_lens.tolist(),
         seq_lens_host=seq_lens.tolist(),
     )

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id", "joins_steps")
+    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id", "joins_steps", "num_host_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ExecutorInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     JOINS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     block_size: int
@@ -44,7 +45,8 @@ class ExecutorInfo(_message.Message):
     version: str
     instance_id: str
     joins_steps: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., joins_steps: _Optional[bool] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., joins_steps: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "num_logprobs", "min_tokens", "stop_token_ids")
@@ -97,7 +99,7 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results", "session", "joins_running")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "reset", "bitmask", "executor_instance_id", "num_steps", "early_results", "session", "joins_running", "block_copies", "kv_pulls")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,8 @@ class StepRequest(_message.Message):
     EARLY_RESULTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     JOINS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -124,7 +128,53 @@ class StepRequest(_message.Message):
     early_results: bool
     session: int
     joins_running: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ..., session: _Optional[int] = ..., joins_running: _Optional[bool] = ...) -> None: ...
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    kv_pulls: _containers.RepeatedCompositeFieldContainer[KvPull]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., executor_instance_id: _Optional[str] = ..., num_steps: _Optional[_Iterable[int]] = ..., early_results: _Optional[bool] = ..., session: _Optional[int] = ..., joins_running: _Optional[bool] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., kv_pulls: _Optional[_Iterable[_Union[KvPull, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("to_host", "src", "dst")
+    TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    to_host: bool
+    src: int
+    dst: int
+    def __init__(self, to_host: _Optional[bool] = ..., src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class KvPull(_message.Message):
+    __slots__ = ("address", "instance_id", "src_block_ids", "dst_block_ids")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    instance_id: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("block_ids", "instance_id")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    instance_id: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("layer", "first", "shape", "dtype", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("req_ids", "words")
@@ -151,16 +201,32 @@ class SampledLogprobs(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("prepare_s", "forward_s", "sample_s", "total_s")
+    __slots__ = ("prepare_s", "forward_s", "sample_s", "total_s", "graph_passes", "eager_passes", "kv_transfers")
     PREPARE_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_PASSES_FIELD_NUMBER: _ClassVar[int]
+    EAGER_PASSES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     prepare_s: float
     forward_s: float
     sample_s: float
     total_s: float
-    def __init__(self, prepare_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    graph_passes: int
+    eager_passes: int
+    kv_transfers: _containers.RepeatedCompositeFieldContainer[KvTransfer]
+    def __init__(self, prepare_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., total_s: _Optional[float] = ..., graph_passes: _Optional[int] = ..., eager_passes: _Optional[int] = ..., kv_transfers: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ...) -> None: ...
+
+class KvTransfer(_message.Message):
+    __slots__ = ("kind", "num_bytes", "seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    num_bytes: int
+    seconds: float
+    def __init__(self, kind: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial")

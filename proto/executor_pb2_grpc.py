@@ -39,11 +39,6 @@ class ExecutorStub:
                 request_serializer=npuserve_dot_proto_dot_executor__pb2.InfoRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_executor__pb2.ExecutorInfo.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_unary(
-                '/npuserve.executor.v1.Executor/Step',
-                request_serializer=npuserve_dot_proto_dot_executor__pb2.StepRequest.SerializeToString,
-                response_deserializer=npuserve_dot_proto_dot_executor__pb2.StepResponse.FromString,
-                _registered_method=True)
         self.StepStream = channel.stream_stream(
                 '/npuserve.executor.v1.Executor/StepStream',
                 request_serializer=npuserve_dot_proto_dot_executor__pb2.StepRequest.SerializeToString,
@@ -64,6 +59,11 @@ class ExecutorStub:
                 request_serializer=npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/npuserve.executor.v1.Executor/ReadBlocks',
+                request_serializer=npuserve_dot_proto_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=npuserve_dot_proto_dot_executor__pb2.BlockChunk.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -76,18 +76,13 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Step(self, request, context):
-        """One step. Steps never overlap on an executor; a repeated step_id returns the earlier result.
-        A plan that contradicts the executor's state fails with INVALID_ARGUMENT, and the executor
-        has then dropped every request named in it (the scheduler fails them or sends them whole).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def StepStream(self, request_iterator, context):
-        """Steps over one long-lived stream: each request is answered, in order, by one response.
-        An error ends the stream with the same status codes as Step; the caller opens a new one.
+        """Steps over one long-lived stream: each request is answered, in order, by its responses (an
+        early answer first when it asks for one, then its result). Steps never overlap on an
+        executor; a repeated step_id returns the earlier result. A plan that contradicts the
+        executor's state fails with INVALID_ARGUMENT, and the executor has then dropped every
+        request named in it (the scheduler fails them or sends them whole); any error ends the
+        stream, and the caller opens a new one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +109,17 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocks(self, request, context):
+        """Blocks of this executor's KV cache, for another executor's step that pulls them (KvPull):
+        streamed layer by layer, a few blocks per message. Each message is read between this
+        executor's steps, never during one. Needs the cluster token like every call but Health. A
+        block id outside 1..num_blocks-1 is INVALID_ARGUMENT; a request for another instance_id
+        UNAVAILABLE; an executor with no KV cache to read (simulated) UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,11 +127,6 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=npuserve_dot_proto_dot_executor__pb2.InfoRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_executor__pb2.ExecutorInfo.SerializeToString,
-            ),
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=npuserve_dot_proto_dot_executor__pb2.StepRequest.FromString,
-                    response_serializer=npuserve_dot_proto_dot_executor__pb2.StepResponse.SerializeToString,
             ),
             'StepStream': grpc.stream_stream_rpc_method_handler(
                     servicer.StepStream,
@@ -146,6 +147,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.FromString,
                     response_serializer=npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=npuserve_dot_proto_dot_executor__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=npuserve_dot_proto_dot_executor__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,33 +181,6 @@ class Executor:
             '/npuserve.executor.v1.Executor/Info',
             npuserve_dot_proto_dot_executor__pb2.InfoRequest.SerializeToString,
             npuserve_dot_proto_dot_executor__pb2.ExecutorInfo.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Step(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/npuserve.executor.v1.Executor/Step',
-            npuserve_dot_proto_dot_executor__pb2.StepRequest.SerializeToString,
-            npuserve_dot_proto_dot_executor__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,6 +289,33 @@ class Executor:
             '/npuserve.executor.v1.Executor/StopProfile',
             npuserve_dot_proto_dot_executor__pb2.StopProfileRequest.SerializeToString,
             npuserve_dot_proto_dot_executor__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/npuserve.executor.v1.Executor/ReadBlocks',
+            npuserve_dot_proto_dot_executor__pb2.ReadBlocksRequest.SerializeToString,
+            npuserve_dot_proto_dot_executor__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,

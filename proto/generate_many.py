@@ -7,6 +7,11 @@ The client keeps one call open: the first generation opens it, and one started a
 ended opens another. A call that breaks (its connection lost, the scheduler stopped) fails every
 generation still open on it with the call's status, as each of their `Generate` calls would.
 That status can be lost, though (`GenerateFailed.status_lost`): see `LOST_STATUS_DETAILS`.
+
+The call is read as fast as it comes, for every generation on it, so a generation whose reader
+is slower than its output keeps what it has not read: ``max_buffered_bytes`` bounds that, per
+generation (`GenerateStream`); past it the generation is cancelled and fails `StreamOverrun`,
+while the others on the call go on.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.error_details import error_field
 
-__all__ = ["LOST_STATUS_DETAILS", "GenerateFailed", "GenerateManyClient", "GenerateStream"]
+__all__ = ["LOST_STATUS_DETAILS", "GenerateFailed", "GenerateManyClient", "GenerateStream", "StreamOverrun"]
 
 # NOTE: grpc's asyncio client loses the status of a call that ends while one of its requests is
 # being written: the write fails, and the call ends INTERNAL with these details instead of the
@@ -63,15 +68,34 @@ class GenerateFailed(Exception):
         return cls(exc.code(), details, error_field(exc), status_lost=lost, call_ended=True)
 
 
-_Item = pb.GenerateResponse | GenerateFailed | None  # None: the generation is done
+class StreamOverrun(GenerateFailed):
+    """The generation's reader left more than ``limit_bytes`` of its output unread, so it was
+    cancelled (its blocks freed) and what it kept was dropped."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        message = f"more than {limit_bytes} bytes of the generation's output went unread; it was cancelled"
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.limit_bytes = limit_bytes
+
+
+# A response (as its bytes when it waited behind others), the end (None) or the failure.
+_Item = pb.GenerateResponse | bytes | GenerateFailed | None
 
 
 class GenerateStream:
-    """One generation: its responses as they arrive, kept until read."""
+    """One generation: its responses as they arrive, kept until read.
 
-    def __init__(self, call: _OpenCall, stream_id: int) -> None:
+    A response that no reader waits for is kept as its serialized bytes: a parsed one takes 6 to
+    35 times its size in memory, and holds the whole call message it came in (every generation's
+    events) until it is read. Past ``max_buffered_bytes`` of those (0: no bound) the generation is
+    cancelled, what it kept is dropped, and `read` raises `StreamOverrun`: a reader slower than
+    its output holds at most that much."""
+
+    def __init__(self, call: _OpenCall, stream_id: int, max_buffered_bytes: int = 0) -> None:
         self.stream_id = stream_id
         self._call = call
+        self._max_buffered_bytes = max_buffered_bytes
+        self._buffered_bytes = 0  # of the responses kept as bytes
         self._items: deque[_Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
@@ -86,8 +110,12 @@ class GenerateStream:
         item = self._items[0]
         if isinstance(item, GenerateFailed):
             raise item
-        if item is not None:
-            self._items.popleft()  # the end stays: read again, it is read again
+        if item is None:
+            return None  # the end stays: read again, it is read again
+        self._items.popleft()
+        if isinstance(item, bytes):
+            self._buffered_bytes -= len(item)
+            return pb.GenerateResponse.FromString(item)
         return item
 
     def cancel(self) -> None:
@@ -102,6 +130,24 @@ class GenerateStream:
         if response is None:
             raise StopAsyncIteration
         return response
+
+    def _put_response(self, response: pb.GenerateResponse) -> bool:
+        """Keeps ``response`` until read; False if that overran the bound: the generation was
+        cancelled and ends in `StreamOverrun` (what follows for it is not wanted)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():  # a reader takes it at once
+            self._put(response)
+            return True
+        data = response.SerializeToString()
+        self._buffered_bytes += len(data)
+        if 0 < self._max_buffered_bytes < self._buffered_bytes:
+            self._items.clear()
+            self._buffered_bytes = 0
+            self._call.cancel(self)
+            self._put(StreamOverrun(self._max_buffered_bytes))
+            return False
+        self._put(data)
+        return True
 
     def _put(self, item: _Item) -> None:
         self._items.append(item)
@@ -145,8 +191,12 @@ class _OpenCall:
             self._writable.clear()
             if self._over:
                 return
-            actions, self._actions = self._actions, deque()
-            yield pb.GenerateManyRequest(actions=actions)
+            # NOTE: no local keeps the batch: it would hold the requests until the next write.
+            yield pb.GenerateManyRequest(actions=self._take_actions())
+
+    def _take_actions(self) -> deque[pb.GenerateManyAction]:
+        actions, self._actions = self._actions, deque()
+        return actions
 
     async def _read(self) -> None:
         failure = GenerateFailed(
@@ -159,8 +209,8 @@ class _OpenCall:
                     stream = streams.get(event.stream_id)
                     if stream is None:  # cancelled
                         continue
-                    if event.HasField("response"):
-                        stream._put(event.response)
+                    if event.HasField("response") and not stream._put_response(event.response):
+                        continue  # it overran its bound: cancelled
                     if event.HasField("error"):
                         del streams[event.stream_id]
                         stream._put(GenerateFailed.of_event(event.error))
@@ -182,11 +232,18 @@ class _OpenCall:
 
 class GenerateManyClient:
     """Generations over one `GenerateMany` call at a time on ``stub``'s channel; use it on one
-    event loop. ``metadata`` goes with each call (the API key's, for one)."""
+    event loop. ``metadata`` goes with each call (the API key's, for one); each generation may
+    keep up to ``max_buffered_bytes`` of output unread (0: no bound; see `GenerateStream`)."""
 
-    def __init__(self, stub: pb_grpc.SchedulerStub, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.SchedulerStub,
+        metadata: Sequence[tuple[str, str]] = (),
+        max_buffered_bytes: int = 0,
+    ) -> None:
         self._stub = stub
         self._metadata = metadata
+        self._max_buffered_bytes = max_buffered_bytes
         self._stream_ids = itertools.count(1)
         self._open: _OpenCall | None = None
 
@@ -194,7 +251,7 @@ class GenerateManyClient:
         call = self._open
         if call is None:
             call = self._open = _OpenCall(self, self._stub, self._metadata)
-        stream = GenerateStream(call, next(self._stream_ids))
+        stream = GenerateStream(call, next(self._stream_ids), self._max_buffered_bytes)
         call.streams[stream.stream_id] = stream
         call.send(pb.GenerateManyAction(stream_id=stream.stream_id, generate=request))
         return stream

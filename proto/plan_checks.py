@@ -3,7 +3,7 @@ and the scheduler's tests use them too)."""
 
 from __future__ import annotations
 
-from npuserve.proto.step_plan import NewRequest, StepPlan, admits_only
+from npuserve.proto.step_plan import BlockCopy, KvPull, NewRequest, StepPlan, admits_only
 
 
 class PlanError(ValueError):
@@ -28,6 +28,36 @@ def check_joining(plan: StepPlan) -> None:
     codec refuses any other from the wire; this guards a runner's callers in process)."""
     if not admits_only(plan):
         raise PlanError(f"step {plan.step_id} joins the running one but does more than admit requests")
+
+
+def check_block_copies(copies: list[BlockCopy], num_blocks: int, num_host_blocks: int) -> None:
+    """Copies between device blocks (1..num_blocks-1) and host blocks (0..num_host_blocks-1)."""
+    for copy in copies:
+        device, host = (copy.src, copy.dst) if copy.to_host else (copy.dst, copy.src)
+        if not 0 < device < num_blocks or not 0 <= host < num_host_blocks:
+            raise PlanError(
+                f"block copy {copy}: device block outside 1..{num_blocks - 1} or host block outside "
+                f"0..{num_host_blocks - 1}"
+            )
+
+
+def check_kv_pulls(pulls: list[KvPull], num_blocks: int) -> None:
+    """Pulls from other executors: each names a source and as many source blocks as blocks
+    here, within 1..num_blocks-1 and none written twice in the step (the source checks its own
+    ids as it reads them)."""
+    written: set[int] = set()
+    for pull in pulls:
+        dst = pull.dst_block_ids
+        if not pull.address or not dst or len(pull.src_block_ids) != len(dst):
+            raise PlanError(
+                f"kv pull from {pull.address!r}: {len(pull.src_block_ids)} source blocks for "
+                f"{len(dst)} blocks here (a pull names a source and one block here per source block)"
+            )
+        if min(dst) < 1 or max(dst) >= num_blocks:
+            raise PlanError(f"kv pull from {pull.address!r}: a block id outside 1..{num_blocks - 1}")
+        if written.intersection(dst) or len(set(dst)) != len(dst):
+            raise PlanError(f"kv pull from {pull.address!r}: a block is written twice in one step")
+        written.update(dst)
 
 
 def check_block_ids(

@@ -12,8 +12,11 @@ import dataclasses
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.sampling_ranges import check_options
 from npuserve.proto.step_plan import (
+    BlockCopy,
     CachedRequest,
     ExecutorInfo,
+    KvPull,
+    KvTransfer,
     NewRequest,
     SamplingOptions,
     StepPlan,
@@ -68,6 +71,20 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     if plan.num_steps:
         steps = plan.num_steps
         msg.num_steps.extend([steps.get(r, 1) for r in plan.num_scheduled_tokens])
+    if plan.block_copies:
+        msg.block_copies.extend(
+            pb.BlockCopy(to_host=c.to_host, src=c.src, dst=c.dst) for c in plan.block_copies
+        )
+    if plan.kv_pulls:
+        msg.kv_pulls.extend(
+            pb.KvPull(
+                address=p.address,
+                instance_id=p.instance_id,
+                src_block_ids=p.src_block_ids,
+                dst_block_ids=p.dst_block_ids,
+            )
+            for p in plan.kv_pulls
+        )
     return msg
 
 
@@ -96,6 +113,10 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         num_steps=num_steps,
         session=msg.session,
         joins_running=msg.joins_running,
+        block_copies=[BlockCopy(c.to_host, c.src, c.dst) for c in msg.block_copies],
+        kv_pulls=[
+            KvPull(p.address, p.instance_id, p.src_block_ids[:], p.dst_block_ids[:]) for p in msg.kv_pulls
+        ],
     )
     if plan.joins_running and not admits_only(plan):
         raise CodecError(f"step {msg.step_id}: a step that joins the running one may only admit requests")
@@ -195,7 +216,15 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
         sampled_req_ids=result.sampled_req_ids,
         sampled_token_ids=result.sampled_token_ids,
         timings=pb.StepTimings(
-            prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
+            prepare_s=t.prepare_s,
+            forward_s=t.forward_s,
+            sample_s=t.sample_s,
+            total_s=t.total_s,
+            graph_passes=t.graph_passes,
+            eager_passes=t.eager_passes,
+            kv_transfers=[
+                pb.KvTransfer(kind=k.kind, num_bytes=k.num_bytes, seconds=k.seconds) for k in t.kv_transfers
+            ],
         ),
         draining=result.draining,
         partial=result.partial,
@@ -229,7 +258,13 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
         sampled_token_ids=msg.sampled_token_ids[:],
         logprobs=_logprobs_from_proto(msg, num_sampled),
         timings=StepTimings(
-            prepare_s=t.prepare_s, forward_s=t.forward_s, sample_s=t.sample_s, total_s=t.total_s
+            prepare_s=t.prepare_s,
+            forward_s=t.forward_s,
+            sample_s=t.sample_s,
+            total_s=t.total_s,
+            graph_passes=t.graph_passes,
+            eager_passes=t.eager_passes,
+            kv_transfers=[KvTransfer(k.kind, k.num_bytes, k.seconds) for k in t.kv_transfers],
         ),
         draining=msg.draining,
         partial=msg.partial,
@@ -277,6 +312,7 @@ def info_to_proto(info: ExecutorInfo, executor_id: str = "", version: str = "") 
         device=info.device,
         tensor_parallel_size=info.tensor_parallel_size,
         joins_steps=info.joins_steps,
+        num_host_blocks=info.num_host_blocks,
         executor_id=executor_id,
         version=version,
     )
@@ -298,4 +334,5 @@ def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
         device=msg.device,
         tensor_parallel_size=msg.tensor_parallel_size,
         joins_steps=msg.joins_steps,
+        num_host_blocks=msg.num_host_blocks,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from npuserve.proto.kv_layout import cdiv
 
@@ -80,6 +80,27 @@ class TokenBitmask:
     words: bytes
 
 
+class BlockCopy(NamedTuple):
+    """One KV block copied whole, every layer, between the device and the host-memory tier:
+    device block ``src`` to host block ``dst`` (``to_host``), or host ``src`` to device ``dst``."""
+
+    to_host: bool
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class KvPull:
+    """KV blocks of another executor (the source) copied whole, every layer, into this one's:
+    ``src_block_ids[i]`` of the source into ``dst_block_ids[i]`` here (`executor.kv_transfer`).
+    The scheduler holds the source's blocks, unchanged, until the pulling step is answered."""
+
+    address: str  # host:port of the source executor, as the scheduler reaches it
+    instance_id: str  # its `ExecutorInfo.instance_id` (empty: any): a restarted source refuses
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
@@ -107,6 +128,14 @@ class StepPlan:
     # max_num_batched_tokens, its answer comes after that pass. For an executor whose
     # `ExecutorInfo.joins_steps` says so, over the step stream.
     joins_running: bool = False
+    # Copies between device blocks and the host-memory tier, run in order before anything else
+    # of the step: spills of the prefix-cache blocks the step's allocations evict, and loads of
+    # its host prefix hits into device blocks (`scheduler.core.host_tier`).
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    # Blocks copied from other executors' KV caches into this one's, after `block_copies` and
+    # before the step's forward: a request whose prompt another executor computed continues
+    # here (its `NewRequest.num_computed_tokens` counts the pulled tokens).
+    kv_pulls: list[KvPull] = field(default_factory=list)
 
     @property
     def num_passes(self) -> int:
@@ -132,12 +161,33 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+# What a step's KV transfers moved blocks between (`KvTransfer.kind`): its device blocks and its
+# host-memory tier (`StepPlan.block_copies`), or another executor's device blocks and its own
+# (`StepPlan.kv_pulls`).
+KV_TRANSFER_HOST_TIER = "host_tier"
+KV_TRANSFER_EXECUTOR = "executor"
+KV_TRANSFER_KINDS = (KV_TRANSFER_HOST_TIER, KV_TRANSFER_EXECUTOR)
+
+
+class KvTransfer(NamedTuple):
+    """KV blocks one step moved, of one kind (`KV_TRANSFER_KINDS`): bytes, and seconds."""
+
+    kind: str
+    num_bytes: int
+    seconds: float
+
+
 @dataclass(slots=True)
 class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+    # The step's forward passes, by how they ran: replaying a captured decode graph, or eagerly.
+    graph_passes: int = 0
+    eager_passes: int = 0
+    # The step's KV block transfers, one per kind that moved bytes.
+    kv_transfers: list[KvTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -167,10 +217,11 @@ def named_req_ids(*plans: StepPlan) -> list[str]:
 
 def admits_only(plan: StepPlan) -> bool:
     """Whether a plan only admits requests, one pass each: every request it runs is new in it,
-    and it drops none, resets nothing and carries no bitmask (what a step that joins another's
-    passes may hold: `StepPlan.joins_running`)."""
+    and it drops none, resets nothing, pulls no blocks and carries no bitmask (what a step that
+    joins another's passes may hold: `StepPlan.joins_running`; a pull would hold up the running
+    step's next pass while its bytes cross the network)."""
     return (
-        not (plan.cached_requests or plan.finished_req_ids or plan.reset or plan.num_steps)
+        not (plan.cached_requests or plan.finished_req_ids or plan.reset or plan.num_steps or plan.kv_pulls)
         and plan.bitmask is None
         and len(plan.new_requests) == len(plan.num_scheduled_tokens)
         and all(r.req_id in plan.num_scheduled_tokens for r in plan.new_requests)
@@ -257,3 +308,4 @@ class ExecutorInfo:
     tensor_parallel_size: int = 1
     # Runs a step that `joins_running` inside the multi-pass step it is running.
     joins_steps: bool = False
+    num_host_blocks: int = 0  # KV blocks of the host-memory tier (`--kv-host-memory`)

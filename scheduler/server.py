@@ -46,7 +46,6 @@ from npuserve.scheduler.service_config import (
     ServiceConfig,
     default_api_server_count,
     default_scheduler_workers,
-    pipelines_steps,
 )
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -156,10 +155,7 @@ async def serve_scheduler(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
-    async_scheduling = pipelines_steps(config.async_scheduling, config.step_transport)
-    # NOTE: pipelined steps need the streaming transport (the executor runs them in order).
-    transport = "stream" if async_scheduling else config.step_transport
-    spec = ClientSpec(transport, config.step_timeout_s, config.cluster_token, config.tls_ca)
+    spec = ClientSpec(config.step_timeout_s, config.cluster_token, config.tls_ca)
 
     def make_client(address: str) -> AioExecutorClient:
         return AioExecutorClient.from_spec(spec, address)
@@ -185,7 +181,7 @@ async def serve_scheduler(
             routing_prefill_weight=config.routing_prefill_weight,
             max_queued_requests=config.max_queued_requests,
             trust_request_chat_template=config.trust_request_chat_template,
-            async_scheduling=async_scheduling,
+            async_scheduling=config.async_scheduling,
             stream_interval=config.stream_interval,
             num_scheduler_steps=config.num_scheduler_steps,
         ),

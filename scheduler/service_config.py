@@ -14,12 +14,6 @@ from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 
-# How steps reach an executor: a unary call each, or one long-lived stream per executor (the
-# default: in the scale bench 16-20% more tokens/s than a call per step at 16 executors and
-# 256-1,024 streams, within the noise at 4,096 and over 4 executors, and about a third less CPU
-# on the executors' side).
-STEP_TRANSPORTS = ("unary", "stream")
-DEFAULT_STEP_TRANSPORT = "stream"
 MAX_DEFAULT_WORKERS = 16
 MAX_DEFAULT_API_SERVERS = 8
 
@@ -40,14 +34,15 @@ class ServiceConfig:
     max_queued_requests: int | None = None
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
-    # Build step N+1 while the executor runs step N (stream transport); None: `pipelines_steps`.
-    async_scheduling: bool | None = None
+    # Build and send step N+1 while the executor runs step N (vLLM's --async-scheduling, on here
+    # by default): over gRPC (`npuserve bench --compare offline,grpc-stream`, 2 cores) the ~150M
+    # Llama preset kept a median 0.98x of in-process throughput against 0.88x without.
+    async_scheduling: bool = True
     stream_interval: int = 1  # tokens per streamed delta after a sequence's first
     # How long a client may leave a stream's response unread before its requests are aborted; 0: for ever.
     stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S
     # Passes per step of a sampling request (multi-step decoding); 0 (`AUTO_SCHEDULER_STEPS`): auto.
     num_scheduler_steps: int = AUTO_SCHEDULER_STEPS
-    step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
     step_timeout_s: float = 60.0
     connect_timeout_s: float = 120.0
     registry: str | None = None  # redis://HOST:PORT/DB where executors register
@@ -72,15 +67,3 @@ def default_api_server_count() -> int:
 def default_scheduler_workers() -> int:
     """One worker process per core but one (the front's), at least one, at most 16."""
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) - 1))
-
-
-def pipelines_steps(async_scheduling: bool | None, step_transport: str) -> bool:
-    """Whether lanes schedule each step while the executor runs the one before: as asked, and
-    by default whenever steps go over the streaming transport (as vLLM turns it on by default).
-
-    The step's round trip and the lane's scheduling then overlap the executor's compute: over
-    gRPC (`npuserve bench --compare offline,grpc-stream`, 2 cores) the ~150M Llama preset kept
-    a median 0.98x of in-process throughput over nine rounds against 0.88x without, and
-    stories260K, whose steps are shorter, 0.97x of the mean tokens/s against 0.91x (medians of
-    9 rounds: 0.92x and 0.90x)."""
-    return step_transport == "stream" if async_scheduling is None else async_scheduling

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.npu_emulation import emulate_npu
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.grpc_env import set_grpc_environment
-from npuserve.kernels.npu_emulation import EMULATE_ENV
-from npuserve.kernels.npu_emulation.runtime import MODULE_NAMES
 
 # `python -m pytest` puts the working directory, the repository's root, first on sys.path, where
 # its `kernels/` (installed as `npuserve.kernels`) shadows the PyPI package `kernels` that
@@ -53,13 +52,5 @@ def emulated_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     """``NPUSERVE_EMULATE_NPU=1`` for this test (and the processes it starts); the torch_npu
     stand-in that ``--device npu`` then installs is removed again afterwards. Yields the
     monkeypatch, to set the emulated machine's variables."""
-    monkeypatch.setenv(EMULATE_ENV, "1")
-    for name in MODULE_NAMES:
-        if name not in sys.modules:
-            monkeypatch.setitem(sys.modules, name, None)  # restored (removed) at teardown
-            del sys.modules[name]
-    # The npu backend binds the torch_npu it imported first: import it afresh for this stand-in.
-    monkeypatch.delitem(sys.modules, "npuserve.kernels.backends.npu_backend", raising=False)
-    monkeypatch.setattr(torch, "npu", getattr(torch, "npu", None), raising=False)
-    monkeypatch.setattr(torch.version, "cann", getattr(torch.version, "cann", None), raising=False)
+    emulate_npu(monkeypatch)
     yield monkeypatch

@@ -272,6 +272,9 @@ def format_runner_table(results: Sequence[CaseResult]) -> str:
         f"{'dtype':<9} {'batch':>5} {'npuserve tok/s':>15} {'transformers tok/s':>19} "
         f"{'speed-up':>9} {'same tokens':>12}"
     )
+    eager = {(r.dtype, r.batch_size): r for r in results if r.engine == "npuserve-eager"}
+    if eager:
+        header += f" {'eager tok/s':>12} {'graphs':>8} {'same as eager':>14}"
     lines = [header, "-" * len(header)]
     ours = {(r.dtype, r.batch_size): r for r in results if r.engine == "npuserve"}
     theirs = {(r.dtype, r.batch_size): r for r in results if r.engine == "transformers"}
@@ -283,16 +286,22 @@ def format_runner_table(results: Sequence[CaseResult]) -> str:
         if other:
             pairs = zip(mine.output_token_ids, other.output_token_ids, strict=True)
             same = f"{sum(x == y for x, y in pairs)}/{len(mine.output_token_ids)}"
-        lines.append(
-            f"{key[0]:<9} {key[1]:>5} {mine.decode_tokens_per_s:15.1f} {ref_tps} {speedup} {same:>12}"
-        )
+        line = f"{key[0]:<9} {key[1]:>5} {mine.decode_tokens_per_s:15.1f} {ref_tps} {speedup} {same:>12}"
+        if key in eager:
+            base = eager[key]
+            equal = sum(x == y for x, y in zip(mine.output_token_ids, base.output_token_ids, strict=True))
+            line += (
+                f" {base.decode_tokens_per_s:12.1f} {mine.decode_tokens_per_s / base.decode_tokens_per_s:7.2f}x"
+                f" {f'{equal}/{len(base.output_token_ids)}':>14}"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
 def plot_runner(results: Sequence[CaseResult], path: Path) -> None:
     """Decode tokens/s against batch size, one line per engine and dtype."""
     with figure(path, size=(7, 4.5)) as axes:
-        for engine in ("npuserve", "transformers"):
+        for engine in ("npuserve", "npuserve-eager", "transformers"):
             for dtype in sorted({r.dtype for r in results}):
                 points = sorted(
                     (r.batch_size, r.decode_tokens_per_s)
@@ -301,7 +310,8 @@ def plot_runner(results: Sequence[CaseResult], path: Path) -> None:
                 )
                 if points:
                     xs, ys = zip(*points, strict=True)
-                    axes.plot(xs, ys, "-o" if engine == "npuserve" else "--s", label=f"{engine} {dtype}")
+                    style = "--s" if engine == "transformers" else "-o" if engine == "npuserve" else ":^"
+                    axes.plot(xs, ys, style, label=f"{engine} {dtype}")
         axes.set_xscale("log", base=2)
         axes.set_xlabel("batch size (concurrent requests)")
         axes.set_ylabel("decode tokens / s")

@@ -57,7 +57,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class CaseResult:
-    engine: str  # "npuserve" or "transformers"
+    engine: str  # "npuserve", "npuserve-eager" (--enforce-eager) or "transformers"
     dtype: str
     batch_size: int
     prompt_len: int
@@ -185,6 +185,9 @@ class BenchmarkConfig:
     prompt_len: int = 128
     output_len: int = 128
     compare_transformers: bool = True
+    # Also each case with --enforce-eager ("npuserve-eager"), against decode graphs ("npuserve"),
+    # which npu and cuda devices capture by default.
+    compare_eager: bool = False
     seed: int = 0
     kv_cache_memory_gib: float = 2.0
 
@@ -200,32 +203,40 @@ def run_benchmark(config: BenchmarkConfig) -> list[CaseResult]:
         )
         load_format = "auto" if config.model or config.compare_transformers else "dummy"
         for dtype in config.dtypes:
-            runner = ModelRunner(
-                ExecutorConfig(
-                    model=str(model_dir),
-                    dtype=dtype,
-                    load_format=load_format,
-                    max_model_len=config.prompt_len + config.output_len,
-                    max_num_seqs=max(config.batch_sizes),
-                    max_num_batched_tokens=max(config.batch_sizes) * config.prompt_len,
-                    kv_cache_memory_gib=config.kv_cache_memory_gib,
-                    seed=config.seed,
+            runners = {
+                engine: ModelRunner(
+                    ExecutorConfig(
+                        model=str(model_dir),
+                        dtype=dtype,
+                        load_format=load_format,
+                        max_model_len=config.prompt_len + config.output_len,
+                        max_num_seqs=max(config.batch_sizes),
+                        max_num_batched_tokens=max(config.batch_sizes) * config.prompt_len,
+                        kv_cache_memory_gib=config.kv_cache_memory_gib,
+                        seed=config.seed,
+                        enforce_eager=engine == "npuserve-eager",
+                    )
                 )
-            )
-            vocab_size = runner.model_config.vocab_size
+                for engine in ("npuserve", "npuserve-eager")[: 2 if config.compare_eager else 1]
+            }
+            vocab_size = runners["npuserve"].model_config.vocab_size
             step_ids = itertools.count()
             reference = _load_transformers(model_dir, dtype) if config.compare_transformers else None
             for batch_size in config.batch_sizes:
                 prompt_ids = prompts(batch_size, config.prompt_len, vocab_size, config.seed)
-                run_npuserve(runner, prompts(batch_size, 8, vocab_size, 1), 4, dtype, step_ids)  # warm-up
-                cases = [run_npuserve(runner, prompt_ids, config.output_len, dtype, step_ids)]
+                cases = []
+                for engine, runner in runners.items():
+                    run_npuserve(runner, prompts(batch_size, 8, vocab_size, 1), 4, dtype, step_ids)  # warm-up
+                    case = run_npuserve(runner, prompt_ids, config.output_len, dtype, step_ids)
+                    case.engine = engine
+                    cases.append(case)
                 if reference is not None:
                     run_transformers(reference, prompt_ids[:, :8], 4, dtype)  # warm-up
                     cases.append(run_transformers(reference, prompt_ids, config.output_len, dtype))
                 for case in cases:
                     log.info("benchmark case", **case.row())
                 results += cases
-            del runner, reference
+            del runners, reference
     return results
 
 
@@ -248,6 +259,7 @@ def run_runner_bench(args: argparse.Namespace) -> int:
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         compare_transformers=not args.no_compare,
+        compare_eager=args.compare_eager,
         seed=args.seed,
         kv_cache_memory_gib=args.kv_cache_memory,
     )

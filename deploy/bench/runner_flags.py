@@ -19,6 +19,11 @@ def add_runner_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB")
     parser.add_argument("--no-compare", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="also run each case with --enforce-eager (decode graphs against eager steps, on npu and cuda)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output-json", type=Path, help="write every case as JSON here (default: ./bench-results/)"

@@ -90,7 +90,6 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
     scheduler = SCHEDULER.default(
         model=str(config.model),
         executors=list(addresses),
-        step_transport=config.step_transport,
         routing=config.routing,
         routing_prefill_weight=config.routing_prefill_weight,
         scheduler_workers=config.scheduler_workers,
@@ -360,7 +359,6 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             max_num_seqs=args.max_num_seqs,
             model=args.model,
-            step_transport=args.step_transport,
             routing=args.routing,
             routing_prefill_weight=args.routing_prefill_weight,
             executor_nice=args.executor_nice,

@@ -10,7 +10,6 @@ from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
-from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 60.0
@@ -47,13 +46,12 @@ class ScaleConfig:
     num_blocks: int = 0  # per executor; 0: 4x what an even share of the largest concurrency needs
     max_num_seqs: int = 512
     model: Path = DEMO_MODEL_DIR
-    step_transport: str = DEFAULT_STEP_TRANSPORT
     routing: str = "prefix-aware"
     routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # the scheduler's --routing-prefill-weight
     executor_nice: int = SIMULATED_EXECUTOR_NICE  # the simulated executors' process (0: as the rest)
     scheduler_workers: int | None = None  # None: the scheduler's default (from the cores)
     api_server_count: int | None = None  # None: the scheduler's default (from the cores)
-    async_scheduling: bool | None = None  # None: the scheduler's default (on over the stream transport)
+    async_scheduling: bool = True
     stream_interval: int = 1  # the scheduler's --stream-interval
     num_scheduler_steps: int = AUTO_SCHEDULER_STEPS  # the scheduler's --num-scheduler-steps
     client_call: str = CLIENT_CALLS[0]

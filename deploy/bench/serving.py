@@ -36,12 +36,11 @@ from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.runtime.cpu_priority import control_plane_nice
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
-from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
 
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
 ENGINE_FIELDS = (
-    "device", "dtype", "load_format", "kv_cache_memory_gib", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "block_size", "cpu_threads",
+    "device", "dtype", "load_format", "kv_cache_memory_gib", "kv_host_memory_gib", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_threads",
 )  # fmt: skip
 ENGINE_FLAG_WORDING: dict[str, dict[str, Any]] = {
     "kv_cache_memory_gib": {"help": "KV cache GiB per executor"},
@@ -166,7 +165,10 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
 
 # -- variants and the command line ------------------------------------------------------------------
 
-VARIANT_KINDS = ("offline", "grpc", "grpc-unary", "grpc-stream", "caching")
+# "grpc-stream": the name "grpc" had when steps could also go as a call each.
+VARIANT_KINDS = ("offline", "grpc", "grpc-stream", "caching", "host-tier")
+# `--compare host-tier` without --kv-host-memory: a host tier this many times the KV cache.
+HOST_TIER_TIMES_CACHE = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,14 +176,14 @@ class Variant:
     name: str
     kind: str  # "offline" or "grpc"
     enable_prefix_caching: bool
-    step_transport: str = DEFAULT_STEP_TRANSPORT
+    kv_host_memory_gib: float | None = None  # None: as --kv-host-memory says
 
 
 def parse_variants(args: argparse.Namespace) -> list[Variant]:
     """`--mode` (default: grpc with `--address`, else offline) or the `--compare` list, as variants.
 
-    ``grpc`` uses `--step-transport`; ``grpc-unary``/``grpc-stream`` name the transport;
-    ``caching`` is two offline variants, prefix caching on and off.
+    ``caching`` is two offline variants, prefix caching on and off; ``host-tier`` two with and
+    without a host-memory KV tier (--kv-host-memory, else `HOST_TIER_TIMES_CACHE` times the cache).
     """
     compare, address = args.compare, args.address
     names = (
@@ -194,14 +196,20 @@ def parse_variants(args: argparse.Namespace) -> list[Variant]:
     for name in names:
         if name == "offline":
             variants.append(Variant("offline", "offline", caching))
-        elif name == "grpc":
-            variants.append(Variant("grpc", "grpc", caching, args.step_transport))
-        elif name in ("grpc-unary", "grpc-stream"):
-            variants.append(Variant(name, "grpc", caching, name.removeprefix("grpc-")))
+        elif name in ("grpc", "grpc-stream"):
+            variants.append(Variant(name, "grpc", caching))
         elif name == "caching":
             variants += [
                 Variant("prefix-cache-on", "offline", True),
                 Variant("prefix-cache-off", "offline", False),
+            ]
+        elif name == "host-tier":
+            host_gib = args.kv_host_memory or HOST_TIER_TIMES_CACHE * (args.kv_cache_memory or 0.0)
+            if not host_gib:
+                raise ValueError("--compare host-tier needs --kv-host-memory or --kv-cache-memory")
+            variants += [
+                Variant("host-tier-on", "offline", caching, host_gib),
+                Variant("host-tier-off", "offline", caching, 0.0),
             ]
         else:
             raise ValueError(
@@ -252,6 +260,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares"
     )
     workload.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared prefixes the prompts take in turn (default: 1)"
+    )
+    workload.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)"
     )
     workload.add_argument("--temperature", type=float, default=0.0)
@@ -285,7 +296,6 @@ def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant
     if executor.cpu_threads is None:  # NOTE: as `npuserve serve` runs them
         executor.cpu_threads = AUTO_CPU_THREADS
     passed_on = {name: getattr(args, name) for name in BENCH_FIELDS}
-    passed_on["step_transport"] = variant.step_transport  # the variant's, which the flag sets
     scheduler = SCHEDULER.default(
         model=model, enable_prefix_caching=variant.enable_prefix_caching, **passed_on
     )
@@ -339,8 +349,11 @@ def _run_variant(
     warmup = warmup_requests(workload, _vocab_size(model), args.max_num_batched_tokens)
     progress = not args.disable_tqdm
     if variant.kind == "offline":
+        config = EXECUTOR.from_args(args, model=model, load_format=load_format)
+        if variant.kv_host_memory_gib is not None:
+            config.kv_host_memory_gib = variant.kv_host_memory_gib
         target: Target = OfflineTarget(
-            EXECUTOR.from_args(args, model=model, load_format=load_format),
+            config,
             args.num_executors,
             variant.enable_prefix_caching,
             variant.name,
@@ -369,6 +382,7 @@ def run_bench(args: argparse.Namespace) -> int:
             prompt_len_max=args.prompt_len_max,
             output_len=args.output_len,
             shared_prefix_len=args.shared_prefix_len,
+            num_prefixes=args.num_prefixes,
             request_rate=args.request_rate,
             seed=args.seed,
             temperature=args.temperature,
@@ -391,7 +405,7 @@ def run_bench(args: argparse.Namespace) -> int:
             requests = build_workload(workload, _vocab_size(model))
             print(
                 f"workload: {workload.num_requests} requests, prompts {workload.prompt_len_min}-"
-                f"{workload.prompt_len_max} tokens (shared prefix {workload.shared_prefix_len}), output "
+                f"{workload.prompt_len_max} tokens (shared prefix {workload.shared_prefix_len} x {workload.num_prefixes}), output "
                 f"{workload.output_len}, rate {workload.request_rate} req/s; model {args.preset or model}",
                 flush=True,
             )

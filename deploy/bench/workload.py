@@ -1,4 +1,4 @@
-"""The serving bench's workload: seeded random token-id prompts (optionally sharing a prefix),
+"""The serving bench's workload: seeded random token-id prompts (optionally sharing prefixes),
 arriving at once or as a Poisson process; the same for a given config and vocabulary."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class WorkloadConfig:
     prompt_len_max: int = 384  # with the output, within the demo model's 512-token context
     output_len: int = 128
     shared_prefix_len: int = 0
+    num_prefixes: int = 1  # prompts share one of this many prefixes, in turn
     request_rate: float = math.inf  # requests/s; finite: Poisson arrivals, inf: all at once
     seed: int = 0
     temperature: float = 0.0
@@ -37,6 +38,8 @@ class WorkloadConfig:
                 f"--shared-prefix-len must be in [0, --prompt-len-min={self.prompt_len_min}], "
                 f"got {self.shared_prefix_len}"
             )
+        if self.num_prefixes < 1:
+            raise ValueError(f"--num-prefixes must be >= 1, got {self.num_prefixes}")
         if not self.request_rate > 0:
             raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
         if self.temperature < 0:
@@ -64,12 +67,13 @@ def build_workload(config: WorkloadConfig, vocab_size: int) -> list[BenchRequest
     def draw(n: int) -> list[int]:
         return [tokens.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
-    prefix = draw(config.shared_prefix_len)
+    prefixes = [draw(config.shared_prefix_len) for _ in range(config.num_prefixes)]
     requests, clock = [], 0.0
     for index in range(config.num_requests):
         length = tokens.randint(config.prompt_len_min, config.prompt_len_max)
         if index and math.isfinite(config.request_rate):
             clock += arrivals.expovariate(config.request_rate)
+        prefix = prefixes[index % len(prefixes)]
         requests.append(BenchRequest(index, prefix + draw(length - len(prefix)), clock))
     return requests
 

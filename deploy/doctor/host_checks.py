@@ -13,7 +13,14 @@ from pathlib import Path
 from npuserve.deploy.doctor.facts import AUTOLOAD_ENV, NETWORK_ENV, HostFacts, VersionFile
 from npuserve.deploy.doctor.npu_smi import NpuChip
 from npuserve.deploy.doctor.report import Check, fail, ok, warn
-from npuserve.executor.version_matrix import RECOMMENDED, describe, find_set, release, sets_for_cann
+from npuserve.executor.version_matrix import (
+    RECOMMENDED,
+    VersionSet,
+    cann_fit,
+    describe,
+    release,
+    sets_for_cann,
+)
 
 MIN_PYTHON = (3, 10)
 DEVICE_NODES = "/dev/davinci<N> (with /dev/davinci_manager, /dev/devmm_svm and /dev/hisi_hdc)"
@@ -168,17 +175,18 @@ class AscendChecks:
         cann = self.facts.cann.get("version") if self.facts.cann else None
         if npu is None or cann is None:
             return ok("version set", "not checked (torch_npu or CANN missing)")
-        known = find_set(npu)
-        if known is None:
+        fit = cann_fit(npu, cann)
+        if not fit.sets:
             options = "; ".join(describe(s) for s in sets_for_cann(cann)) or describe(RECOMMENDED)
             return warn(
                 "version set",
                 f"torch_npu {npu} is not in npuserve's table of known sets",
                 f"use a known set for CANN {cann}: {options}",
             )
+        known = fit.sets[0]
         problems = []
-        if release(cann).lower() != known.cann.lower():
-            problems.append(f"CANN {cann} (torch_npu {npu} is built for CANN {known.cann})")
+        if fit.status == "mismatch":
+            problems.append(f"CANN {cann} (torch_npu {npu} is built for CANN {_canns(fit.sets)})")
         if torch is not None and release(torch) != known.torch:
             problems.append(f"torch {torch} (torch_npu {npu} is built for torch {known.torch})")
         if problems:
@@ -187,6 +195,12 @@ class AscendChecks:
                 "version set",
                 "; ".join(problems),
                 f"install one set: {options or describe(known)} ({known.source})",
+            )
+        if fit.status == "rc_only":
+            return warn(
+                "version set",
+                f"{fit.message}; npuserve serves it",
+                f"if an operator fails, install one set: {'; '.join(describe(s) for s in fit.sets)}",
             )
         return ok("version set", f"{describe(known)} ({known.source})")
 
@@ -254,6 +268,10 @@ class AscendChecks:
             )
         shown = ", ".join(f"{k}={v}" for k, v in set_vars.items()) or "none set (one node needs none)"
         return ok("network", shown)
+
+
+def _canns(sets: tuple[VersionSet, ...]) -> str:
+    return " or ".join(dict.fromkeys(s.cann for s in sets))
 
 
 def _major_minor(version: str) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from npuserve.executor.platform import DTYPE_NAMES
 from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 
 MIB = 1 << 20
+UNDOCUMENTED_HEAD_DIM = 64  # in NPU_ATTENTION_HEAD_DIMS: runs, by vllm-ascend's CI, but no doc says so
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,15 @@ def _head_dim_check(model: ModelConfig, device: str) -> Check:
             f"{detail}: the NPU fused attention (npu_fused_infer_attention_score, TND layout) takes "
             f"head_dim {allowed} only; the first request would fail with error 561002",
             f"serve a model with head_dim {allowed} on the NPU, or this one with --device cpu",
+        )
+    if device == "npu" and model.head_dim == UNDOCUMENTED_HEAD_DIM:
+        return warn(
+            "head_dim",
+            f"{detail}: served, but not in the NPU fused attention's docs: op-plugin's "
+            "npu_fused_infer_attention_score doc allows head_dim 128 (or 192) for the TND layout without "
+            "rope, its _v2 doc 64 for MHA only; vllm-ascend's CI serves Qwen2.5-0.5B-Instruct "
+            "(head_dim 64, GQA) through it (v0.13.0 tests/e2e/doctests/001-quickstart-test.sh)",
+            "if the first request fails with error 561002, serve a head_dim-128 model on the NPU",
         )
     return ok("head_dim", detail)
 

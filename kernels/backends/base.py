@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 from npuserve.kernels.metadata import AttentionMetadata
+from npuserve.kernels.staging import DeviceTransfers, HostTransfers
 
 
 class KernelBackend(ABC):
@@ -16,6 +18,21 @@ class KernelBackend(ABC):
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Derive per-step state once (stored in ``metadata.backend_state``) for all layers."""
+
+    def host_transfers(self, device: torch.device) -> HostTransfers | None:
+        """Pinned host memory and asynchronous copies to ``device``; None where the device is
+        the host (the CPU)."""
+        if device.type == "cpu":
+            return None
+        return DeviceTransfers(getattr(torch, device.type))
+
+    def update_graph_attention(  # noqa: B027 - optional hook
+        self, captured: list[Any], metadata: AttentionMetadata
+    ) -> None:
+        """Before a graph replay: gives the attention calls it captured (``captured``, what
+        `attention` recorded in ``metadata.graph_attention`` while capturing) the host-side
+        arguments of this replay's step (``metadata``: its host lengths). A backend whose
+        attention reads every length from device tensors has nothing to do."""
 
     @abstractmethod
     def write_kv_cache(

@@ -4,7 +4,9 @@ With ``NPUSERVE_EMULATE_NPU=1`` and ``--device npu``, `npuserve.executor.platfor
 ``torch_npu`` stand-in instead of importing the real one, so the whole server runs the ``npu``
 kernel backend on a machine without Ascend hardware (CI, laptops). Tensors stay on the CPU;
 each operator checks its arguments as the CANN/op-plugin documentation states (`contracts`) and
-computes in plain float32 torch (`ops`). Nothing about performance carries over.
+computes in plain float32 torch (`ops`). ACL graphs (`graphs`: capture, replay, task updates)
+and pinned host memory with its copies to the device (`host_memory`) are emulated the same way:
+what a device refuses is refused. Nothing about performance carries over.
 
 The emulated machine is set by environment variables (defaults in brackets):
 ``NPUSERVE_EMULATE_NPU_COUNT`` [1] NPUs, ``NPUSERVE_EMULATE_NPU_SOC`` [223, an A2; 200-205 is a

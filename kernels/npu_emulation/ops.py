@@ -8,6 +8,7 @@ Nothing here shares code with the torch kernel backend, so comparing the two tes
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,97 @@ def fused_infer_attention_score(
     return out, torch.zeros(1, dtype=query.dtype)
 
 
+def fused_infer_attention_score_out(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    workspace: torch.Tensor | None = None,
+    out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+    **kwargs: Any,
+) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+    """``npu_fused_infer_attention_score.out``: the same call, written into ``out =
+    [attention_out, softmax_lse]``, with the scratch memory of a workspace query (VA
+    ``full_graph_fia``). Returns ``out``."""
+    check_fused_infer_attention_score_out(query, key, value, workspace=workspace, out=out, **kwargs)
+    attention_out, softmax_lse = out
+    result, lse = fused_infer_attention_score(query, key, value, **kwargs)
+    attention_out.copy_(result)
+    softmax_lse.view(-1)[:1].copy_(lse.view(-1)[:1])
+    return out
+
+
+def check_fused_infer_attention_score_out(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    workspace: torch.Tensor | None = None,
+    out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+    **kwargs: Any,
+) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+    """The checks of `fused_infer_attention_score_out`, without computing; returns ``out``."""
+    op = "npu_fused_infer_attention_score.out"
+    contracts.require(len(out) == 2, op, "out must be [attention_out, softmax_lse]")
+    attention_out, _softmax_lse = out
+    contracts.require(
+        attention_out.shape == query.shape and attention_out.dtype == query.dtype,
+        op,
+        f"attention_out {tuple(attention_out.shape)} {attention_out.dtype} must be like the query",
+    )
+    if workspace is not None:
+        needed = fused_attention_workspace_bytes(query, kwargs)
+        contracts.require(
+            workspace.dtype == torch.uint8 and workspace.dim() == 1 and workspace.numel() >= needed,
+            op,
+            f"workspace of {workspace.numel()} bytes, {needed} needed: query it with "
+            "_npu_fused_infer_attention_score_get_max_workspace for the longest lengths",
+        )
+    contracts.check_fused_infer_attention(query, key, value, **_contract_arguments(kwargs))
+    return out
+
+
+def fused_infer_attention_score_max_workspace(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """``_npu_fused_infer_attention_score_get_max_workspace``: [bytes] uint8, enough for every
+    call like this one whose kv lengths fit its block table (VA ``full_graph_fia``)."""
+    contracts.check_fused_infer_attention(query, key, value, **_contract_arguments(kwargs))
+    block_table = kwargs["block_table"]
+    capacity = block_table.shape[1] * kwargs["block_size"]
+    longest = dict(kwargs, actual_seq_lengths_kv=[capacity] * len(kwargs["actual_seq_lengths_kv"]))
+    return torch.empty(fused_attention_workspace_bytes(query, longest), dtype=torch.uint8)
+
+
+def fused_attention_workspace_bytes(query: torch.Tensor, kwargs: dict[str, Any]) -> int:
+    """INFERRED (no source states the size): scratch for split-KV partial results, one float32
+    row per query token, head and 128-key tile of the longest request, plus 64 bytes a request."""
+    kv_lens = kwargs["actual_seq_lengths_kv"]
+    tiles = -(-max(kv_lens) // 128)
+    return 4 * query.shape[0] * query.shape[1] * tiles + 64 * len(kv_lens)
+
+
+def _contract_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = (
+        "atten_mask",
+        "block_table",
+        "input_layout",
+        "block_size",
+        "actual_seq_lengths",
+        "actual_seq_lengths_kv",
+        "num_heads",
+        "num_key_value_heads",
+        "sparse_mode",
+    )
+    defaults: dict[str, Any] = {
+        "input_layout": "BSH",
+        "block_size": 0,
+        "num_heads": 1,
+        "num_key_value_heads": 0,
+    }
+    return {name: kwargs.get(name, defaults.get(name)) for name in names}
+
+
 def rms_norm(
     x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +257,18 @@ class RotaryEmbedding:
             heads = tensor.view(tensor.shape[0], -1, head_size)
             rotated = _rotate(heads.float(), cos_t.unsqueeze(1), sin_t.unsqueeze(1), is_neox_style)
             heads.copy_(rotated.to(tensor.dtype))
+
+    def check(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        head_size: int,
+        cos_sin_cache: torch.Tensor,
+        is_neox_style: bool,
+    ) -> None:
+        """The call's checks, without rotating (what a graph capture runs)."""
+        contracts.check_rotary_embedding(positions, query, key, head_size, cos_sin_cache)
 
     def reset(self) -> None:
         """Forgets the table, as a new process would (tests only)."""

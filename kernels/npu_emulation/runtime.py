@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from npuserve.kernels.npu_emulation import ops
+from npuserve.kernels.npu_emulation import contracts, graphs, ops
+from npuserve.kernels.npu_emulation.host_memory import EmulatedHostMemory
 
 GIB = 1 << 30
 # What `install` puts in sys.modules.
@@ -91,7 +93,7 @@ class _Stream:
         self.priority = priority
 
     def synchronize(self) -> None:
-        pass
+        graphs.refuse_host_sync("Stream.synchronize()")
 
     def wait_stream(self, stream: _Stream) -> None:
         pass
@@ -105,16 +107,69 @@ class _Event:
         pass
 
     def synchronize(self) -> None:
-        pass
+        graphs.refuse_host_sync("Event.synchronize()")
 
     def query(self) -> bool:
         return True
 
 
+class _StreamContext:
+    """``torch.npu.stream(s)``: makes ``s`` the current stream inside the block."""
+
+    def __init__(self, stream: _Stream | None, state: dict[str, Any]) -> None:
+        self.stream, self.state = stream, state
+
+    def __enter__(self) -> None:
+        self.previous = self.state["stream"]
+        if self.stream is not None:
+            self.state["stream"] = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        self.state["stream"] = self.previous
+
+
+class _OperatorWithOut:
+    """An operator with an ``.out`` form (``torch_npu.npu_fused_infer_attention_score.out``)."""
+
+    def __init__(self, call: Callable[..., Any], out: Callable[..., Any]) -> None:
+        self._call = call
+        self.out = out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+
+def _fused_attention_outside_graphs(*args: Any, **kwargs: Any) -> Any:
+    if graphs.capturing():
+        raise graphs.GraphCaptureError(
+            "npu_fused_infer_attention_score captured without a task group: its host-side lengths "
+            "would be frozen at the capture's; capture .out between graph_task_group_begin/end and "
+            "update it before each replay"
+        )
+    return ops.fused_infer_attention_score(*args, **kwargs)
+
+
+def _fused_attention_out_at_capture(*args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("workspace") is None:
+        raise graphs.GraphCaptureError(
+            "npu_fused_infer_attention_score.out captured without a workspace: the operator would "
+            "allocate one at replay, outside the graph's pool"
+        )
+    return ops.check_fused_infer_attention_score_out(*args, **kwargs)
+
+
 def build_npu_module(machine: EmulatedMachine) -> ModuleType:
     """The ``torch.npu`` stand-in: the calls npuserve makes, with torch.cuda's signatures."""
     npu = ModuleType("torch_npu.npu")
-    state = {"device": 0, "peak": 0}
+    default_stream = _Stream()
+    state: dict[str, Any] = {"device": 0, "peak": 0, "stream": default_stream}
+
+    def memory_reserved(device: object = None) -> int:
+        """What graph pools hold: the only device memory the emulation reserves."""
+        return graphs.reserved_bytes()
+
+    def synchronize(device: object = None) -> None:
+        graphs.refuse_host_sync("torch.npu.synchronize()")
 
     def device_count() -> int:
         return len(_visible_ids(machine.count))
@@ -156,16 +211,42 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
             "memory_stats": memory_stats,
             "max_memory_allocated": lambda device=None: state["peak"],
             "memory_allocated": lambda device=None: 0,
-            "synchronize": lambda device=None: None,
+            "memory_reserved": memory_reserved,
+            "synchronize": synchronize,
             "empty_cache": lambda: None,
             "manual_seed": lambda seed: None,
             "Stream": _Stream,
             "Event": _Event,
-            "current_stream": lambda device=None: _Stream(device),
+            "current_stream": lambda device=None: state["stream"],
+            "stream": lambda stream: _StreamContext(stream, state),
+            "NPUGraph": graphs.NPUGraph,
+            "graph": graphs.graph,
+            "graph_pool_handle": graphs.graph_pool_handle,
+            "ExternalEvent": graphs.ExternalEvent,
+            "graph_task_group_begin": graphs.graph_task_group_begin,
+            "graph_task_group_end": graphs.graph_task_group_end,
+            "graph_task_update_begin": graphs.graph_task_update_begin,
+            "graph_task_update_end": graphs.graph_task_update_end,
             "emulated_machine": machine,
+            # NOTE: not in torch_npu: the emulation's model of pinned host memory and of copies
+            # to the device, which torch cannot see on an emulated device (`host_memory`).
+            "emulated_host_memory": EmulatedHostMemory(),
         },
     )
     return npu
+
+
+def _operators() -> dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]]:
+    """The torch_npu operators by name, each with what a graph capture runs of it: None for
+    the operator itself (it returns new tensors), or its checks (it writes only its arguments)."""
+    rope = ops.RotaryEmbedding()
+    return {
+        "_npu_reshape_and_cache": (ops.reshape_and_cache, contracts.check_reshape_and_cache),
+        "npu_rms_norm": (ops.rms_norm, None),
+        "npu_add_rms_norm": (ops.add_rms_norm, None),
+        "npu_swiglu": (ops.swiglu, None),
+        "_npu_rotary_embedding": (rope, rope.check),
+    }
 
 
 def _atb_ops_module(machine: EmulatedMachine) -> ModuleType:
@@ -206,12 +287,18 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
             "__version__": machine.torch_npu_version,
             "__npuserve_emulated__": True,
             "npu": npu,
-            "_npu_reshape_and_cache": ops.reshape_and_cache,
-            "npu_fused_infer_attention_score": ops.fused_infer_attention_score,
-            "npu_rms_norm": ops.rms_norm,
-            "npu_add_rms_norm": ops.add_rms_norm,
-            "npu_swiglu": ops.swiglu,
-            "_npu_rotary_embedding": ops.RotaryEmbedding(),
+            **{name: graphs.graph_operator(name, *fns) for name, fns in _operators().items()},
+            "_npu_fused_infer_attention_score_get_max_workspace": graphs.host_query(
+                ops.fused_infer_attention_score_max_workspace
+            ),
+            "npu_fused_infer_attention_score": _OperatorWithOut(
+                _fused_attention_outside_graphs,
+                graphs.graph_operator(
+                    "npu_fused_infer_attention_score.out",
+                    ops.fused_infer_attention_score_out,
+                    at_capture=_fused_attention_out_at_capture,
+                ),
+            ),
             "op_plugin": op_plugin,
         },
     )

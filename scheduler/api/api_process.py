@@ -32,7 +32,7 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.gc_heap import IdleHeapRelease, settle_heap_for_serving
 from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.auth import API_KEY, AioTokenInterceptor
@@ -114,6 +114,7 @@ class CoreLink:
         self._call_ids = itertools.count()
         self.draining = asyncio.Event()
         self.gone = asyncio.Event()  # the core said exit, or is no more
+        self.heap = IdleHeapRelease(lambda: not self.streams)
         self.pipe: PipeLink[ApiToCore, CoreToApi] = PipeLink(conn, self._apply, self.gone.set, loop)
 
     def start(self) -> None:
@@ -181,6 +182,7 @@ class CoreLink:
         """The client's stream is over: the core aborts what is left of the request."""
         stream = self.streams.pop(handle)
         self.pipe.send(StreamClosed(handle, not stream.finished))
+        self.heap.work_ended()
 
     async def call(self, method: str, request: Message) -> Any:
         if self.gone.is_set():
@@ -209,14 +211,15 @@ class ApiFront:
         continuation: Continuation | None = None,
     ) -> OpenStream:
         prompts = self.prompts
-        prompts.check_request(model, params)
-        prompt_ids = await prompts.prompt_token_ids(prompt)
-        prompts.check_lengths(prompt_ids, params)
-        stream = RequestStream(
-            request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
-        )
-        resume_stream(stream, continuation, params, prompts.limits)
-        handle = self.link.open(stream, params, continuation)
+        with self.link.heap.working():
+            prompts.check_request(model, params)
+            prompt_ids = await prompts.prompt_token_ids(prompt)
+            prompts.check_lengths(prompt_ids, params)
+            stream = RequestStream(
+                request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
+            )
+            resume_stream(stream, continuation, params, prompts.limits)
+            handle = self.link.open(stream, params, continuation)
         return OpenStream(stream, lambda: self.link.close(handle))
 
 

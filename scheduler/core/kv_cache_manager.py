@@ -10,8 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from npuserve.proto.kv_layout import cdiv
+from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from npuserve.scheduler.core.request import Request
+
+# A prefix-cache hit: a block of the device pool, or the hash of one the host tier holds (the
+# step that admits the request loads it into a fresh block, `BlockPool.load`).
+PrefixHit = KVCacheBlock | BlockHash
 
 
 @dataclass(slots=True)
@@ -25,10 +30,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, num_host_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.stats = PrefixCacheStats()
@@ -40,20 +47,23 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of a request's full blocks, and its number of tokens.
-
-        Never the whole sequence: the last token must be computed to get logits.
+    def get_computed_blocks(self, request: Request) -> tuple[list[PrefixHit], int]:
+        """The longest cached prefix of a request's full blocks, in either tier, and its number
+        of tokens. Never the whole sequence: the last token must be computed to get logits.
         """
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
+        pool = self.pool
+        hits: list[PrefixHit] = []
         for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            block = pool.get_cached_block(block_hash)
+            if block is not None:
+                hits.append(block)
+            elif pool.host_block_of(block_hash):
+                hits.append(block_hash)
+            else:
                 break
-            hits.append(block)
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -62,7 +72,7 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[PrefixHit] = ()
     ) -> list[KVCacheBlock] | None:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones (and after the
         prefix-cache hits ``new_computed_blocks``), or None if the pool cannot hold them."""
@@ -71,14 +81,18 @@ class KVCacheManager:
         num_needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         )
-        # Hits that sit unused in the free list leave it when taken.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) > self.pool.num_free_blocks - num_revived:
+        device_hits = [b for b in new_computed_blocks if isinstance(b, KVCacheBlock)]
+        # Hits that sit unused in the free list leave it when taken; host hits take a fresh block.
+        num_revived = sum(1 for b in device_hits if b.ref_cnt == 0)
+        num_loads = len(new_computed_blocks) - len(device_hits)
+        if max(num_needed, 0) + num_loads > self.pool.num_free_blocks - num_revived:
             return None
-        self.pool.touch(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        pool = self.pool
+        pool.touch(device_hits)
+        hits = [b if isinstance(b, KVCacheBlock) else pool.load(b) for b in new_computed_blocks]
+        new_blocks = pool.get_new_blocks(max(num_needed, 0))
         blocks = self.req_blocks.setdefault(request.req_id, [])
-        blocks += new_computed_blocks
+        blocks += hits
         blocks += new_blocks
         # NOTE: blocks are registered when scheduled, before the step runs: a request later in
         # the same step may share them, since every layer writes the step's keys and values

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from npuserve.scheduler.core.block_hash import BlockHash
+from npuserve.scheduler.core.block_pool import ON_HOST
 
 if TYPE_CHECKING:
     from npuserve.scheduler.lanes.lane import Lane
@@ -33,21 +34,28 @@ ROUTING_POLICIES = ("prefix-aware", "least-load")
 # without a first token 67-80 against 76-82, for the same tokens/s; 8 did as well as 4, and 16
 # no better.
 DEFAULT_PREFILL_WEIGHT = 4.0
+# What a prefix block held only in an executor's host-memory tier costs, in blocks of prefill: a
+# copy back to the device, cheaper than computing it, dearer than a hit on the device. (A block
+# copy moves its KV once; its prefill runs every layer's projections over its tokens.)
+HOST_HIT_WEIGHT = 0.25
 
 
-def cached_prefix_blocks(lane: Lane, block_hashes: Sequence[BlockHash]) -> int:
-    """Leading blocks of the prompt found in the lane's cache (read without locking: a hint)."""
-    count = 0
+def cached_prefix(lane: Lane, block_hashes: Sequence[BlockHash]) -> tuple[int, int]:
+    """Leading blocks of the prompt found in the lane's cache, and how many of them only its
+    host tier holds (read without locking: a hint)."""
+    count = on_host = 0
     for block_hash in block_hashes:
-        if not lane.has_cached(block_hash):
+        tier = lane.cached_tier(block_hash)
+        if not tier:
             break
         count += 1
-    return count
+        on_host += tier == ON_HOST
+    return count, on_host
 
 
 def uncached_blocks(lane: Lane, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
     """The prompt's blocks that the lane would compute: all but its cached prefix."""
-    return num_prompt_blocks - cached_prefix_blocks(lane, block_hashes)
+    return num_prompt_blocks - cached_prefix(lane, block_hashes)[0]
 
 
 def lane_load_blocks(lane: Lane) -> int:
@@ -74,7 +82,8 @@ def choose_lane(
         )
 
     def cost(lane: Lane) -> tuple[float, int, float]:
-        prefill = uncached_blocks(lane, block_hashes, num_prompt_blocks) + lane.queued_prefill_blocks
+        cached, on_host = cached_prefix(lane, block_hashes)
+        prefill = num_prompt_blocks - cached + HOST_HIT_WEIGHT * on_host + lane.queued_prefill_blocks
         return prefill_weight * prefill + lane_load_blocks(lane), lane.queued_requests, random.random()
 
     return min(lanes, key=cost)

@@ -49,6 +49,9 @@ class SchedulerConfig:
     # as soon as that pass is done (`early_results`, over the step stream): a step that admits
     # requests then runs every pass for the running ones; otherwise it runs one pass.
     early_first_tokens: bool = False
+    # KV blocks of the executor's host-memory tier (`--kv-host-memory`): prefix-cache blocks
+    # evicted from the device go there, and hits there come back (`host_tier`).
+    num_host_blocks: int = 0
 
     @classmethod
     def for_executor(
@@ -71,6 +74,7 @@ class SchedulerConfig:
             num_scheduler_steps=1 if auto_passes else num_scheduler_steps,
             auto_passes=auto_passes,
             early_first_tokens=early_first_tokens,
+            num_host_blocks=info.num_host_blocks,
         )
 
 
@@ -95,7 +99,9 @@ class StepStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -200,6 +206,7 @@ class Scheduler:
 
         stats.requests = scheduled
         plan.bitmask = step_bitmask(sampling)
+        plan.block_copies = self.kv.pool.take_copies()
         return plan, stats
 
     def schedule_joining(self, budget: int) -> tuple[StepPlan, StepStats] | None:
@@ -214,6 +221,7 @@ class Scheduler:
         if not scheduled:
             return None
         plan.step_id = next(self._step_ids)  # NOTE: only now: a step that is not sent takes no id
+        plan.block_copies = self.kv.pool.take_copies()
         stats.requests = scheduled
         return plan, stats
 
@@ -433,6 +441,7 @@ class Scheduler:
         retried: list[Request] = []
         # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
         self._to_drop.extend(plan.finished_req_ids)
+        self.kv.pool.undo_copies(plan.block_copies)
         for req_id in list(plan.num_scheduled_tokens):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -23,6 +23,7 @@ from npuserve.scheduler.text.prompts import PromptInput, PromptProcessor
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from npuserve.deploy.runtime.gc_heap import IdleHeapRelease
     from npuserve.scheduler.engine.client_request import ClientRequest
     from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler
 
@@ -34,6 +35,7 @@ class ClientEntryPoints:
     tokenizer: Tokenizer
     prompts: PromptProcessor
     grammars: GrammarCompiler
+    _heap: IdleHeapRelease  # a request being checked is work, refused or not
 
     if TYPE_CHECKING:  # provided by `Engine`
 
@@ -60,14 +62,17 @@ class ClientEntryPoints:
     ) -> RequestStream:
         """Validates, tokenizes and queues a request (``continuation``: a resumed generation's);
         errors are raised before anything is queued."""
-        self.prompts.check_request(model, params)
-        grammar = await self._compile_grammar(params)
-        prompt_ids = await self.prompts.prompt_token_ids(prompt)
-        self.prompts.check_lengths(prompt_ids, params)
-        request_id = request_id or new_request_id()
-        stream = RequestStream(request_id, self.tokenizer, params, prompt_ids, self.config.stream_interval)
-        resume_stream(stream, continuation, params, self.prompts.limits)
-        self.queue_request(request_id, prompt_ids, params, grammar, stream, continuation=continuation)
+        with self._heap.working():
+            self.prompts.check_request(model, params)
+            grammar = await self._compile_grammar(params)
+            prompt_ids = await self.prompts.prompt_token_ids(prompt)
+            self.prompts.check_lengths(prompt_ids, params)
+            request_id = request_id or new_request_id()
+            stream = RequestStream(
+                request_id, self.tokenizer, params, prompt_ids, self.config.stream_interval
+            )
+            resume_stream(stream, continuation, params, self.prompts.limits)
+            self.queue_request(request_id, prompt_ids, params, grammar, stream, continuation=continuation)
         return stream
 
     async def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
@@ -87,8 +92,9 @@ class ClientEntryPoints:
         sampling parameters, lengths and continuation are checked there); errors are raised
         before anything is queued. ``stream_at``: (that process's index, its incarnation, the
         stream's handle)."""
-        grammar = await self._compile_grammar(params)
-        self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at, continuation)
+        with self._heap.working():
+            grammar = await self._compile_grammar(params)
+            self.queue_request(request_id, prompt_ids, params, grammar, sink, stream_at, continuation)
 
     async def generate(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import structlog
 
+from npuserve.deploy.runtime.gc_heap import IdleHeapRelease
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.request import (
     InvalidRequestError,
@@ -93,6 +94,7 @@ class Engine(ClientEntryPoints, FailOver):
         self._workers = WorkerRelay(self)
         self._retiring: set[Lane] = set()  # down, and closed once their last reports have come
         self._background = BackgroundTasks()
+        self._heap = IdleHeapRelease(lambda: not self._clients)
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -141,6 +143,7 @@ class Engine(ClientEntryPoints, FailOver):
     async def stop(self) -> None:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
+        self._heap.cancel()
         self.prompts.close()
         self.grammars.close()
         lanes = [*self.lanes.values(), *self._retiring]
@@ -349,6 +352,7 @@ class Engine(ClientEntryPoints, FailOver):
             self._client_of_seq.pop(child.req_id, None)
             self._sequences.pop(child.req_id, None)
             self._lane_of.pop(child.req_id, None)
+        self._heap.work_ended()  # with the last request, what they held goes if none come
 
     # -- lane events (on the event loop) --------------------------------------------------------
 

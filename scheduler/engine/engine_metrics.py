@@ -32,6 +32,8 @@ class MetricsRecorder:
         m = self.metrics
         if event.stats is not None:
             m.step(lane.executor_id, event.step_seconds, num_tokens, num_sequences)
+            if event.timings is not None:
+                m.executors.timed(lane.executor_id, event.timings)
             # NOTE: a counter's inc takes a lock: most steps have no prompt tokens, no preemption
             if event.stats.num_prompt_tokens:
                 m.prompt_tokens.inc(event.stats.num_prompt_tokens)

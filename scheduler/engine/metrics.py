@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from npuserve.proto.step_plan import KV_TRANSFER_KINDS, StepTimings
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+# How an executor's forward passes ran (`ExecutorMetrics.steps`), in `StepTimings`' order.
+PASS_MODES = ("graph", "eager")
 # How long a departed executor's series stay (at executor_up 0, for alerts to see) before they go.
 DEPARTED_SERIES_TTL_S = 600.0
 
@@ -39,6 +43,9 @@ class _Executor:
     step_seconds: Histogram
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
+    passes: tuple[Counter, ...]  # of `steps`, one per mode of `PASS_MODES`
+    kv_transfer_bytes: dict[str, Counter]  # by kind, of `KV_TRANSFER_KINDS`
+    kv_transfer_seconds: dict[str, Histogram]
     departed_at: float | None = None
     steps: HistogramTally = field(default_factory=lambda: HistogramTally())  # not yet in step_seconds
 
@@ -97,6 +104,34 @@ class ExecutorMetrics:
             "Steps that started requests inside a multi-pass step of the executor: their prompts "
             "ran in its next pass, so they did not wait for it to end.",
         )
+        # NOTE: a third label, so it is kept apart from `_series` (removed by its own two modes).
+        self.steps = Counter(
+            "npuserve:executor_steps",
+            "Forward passes of the executor's steps (one a step, or --num-scheduler-steps), by how they "
+            'ran: mode="graph" replayed a captured decode graph, mode="eager" ran the model op by op.',
+            [*labels, "mode"],
+            registry=registry,
+        )
+        # NOTE: `kind` names the transfer (`KV_TRANSFER_KINDS`): "host_tier", the copies between
+        # an executor's device blocks and its host-memory tier (--kv-host-memory); "executor",
+        # the blocks it pulled from another executor's cache (named by the puller, which
+        # measures the whole transfer: the source's read, the network and its own writes).
+        self.kv_transfer_bytes = Counter(
+            "npuserve:kv_transfer_bytes",
+            "KV cache bytes the executor copied into or out of its device blocks: to and from its "
+            'host-memory tier (kind="host_tier"), or from another executor (kind="executor").',
+            [*labels, "kind"],
+            registry=registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "npuserve:kv_transfer_seconds",
+            "Seconds the KV block transfers of one kind took in one step of the executor.",
+            [*labels, "kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._labelled_by_kind: dict[Counter | Histogram, tuple[str, ...]] = {self.steps: PASS_MODES, self.kv_transfer_bytes: KV_TRANSFER_KINDS,
+                                  self.kv_transfer_seconds: KV_TRANSFER_KINDS}  # fmt: skip
         self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
                         self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
@@ -116,6 +151,9 @@ class ExecutorMetrics:
             self.step_seconds.labels(*labels),
             self.prefix_cache_queries.labels(*labels),
             self.prefix_cache_hits.labels(*labels),
+            tuple(self.steps.labels(*labels, mode) for mode in PASS_MODES),
+            {kind: self.kv_transfer_bytes.labels(*labels, kind) for kind in KV_TRANSFER_KINDS},
+            {kind: self.kv_transfer_seconds.labels(*labels, kind) for kind in KV_TRANSFER_KINDS},
         )
         self.up.labels(*labels).set(1)
         if rejoined:
@@ -129,6 +167,9 @@ class ExecutorMetrics:
     def _remove_series(self, executor_id: str) -> None:
         for metric in self._series:
             metric.remove(self.model_name, executor_id)
+        for by_kind, kinds in self._labelled_by_kind.items():
+            for kind in kinds:
+                by_kind.remove(self.model_name, executor_id, kind)
 
     def step(self, executor_id: str, seconds: float) -> None:
         executor = self._executors.get(executor_id)
@@ -139,6 +180,21 @@ class ExecutorMetrics:
         """Adds the steps gathered since the last flush to the series."""
         for executor in self._executors.values():
             executor.steps.flush_into(executor.step_seconds)
+
+    def timed(self, executor_id: str, timings: StepTimings) -> None:
+        """What the executor measured of a step: its forward passes by mode (graph replays,
+        eager), and its KV block transfers by kind."""
+        executor = self._executors.get(executor_id)
+        if executor is None:
+            return
+        for counter, count in zip(executor.passes, (timings.graph_passes, timings.eager_passes), strict=True):
+            if count:
+                counter.inc(count)
+        for transfer in timings.kv_transfers:
+            transferred = executor.kv_transfer_bytes.get(transfer.kind)
+            if transferred is not None:  # NOTE: a kind this scheduler does not know is not counted
+                transferred.inc(transfer.num_bytes)
+                executor.kv_transfer_seconds[transfer.kind].observe(transfer.seconds)
 
     def step_failed(self, executor_id: str) -> None:
         if executor_id in self._executors:

@@ -94,20 +94,23 @@ class ExecutorLane:
         async_scheduling: bool,
         has_room: Callable[[], Awaitable[bool]],
         joins_steps: bool = False,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         """``async_scheduling``: schedule and send each step while the executor runs the one
-        before (only over a client that `streams`). ``has_room``: awaited before each new step;
+        before. ``has_room``: awaited before each new step;
         False holds it back for now (whoever takes this lane's events is behind).
         ``joins_steps``: the executor runs a step that joins the one it is running
         (`ExecutorInfo.joins_steps`); with async scheduling, the requests that come during a
-        multi-pass step start in a step that joins its next pass (`joining`)."""
+        multi-pass step start in a step that joins its next pass (`joining`). ``on_idle``:
+        called on the task each time the lane's work ends (nothing left to step)."""
         self.executor_id = executor_id
         self.client = client
         self.scheduler = scheduler
         self.on_event = on_event
-        self.async_scheduling = async_scheduling and client.streams
+        self.async_scheduling = async_scheduling
         self.joining = StepJoining(self) if joins_steps and self.async_scheduling else None
         self._has_room = has_room
+        self._on_idle = on_idle
         self.alive = True
         self.down_reason: str | None = None
         self.draining = False  # set by the engine: no new requests, its own finish here
@@ -136,11 +139,12 @@ class ExecutorLane:
         enable_prefix_caching: bool,
         num_scheduler_steps: int,
         async_scheduling: bool,
+        on_idle: Callable[[], None] | None = None,
     ) -> ExecutorLane:
         """A lane over an executor as it answered the capacity handshake (``info``), with a
         fresh block pool."""
         config = SchedulerConfig.for_executor(
-            info, enable_prefix_caching, num_scheduler_steps, early_first_tokens=client.answers_early
+            info, enable_prefix_caching, num_scheduler_steps, early_first_tokens=True
         )
         return cls(
             executor_id,
@@ -150,6 +154,7 @@ class ExecutorLane:
             async_scheduling,
             has_room,
             joins_steps=info.joins_steps,
+            on_idle=on_idle,
         )
 
     # -- commands (any task of the loop) ---------------------------------------------------------
@@ -245,17 +250,22 @@ class ExecutorLane:
         stats = self.scheduler.kv.stats
         return stats.queries, stats.hits
 
-    def has_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.scheduler.kv.pool.cached_blocks
+    def cached_tier(self, block_hash: BlockHash) -> int:
+        return self.scheduler.kv.pool.tier_of(block_hash)
 
     # -- the task --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        busy = False
         while not self._stopping:
             self._apply_commands()
             if not self.alive or not self.has_work:
+                if busy and self._on_idle is not None:
+                    self._on_idle()
+                busy = False
                 await self._wakeup.sleep(IDLE_WAIT_S)
                 continue
+            busy = True
             try:
                 await self._step()
             except Exception:  # never let the lane die: fail what is running, keep serving
@@ -452,6 +462,10 @@ class ExecutorLane:
         self.on_event(
             self,
             LaneEvent(
-                updates=updates, stats=step.stats, step_seconds=seconds, executor_draining=result.draining
+                updates=updates,
+                stats=step.stats,
+                step_seconds=seconds,
+                executor_draining=result.draining,
+                timings=result.timings,
             ),
         )

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from npuserve.scheduler.service_config import DEFAULT_STEP_TRANSPORT
-
 
 class ExecutorError(RuntimeError):
     """A failed call to an executor. `code` is the gRPC status name, e.g. "INVALID_ARGUMENT"."""
@@ -37,7 +35,6 @@ class ClientSpec:
     With a ``token`` every call presents the cluster token (``authorization: Bearer TOKEN``);
     with ``tls_ca`` (PEM root certificates) the channel is TLS, verified against those roots."""
 
-    step_transport: str = DEFAULT_STEP_TRANSPORT  # one of STEP_TRANSPORTS
     timeout_s: float | None = 60.0
     token: str | None = None
     tls_ca: bytes | None = None

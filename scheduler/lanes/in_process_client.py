@@ -121,9 +121,6 @@ def _as_executor_error(exc: Exception) -> ExecutorError:
 class InProcessClient:
     """Steps to ``runner``, run in order on a thread of the client's (see the module)."""
 
-    streams = True
-    answers_early = True
-
     def __init__(self, runner: PlanRunner) -> None:
         self.runner = runner
         self._joins_steps = runner.info().joins_steps

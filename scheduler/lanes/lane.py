@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from npuserve.proto.step_plan import StepPlan, StepResult
+from npuserve.proto.step_plan import StepPlan, StepResult, StepTimings
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, StepStats
@@ -64,16 +64,6 @@ class StepClient(Protocol):
     """What a lane needs of an executor: the gRPC client (`AioExecutorClient`), or a runner in
     this process (`InProcessClient`). Its failures are `ExecutorError`s."""
 
-    @property
-    def streams(self) -> bool:
-        """Steps may be pipelined: the next submitted before the last one's result is read."""
-        ...
-
-    @property
-    def answers_early(self) -> bool:
-        """A multi-step plan's first-pass-only requests are answered after that pass, when asked."""
-        ...
-
     async def submit(self, plan: StepPlan, early_results: bool = False) -> PendingStep: ...
 
     async def health(self) -> bool:
@@ -98,6 +88,7 @@ class LaneEvent:
     executor_draining: bool = False  # the executor said so in its step's answer
     failed_step: bool = False  # a step failed while the executor still served (`_fail_steps`)
     joined_step: bool = False  # a step that ran inside another's pass landed (`StepPlan.joins_running`)
+    timings: StepTimings | None = None  # what the executor measured of the step (its answer's)
 
 
 class Lane(Protocol):
@@ -145,7 +136,9 @@ class Lane(Protocol):
         """(prompt tokens looked up, of them found in the prefix cache)."""
         ...
 
-    def has_cached(self, block_hash: BlockHash) -> bool: ...
+    def cached_tier(self, block_hash: BlockHash) -> int:
+        """Where the lane's pool holds a prefix-cache hash (`BlockPool.tier_of`)."""
+        ...
 
     def start(self) -> None: ...
 

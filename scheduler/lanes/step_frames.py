@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from npuserve.proto.step_plan import TokenLogprobs
+from npuserve.proto.step_plan import StepTimings, TokenLogprobs
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, StepStats
@@ -82,10 +82,13 @@ class LaneReport:
     stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
     step_seconds: float = 0.0
     load: LaneLoad = field(default_factory=LaneLoad)
-    kv_events: list[tuple[bool, BlockHash]] = field(default_factory=list)  # (stored?, hash), in order
+    kv_events: list[tuple[int, BlockHash]] = field(
+        default_factory=list
+    )  # (`BlockPool.tier_of`, hash), in order
     executor_draining: bool = False  # the executor's step answer said it drains
     failed_step: bool = False  # a step failed while the executor still served
     joined_step: bool = False  # a step that ran inside another's pass landed
+    timings: StepTimings | None = None  # what the executor measured of the step
 
     # NOTE: pickled as the arguments of the constructor, not as a state to set field by field:
     # smaller, and cheaper both ways (a worker pickles one report per step).
@@ -172,6 +175,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
         executor_draining=event.executor_draining,
         failed_step=event.failed_step,
         joined_step=event.joined_step,
+        timings=event.timings,
     )
 
 
@@ -242,6 +246,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         executor_draining=report.executor_draining,
         failed_step=report.failed_step,
         joined_step=report.joined_step,
+        timings=report.timings,
     )
     updates = event.updates
     for req_id, token_ids, logprobs, finished, error, num_cached, num_output in report.updates:

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
+from npuserve.deploy.runtime.gc_heap import IdleHeapRelease, settle_heap_for_serving
 from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.scheduler.core.request import Request
 from npuserve.scheduler.core.scheduler import Scheduler
@@ -117,6 +117,7 @@ class StepWorker:
         self.lanes: dict[str, ExecutorLane] = {}
         self.window = ReportWindow()
         self._background = BackgroundTasks()
+        self._heap = IdleHeapRelease(self._idle)
 
     async def run(self) -> None:
         """Serves the front's commands until it says exit or its end of the pipe closes."""
@@ -130,8 +131,13 @@ class StepWorker:
         try:
             await self.done.wait()
         finally:
+            self._heap.cancel()
             await asyncio.gather(*(lane.aclose(LANE_CLOSE_TIMEOUT_S) for lane in self.lanes.values()))
             self.pipe.close()
+
+    def _idle(self) -> bool:
+        """No lane of this worker has a step to send."""
+        return not any(lane.has_work for lane in self.lanes.values())
 
     def _front_gone(self) -> None:
         log.info("the scheduler front is gone; worker exiting")
@@ -202,6 +208,7 @@ class StepWorker:
             enable_prefix_caching=settings.enable_prefix_caching,
             num_scheduler_steps=settings.num_scheduler_steps,
             async_scheduling=settings.async_scheduling,
+            on_idle=self._heap.work_ended,
         )
         lane.scheduler.kv.pool.events = []  # the front mirrors the prefix cache from these
         self.lanes[lane_key] = lane

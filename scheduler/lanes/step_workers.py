@@ -28,6 +28,7 @@ from npuserve.deploy.runtime.restart_policy import RestartHistory
 from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_hash import BlockHash
+from npuserve.scheduler.core.block_pool import NOT_CACHED
 from npuserve.scheduler.core.request import Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
@@ -76,7 +77,7 @@ class RemoteLane:
         self.queued_blocks = 0
         self.queued_prefill_blocks = 0
         self.reported = LaneLoad()
-        self.cached: set[BlockHash] = set()
+        self.cached: dict[BlockHash, int] = {}  # where the worker's pool holds each hash (`tier_of`)
 
     # -- what the engine and the router read --------------------------------------------------
 
@@ -112,17 +113,18 @@ class RemoteLane:
     def prefix_stats(self) -> tuple[int, int]:
         return self.reported.prefix_queries, self.reported.prefix_hits
 
-    def has_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.cached
+    def cached_tier(self, block_hash: BlockHash) -> int:
+        return self.cached.get(block_hash, NOT_CACHED)
 
     def absorb(self, report: LaneReport) -> None:
         """Takes a report's load and prefix-cache changes (event loop thread)."""
         self.reported = report.load
-        for stored, block_hash in report.kv_events:
-            if stored:
-                self.cached.add(block_hash)
+        cached = self.cached
+        for tier, block_hash in report.kv_events:
+            if tier:
+                cached[block_hash] = tier
             else:
-                self.cached.discard(block_hash)
+                cached.pop(block_hash, None)
 
     # -- commands to the worker ----------------------------------------------------------------
 

@@ -45,6 +45,8 @@ def parse(command: str, *flags: str):
             seed=3,
             cpu_threads=2,
         ),
+        ExecutorConfig(model="/models/m", device="npu", enforce_eager=True),
+        ExecutorConfig(model="/models/m", device="npu", graph_capture_sizes=(1, 4, 16)),
     ],
 )
 def test_executor_config_round_trips(config: ExecutorConfig) -> None:
@@ -66,7 +68,6 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         max_queued_requests=5,
         stream_interval=4,
         num_scheduler_steps=8,
-        step_transport="stream",
         step_timeout_s=9.5,
         connect_timeout_s=7.0,
         registry="redis://redis:6379/1",
@@ -83,10 +84,8 @@ def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(auto))) == auto
 
 
-@pytest.mark.parametrize(("flags", "async_scheduling"), [((), None), (("--async-scheduling",), True), (("--no-async-scheduling",), False)])  # fmt: skip
-def test_async_scheduling_is_left_to_the_scheduler_unless_asked(
-    flags: tuple[str, ...], async_scheduling: bool | None
-) -> None:
+@pytest.mark.parametrize(("flags", "async_scheduling"), [((), True), (("--async-scheduling",), True), (("--no-async-scheduling",), False)])  # fmt: skip
+def test_async_scheduling_is_on_unless_turned_off(flags: tuple[str, ...], async_scheduling: bool) -> None:
     config = SCHEDULER.from_args(parse("scheduler", "--model", "m", "--executors", "h:1", *flags))
     assert config.async_scheduling is async_scheduling
     assert SCHEDULER.from_args(parse("scheduler", *SCHEDULER.to_flags(config))) == config
@@ -111,7 +110,7 @@ def test_parallel_and_registry_configs_round_trip(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(name, raising=False)
     parallel = ParallelConfig(
         size=2, rank=1, master_addr="10.0.0.1", master_port=29500, connect_timeout_s=3.0,
-        worker_flags=("--log-level=debug", "--log-format=json"),
+        collective_timeout_s=600.0, worker_flags=("--log-level=debug", "--log-format=json"),
     )  # fmt: skip
     args = parse("executor", "--model", "m", *PARALLEL.to_flags(parallel), *parallel.worker_flags)
     assert parallel_config_from_args(args) == parallel

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.slow  # executors and schedulers in processes of their 
 
 TOKEN = "s3cret-cluster-token"
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
-MODES = ["unary", "stream"]  # the step transports
 _step_ids = itertools.count(7_000_000, 10_000)
 
 
@@ -90,22 +89,20 @@ def refused(call: object) -> ExecutorError:
     return caught.value
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_calls_without_the_token_are_unauthenticated(cluster: Cluster, mode: str) -> None:
+def test_calls_without_the_token_are_unauthenticated(cluster: Cluster) -> None:
     plan = StepPlan(step_id=next(_step_ids))
-    with BlockingClient(cluster.plain, timeout_s=10, stream=mode == "stream") as client:
+    with BlockingClient(cluster.plain, timeout_s=10) as client:
         assert "requires the cluster token" in refused(client.info).message
         assert "requires the cluster token" in refused(lambda: client.step(plan)).message
         assert client.health(), "Health stays open for probes"
-    with BlockingClient(cluster.plain, timeout_s=10, token="wrong", stream=mode == "stream") as client:
+    with BlockingClient(cluster.plain, timeout_s=10, token="wrong") as client:
         assert "does not match" in refused(client.info).message
         assert "does not match" in refused(lambda: client.step(plan)).message
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_calls_with_the_token_are_served(cluster: Cluster, mode: str) -> None:
-    with BlockingClient(cluster.plain, timeout_s=10, token=TOKEN, stream=mode == "stream") as client:
-        assert len(drive(client, mode)) == 8
+def test_calls_with_the_token_are_served(cluster: Cluster) -> None:
+    with BlockingClient(cluster.plain, timeout_s=10, token=TOKEN) as client:
+        assert len(drive(client, "plain")) == 8
 
 
 def test_the_token_header_is_accepted_too(cluster: Cluster) -> None:
@@ -141,7 +138,7 @@ def serves(scheduler: Proc) -> bool:
 def test_a_scheduler_with_the_token_serves_end_to_end(cluster: Cluster, stories_dir: Path) -> None:
     with processes(cluster.workdir) as procs:
         scheduler = procs.start("scheduler-plain", "scheduler", *scheduler_args(stories_dir, cluster.plain),
-                                "--step-transport", "stream", env={"NPUSERVE_CLUSTER_TOKEN": TOKEN})  # fmt: skip
+                                env={"NPUSERVE_CLUSTER_TOKEN": TOKEN})  # fmt: skip
         assert serves(scheduler)
 
 

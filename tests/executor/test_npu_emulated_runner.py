@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from harness.reference import save_random_llama
-from harness.serve import generate_concurrently, greedy_request, serve
+from harness.serve import generate_concurrently, greedy_request, labelled_metric, serve
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
@@ -66,8 +66,14 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 def make_runner(model_dir: Path, device: str) -> ModelRunner:
+    # NOTE: on the npu, decodes replay captured graphs of batch sizes 1, 2, 4 and 8.
     config = ExecutorConfig(
-        model=str(model_dir), device=device, dtype="bfloat16", block_size=128, kv_cache_memory_gib=0.05
+        model=str(model_dir),
+        device=device,
+        dtype="bfloat16",
+        block_size=128,
+        kv_cache_memory_gib=0.05,
+        max_num_seqs=8,
     )
     runner = ModelRunner(config)
     assert runner.backend.name == ("npu" if device == "npu" else "torch")
@@ -196,20 +202,28 @@ def served_model(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2-gloo"])
+@pytest.mark.parametrize(
+    ("tp_size", "enforce_eager"), [(1, False), (2, False), (1, True)], ids=["tp1", "tp2-gloo", "tp1-eager"]
+)
 def test_serve_on_the_emulated_npu(
-    emulated_npu: pytest.MonkeyPatch, served_model: Path, tp_size: int
+    emulated_npu: pytest.MonkeyPatch, served_model: Path, tp_size: int, enforce_eager: bool
 ) -> None:
+    """Decode steps replay captured graphs (every rank's), unless --enforce-eager."""
     generator = torch.Generator().manual_seed(9)
     prompt_ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 140, 33)]
-    flags = ["--device", "npu", "--dtype", "bfloat16", "--kv-cache-memory", "0.05"]
+    flags = ["--device", "npu", "--dtype", "bfloat16", "--kv-cache-memory", "0.05", "--max-num-seqs", "8"]
     flags += ["--tensor-parallel-size", str(tp_size), "--max-num-batched-tokens", "160"]
+    flags += ["--enforce-eager"] if enforce_eager else []
     with serve(served_model, *flags) as served:
         results = generate_concurrently(served.stub(), [greedy_request(p, NUM_NEW) for p in prompt_ids])
         check = served.integrity(expect_idle=True)
         assert check.ok, check.message
+        passes = labelled_metric(served.stub(), "npuserve:executor_steps_total", "mode")
+    assert passes["eager"] > 0  # the prefills
+    assert passes["graph"] == 0 if enforce_eager else passes["graph"] >= NUM_NEW - 1
     log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(served.log))
     assert "block_size=128 device='npu (emulated on cpu)'" in log  # the executor's serving line
+    assert log.count("decode graphs captured") == (0 if enforce_eager else tp_size)
     reference = reference_model(served_model)
     for index, (prompt, (tokens, _, _)) in enumerate(zip(prompt_ids, results, strict=True)):
         assert_greedy_within_tolerance(reference, greedy(f"r{index}", prompt, output=tokens))

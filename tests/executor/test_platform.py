@@ -371,6 +371,23 @@ def test_cann_outside_the_torch_npu_set_is_refused(monkeypatch: pytest.MonkeyPat
     platform.check_cann_version("2.8.0")  # the 8.3.RC1 set
     monkeypatch.setattr(torch.version, "cann", "CANN-8.5.0", raising=False)
     platform.check_cann_version("2.8.0.post2+git1234")
+    with pytest.raises(PlatformError, match=r"torch_npu 2.8.0 is built for \(8.3.RC2 or 8.3.RC1"):
+        platform.check_cann_version("2.8.0")
+
+
+def test_the_cann_of_vllm_ascend_images_is_accepted_and_another_rc_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.version, "cann", "8.3.RC2", raising=False)
+    with caplog.at_level(logging.WARNING, logger=platform.logger.name):
+        platform.check_cann_version("2.8.0")  # vllm-ascend v0.12.0rc1's set
+        platform.check_cann_version("2.7.1")  # vllm-ascend v0.11.0's
+        assert not caplog.records
+        monkeypatch.setattr(torch.version, "cann", "8.3.RC3", raising=False)
+        platform.check_cann_version("2.8.0")
+    (record,) = caplog.records
+    assert "CANN 8.3.RC3 is not the CANN torch_npu 2.8.0 is built for" in record.getMessage()
+    assert "RC number only" in record.getMessage()
 
 
 def test_torch_backend_autoload_is_off_in_every_entry_point() -> None:

@@ -16,7 +16,6 @@ from npuserve.executor.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
-    _mul32_,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
@@ -82,7 +81,8 @@ def sample(rows: list[Row]) -> SamplerOutput:
 
 def sample_positions(row: Row, num: int) -> torch.Tensor:
     """Sample `row` at positions 0..num-1 in one batch -> [num] token ids."""
-    meta = dataclasses.replace(build([row] * num), positions=torch.arange(num))
+    uniforms = hash_uniform(np.full(num, row.seed), np.arange(num))
+    meta = dataclasses.replace(build([row] * num), uniforms=torch.from_numpy(uniforms))
     return Sampler()(row.logits.expand(num, -1), meta).token_ids
 
 
@@ -136,23 +136,72 @@ def test_logits_are_not_modified() -> None:
 # ------------------------------------------------------------------------------ hash noise
 
 
-def test_mul32_is_exact() -> None:
-    rng = np.random.default_rng(0)
-    xs = rng.integers(0, 2**32, size=1000, dtype=np.uint64)
-    for c in (0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF, 1):
-        x = torch.from_numpy(xs.astype(np.int64))
-        got = _mul32_(x, c, torch.empty_like(x)).tolist()
-        assert got == [(int(x) * c) % 2**32 for x in xs]
+# Draws pinned for fixed (seed, position) pairs: seeded sampling gives the same tokens on every
+# machine and release. A change here changes every seeded request's output.
+PINNED_SEEDS = [0, 1, -5, 2**40 + 3, 2**63 - 1, -(2**63), 123456789, 42]
+PINNED_POSITIONS = [0, 7, 100, 4095, 1, 2**31, 65536, 3]
+PINNED_DRAWS = [
+    "0x1.2c96d40000000p-1",
+    "0x1.da29fc0000000p-1",
+    "0x1.da364c0000000p-1",
+    "0x1.4f9ee80000000p-1",
+    "0x1.55089c0000000p-1",
+    "0x1.0114bc0000000p-1",
+    "0x1.2721d00000000p-1",
+    "0x1.cb4c7c0000000p-1",
+]
+# Tokens seeded rows sample from fixed logits (vocab 64, seed 11), at positions 0..23.
+PINNED_TOKENS = {
+    "plain": [17, 44, 63, 22, 3, 27, 10, 31, 55, 21, 27, 59, 49, 53, 25, 22, 12, 53, 17, 44, 44, 20, 30, 50],
+    "filtered": [
+        44,
+        28,
+        44,
+        12,
+        44,
+        17,
+        22,
+        10,
+        10,
+        17,
+        44,
+        10,
+        1,
+        12,
+        44,
+        28,
+        44,
+        44,
+        28,
+        12,
+        10,
+        44,
+        44,
+        12,
+    ],
+}
+
+
+def test_seeded_draws_and_tokens_are_pinned() -> None:
+    seeds, positions = np.array(PINNED_SEEDS, dtype=np.int64), np.array(PINNED_POSITIONS)
+    assert [float(u).hex() for u in hash_uniform(seeds, positions)] == PINNED_DRAWS
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(11))
+    rows = {
+        "plain": Row(logits, seed=1234),
+        "filtered": Row(logits, seed=-7, temperature=0.8, top_k=20, top_p=0.9),
+    }
+    for name, row in rows.items():
+        assert sample_positions(row, 24).tolist() == PINNED_TOKENS[name], name
 
 
 def test_hash_uniform_is_uniform_and_deterministic() -> None:
     # Four seeds (small, negative, wider than 32 bits), 50,000 positions each.
-    seeds = torch.tensor([0, 1, -5, 2**40 + 3], dtype=torch.int64).repeat_interleave(50_000)
-    positions = torch.arange(50_000, dtype=torch.int64).repeat(4)
-    u = hash_uniform(seeds, positions)
+    seeds = np.repeat(np.array([0, 1, -5, 2**40 + 3], dtype=np.int64), 50_000)
+    positions = np.tile(np.arange(50_000), 4)
+    u = torch.from_numpy(hash_uniform(seeds, positions))
     assert u.shape == (200_000,) and u.dtype == torch.float32
     assert bool((u > 0).all()) and bool((u < 1).all())
-    assert torch.equal(u, hash_uniform(seeds, positions))
+    assert torch.equal(u, torch.from_numpy(hash_uniform(seeds, positions)))
     assert abs(u.mean().item() - 0.5) < 0.005
     # Ten equal-width bins, each ~1/10 of the draws.
     counts = torch.histc(u, bins=10, min=0, max=1) / u.numel()
@@ -379,7 +428,7 @@ def test_metadata_leaves_unused_features_none() -> None:
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
     assert meta.penalties is None and meta.min_tokens_block is None
     assert meta.max_num_logprobs is None and not meta.all_greedy
-    assert meta.positions.tolist() == [1, 1]
+    assert meta.uniforms.tolist() == hash_uniform(np.array([0, 0]), np.array([1, 1])).tolist()
 
     rows[1] = dataclasses.replace(rows[1], top_k=4, top_p=0.9, min_p=0.1, presence=0.1)
     meta = build(rows)
@@ -393,8 +442,8 @@ def test_metadata_dtypes() -> None:
     assert meta.temperature.dtype == torch.float32
     assert meta.top_k is not None and meta.top_k.dtype == torch.int64
     assert meta.top_p is not None and meta.top_p.dtype == torch.float32
-    assert meta.seeds.dtype == torch.int64 and meta.seeds.item() == -3
-    assert meta.positions.dtype == torch.int64
+    assert meta.uniforms.dtype == torch.float32
+    assert meta.uniforms.item() == hash_uniform(np.array([-3]), np.array([1])).item()
     assert math.isclose(meta.temperature.item(), 1.0)
 
 

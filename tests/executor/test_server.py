@@ -24,7 +24,6 @@ from npuserve.scheduler.lanes.executor_client import ExecutorError
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 KV_CACHE_GIB = 0.01
 START_TIMEOUT_S = 60.0
-MODES = ["unary", "stream"]  # the step transports
 
 
 @dataclass
@@ -126,13 +125,12 @@ def test_info_handshake(executor: ExecutorProcess, local_runner: ModelRunner) ->
     assert executor.ready["executor_id"] == client.executor_id
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.slow
 def test_greedy_generation_matches_in_process_runner(
-    executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
+    executor: ExecutorProcess, expected: list[DrivenRequest]
 ) -> None:
-    with BlockingClient(executor.address, timeout_s=30, stream=mode == "stream") as client:
-        got = _drive(RemoteRunner(client, client.info()), mode)
+    with BlockingClient(executor.address, timeout_s=30) as client:
+        got = _drive(RemoteRunner(client, client.info()), "stream")
     assert [r.output for r in got] == [r.output for r in expected]
     assert len(got[0].output) == 60
     assert got[0].logprobs == [None] * 60
@@ -140,19 +138,18 @@ def test_greedy_generation_matches_in_process_runner(
     assert all(lp is not None and len(lp.top_token_ids) == 3 for lp in got[1].logprobs)
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.slow
 def test_bad_plan_is_invalid_argument_and_serving_goes_on(
-    executor: ExecutorProcess, expected: list[DrivenRequest], mode: str
+    executor: ExecutorProcess, expected: list[DrivenRequest]
 ) -> None:
-    with BlockingClient(executor.address, timeout_s=30, stream=mode == "stream") as client:
+    with BlockingClient(executor.address, timeout_s=30) as client:
         remote = RemoteRunner(client, client.info())
         with pytest.raises(ExecutorError) as failure:
             remote.execute(StepPlan(step_id=0, num_scheduled_tokens={"ghost": 1}))
         assert failure.value.code == "INVALID_ARGUMENT"
         assert "ghost" in failure.value.message
         assert client.health()
-        request = DrivenRequest(f"{mode}-after-error", PROMPT_IDS, 8, SamplingOptions(temperature=0))
+        request = DrivenRequest("after-error", PROMPT_IDS, 8, SamplingOptions(temperature=0))
         StepDriver(remote, token_budget=4).run([request])
     assert request.output == expected[0].output[:8]
 
@@ -175,18 +172,16 @@ def faulty_executor(local_runner: ModelRunner) -> Iterator[str]:
     running.stop(grace_s=0)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_other_failures_are_internal(faulty_executor: str, mode: str) -> None:
-    with BlockingClient(faulty_executor, timeout_s=10, stream=mode == "stream") as client:
+def test_other_failures_are_internal(faulty_executor: str) -> None:
+    with BlockingClient(faulty_executor, timeout_s=10) as client:
         with pytest.raises(ExecutorError) as failure:
             client.step(StepPlan(step_id=0))
         assert (failure.value.code, failure.value.message) == ("INTERNAL", "RuntimeError: device lost")
         assert client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode: str) -> None:
-    with BlockingClient(faulty_executor, timeout_s=0.1, stream=mode == "stream") as client:
+def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str) -> None:
+    with BlockingClient(faulty_executor, timeout_s=0.1) as client:
         with pytest.raises(ExecutorError) as failure:
             client.step(StepPlan(step_id=1))
         assert failure.value.code == "DEADLINE_EXCEEDED"
@@ -197,7 +192,7 @@ def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str, mode
 @pytest.mark.slow
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
     running = _start_executor(stories_dir, tmp_path)
-    with BlockingClient(running.address, timeout_s=10, stream=True) as client:
+    with BlockingClient(running.address, timeout_s=10) as client:
         client.info()
         client.step(StepPlan(step_id=0))  # an open stream must not hold the shutdown
         assert _stop(running) == 0, running.log()

@@ -24,12 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from harness.reference import transformers_greedy
+from harness.reference import save_random_llama, transformers_greedy
 from harness.serve import child_pids, generate_concurrently, npuserve_process, serve
 from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.deploy.executor_flags import TP_RANK_ENV, parallel_config_from_args
-from npuserve.executor import model_loader, parallel_config
+from npuserve.executor import model_loader, parallel_config, rank_group
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.model_loader import load_model, weight_bytes
@@ -263,6 +263,97 @@ def test_bad_size_and_ranks_that_cannot_join_fail_clearly(model_dirs: dict[str, 
     assert "model loaded" not in errors["size"]  # refused before any weight was read
     assert "ranks [1] of 2 did not join the group within 3 s" in errors["rank 0 alone"]
     assert "rank 1 could not reach rank 0 at 127.0.0.1" in errors["rank 1 alone"]
+
+
+def test_each_rank_selects_the_device_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda:3`` (or npu:3) binds the communicator to device 3, not to device 0."""
+    selected: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    rank_group.select_device(torch.device("cuda", 3))
+    rank_group.select_device(torch.device("cuda"))  # a rank pinned to one device sees it as 0
+    rank_group.select_device(torch.device("cpu"))
+    assert selected == [3, 0]
+
+
+# A rank started with PYTHONPATH at this module's folder runs ModelRunner's NAME DELAY s late.
+LATE_RANK = """
+import time
+from npuserve.executor import model_runner
+
+_original = model_runner.{name}
+
+
+def _late(*args, **kwargs):
+    time.sleep({delay})
+    return _original(*args, **kwargs)
+
+
+model_runner.{name} = _late
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("late", "timeouts"),
+    [
+        # Loading 10 s late against a 4 s collective timeout: the barrier after loading keeps
+        # rank 0 out of the memory profile's all-reduce until rank 1 has its weights.
+        ("load_model", ("--tp-connect-timeout", "60", "--distributed-timeout-seconds", "4")),
+        # Profiling 10 s late: rank 0 waits in the all-reduce longer than the 6 s rendezvous
+        # timeout, which no longer bounds a collective.
+        ("profile_kv_budget", ("--tp-connect-timeout", "6", "--distributed-timeout-seconds", "60")),
+    ],
+    ids=["loads-late", "profiles-late"],
+)
+def test_a_rank_minutes_behind_the_other_still_forms_the_group(
+    late: str, timeouts: tuple[str, ...], emulated_npu: pytest.MonkeyPatch, tmp_path: Path, stories_dir: Path
+) -> None:
+    """Two ranks on the emulated NPU, started node by node (its KV cache is sized by a profiling
+    run, whose first all-reduce comes right after the weights load); rank 1 is slow."""
+    emulated_npu.setenv("NPUSERVE_EMULATE_NPU_MEMORY_GIB", "3")
+    model = save_random_llama(
+        tmp_path / "llama-d64",
+        stories_dir,
+        seed=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    site = tmp_path / "late-rank"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LATE_RANK.format(name=late, delay=10))
+    port = str(free_port())
+    group = ("--tensor-parallel-size", "2", "--master-addr", "127.0.0.1", "--master-port", port, *timeouts)
+    flags = (
+        "--model",
+        str(model),
+        "--device",
+        "npu",
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.5",
+    )
+    flags += ("--max-num-batched-tokens", "256", *group)
+    rank1 = subprocess.Popen(
+        cli("executor", *flags, "--tp-rank", "1", "--port", "0"),
+        env={**os.environ, "PYTHONPATH": str(site)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with npuserve_process("executor", *flags, "--tp-rank", "0", "--port", "0") as (_, ready):
+            assert ready["info"]["tensor_parallel_size"] == 2
+        _, stderr = rank1.communicate(timeout=60)
+        assert rank1.returncode == 0, stderr
+        assert "tensor-parallel rank stopped" in stderr
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
 
 
 # --------------------------------------------------------------------------- a rank dies

@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 class BlockingClient:
-    """``stream``: steps over the `StepStream` (one at a time here), else a `Step` call each."""
+    """Steps over the `StepStream`, one at a time."""
 
     def __init__(
         self,
@@ -24,14 +24,13 @@ class BlockingClient:
         timeout_s: float | None = 60.0,
         token: str | None = None,
         tls_ca: bytes | None = None,
-        stream: bool = False,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="blocking-client", daemon=True)
         self._thread.start()
 
         async def connect() -> AioExecutorClient:  # NOTE: a grpc.aio channel takes the loop it is made on
-            return AioExecutorClient(address, "", stream, timeout_s, token, tls_ca)
+            return AioExecutorClient(address, "", timeout_s, token, tls_ca)
 
         self.client = self._run(connect())
 

@@ -57,6 +57,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid``, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
 def serve_child(serve_pid: int, name: str) -> tuple[int, Path] | None:
     """The pid of `npuserve serve`'s living child ``name`` (executor-0, scheduler, gateway) and
     its ready file, found by the ready file the launcher named after it; None while it is down."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from npuserve.proto.step_plan import (
     SamplingOptions,
     StepPlan,
     StepResult,
+    TokenBitmask,
     TokenLogprobs,
 )
 
@@ -51,7 +53,9 @@ class StepDriver:
     of a step whose plan runs several passes go, prompts whole, in a step that joins it
     (`StepPlan.joins_running`), which the runner takes before its second pass (with
     ``join_first_pass``, before its first: as a step sent while the one it joins waited to run);
-    ``joined_answers`` keeps their answers.
+    ``joined_answers`` keeps their answers. ``bitmask``, given the requests that sample in a
+    step, returns that step's structured-output bitmask (or None); `preempt` takes a request out
+    as a scheduler's preemption by recompute does.
     """
 
     def __init__(
@@ -63,8 +67,10 @@ class StepDriver:
         answer_early: bool = False,
         join_new: bool = False,
         join_first_pass: bool = False,
+        bitmask: Callable[[list[DrivenRequest]], TokenBitmask | None] | None = None,
     ) -> None:
         self.runner = runner
+        self.bitmask = bitmask
         self.join_new = join_new
         self.join_first_pass = join_first_pass
         self.joined_answers: list[StepResult] = []
@@ -84,6 +90,14 @@ class StepDriver:
             self.step([r for r in requests if not r.done])
         self.step([])  # hand the last finished ids to the runner
         return requests
+
+    def preempt(self, req: DrivenRequest) -> None:
+        """Preemption by recompute: the runner drops ``req`` at the next step, its blocks (but
+        those of its prefix-cache hit) go back to the pool, and it is sent again whole, its
+        prompt and the tokens it made so far, nothing of them computed."""
+        self.finished.append(req.req_id)
+        self.free_blocks += req.block_ids[len(req.cached_block_ids) :][::-1]
+        req.block_ids, req.num_computed_tokens, req.sent = [], 0, False
 
     def step(self, active: list[DrivenRequest]) -> None:
         plan = StepPlan(step_id=self.step_id, finished_req_ids=self.finished)
@@ -106,6 +120,14 @@ class StepDriver:
             self.step_id += 1
             self._plan(joining.plan, joiners, 1_000_000)
         self._plan(plan, active, self.token_budget)
+        if self.bitmask is not None:
+            by_id = {r.req_id: r for r in active}
+            sampling = [
+                by_id[req_id]
+                for req_id, num_new in plan.num_scheduled_tokens.items()
+                if by_id[req_id].num_computed_tokens + num_new == len(by_id[req_id].tokens)
+            ]
+            plan.bitmask = self.bitmask(sampling) if sampling else None
         if joining is not None and not plan.num_steps:  # nothing to join: it runs next, as any step
             joining.plan.joins_running = False
         early: list[StepResult] = []

@@ -17,8 +17,11 @@ from npuserve.proto.step_codec import (
     result_to_proto,
 )
 from npuserve.proto.step_plan import (
+    BlockCopy,
     CachedRequest,
     ExecutorInfo,
+    KvPull,
+    KvTransfer,
     NewRequest,
     SamplingOptions,
     StepPlan,
@@ -83,6 +86,25 @@ def test_unset_seed_and_logprobs_stay_unset() -> None:
 def test_empty_plan_and_empty_result_round_trip() -> None:
     assert _wire_plan(StepPlan(step_id=0)) == StepPlan(step_id=0)
     assert _wire_result(StepResult(step_id=0)) == StepResult(step_id=0)
+
+
+def test_block_copies_and_pulls_travel_in_order() -> None:
+    """A plan's copies to and from the host tier, and its pulls from other executors (one
+    source unnamed by instance), in order; a result's KV transfers by kind."""
+    plan = dataclasses.replace(
+        _mixed_plan(),
+        block_copies=[BlockCopy(True, 5, 0), BlockCopy(False, 3, 9)],
+        kv_pulls=[
+            KvPull("10.0.0.7:50061", "f00d", [7, 2, 30], [17, 3, 12]),
+            KvPull("[::1]:50062", "", [4], [8]),
+        ],
+    )
+    assert _wire_plan(plan) == plan
+    timings = StepTimings(
+        total_s=0.5, kv_transfers=[KvTransfer("host_tier", 4096, 0.25), KvTransfer("executor", 2**40, 0.125)]
+    )
+    result = StepResult(step_id=3, timings=timings)
+    assert _wire_result(result) == result
 
 
 def test_result_round_trip_keeps_logprobs_per_token() -> None:
@@ -162,7 +184,7 @@ def _joining_plan() -> StepPlan:
 
 def test_a_step_that_joins_the_running_one_travels_and_admits_only() -> None:
     """`joins_running` survives the wire on a plan that only admits requests; on one that also
-    runs a request it does not admit, drops one, or carries a bitmask, it is refused."""
+    runs a request it does not admit, drops one, pulls blocks or carries a bitmask, it is refused."""
     plan = _joining_plan()
     assert admits_only(plan) and _wire_plan(plan) == plan
     for broken in (
@@ -172,6 +194,7 @@ def test_a_step_that_joins_the_running_one_travels_and_admits_only() -> None:
         dataclasses.replace(plan, num_steps={"j1": 2}),
         dataclasses.replace(plan, bitmask=TokenBitmask(["j1"], b"\xff" * 64)),
         dataclasses.replace(plan, num_scheduled_tokens={"j1": 3}),  # j2 sent, not run
+        dataclasses.replace(plan, kv_pulls=[KvPull("10.0.0.7:50061", "", [3], [4])]),
     ):
         assert not admits_only(broken)
         with pytest.raises(CodecError, match="may only admit requests"):

@@ -198,11 +198,16 @@ def test_variants_from_mode_and_compare() -> None:
     names = lambda *argv: [v.name for v in benchmark.parse_variants(_args("--model", "m", *argv))]  # noqa: E731
     assert names() == ["offline"]
     assert names("--address", "h:1") == ["grpc"]
-    assert names("--compare", "offline,grpc-unary,grpc-stream") == ["offline", "grpc-unary", "grpc-stream"]
+    assert names("--compare", "offline,grpc-stream") == ["offline", "grpc-stream"]
+    assert names("--compare", "host-tier", "--kv-cache-memory", "0.5") == ["host-tier-on", "host-tier-off"]
+    on, off = benchmark.parse_variants(
+        _args("--model", "m", "--compare", "host-tier", "--kv-cache-memory", "0.5")
+    )
+    assert (on.kv_host_memory_gib, off.kv_host_memory_gib) == (2.0, 0.0)
     variants = benchmark.parse_variants(_args("--model", "m", "--compare", "caching"))
     assert [(v.kind, v.enable_prefix_caching) for v in variants] == [("offline", True), ("offline", False)]
-    (grpc,) = benchmark.parse_variants(_args("--model", "m", "--mode", "grpc", "--step-transport", "stream"))
-    assert (grpc.kind, grpc.step_transport) == ("grpc", "stream")
+    (grpc,) = benchmark.parse_variants(_args("--model", "m", "--mode", "grpc"))
+    assert grpc.kind == "grpc"
     for bad in ("offline,offline", "offline,nope"):
         with pytest.raises(ValueError):
             benchmark.parse_variants(_args("--model", "m", "--compare", bad))
@@ -210,7 +215,7 @@ def test_variants_from_mode_and_compare() -> None:
 
 def test_launched_server_gets_the_offline_engine_flags() -> None:
     args = _args("--model", "m", "--kv-cache-memory", "0.5", "--num-executors", "2")
-    variant = benchmark.Variant("grpc-stream", "grpc", False, "stream")
+    variant = benchmark.Variant("grpc-stream", "grpc", False)
     spec = benchmark._server_spec(args, "m", "dummy", variant)
     executor = dict(flag.split("=", 1) for flag in spec.executor_args if "=" in flag)
     assert executor["--model"] == "m" and executor["--kv-cache-memory"] == "0.5"
@@ -218,7 +223,7 @@ def test_launched_server_gets_the_offline_engine_flags() -> None:
     assert executor["--log-level"] == "warning"
     assert "--block-size" not in executor  # unset flags keep the executor's defaults
     scheduler = dict(flag.split("=", 1) for flag in spec.scheduler_args if "=" in flag)
-    assert scheduler["--model"] == "m" and scheduler["--step-transport"] == "stream"
+    assert scheduler["--model"] == "m" and "--async-scheduling" in spec.scheduler_args
     assert "--no-enable-prefix-caching" in spec.scheduler_args
     assert spec.num_executors == 2
 
@@ -300,8 +305,6 @@ def test_grpc_mode_launches_serve_and_counts_every_token(
             str(stories_dir),
             "--mode",
             "grpc",
-            "--step-transport",
-            "stream",
             "--client-call",
             client_call,
         ),

@@ -53,6 +53,11 @@ def test_a_good_host_of_each_driver_generation_can_serve(
     assert checks["driver+cann"].status == "ok"
     assert checks["npus"].detail.startswith("1 visible (0: ")
     assert "tokens" in checks["kv cache"].detail
+    # head_dim 64 with GQA serves, with a warning that names where it is (and is not) documented.
+    head_dim = checks["head_dim"]
+    assert head_dim.status == "warn" and head_dim.detail.startswith("head_dim 64 (2 query / 1 KV heads)")
+    assert "npu_fused_infer_attention_score doc allows head_dim 128" in head_dim.detail
+    assert "Qwen2.5-0.5B-Instruct" in head_dim.detail and "001-quickstart-test.sh" in head_dim.detail
 
 
 def test_memory_held_by_other_processes_leaves_no_kv_cache(
@@ -97,6 +102,64 @@ def test_cann_8_1_layout_without_nnal_and_a_torch_npu_of_another_cann(fake_npu_s
     version_set = checks["version set"]
     assert version_set.status == "fail" and "built for CANN 8.5.0" in version_set.detail
     assert "CANN 8.1.RC1 + torch 2.5.1 + torch_npu 2.5.1" in version_set.fix
+
+
+# vllm-ascend v0.12.0rc1's set, in the ascend-toolkit/latest layout its image has.
+VLLM_ASCEND_0_12_SET = {**GOOD_SET, "torch_npu": "2.8.0"}
+TOOLKIT_SOURCED = {
+    "ASCEND_HOME_PATH": "/usr/local/Ascend/ascend-toolkit/latest",
+    "ATB_HOME_PATH": "/usr/local/Ascend/nnal/atb/latest/atb/cxx_abi_1",
+}
+
+
+def cann_8_3_tree(tmp_path: Path, cann: str) -> Path:
+    """The cann8.3 fixture with its toolkit and NNAL files naming ``cann`` instead of 8.3.RC2."""
+    tree = shutil.copytree(TREES / "cann8.3", tmp_path / f"ascend-{cann}")
+    for info in [
+        *tree.glob("ascend-toolkit/latest/*/ascend_toolkit_install.info"),
+        *tree.glob("nnal/**/version.info"),
+    ]:
+        info.write_text(info.read_text().replace("8.3.RC2", cann))
+    return tree
+
+
+def test_the_cann_8_3_rc2_install_of_vllm_ascend_images_can_serve(fake_npu_smi, dev_root: Path) -> None:
+    fake_npu_smi("24.1.rc3.3-A3")
+    checks = doctor(TREES / "cann8.3", dev_root, ["--device", "npu"], VLLM_ASCEND_0_12_SET, TOOLKIT_SOURCED)
+    failed = {n: c for n, c in checks.items() if c.status == "fail"}
+    assert not failed and checks["verdict"].status == "ok", failed
+    assert checks["cann"].detail.startswith("CANN 8.3.RC2 (")
+    assert checks["nnal"].status == "ok" and checks["driver+cann"].status == "ok"
+    version_set = checks["version set"]
+    assert version_set.status == "ok", version_set
+    assert version_set.detail.startswith(
+        "CANN 8.3.RC2 + torch 2.8.0 + torch_npu 2.8.0 (vllm-ascend v0.12.0rc1"
+    )
+
+
+def test_a_cann_of_another_rc_number_warns_and_serves(fake_npu_smi, dev_root: Path, tmp_path: Path) -> None:
+    fake_npu_smi("24.1.rc3.3-A3")
+    tree = cann_8_3_tree(tmp_path, "8.3.RC3")
+    checks = doctor(tree, dev_root, ["--device", "npu"], VLLM_ASCEND_0_12_SET, TOOLKIT_SOURCED)
+    version_set = checks["version set"]
+    assert version_set.status == "warn" and checks["verdict"].status == "ok", version_set
+    assert (
+        "CANN 8.3.RC3 is not the CANN torch_npu 2.8.0 is built for (8.3.RC2 or 8.3.RC1" in version_set.detail
+    )
+    assert "RC number only" in version_set.detail
+    assert "CANN 8.3.RC2 + torch 2.8.0 + torch_npu 2.8.0" in version_set.fix
+
+
+@pytest.mark.parametrize("cann", ["8.2.RC1", "8.5.0"])
+def test_a_cann_of_another_release_is_still_refused(
+    cann: str, fake_npu_smi, dev_root: Path, tmp_path: Path
+) -> None:
+    fake_npu_smi("24.1.rc3.3-A3")
+    tree = cann_8_3_tree(tmp_path, cann)
+    checks = doctor(tree, dev_root, ["--device", "npu"], VLLM_ASCEND_0_12_SET, TOOLKIT_SOURCED)
+    version_set = checks["version set"]
+    assert version_set.status == "fail" and checks["verdict"].status == "fail", version_set
+    assert f"CANN {cann} (torch_npu 2.8.0 is built for CANN 8.3.RC2 or 8.3.RC1)" in version_set.detail
 
 
 def test_torch_and_torch_npu_of_different_releases(fake_npu_smi, dev_root: Path) -> None:

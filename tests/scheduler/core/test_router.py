@@ -5,13 +5,14 @@ on the executor that holds its prefix."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from harness.simulated_engine import SMALL, generate, simulated_engine
 
 from npuserve.executor.simulated import SimulatedRunner
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.core.router import cached_prefix_blocks, choose_lane, lane_load_blocks
+from npuserve.scheduler.core.router import cached_prefix, choose_lane, lane_load_blocks
 from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
@@ -38,9 +39,9 @@ def make_request(req_id: str, prompt: list[int]) -> Request:
     )
 
 
-def idle_lane(name: str) -> ExecutorLane:
+def idle_lane(name: str, num_host_blocks: int = 0) -> ExecutorLane:
     """A lane that is not started: routing reads only its scheduler."""
-    runner = SimulatedRunner(SMALL)
+    runner = SimulatedRunner(dataclasses.replace(SMALL, num_host_blocks=num_host_blocks))
     scheduler = Scheduler(SchedulerConfig.for_executor(runner.info()))
     return ExecutorLane(name, InProcessClient(runner), scheduler, lambda *_: None, False, always_room)
 
@@ -58,14 +59,33 @@ def test_the_lane_holding_the_prefix_wins() -> None:
     admit(lanes[1], make_request("a", prompt))
     lanes[1].scheduler.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)  # blocks cached, unused
     follower = make_request("b", [*prompt[:20], 9, 9, 9])
-    assert cached_prefix_blocks(lanes[1], follower.block_hashes) == 5
-    assert cached_prefix_blocks(lanes[0], follower.block_hashes) == 0
+    assert cached_prefix(lanes[1], follower.block_hashes) == (5, 0)
+    assert cached_prefix(lanes[0], follower.block_hashes) == (0, 0)
     assert all(lane_load_blocks(lane) == 0 for lane in lanes)
     for _ in range(20):
         assert choose_lane(lanes, follower.block_hashes, 6, "prefix-aware") is lanes[1]
     # Only a leading run of blocks counts: a different first block leaves nothing cached.
     other_start = make_request("c", [7, *prompt[1:]])
-    assert cached_prefix_blocks(lanes[1], other_start.block_hashes) == 0
+    assert cached_prefix(lanes[1], other_start.block_hashes) == (0, 0)
+
+
+def test_a_prefix_on_the_host_tier_costs_less_than_none_and_more_than_one_on_the_device() -> None:
+    """Three lanes with host tiers: e0 never saw the prompt, e1 computed it and then handed every
+    block out again (its prefix spilled to the host tier), e2 holds it on the device."""
+    lanes = [idle_lane(f"e{i}", num_host_blocks=16) for i in range(3)]
+    prompt = prompt_of(22)  # 5 full blocks
+    for lane in lanes[1:]:
+        admit(lane, make_request("a", prompt))
+        lane.scheduler.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)  # blocks cached, unused
+    pool = lanes[1].scheduler.kv.pool
+    pool.free_blocks(pool.get_new_blocks(pool.num_free_blocks))  # every cached block handed out again
+    follower = make_request("b", [*prompt[:20], 9, 9, 9])
+    assert cached_prefix(lanes[1], follower.block_hashes) == (5, 5)
+    assert cached_prefix(lanes[2], follower.block_hashes) == (5, 0)
+    assert all(choose_lane(lanes, follower.block_hashes, 6, "prefix-aware") is lanes[2] for _ in range(20))
+    assert all(
+        choose_lane(lanes[:2], follower.block_hashes, 6, "prefix-aware") is lanes[1] for _ in range(20)
+    )
 
 
 def test_load_outweighs_a_short_prefix() -> None:
@@ -76,7 +96,7 @@ def test_load_outweighs_a_short_prefix() -> None:
     admit(lanes[0], make_request("busy", prompt_of(40, 1)))  # 10 more blocks in use
     assert lane_load_blocks(lanes[0]) == 3 + 10
     follower = make_request("b", prompt)
-    assert cached_prefix_blocks(lanes[0], follower.block_hashes) == 2
+    assert cached_prefix(lanes[0], follower.block_hashes) == (2, 0)
     assert choose_lane(lanes, follower.block_hashes, 3, "prefix-aware") is lanes[1]
 
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.executor.simulated import SimulatedRunner
+from npuserve.proto.step_plan import KvTransfer, StepTimings
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.engine.metrics import DEPARTED_SERIES_TTL_S, ExecutorLoad, ExecutorMetrics
 from npuserve.scheduler.text.prompts import PromptInput
@@ -158,6 +159,20 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.step_failed("b")
     metrics.step_joined("b")
     metrics.step_joined("b")
+    metrics.timed("b", StepTimings(graph_passes=3, eager_passes=1))  # four passes, three replays
+    transfers = [
+        KvTransfer("host_tier", 4096, 0.002),
+        KvTransfer("executor", 8192, 0.25),
+        KvTransfer("new", 1, 1),
+    ]
+    metrics.timed("b", StepTimings(eager_passes=1, kv_transfers=transfers))
+    assert metrics.steps.labels(MODEL, "b", "graph")._value.get() == 3
+    assert metrics.steps.labels(MODEL, "b", "eager")._value.get() == 2
+    assert metrics.kv_transfer_bytes.labels(MODEL, "b", "host_tier")._value.get() == 4096
+    assert metrics.kv_transfer_seconds.labels(MODEL, "b", "host_tier")._sum.get() == 0.002
+    assert metrics.kv_transfer_bytes.labels(MODEL, "b", "executor")._value.get() == 8192
+    assert metrics.kv_transfer_seconds.labels(MODEL, "b", "executor")._sum.get() == 0.25
+    assert 'kind="new"' not in generate_latest(registry).decode()  # a kind it does not know
     assert metrics.failed_steps.labels(MODEL, "b")._value.get() == 1
     assert metrics.joined_steps.labels(MODEL, "b")._value.get() == 2
     assert metrics.failed_steps.labels(MODEL, "a")._value.get() == 0  # there from the start
@@ -177,6 +192,7 @@ def test_departed_series_go_after_a_while_and_a_returning_address_is_a_restart()
     metrics.prefix_cache("b", 8, 4)
     metrics.step_failed("b")
     metrics.step_joined("b")
+    metrics.timed("b", StepTimings(graph_passes=1, kv_transfers=[KvTransfer("executor", 1, 0.1)]))
     metrics.refresh([ExecutorLoad("b", 1, 0, 0.1)])  # nor a load of one that has not joined
     assert all(executors == {"a"} for executors in executors_in(registry).values())
     # Another id at b's address: b's host came back under a new name, which counts as a restart.

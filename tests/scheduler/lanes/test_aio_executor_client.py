@@ -1,6 +1,6 @@
 """`AioExecutorClient` against a real executor server over real gRPC: the handshake, steps over
-either transport, a refused step and a late one leave the client usable, pipelined steps come back in
-order (whether the executor runs them as a pipeline or one at a time), a step sent after a
+the step stream, a refused step and a late one leave the client usable, pipelined steps come back in
+order, a step sent after a
 refused one fails with an executor error (not a cancellation), and a multi-step plan's admitted
 requests are answered before its result when asked."""
 
@@ -25,25 +25,22 @@ INFO = ExecutorInfo(
 )  # fmt: skip
 
 
-@pytest.fixture(params=["pipelined", "one step at a time"])
-def executor(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """(address, instance id) of a running executor server, its StepStreams pipelined (as an
-    executor process's) or not (as the simulated fleet's)."""
-    pipelined = request.param == "pipelined"
-    running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty", pipelined_streams=pipelined)
+@pytest.fixture
+def executor() -> Iterator[tuple[str, str]]:
+    """(address, instance id) of a running executor server."""
+    running = start_executor_server(FaultyRunner(INFO), "127.0.0.1", 0, "faulty")
     yield running.address, running.servicer.instance_id
     running.stop(grace_s=0)
 
 
-def _client(executor: tuple[str, str], mode: str, timeout_s: float) -> AioExecutorClient:
+def _client(executor: tuple[str, str], timeout_s: float) -> AioExecutorClient:
     address, instance_id = executor
-    return AioExecutorClient(address, instance_id, mode == "stream", timeout_s)
+    return AioExecutorClient(address, instance_id, timeout_s)
 
 
-@pytest.mark.parametrize("mode", ["unary", "stream"])
-def test_a_refused_step_and_a_late_one_leave_the_client_usable(executor: tuple[str, str], mode: str) -> None:
+def test_a_refused_step_and_a_late_one_leave_the_client_usable(executor: tuple[str, str]) -> None:
     async def run() -> None:
-        client = _client(executor, mode, 10)
+        client = _client(executor, 10)
         with pytest.raises(ExecutorError) as refused:
             await client.step(StepPlan(step_id=0))
         assert (refused.value.code, refused.value.message) == ("INTERNAL", "RuntimeError: device lost")
@@ -63,7 +60,7 @@ def test_pipelined_steps_come_back_in_order_and_a_refusal_fails_those_after_it(
     executor: tuple[str, str],
 ) -> None:
     async def run() -> None:
-        client = _client(executor, "stream", 10)
+        client = _client(executor, 10)
         pending = [await client.submit(StepPlan(step_id=i)) for i in (1, 2, 3)]
         assert [await p.result() for p in pending] == [StepResult(step_id=i) for i in (1, 2, 3)]
         refused, after = await client.submit(StepPlan(step_id=0)), await client.submit(StepPlan(step_id=4))
@@ -95,12 +92,12 @@ def test_the_handshake_names_the_executor_and_the_process_its_steps_go_to(execut
 
     async def run() -> None:
         address, instance_id = executor
-        client = AioExecutorClient(address, "", True, 10)
+        client = AioExecutorClient(address, "", 10)
         assert await client.info() == INFO
         assert (client.executor_id, client.instance_id) == ("faulty", instance_id) and client.version
         assert await client.step(StepPlan(step_id=2)) == StepResult(step_id=2)
         await client.close()
-        nobody = AioExecutorClient("127.0.0.1:1", "", True, 10)
+        nobody = AioExecutorClient("127.0.0.1:1", "", 10)
         with pytest.raises(ExecutorError) as failure:
             await nobody.info(timeout_s=0.2)
         assert failure.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -111,7 +108,7 @@ def test_the_handshake_names_the_executor_and_the_process_its_steps_go_to(execut
 
 def test_an_executor_that_is_not_there_is_unavailable() -> None:
     async def run() -> None:
-        client = AioExecutorClient("127.0.0.1:1", "", True, 5)
+        client = AioExecutorClient("127.0.0.1:1", "", 5)
         with pytest.raises(ExecutorError) as failure:
             await client.step(StepPlan(step_id=0))
         assert failure.value.code == "UNAVAILABLE"
@@ -126,14 +123,14 @@ def test_health_says_whether_the_executor_answers_and_serves(executor: tuple[str
     restart), from an address where none listens and from a closed client."""
 
     async def run() -> None:
-        client = _client(executor, "stream", 10)
+        client = _client(executor, 10)
         assert await client.health()
-        restarted = AioExecutorClient(executor[0], "an-earlier-instance", True, 5)
+        restarted = AioExecutorClient(executor[0], "an-earlier-instance", 5)
         assert not await restarted.health()
         await restarted.close()
         await client.close()
         assert not await client.health()
-        nobody = AioExecutorClient("127.0.0.1:1", "", True, 5)
+        nobody = AioExecutorClient("127.0.0.1:1", "", 5)
         assert not await nobody.health()
         await nobody.close()
 
@@ -155,39 +152,27 @@ def _two_request_plans(step_id: int) -> tuple[StepPlan, StepPlan]:
     return admit_a, both
 
 
-@pytest.mark.parametrize("mode", ["unary", "stream"])
-def test_the_requests_a_multi_step_plan_admits_are_answered_before_its_result(mode: str) -> None:
+def test_the_requests_a_multi_step_plan_admits_are_answered_before_its_result() -> None:
     """Over the step stream, with `early_results`, the requests that run only the first pass of a
     multi-step plan come in a partial answer before the plan's result, which names the others;
-    between them they hold the tokens of one answer. Unary calls answer once, whatever is asked."""
+    between them they hold the tokens of one answer."""
     runner = SimulatedRunner(
         SimulatedConfig(latency=LatencyModel(0.0, 0.0, 0.0), num_blocks=16, block_size=4)
     )
     running = start_executor_server(runner, "127.0.0.1", 0, "sim")
 
     async def run() -> None:
-        client = AioExecutorClient(running.address, "", mode == "stream", 10)
+        client = AioExecutorClient(running.address, "", 10)
         await client.info()
-        assert client.answers_early == (mode == "stream")
         admit_a, both = _two_request_plans(0)
         await client.step(admit_a)
         pending = await client.submit(both, early_results=True)
-        answers = [await pending.result()]
-        if mode == "stream":
-            answers.append(await pending.result())
+        answers = [await pending.result(), await pending.result()]
         a_tokens = [runner.token_for("a", k) for k in range(4, 8)]
         b_token = runner.token_for("b", 2)
-        if mode == "stream":
-            early, final = answers
-            assert early == StepResult(1, ["b"], [b_token], [None], partial=True)
-            assert (final.sampled_req_ids, final.sampled_token_ids, final.partial) == (
-                ["a"] * 4,
-                a_tokens,
-                False,
-            )
-        else:
-            (whole,) = answers
-            assert whole.sampled_token_ids == [a_tokens[0], b_token, *a_tokens[1:]] and not whole.partial
+        early, final = answers
+        assert early == StepResult(1, ["b"], [b_token], [None], partial=True)
+        assert (final.sampled_req_ids, final.sampled_token_ids, final.partial) == (["a"] * 4, a_tokens, False)
         # Not asked for: one answer over the stream too.
         await client.step(StepPlan(2, finished_req_ids=["a", "b"]))
         admit_a, both = _two_request_plans(3)

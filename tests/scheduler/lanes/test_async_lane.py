@@ -120,6 +120,36 @@ def test_requests_run_to_completion_with_their_tokens() -> None:
     asyncio.run(run())
 
 
+def test_the_lane_says_it_went_idle_once_each_time_its_work_ends() -> None:
+    async def run() -> None:
+        client = ControlledExecutor(SimulatedRunner(SMALL))
+        events = _Awaited()
+        went_idle = asyncio.Event()
+        idle_calls: list[int] = []
+
+        def on_idle() -> None:
+            idle_calls.append(lane.num_steps)
+            went_idle.set()
+
+        config = SchedulerConfig.for_executor(client.runner.info())
+        lane = ExecutorLane("x", client, Scheduler(config), events, False, always_room, on_idle=on_idle)
+        lane.start()
+        await asyncio.wrap_future(lane.call(lambda s: None))  # a turn of the loop with no work
+        assert not idle_calls, "a lane that had no work did not go idle"
+        for turn in range(2):
+            went_idle.clear()
+            lane.submit([_small_request(f"r{turn}", 9, 3)])
+            await asyncio.wait_for(went_idle.wait(), 10)
+            assert lane.load == 0 and not lane.has_work and len(idle_calls) == turn + 1
+            for _ in range(3):  # more turns of the idle loop: no second call
+                await asyncio.wrap_future(lane.call(lambda s: None))
+            assert len(idle_calls) == turn + 1
+        assert idle_calls[0] < idle_calls[1]  # each after its work's steps
+        await _close_idle(lane)
+
+    asyncio.run(run())
+
+
 def test_call_runs_between_steps_and_returns_or_raises() -> None:
     async def run() -> None:
         lane = _in_process_lane(ControlledExecutor(SimulatedRunner(SMALL)), _Awaited())
@@ -362,7 +392,7 @@ async def _stream_client(
     address: str, kind: type[AioExecutorClient] = AioExecutorClient
 ) -> AioExecutorClient:
     """A step-stream client of the executor at ``address``, after the front's handshake."""
-    client = kind(address, "", True, 10)
+    client = kind(address, "", 10)
     await client.info()
     return client
 
@@ -441,7 +471,7 @@ def test_an_unreachable_executor_takes_the_lane_down_with_its_requests_handed_ba
         on_event = _Events(lambda event: event.lane_down)
         events, down = on_event.seen, on_event.woken
 
-        client = AioExecutorClient("127.0.0.1:1", "", True, 5)
+        client = AioExecutorClient("127.0.0.1:1", "", 5)
         scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=4))
         lane = ExecutorLane("e0", client, scheduler, on_event, True, _room)
         lane.start()

@@ -34,7 +34,7 @@ from npuserve.executor.simulated import SimulatedRunner
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.core.block_pool import BlockPool
+from npuserve.scheduler.core.block_pool import ON_DEVICE, BlockPool
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
@@ -92,7 +92,7 @@ def test_a_report_rebuilds_the_lane_event_on_the_fronts_copies() -> None:
     stopped_worker.status = RequestStatus.FINISHED_ABORTED
     report = make_report("e0#0", lane, event, {})
     assert report.load.num_running == 1 and report.load.num_used_blocks == 2
-    assert [stored for stored, _ in report.kv_events] == [True]
+    assert [tier for tier, _ in report.kv_events] == [ON_DEVICE]
 
     copies = {"r1": front_copy, "r2": stopped_front}
     rebuilt = apply_report(report, copies.get)
@@ -213,11 +213,11 @@ def test_a_remote_lane_mirrors_the_workers_prefix_cache() -> None:
     scheduler.schedule()
     lane.absorb(make_report(lane.key, worker_lane, LaneEvent(), {}))
     hashes = scheduler.requests["r1"].block_hashes
-    assert all(lane.has_cached(h) for h in hashes) and lane.num_used_blocks == 3
+    assert all(lane.cached_tier(h) == ON_DEVICE for h in hashes) and lane.num_used_blocks == 3
     scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
     scheduler.kv.pool.get_new_blocks(15)  # every cached block handed out again
     lane.absorb(make_report(lane.key, worker_lane, LaneEvent(), {}))
-    assert not any(lane.has_cached(h) for h in hashes)
+    assert not any(lane.cached_tier(h) for h in hashes)
 
 
 def test_a_message_of_no_class_a_side_handles_is_refused_by_name() -> None:
