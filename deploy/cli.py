@@ -25,7 +25,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
     from npuserve.deploy.scheduler_flags import GATEWAY_NAMED_FIELDS, SCHEDULER, SERVING_FIELDS
 
-    add_executor_flags(serve)
+    add_executor_flags(serve, exclude=["role"])
     serve.set_defaults(port=8000, host="127.0.0.1")
     SCHEDULER.add(serve, only=SERVING_FIELDS, exclude=GATEWAY_NAMED_FIELDS)
     serve.add_argument(
@@ -37,6 +37,14 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--num-executors",
         type=int,
         help="executor processes, one per device (default: one per visible NPU with --device npu, else 1)",
+    )
+    serve.add_argument(
+        "--prefill-executors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="of the executors, N prefill the long prompts (--max-local-prefill-length) and the "
+        "others decode (default: 0, every executor does both)",
     )
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     add_shutdown_timeout_flag(serve)
@@ -123,7 +131,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
-    from npuserve.deploy.executor_flags import EXECUTOR, serve_parallel_flags
+    from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles, serve_parallel_flags
     from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags, resolve_api_key
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
@@ -147,6 +155,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
     key_env = {API_KEY.env: args.api_key} if args.api_key else {}
     num_executors = _num_executors(args)
+    try:
+        roles = serve_executor_roles(num_executors, args.prefill_executors)
+    except ValueError as exc:
+        print(f"npuserve serve: error: {exc}", file=sys.stderr)
+        return 2
     common = [*logging_flags(args), *shutdown_timeout_flags(args)]
     launcher = Launcher()
     supervisor = Supervisor(launcher)
@@ -158,12 +171,12 @@ def run_serve(args: argparse.Namespace) -> int:
     # Children run in sessions of their own, so a terminal's Ctrl-C reaches only serve, which
     # drains them in order.
     # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
-    executor_flags = [*EXECUTOR.forward(args), *serve_parallel_flags(args), *common]
+    executor_flags = [*EXECUTOR.forward(args, exclude=["role"]), *serve_parallel_flags(args), *common]
     if args.cpu_threads is None:  # NOTE: a core for the scheduler and the gateway, if it costs little
         executor_flags += ["--cpu-threads", "auto"]
 
-    def executor_args(port: int) -> list[str]:
-        return ["executor", *executor_flags, "--port", str(port)]
+    def executor_args(role: str, port: int) -> list[str]:
+        return ["executor", *executor_flags, "--role", role, "--port", str(port)]
 
     def scheduler_args(port: int) -> list[str]:
         executors = [address_of[s.name] for s in supervisor.live_executors()]
@@ -181,11 +194,14 @@ def run_serve(args: argparse.Namespace) -> int:
         for index in range(num_executors):
             env = {**device_env(args.device, index, num_executors, args.tensor_parallel_size), **token_env}
             name = f"executor-{index}"
-            executors.append(launcher.start(name, executor_args(0), env, own_process_group=True))
+            executors.append(
+                launcher.start(name, executor_args(roles[index], 0), env, own_process_group=True)
+            )
         ready = launcher.wait_ready(executors, args.startup_timeout)
-        for child, info in zip(executors, ready, strict=True):
+        for index, (child, info) in enumerate(zip(executors, ready, strict=True)):
             address_of[child.name] = str(info["address"])
-            supervisor.watch(child, "executor", partial(executor_args, _port(address_of[child.name])))
+            restart = partial(executor_args, roles[index], _port(address_of[child.name]))
+            supervisor.watch(child, "executor", restart)
         nice = control_plane_nice(ready)
         scheduler = launcher.start(
             "scheduler",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,12 @@ from npuserve.deploy.flags import (
 )
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.executor.parallel_defaults import DEFAULT_DISTRIBUTED_TIMEOUT_S, DEFAULT_TP_CONNECT_TIMEOUT_S
+from npuserve.proto.step_plan import (
+    EXECUTOR_ROLE_DECODE,
+    EXECUTOR_ROLE_MIXED,
+    EXECUTOR_ROLE_PREFILL,
+    EXECUTOR_ROLES,
+)
 
 if TYPE_CHECKING:
     from npuserve.executor.config import ExecutorConfig
@@ -142,6 +149,17 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
             },
         ),
         Flag(
+            "role",
+            "--role",
+            {
+                "choices": EXECUTOR_ROLES,
+                "default": EXECUTOR_ROLE_MIXED,
+                "help": "what the scheduler places here: prefill (the long prompts of requests that "
+                "decode elsewhere), decode, or mixed (both; `npuserve serve` sets it with "
+                "--prefill-executors)",
+            },
+        ),
+        Flag(
             "profile_dir",
             "--profile-dir",
             {
@@ -223,14 +241,15 @@ REGISTRY: FlagTable[RegistryConfig] = FlagTable(
 )
 
 
-def add_executor_flags(parser: argparse.ArgumentParser) -> None:
-    """The executor's flags (vLLM names), for `npuserve executor` and `npuserve serve`."""
+def add_executor_flags(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """The executor's flags (vLLM names), for `npuserve executor` and `npuserve serve` (which
+    sets some of them per executor: ``exclude``)."""
     EXECUTOR.add(parser, only=["model"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--ready-file", type=Path, help="write the address and handshake here as JSON")
     parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
-    EXECUTOR.add(parser, exclude=["model"])
+    EXECUTOR.add(parser, exclude=["model", *exclude])
     PARALLEL.add(parser)
     add_cluster_token_flag(parser)
 
@@ -241,6 +260,19 @@ def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
     REGISTRY.add(parser)
     add_server_tls_flags(parser)
     add_allow_unauthenticated_flag(parser)
+
+
+def serve_executor_roles(num_executors: int, num_prefill: int) -> list[str]:
+    """The role of each executor `npuserve serve` starts (``--prefill-executors``): the first
+    ``num_prefill`` prefill and the others decode; with none, every one is mixed."""
+    if not 0 <= num_prefill < max(num_executors, 1) or (num_prefill and num_executors < 2):
+        raise ValueError(
+            f"--prefill-executors must be 0, or at least 1 and fewer than --num-executors "
+            f"({num_executors}), got {num_prefill}"
+        )
+    if not num_prefill:
+        return [EXECUTOR_ROLE_MIXED] * num_executors
+    return [EXECUTOR_ROLE_PREFILL] * num_prefill + [EXECUTOR_ROLE_DECODE] * (num_executors - num_prefill)
 
 
 def serve_parallel_flags(args: argparse.Namespace) -> list[str]:

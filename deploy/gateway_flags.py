@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from npuserve.deploy.flag_table import Flag, FlagTable
 from npuserve.deploy.flags import resolve_api_key
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
-from npuserve.gateway.limits import RequestLimits, flag_name
+from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits, flag_name
 from npuserve.gateway.reasoning import REASONING_PARSERS
 from npuserve.gateway.tool_parsers import TOOL_PARSERS
 from npuserve.proto.auth import API_KEY
@@ -160,6 +160,18 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
                 "help": "seconds a client may take no byte of a response (a stream) the gateway holds for it; "
                 "then its connection is closed and its request aborted, so the output of a client that "
                 "stopped reading is neither generated nor buffered on (0: never)",
+            },
+        ),
+        Flag(
+            "max_stream_buffer_bytes",
+            "--max-stream-buffer-bytes",
+            {
+                "type": int,
+                "default": DEFAULT_MAX_STREAM_BUFFER_BYTES,
+                "help": "bytes of a streamed response's output (all its prompts and choices) the gateway may "
+                "hold for a client that reads it more slowly than it is generated; past them its request is "
+                "aborted and the stream ends with an error event (stream_buffer_full) after what the client "
+                "already has (default 4 MiB: seconds of n=128 with logprobs; 0: no bound)",
             },
         ),
         Flag(

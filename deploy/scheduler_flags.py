@@ -19,7 +19,7 @@ from npuserve.deploy.flags import (
     server_tls,
 )
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
-from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.router import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS
 from npuserve.scheduler.service_config import ServiceConfig
 
@@ -126,6 +126,17 @@ SCHEDULER: FlagTable[ServiceConfig] = FlagTable(
                 "default": DEFAULT_PREFILL_WEIGHT,
                 "help": "prefix-aware routing: what a block of prefill costs against a block in use "
                 "(higher: new requests spread for time to first token; lower: for balanced load)",
+            },
+        ),
+        Flag(
+            "max_local_prefill_length",
+            "--max-local-prefill-length",
+            {
+                "type": int,
+                "default": DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+                "metavar": "TOKENS",
+                "help": "with prefill executors (--role prefill): a prompt longer than this, less what the "
+                "decode executor has cached, prefills on a prefill executor and its KV moves to the decode one",
             },
         ),
         Flag(

@@ -13,6 +13,7 @@ from typing import Any, Literal, overload
 
 from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 from npuserve.kernels.rope import RopeScaling
+from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, EXECUTOR_ROLES
 
 
 class ConfigError(ValueError):
@@ -233,8 +234,13 @@ class ExecutorConfig:
     # unless enforce_eager; the batch sizes captured (None: the default ladder, `graph_sizes`).
     enforce_eager: bool = False
     graph_capture_sizes: tuple[int, ...] | None = None
+    # What the scheduler places on it (`ExecutorInfo.role`): long prompts on a prefill
+    # executor, their decode on a decode executor; a mixed one does both.
+    role: str = EXECUTOR_ROLE_MIXED
 
     def __post_init__(self) -> None:
+        if self.role not in EXECUTOR_ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(EXECUTOR_ROLES)}, got {self.role!r}")
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
             raise ConfigError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
         if self.cpu_threads is not None and self.cpu_threads < 0:

@@ -222,6 +222,7 @@ class ModelRunner:
             # whole: none could take a joining step at the same pass as the leader.
             joins_steps=self.tp.size == 1,
             num_host_blocks=self.host_kv.num_blocks if self.host_kv is not None else 0,
+            role=self.config.role,
         )
 
     @property

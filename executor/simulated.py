@@ -33,6 +33,7 @@ from npuserve.proto.plan_checks import (
     check_num_steps,
 )
 from npuserve.proto.step_plan import (
+    EXECUTOR_ROLE_MIXED,
     ExecutorInfo,
     FirstPassAnswer,
     JoiningSteps,
@@ -85,6 +86,7 @@ class SimulatedConfig:
     model: str = "simulated"
     seed: int = 0  # mixed into every token, for runs that must differ
     num_host_blocks: int = 0  # a host-memory KV tier: its copies are checked, not modelled in time
+    role: str = EXECUTOR_ROLE_MIXED  # `ExecutorInfo.role`
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -196,6 +198,7 @@ class SimulatedRunner:
             device="simulated",
             joins_steps=True,
             num_host_blocks=c.num_host_blocks,
+            role=c.role,
         )
 
     def token_for(self, req_id: str, position: int) -> int:

@@ -32,7 +32,7 @@ from npuserve.gateway.chat_output import OutputShape, ParserSettings
 from npuserve.gateway.drain import Drain, DrainMiddleware
 from npuserve.gateway.errors import APIError, bad_request, error_body, request_timeout, unavailable
 from npuserve.gateway.generate import ChatFormat, CompletionFormat, Generation, start_calls
-from npuserve.gateway.limits import RequestLimits, flag_name
+from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits, flag_name
 from npuserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObservabilityMiddleware
 from npuserve.gateway.protocol import (
     ChatCompletionRequest,
@@ -384,11 +384,12 @@ def create_app(
     scheduler_tls_ca: bytes | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     parsers: ParserSettings | None = None,
+    max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
 ) -> FastAPI:
     """The gateway app; its gRPC channel opens when the app starts (inside the server's loop).
     `limits` bound every request, `scheduler_api_key` is presented to the scheduler,
     `scheduler_tls_ca` verifies its TLS; `parsers` read tool calls and reasoning out of chat
-    answers."""
+    answers; `max_stream_buffer_bytes` bounds the output a stream holds for a slow client."""
     metrics = GatewayMetrics()
     client = SchedulerClient(
         scheduler_address,
@@ -396,6 +397,7 @@ def create_app(
         scheduler_tls_ca,
         on_resend=metrics.generations_resent.inc,
         on_resume=metrics.generations_resumed.inc,
+        max_stream_buffer_bytes=max_stream_buffer_bytes,
     )
 
     gateway = Gateway(

@@ -32,7 +32,7 @@ async def start_calls(
     client: SchedulerClient, requests: Sequence[Any]
 ) -> tuple[list[GenerateCall], list[Update]]:
     """Starts every call and waits for each one's first update; cancels them all on any error."""
-    calls = [client.generate(request) for request in requests]
+    calls = client.generate(requests)
     try:
         firsts = await asyncio.gather(*(call.next() for call in calls))
         updates = [Update([]) if u is None else u for u in firsts]
@@ -64,7 +64,8 @@ async def _merged(
         return
     # NOTE: bounded: output that a client does not read yet waits in its call's stream, as the
     # scheduler sent it, not converted to updates here; a client that stopped reading is cut
-    # off after the stall timeout (`http_protocol`), and its calls with it.
+    # off after the stall timeout (`http_protocol`), and its calls with it, and one that reads
+    # too slowly once its call's stream holds the most it may (`scheduler_client`).
     queue: asyncio.Queue[tuple[int, Update | APIError | None]] = asyncio.Queue(maxsize=len(calls))
 
     async def pump(i: int, call: GenerateCall) -> None:
@@ -145,6 +146,8 @@ class Generation:
         """Server-sent events: chunks, the usage chunk when asked, then `[DONE]`; an error that
         happens mid-stream is sent as an OpenAI error event before `[DONE]`."""
         events = ChunkEvents({**self.head, "object": self.kind.chunk_object})
+        for call in self.calls:
+            call.streaming()
         try:
             for choice in self.choices:
                 opening = self.kind.opening_chunk(choice)

@@ -7,7 +7,9 @@ connections a new one gets a 503 with Retry-After at once and is closed. A clien
 byte of its response for `stall_timeout_s` while the gateway holds bytes for it (it stopped
 reading a stream) has its connection closed, which cancels its request's scheduler calls, so
 its output is neither generated nor buffered on. (The body's deadline is the app's:
-`app.read_body`; idle keep-alive connections close after uvicorn's keep-alive timeout.)
+`app.read_body`; idle keep-alive connections close after uvicorn's keep-alive timeout; a client
+that reads, but more slowly than its output is made, is held to what its stream may keep:
+`scheduler_client.SchedulerClient`.)
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ Parsing the JSON holds the event loop, and a thread would not free it (CPython's
 the GIL): about 30 ms a MiB for text, up to 100-150 ms a MiB for the costliest shapes (nested
 arrays, floats) on a slow core. So `max_request_bytes` also bounds how long any one body can stall
 the requests beside it.
+
+A response has one bound of its own, checked as it streams: the output the gateway may hold for
+a client that reads it more slowly than it is generated (`DEFAULT_MAX_STREAM_BUFFER_BYTES`, held
+where the scheduler's output is read: `scheduler_client`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from npuserve.gateway.errors import APIError
+
+# The output a response (all its prompts and choices) may hold for a client that reads it more
+# slowly than it is generated (--max-stream-buffer-bytes): seconds of n=128 with logprobs; a single
+# sequence of text never comes near it. Kept as the scheduler sent it, it costs about as much memory.
+DEFAULT_MAX_STREAM_BUFFER_BYTES = 4 << 20
 
 
 def flag_name(field: str) -> str:

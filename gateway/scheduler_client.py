@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ from npuserve.gateway import convert
 from npuserve.gateway.convert import HealthInfo, ModelInfo, TokenizeResult, Update
 from npuserve.gateway.delivered import DeliveredOutput
 from npuserve.gateway.errors import APIError, bad_request, from_status, unavailable
+from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES
 from npuserve.gateway.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -32,7 +33,13 @@ from npuserve.proto.channel import (
     message_size_options,
 )
 from npuserve.proto.error_details import error_field
-from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient, GenerateStream
+from npuserve.proto.generate_many import (
+    GenerateFailed,
+    GenerateManyClient,
+    GenerateStream,
+    StreamOverrun,
+    UnreadBudget,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +88,17 @@ def not_resumed() -> APIError:
     )
 
 
+def fell_behind(limit_bytes: int) -> APIError:
+    """The end of a stream whose client read it more slowly than it was generated."""
+    return APIError(
+        400,
+        f"the client read this stream more slowly than it was generated: more than {limit_bytes} "
+        "bytes of its output waited in the gateway (--max-stream-buffer-bytes), so the request was "
+        "aborted; read faster, or ask for less output at once (n, logprobs)",
+        code="stream_buffer_full",
+    )
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
     """The HTTP error for a failed scheduler call, with the field it names."""
     return from_status(exc.code(), exc.details(), error_field(exc))
@@ -112,10 +130,13 @@ class GenerateCall:
     its scheduler down cannot do so more than twice. One with n > 1 that has a finished choice
     cannot be resumed, and fails as before (`unresumable`)."""
 
-    def __init__(self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int) -> None:
+    def __init__(
+        self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int, budget: UnreadBudget
+    ) -> None:
         self._client = client
         self._request = self._first_request = request
         self._stub_index = stub_index
+        self._budget = budget  # what it may keep unread, with the other calls of its response
         self._stream: GenerateStream | None = None
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._answered = False  # a response came
@@ -130,7 +151,8 @@ class GenerateCall:
         self._call_answered = False
         self._sent_connected = self._client.connected(self._stub_index)
         if self._client.multiplexed:
-            self._stream, self._call = self._client.generators[self._stub_index].generate(self._request), None
+            generator = self._client.generators[self._stub_index]
+            self._stream, self._call = generator.generate(self._request, self._budget), None
         else:
             self._stream, self._call = None, self._client.generate_call(self._request, self._stub_index)
 
@@ -206,6 +228,8 @@ class GenerateCall:
         if self._stream is not None:
             try:
                 msg = await self._stream.read()
+            except StreamOverrun as exc:
+                raise fell_behind(exc.limit_bytes) from None
             except GenerateFailed as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     self._client.multiplexed = False
@@ -241,6 +265,12 @@ class GenerateCall:
             self.cancel()
             raise not_resumed()
 
+    def streaming(self) -> None:
+        """What the generation keeps unread from now on waits for the client, being streamed
+        the response: it counts against the response's bound (what it kept before waited for
+        the response's other generations, `UnreadBudget.start`)."""
+        self._budget.start()
+
     def cancel(self) -> None:
         """Cancels the generation; the scheduler then aborts the request and frees its blocks."""
         if self._stream is not None:
@@ -253,7 +283,14 @@ class SchedulerClient:
     """gRPC channels to the scheduler, opened inside the event loop that uses them: generations
     take turns over `API_SERVERS` connections, each carrying its share over one `GenerateMany`
     call (a message per turn for all of them, not one per token per stream); other calls use the
-    first. Every call presents the API key when one is given."""
+    first. Every call presents the API key when one is given.
+
+    A `GenerateMany` call is read as fast as the scheduler writes, so a client slower than its
+    output does not hold back the others on the call: the generations of its response keep what
+    it has not read, once they are `GenerateCall.streaming`, up to ``max_stream_buffer_bytes``
+    together (0: no bound), past which they are aborted and the response ends in `fell_behind`.
+    (A `Generate` call of its own is held back by gRPC's flow control instead; a response that
+    is not streamed is held whole anyway, bounded by the request's limits.)"""
 
     def __init__(
         self,
@@ -262,10 +299,12 @@ class SchedulerClient:
         tls_ca: bytes | None = None,
         on_resend: Callable[[], None] = lambda: None,
         on_resume: Callable[[], None] = lambda: None,
+        max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
     ) -> None:
         """``on_resend``, ``on_resume``: called for each generation sent again with nothing
         yet, and for each resumed with what it had (metrics count them)."""
         self.address = address
+        self.max_stream_buffer_bytes = max_stream_buffer_bytes
         self.on_resend = on_resend
         self.on_resume = on_resume
         self._metadata = bearer_metadata(api_key)
@@ -342,9 +381,14 @@ class SchedulerClient:
         assert self._stubs, "SchedulerClient.open() was not awaited"
         return self._stubs[0]
 
-    def generate(self, request: pb.GenerateRequest) -> GenerateCall:
+    def generate(self, requests: Sequence[pb.GenerateRequest]) -> list[GenerateCall]:
+        """The generations of one client response, one per request, taking turns over the
+        channels; what they keep unread for it counts against one bound."""
         assert self._stubs, "SchedulerClient.open() was not awaited"
-        return GenerateCall(self, request, next(self._turn) % len(self._stubs))
+        budget = UnreadBudget(self.max_stream_buffer_bytes)
+        return [
+            GenerateCall(self, request, next(self._turn) % len(self._stubs), budget) for request in requests
+        ]
 
     def generate_call(self, request: pb.GenerateRequest, stub_index: int) -> grpc.aio.UnaryStreamCall:
         """A `Generate` call of its own for ``request``."""

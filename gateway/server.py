@@ -31,7 +31,7 @@ from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.drain import Drain
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
-from npuserve.gateway.limits import RequestLimits
+from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits
 from npuserve.gateway.scheduler_client import SchedulerClient
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.proto.ready_file import write_ready_file
@@ -56,6 +56,7 @@ class GatewayConfig:
     request_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keep_alive_timeout_s: float = 5.0
     stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S  # 0: never
+    max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES  # 0: no bound
     max_connections: int = 1000
     ready_file: Path | None = None
     scheduler_wait_s: float = SCHEDULER_WAIT_S
@@ -75,6 +76,10 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be positive, got {seconds}")
         if not self.stream_stall_timeout_s >= 0:
             raise ValueError(f"--stream-stall-timeout must be 0 or more, got {self.stream_stall_timeout_s}")
+        if self.max_stream_buffer_bytes < 0:
+            raise ValueError(
+                f"--max-stream-buffer-bytes must be 0 or more, got {self.max_stream_buffer_bytes}"
+            )
 
 
 def run_gateway(config: GatewayConfig) -> int:
@@ -119,6 +124,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
         scheduler_tls_ca=config.scheduler_tls_ca,
         body_timeout_s=config.request_body_timeout_s,
         parsers=config.parsers,
+        max_stream_buffer_bytes=config.max_stream_buffer_bytes,
     )
     try:
         sock = bind_socket(config.host, config.port)

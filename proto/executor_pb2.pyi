@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id", "joins_steps", "num_host_blocks")
+    __slots__ = ("model", "architecture", "block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "eos_token_ids", "dtype", "device", "tensor_parallel_size", "executor_id", "version", "instance_id", "joins_steps", "num_host_blocks", "role")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ExecutorInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     JOINS_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     block_size: int
@@ -46,7 +47,8 @@ class ExecutorInfo(_message.Message):
     instance_id: str
     joins_steps: bool
     num_host_blocks: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., joins_steps: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor_id: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., joins_steps: _Optional[bool] = ..., num_host_blocks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "num_logprobs", "min_tokens", "stop_token_ids")

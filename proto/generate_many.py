@@ -9,9 +9,9 @@ generation still open on it with the call's status, as each of their `Generate` 
 That status can be lost, though (`GenerateFailed.status_lost`): see `LOST_STATUS_DETAILS`.
 
 The call is read as fast as it comes, for every generation on it, so a generation whose reader
-is slower than its output keeps what it has not read: ``max_buffered_bytes`` bounds that, per
-generation (`GenerateStream`); past it the generation is cancelled and fails `StreamOverrun`,
-while the others on the call go on.
+is slower than its output keeps what it has not read: an `UnreadBudget` bounds that, for one
+generation or a group (`generate(request, budget)`); past it the generation is cancelled and
+fails `StreamOverrun`, while the others on the call go on.
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.error_details import error_field
 
-__all__ = ["LOST_STATUS_DETAILS", "GenerateFailed", "GenerateManyClient", "GenerateStream", "StreamOverrun"]
+__all__ = [
+    "LOST_STATUS_DETAILS",
+    "GenerateFailed",
+    "GenerateManyClient",
+    "GenerateStream",
+    "StreamOverrun",
+    "UnreadBudget",
+]
 
 # NOTE: grpc's asyncio client loses the status of a call that ends while one of its requests is
 # being written: the write fails, and the call ends INTERNAL with these details instead of the
@@ -69,13 +76,44 @@ class GenerateFailed(Exception):
 
 
 class StreamOverrun(GenerateFailed):
-    """The generation's reader left more than ``limit_bytes`` of its output unread, so it was
-    cancelled (its blocks freed) and what it kept was dropped."""
+    """More than ``limit_bytes`` of output went unread (the generation's `UnreadBudget`), so the
+    generation was cancelled (its blocks freed) and what it kept was dropped."""
 
     def __init__(self, limit_bytes: int) -> None:
-        message = f"more than {limit_bytes} bytes of the generation's output went unread; it was cancelled"
+        message = f"more than {limit_bytes} bytes of output went unread; the generation was cancelled"
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self.limit_bytes = limit_bytes
+
+
+class UnreadBudget:
+    """The bytes of output that the generations sharing it (those of one client's response, say)
+    may keep unread together, from `start` on; a limit of 0: no bound. What they kept before
+    `start` waited for something else than their reader (the response's other generations, say):
+    it is not counted, and its allowance goes as it is read."""
+
+    __slots__ = ("_forgiven_bytes", "_kept_bytes", "_started", "limit_bytes")
+
+    def __init__(self, limit_bytes: int = 0) -> None:
+        self.limit_bytes = limit_bytes
+        self._kept_bytes = 0
+        self._forgiven_bytes = 0  # of those kept, what was kept before `start`
+        self._started = False
+
+    def start(self) -> None:
+        """The limit holds from now on (once started, a no-op)."""
+        if not self._started:
+            self._started = True
+            self._forgiven_bytes = self._kept_bytes
+
+    def add(self, size: int) -> bool:
+        """Counts ``size`` more bytes kept; whether that takes them past the limit."""
+        self._kept_bytes += size
+        return self._started and 0 < self.limit_bytes < self._kept_bytes - self._forgiven_bytes
+
+    def remove(self, size: int) -> None:
+        """``size`` of the bytes kept were read, or dropped."""
+        self._kept_bytes -= size
+        self._forgiven_bytes = min(self._forgiven_bytes, self._kept_bytes)
 
 
 # A response (as its bytes when it waited behind others), the end (None) or the failure.
@@ -87,15 +125,16 @@ class GenerateStream:
 
     A response that no reader waits for is kept as its serialized bytes: a parsed one takes 6 to
     35 times its size in memory, and holds the whole call message it came in (every generation's
-    events) until it is read. Past ``max_buffered_bytes`` of those (0: no bound) the generation is
-    cancelled, what it kept is dropped, and `read` raises `StreamOverrun`: a reader slower than
-    its output holds at most that much."""
+    events) until it is read. Those bytes count against its ``budget``: the response that takes
+    it past its limit cancels the generation, what it kept is dropped, and `read` raises
+    `StreamOverrun`. So readers slower than their output hold at most the budget's limit
+    (beyond what was kept before it started)."""
 
-    def __init__(self, call: _OpenCall, stream_id: int, max_buffered_bytes: int = 0) -> None:
+    def __init__(self, call: _OpenCall, stream_id: int, budget: UnreadBudget) -> None:
         self.stream_id = stream_id
         self._call = call
-        self._max_buffered_bytes = max_buffered_bytes
-        self._buffered_bytes = 0  # of the responses kept as bytes
+        self._budget = budget
+        self._kept_bytes = 0  # of the responses kept as bytes: its part of the budget's use
         self._items: deque[_Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
@@ -114,7 +153,8 @@ class GenerateStream:
             return None  # the end stays: read again, it is read again
         self._items.popleft()
         if isinstance(item, bytes):
-            self._buffered_bytes -= len(item)
+            self._kept_bytes -= len(item)
+            self._budget.remove(len(item))
             return pb.GenerateResponse.FromString(item)
         return item
 
@@ -139,12 +179,13 @@ class GenerateStream:
             self._put(response)
             return True
         data = response.SerializeToString()
-        self._buffered_bytes += len(data)
-        if 0 < self._max_buffered_bytes < self._buffered_bytes:
+        self._kept_bytes += len(data)
+        if self._budget.add(len(data)):
+            self._budget.remove(self._kept_bytes)
+            self._kept_bytes = 0
             self._items.clear()
-            self._buffered_bytes = 0
             self._call.cancel(self)
-            self._put(StreamOverrun(self._max_buffered_bytes))
+            self._put(StreamOverrun(self._budget.limit_bytes))
             return False
         self._put(data)
         return True
@@ -232,26 +273,22 @@ class _OpenCall:
 
 class GenerateManyClient:
     """Generations over one `GenerateMany` call at a time on ``stub``'s channel; use it on one
-    event loop. ``metadata`` goes with each call (the API key's, for one); each generation may
-    keep up to ``max_buffered_bytes`` of output unread (0: no bound; see `GenerateStream`)."""
+    event loop. ``metadata`` goes with each call (the API key's, for one)."""
 
-    def __init__(
-        self,
-        stub: pb_grpc.SchedulerStub,
-        metadata: Sequence[tuple[str, str]] = (),
-        max_buffered_bytes: int = 0,
-    ) -> None:
+    def __init__(self, stub: pb_grpc.SchedulerStub, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self._stub = stub
         self._metadata = metadata
-        self._max_buffered_bytes = max_buffered_bytes
         self._stream_ids = itertools.count(1)
         self._open: _OpenCall | None = None
 
-    def generate(self, request: pb.GenerateRequest) -> GenerateStream:
+    def generate(self, request: pb.GenerateRequest, budget: UnreadBudget | None = None) -> GenerateStream:
+        """Starts a generation; what it keeps unread counts against ``budget`` (none: no bound)."""
         call = self._open
         if call is None:
             call = self._open = _OpenCall(self, self._stub, self._metadata)
-        stream = GenerateStream(call, next(self._stream_ids), self._max_buffered_bytes)
+        stream = GenerateStream(
+            call, next(self._stream_ids), budget if budget is not None else UnreadBudget()
+        )
         call.streams[stream.stream_id] = stream
         call.send(pb.GenerateManyAction(stream_id=stream.stream_id, generate=request))
         return stream

@@ -65,6 +65,7 @@ def registration_record(
         "num_blocks": info.num_blocks,
         "max_model_len": info.max_model_len,
         "tensor_parallel_size": info.tensor_parallel_size,
+        "role": info.role,
         "version": version,
         "started_at": datetime.now(timezone.utc).isoformat(),
         "ttl_s": ttl_s,

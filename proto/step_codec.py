@@ -12,6 +12,7 @@ import dataclasses
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.sampling_ranges import check_options
 from npuserve.proto.step_plan import (
+    EXECUTOR_ROLE_MIXED,
     BlockCopy,
     CachedRequest,
     ExecutorInfo,
@@ -313,6 +314,7 @@ def info_to_proto(info: ExecutorInfo, executor_id: str = "", version: str = "") 
         tensor_parallel_size=info.tensor_parallel_size,
         joins_steps=info.joins_steps,
         num_host_blocks=info.num_host_blocks,
+        role=info.role,
         executor_id=executor_id,
         version=version,
     )
@@ -335,4 +337,5 @@ def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
         tensor_parallel_size=msg.tensor_parallel_size,
         joins_steps=msg.joins_steps,
         num_host_blocks=msg.num_host_blocks,
+        role=msg.role or EXECUTOR_ROLE_MIXED,
     )

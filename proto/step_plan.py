@@ -290,6 +290,14 @@ def computes_on_cpu(device: str) -> bool:
     return device in ("cpu", EMULATED_NPU_DEVICE)
 
 
+# Executor roles (`--role`): a prefill executor computes the long prompts of requests that then
+# decode on a decode executor, which pulls their KV (`KvPull`); a mixed one does both.
+EXECUTOR_ROLE_PREFILL = "prefill"
+EXECUTOR_ROLE_DECODE = "decode"
+EXECUTOR_ROLE_MIXED = "mixed"
+EXECUTOR_ROLES = (EXECUTOR_ROLE_PREFILL, EXECUTOR_ROLE_DECODE, EXECUTOR_ROLE_MIXED)
+
+
 @dataclass(slots=True)
 class ExecutorInfo:
     """The capacity handshake: what an executor can hold, reported before any step."""
@@ -309,3 +317,5 @@ class ExecutorInfo:
     # Runs a step that `joins_running` inside the multi-pass step it is running.
     joins_steps: bool = False
     num_host_blocks: int = 0  # KV blocks of the host-memory tier (`--kv-host-memory`)
+    # `EXECUTOR_ROLES`: what the scheduler places on it (prefill/decode disaggregation).
+    role: str = EXECUTOR_ROLE_MIXED

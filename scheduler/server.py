@@ -180,6 +180,7 @@ async def serve_scheduler(
             routing=config.routing,
             routing_prefill_weight=config.routing_prefill_weight,
             max_queued_requests=config.max_queued_requests,
+            max_local_prefill_length=config.max_local_prefill_length,
             trust_request_chat_template=config.trust_request_chat_template,
             async_scheduling=config.async_scheduling,
             stream_interval=config.stream_interval,

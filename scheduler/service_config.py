@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
-from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
+from npuserve.scheduler.core.router import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 
 MAX_DEFAULT_WORKERS = 16
@@ -21,7 +21,7 @@ MAX_DEFAULT_API_SERVERS = 8
 @dataclass(slots=True)
 class ServiceConfig:
     """The scheduler service's settings (`npuserve scheduler`'s flags); the policy core's own
-    limits are `scheduler.SchedulerConfig`."""
+    limits are `scheduler_config.SchedulerConfig`."""
 
     model: str  # model directory (tokenizer, chat template)
     executors: list[str]  # executor addresses (empty: discover them in the registry)
@@ -32,6 +32,8 @@ class ServiceConfig:
     routing: str = "prefix-aware"
     routing_prefill_weight: float = DEFAULT_PREFILL_WEIGHT  # `router`: a prefill block against a block in use
     max_queued_requests: int | None = None
+    # Prefill/decode disaggregation: longer uncached prompts prefill on a prefill executor.
+    max_local_prefill_length: int = DEFAULT_MAX_LOCAL_PREFILL_LENGTH
     scheduler_workers: int | None = None  # step-loop processes; 0: threads; None: from the cores
     api_server_count: int | None = None  # processes serving the public API; 1: this one; None: from the cores
     # Build and send step N+1 while the executor runs step N (vLLM's --async-scheduling, on here

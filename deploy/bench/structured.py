@@ -23,7 +23,8 @@ from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler
 from npuserve.scheduler.text.tokenizer import Tokenizer
 

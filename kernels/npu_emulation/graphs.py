@@ -131,51 +131,6 @@ class TaskGroupHandle:
     updated: bool = False  # since the last replay
 
 
-@dataclass(slots=True)
-class _EventWait:
-    event: ExternalEvent
-
-    def run(self) -> None:
-        if not self.event.recorded:
-            raise GraphReplayError(
-                "the graph waits on an ExternalEvent that was not recorded since the last replay: "
-                "on a device the replay would hang (update the captured tasks, then record the event)"
-            )
-
-
-@dataclass(slots=True)
-class _EventReset:
-    event: ExternalEvent
-
-    def run(self) -> None:
-        self.event.recorded = False
-
-
-class ExternalEvent:
-    """``torch.npu.ExternalEvent``: captured ``wait``/``reset`` make a replay wait until
-    ``record`` (outside the graph, on the update stream), then re-arm for the next replay."""
-
-    def __init__(self) -> None:
-        self.recorded = False
-
-    def wait(self, stream: object = None) -> None:
-        capture = _capture()
-        if capture is not None:
-            capture.add(_EventWait(self))
-
-    def reset(self, stream: object = None) -> None:
-        capture = _capture()
-        if capture is not None:
-            capture.add(_EventReset(self))
-        else:
-            self.recorded = False
-
-    def record(self, stream: object = None) -> None:
-        if capturing():
-            raise GraphCaptureError("ExternalEvent.record while capturing: record it on the update stream")
-        self.recorded = True
-
-
 # --------------------------------------------------------------------------------------------
 # Capture
 # --------------------------------------------------------------------------------------------
@@ -387,48 +342,8 @@ def host_query(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Task groups and their updates (torch.npu.graph_task_*)
+# Task group updates (`graph_api.graph_task_update_begin/end` open and close them)
 # --------------------------------------------------------------------------------------------
-
-
-def graph_task_group_begin(stream: object = None) -> None:
-    capture = _capture()
-    if capture is None:
-        raise GraphCaptureError("graph_task_group_begin outside a capture")
-    if capture.group is not None:
-        raise GraphCaptureError("graph_task_group_begin inside an open task group")
-    capture.group = TaskGroupHandle()
-
-
-def graph_task_group_end(stream: object = None) -> TaskGroupHandle:
-    capture = _capture()
-    if capture is None or capture.group is None:
-        raise GraphCaptureError("graph_task_group_end without graph_task_group_begin")
-    handle, capture.group = capture.group, None
-    if not handle.tasks:
-        raise GraphCaptureError("an empty task group: no operator ran between its begin and end")
-    capture.graph._groups.append(handle)
-    return handle
-
-
-def graph_task_update_begin(stream: object, handle: TaskGroupHandle) -> None:
-    if capturing():
-        raise GraphCaptureError("graph_task_update_begin while capturing")
-    if getattr(_local, "update", None) is not None:
-        raise GraphCaptureError("graph_task_update_begin inside an open update")
-    _local.update = _Update(handle)
-
-
-def graph_task_update_end(stream: object = None) -> None:
-    update = getattr(_local, "update", None)
-    if update is None:
-        raise GraphCaptureError("graph_task_update_end without graph_task_update_begin")
-    _local.update = None
-    if update.num_updated != len(update.handle.tasks):
-        raise GraphCaptureError(
-            f"a task update gave {update.num_updated} of its group's {len(update.handle.tasks)} operators"
-        )
-    update.handle.updated = True
 
 
 @dataclass(slots=True)

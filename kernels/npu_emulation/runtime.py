@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npuserve.kernels.npu_emulation import contracts, graphs, ops
+from npuserve.kernels.npu_emulation import contracts, graph_api, graphs, ops
 from npuserve.kernels.npu_emulation.host_memory import EmulatedHostMemory
 
 GIB = 1 << 30
@@ -222,11 +222,11 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
             "NPUGraph": graphs.NPUGraph,
             "graph": graphs.graph,
             "graph_pool_handle": graphs.graph_pool_handle,
-            "ExternalEvent": graphs.ExternalEvent,
-            "graph_task_group_begin": graphs.graph_task_group_begin,
-            "graph_task_group_end": graphs.graph_task_group_end,
-            "graph_task_update_begin": graphs.graph_task_update_begin,
-            "graph_task_update_end": graphs.graph_task_update_end,
+            "ExternalEvent": graph_api.ExternalEvent,
+            "graph_task_group_begin": graph_api.graph_task_group_begin,
+            "graph_task_group_end": graph_api.graph_task_group_end,
+            "graph_task_update_begin": graph_api.graph_task_update_begin,
+            "graph_task_update_end": graph_api.graph_task_update_end,
             "emulated_machine": machine,
             # NOTE: not in torch_npu: the emulation's model of pinned host memory and of copies
             # to the device, which torch cannot see on an emulated device (`host_memory`).

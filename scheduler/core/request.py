@@ -120,10 +120,24 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # A prefill-only request sampled its first token: it leaves its (prefill) executor, whose
+    # blocks stay held for a decode executor to pull (`Scheduler.release_held` frees them).
+    PREFILLED = "prefilled"
 
     @property
     def is_finished(self) -> bool:
         return self.name.startswith("FINISHED")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefilledBlocks:
+    """Where a request's KV was computed for it (prefill/decode disaggregation): the blocks a
+    prefill executor holds for it, the first ``num_tokens`` tokens of its sequence."""
+
+    address: str  # host:port of the prefill executor, as executors reach it ("" in-process)
+    instance_id: str  # its process (`KvPull.instance_id`)
+    block_ids: list[int]
+    num_tokens: int
 
 
 @dataclass(eq=False)
@@ -159,6 +173,11 @@ class Request:
     # them back from the worker or the API process to move it.
     relay: StreamRelay | None = None
     num_direct_tokens: int = 0  # on the front's copy: output tokens that went straight to `relay`
+    # Prefill/decode disaggregation: ``prefill_only`` runs it until it samples a token, then it
+    # ends as PREFILLED with its blocks held (`Scheduler.held_block_ids`); ``pull`` admits it
+    # with those tokens' KV copied from the prefill executor (`KvPull`), not computed.
+    prefill_only: bool = False
+    pull: PrefilledBlocks | None = None
 
     def __post_init__(self) -> None:
         extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
@@ -242,6 +261,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
+        self.pull = None  # NOTE: the held blocks are released by the front; it recomputes
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def check_stop(self) -> RequestStatus | None:

@@ -38,6 +38,10 @@ DEFAULT_PREFILL_WEIGHT = 4.0
 # copy back to the device, cheaper than computing it, dearer than a hit on the device. (A block
 # copy moves its KV once; its prefill runs every layer's projections over its tokens.)
 HOST_HIT_WEIGHT = 0.25
+# Prefill/decode disaggregation (`engine.disaggregation`): a prompt whose uncached part on the
+# decode executor is longer than this prefills on a prefill executor (`--max-local-prefill-length`,
+# Dynamo's name and default).
+DEFAULT_MAX_LOCAL_PREFILL_LENGTH = 1000
 
 
 def cached_prefix(lane: Lane, block_hashes: Sequence[BlockHash]) -> tuple[int, int]:

@@ -17,65 +17,19 @@ from dataclasses import dataclass, field
 
 from npuserve.proto.step_plan import (
     CachedRequest,
-    ExecutorInfo,
+    KvPull,
     NewRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
 )
 from npuserve.scheduler.core.kv_cache_manager import KVCacheManager
-from npuserve.scheduler.core.request import Request, RequestStatus
-from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
+from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.structured.matchers import advance_masks, step_bitmask
 
 # Times a request runs again after a step of its failed on an executor that still serves.
 MAX_STEP_RETRIES = 1
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    # Multi-step decoding (vLLM's --num-scheduler-steps): a request that samples in a step runs
-    # up to this many passes in it, one token each, so every per-step cost is paid once for them.
-    num_scheduler_steps: int = 1
-    # `--num-scheduler-steps auto`: the lane sets `num_scheduler_steps` as it goes (`step_passes`).
-    auto_passes: bool = False
-    # The executor answers the requests that run only a step's first pass (the ones it admits)
-    # as soon as that pass is done (`early_results`, over the step stream): a step that admits
-    # requests then runs every pass for the running ones; otherwise it runs one pass.
-    early_first_tokens: bool = False
-    # KV blocks of the executor's host-memory tier (`--kv-host-memory`): prefix-cache blocks
-    # evicted from the device go there, and hits there come back (`host_tier`).
-    num_host_blocks: int = 0
-
-    @classmethod
-    def for_executor(
-        cls,
-        info: ExecutorInfo,
-        enable_prefix_caching: bool = True,
-        num_scheduler_steps: int = 1,
-        early_first_tokens: bool = False,
-    ) -> SchedulerConfig:
-        """Scheduling within what an executor reported in its capacity handshake;
-        ``num_scheduler_steps`` may be `AUTO_SCHEDULER_STEPS` (one pass to start with)."""
-        auto_passes = num_scheduler_steps == AUTO_SCHEDULER_STEPS
-        return cls(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=info.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_model_len=info.max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            num_scheduler_steps=1 if auto_passes else num_scheduler_steps,
-            auto_passes=auto_passes,
-            early_first_tokens=early_first_tokens,
-            num_host_blocks=info.num_host_blocks,
-        )
 
 
 @dataclass(slots=True)
@@ -105,6 +59,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Prefill-only requests that ended PREFILLED: their blocks stay until `release_held`.
+        self.held: dict[str, Request] = {}
         # Requests the executor must drop before the next step (finished, aborted, preempted).
         self._to_drop: list[str] = []
         # NOTE: a random base, so a restarted scheduler never repeats the step id an executor
@@ -127,6 +83,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id!r}"
+        self.release_held([request.req_id])  # NOTE: placed here again: its blocks are cached
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -147,11 +104,25 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None:
         request.status = status
-        if request.grammar is not None:
-            request.grammar.release()
-        self.kv.free(request, valid=valid)
-        del self.requests[request.req_id]
-        self._to_drop.append(request.req_id)
+        req_id = request.req_id
+        if status is RequestStatus.PREFILLED:  # NOTE: its matcher goes on with it
+            num_tokens = request.num_computed_tokens
+            request.pull = PrefilledBlocks("", "", self.kv.get_block_ids(req_id), num_tokens)
+            self.held[req_id] = request
+        else:
+            if request.grammar is not None:
+                request.grammar.release()
+            self.kv.free(request, valid=valid)
+        del self.requests[req_id]
+        self._to_drop.append(req_id)
+
+    def release_held(self, req_ids: Iterable[str]) -> None:
+        """Frees the blocks of prefilled requests (their KV was pulled, or never will be); they
+        stay in the prefix cache. Ids not held are ignored."""
+        for req_id in req_ids:
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -237,24 +208,34 @@ class Scheduler:
         """Starts waiting requests, in order, within ``budget`` tokens and the free sequence
         slots and blocks; ``joining`` (`schedule_joining`): prompts whole only, and none that
         is constrained."""
+        # NOTE: a joining step carries no drops: requests that ended since the last step still
+        # hold a sequence slot on the executor until the next one drops them.
+        max_num_seqs = self.config.max_num_seqs - (len(self._to_drop) if joining else 0)
         while self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= max_num_seqs:
                 break
             request = self.waiting[0]
             if joining and request.grammar is not None:
                 break
+            pull = request.pull
+            if joining and pull is not None:
+                break  # NOTE: a joining step pulls nothing
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            # Tokens computed before this step: the cached prefix, or the pulled tokens.
+            num_computed = num_hit_tokens if pull is None else max(num_hit_tokens, pull.num_tokens)
+            num_new = min(request.num_tokens - num_computed, budget)
             if joining and num_new < request.num_tokens - num_hit_tokens:
                 break
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            if self.kv.allocate_slots(request, num_computed - num_hit_tokens + num_new, hits) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if pull is not None:
+                self._pull(request, pull, len(hits), plan)
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             plan.new_requests.append(
@@ -264,11 +245,19 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling=request.options,
                     block_ids=self.kv.get_block_ids(request.req_id),
-                    num_computed_tokens=num_hit_tokens,
+                    num_computed_tokens=num_computed,
                 )
             )
             self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
             budget -= num_new
+
+    def _pull(self, request: Request, pull: PrefilledBlocks, num_hit_blocks: int, plan: StepPlan) -> None:
+        """The plan copies the prefilled blocks of ``request`` that no prefix hit here covers."""
+        num_blocks = -(-pull.num_tokens // self.config.block_size)
+        dst = self.kv.get_block_ids(request.req_id)[num_hit_blocks:num_blocks]
+        if dst:
+            src = pull.block_ids[num_hit_blocks:num_blocks]
+            plan.kv_pulls.append(KvPull(pull.address, pull.instance_id, src, dst))
 
     def _may_admit(self) -> bool:
         """Whether the first waiting request may start this step: a sequence slot is free, and
@@ -295,7 +284,7 @@ class Scheduler:
     def _may_run_ahead(request: Request) -> bool:
         """Whether a request whose last step is still in flight may be scheduled again now: not
         when it may sample no further token, nor when its grammar must see that token first."""
-        if request.grammar is not None:
+        if request.grammar is not None or request.prefill_only:
             return False
         return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
 
@@ -303,11 +292,11 @@ class Scheduler:
         """The passes a request runs in a multi-step plan: one unless its first pass computes up
         to its last known token (``num_computed`` after it: it samples), then up to
         ``num_scheduler_steps`` but no more than the tokens it may still sample; one for a
-        constrained request (each token needs its mask)."""
+        constrained request (each token needs its mask) and for a prefill-only one."""
         num_pending = request.num_pending_tokens
         num_output = len(request.output_token_ids)
         known = len(request.prompt_token_ids) + num_output + num_pending
-        if num_computed < known or request.grammar is not None:
+        if num_computed < known or request.grammar is not None or request.prefill_only:
             return 1
         return max(
             1, min(self.config.num_scheduler_steps, request.max_output_tokens - num_output - num_pending)
@@ -415,6 +404,8 @@ class Scheduler:
         for update in updates:
             if not plan.num_steps or update.request.grammar is not None:
                 update.finished = update.request.check_stop()
+            if update.finished is None and update.request.prefill_only:
+                update.finished = RequestStatus.PREFILLED
             if update.finished is not None:
                 finished.append(update)
         if finished:
@@ -436,9 +427,12 @@ class Scheduler:
         prefix cache: their contents were never confirmed) and run again, from their prompt and
         the tokens they have, at the head of the queue; one that has run again
         `MAX_STEP_RETRIES` times already ends with an error instead (a request that fails every
-        step it is in cannot fail its neighbours' steps forever). Returns (ended, retried)."""
+        step it is in cannot fail its neighbours' steps forever). A step that pulled blocks from
+        other executors may have failed for a source that is gone: its requests all run again,
+        none of them charged, and none pulls again. Returns (ended, retried)."""
         failed: list[Request] = []
         retried: list[Request] = []
+        charged = not plan.kv_pulls
         # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
         self._to_drop.extend(plan.finished_req_ids)
         self.kv.pool.undo_copies(plan.block_copies)
@@ -447,8 +441,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # queued to start over already: preempted since, or an earlier plan's
             self.running.remove(request)
-            if request.num_step_retries < MAX_STEP_RETRIES:
-                request.num_step_retries += 1
+            if not charged or request.num_step_retries < MAX_STEP_RETRIES:
+                if charged:
+                    request.num_step_retries += 1
                 self.kv.free(request, valid=False)
                 request.reset_for_recompute()
                 self._to_drop.append(req_id)  # the executor may hold it: it starts over there
@@ -469,6 +464,9 @@ class Scheduler:
             self.kv.free(request, valid=False)
             del self.requests[request.req_id]
             request.reset_for_recompute()
+        for held in self.held.values():
+            self.kv.free(held, valid=False)
+        self.held.clear()
         self._to_drop = []
         return evacuated
 
@@ -476,3 +474,4 @@ class Scheduler:
         self.kv.check_integrity(expect_idle)
         if expect_idle:
             assert not self.requests, f"requests still tracked: {list(self.requests)[:8]}"
+            assert not self.held, f"prefilled blocks still held: {list(self.held)[:8]}"

@@ -29,6 +29,7 @@ from npuserve.scheduler.engine import engine_probes
 from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
 from npuserve.scheduler.engine.continuation import Continuation
+from npuserve.scheduler.engine.disaggregation import Disaggregation
 from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
 from npuserve.scheduler.engine.engine_metrics import MetricsRecorder
 from npuserve.scheduler.engine.failover import FailOver
@@ -54,7 +55,7 @@ __all__ = ["Engine"]
 RETIRE_AFTER_S = 1.0  # a lane that went down is closed this long after (its last reports come)
 
 
-class Engine(ClientEntryPoints, FailOver):
+class Engine(ClientEntryPoints, FailOver, Disaggregation):
     def __init__(
         self,
         config: EngineConfig,
@@ -81,6 +82,9 @@ class Engine(ClientEntryPoints, FailOver):
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
         self._sequences: dict[str, Request] = {}  # req_id -> the sequence (one lookup per token)
         self._lane_of: dict[str, Lane] = {}
+        self._held: dict[str, Lane] = {}  # `disaggregation`
+        self._decode_lane_of: dict[str, Lane] = {}
+        self._aborted_in_prefill: set[str] = set()
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
         self._parked: list[Request] = []
@@ -212,7 +216,7 @@ class Engine(ClientEntryPoints, FailOver):
             )
         self.lanes[executor_id] = lane
         lane.start()
-        self.metrics.executors.joined(executor_id, getattr(client, "address", None))
+        self.metrics.executors.joined(executor_id, getattr(client, "address", None), info.role)
         log.info(
             "executor joined",
             executor=executor_id,
@@ -303,6 +307,8 @@ class Engine(ClientEntryPoints, FailOver):
             return False
         for child in client.children:
             if not client.is_finished(child.req_id):
+                if child.prefill_only:
+                    self._aborted_in_prefill.add(child.req_id)
                 self._lane_of[child.req_id].finish([child.req_id], RequestStatus.FINISHED_ABORTED)
         log.info("request aborted", request_id=request_id)
         return True
@@ -317,13 +323,22 @@ class Engine(ClientEntryPoints, FailOver):
         self._forget_if_finished(client)
 
     def _place(self, siblings: list[Request]) -> Lane:
-        """Routes requests of one client request (siblings stay together) to a live executor."""
+        """Routes requests of one client request (siblings stay together) to a live executor:
+        the one that decodes them, or first a prefill executor (`disaggregation`)."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
         config = self.config
+        for request in siblings:  # NOTE: placed again (fail-over): decided again
+            request.prefill_only = False
+            self._forget_placement(request.req_id)
         lane = choose_lane(
-            self.routable_lanes, first.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
+            self._decode_lanes(),
+            first.block_hashes,
+            num_blocks,
+            config.routing,
+            config.routing_prefill_weight,
         )
+        lane = self._prefill_lane_for(siblings, lane) or lane
         # NOTE: siblings share the prompt's blocks: one prefill, counted with the first.
         prefill = uncached_blocks(lane, first.block_hashes, num_blocks)
         for index, request in enumerate(siblings):
@@ -352,6 +367,7 @@ class Engine(ClientEntryPoints, FailOver):
             self._client_of_seq.pop(child.req_id, None)
             self._sequences.pop(child.req_id, None)
             self._lane_of.pop(child.req_id, None)
+            self._forget_placement(child.req_id)
         self._heap.work_ended()  # with the last request, what they held goes if none come
 
     # -- lane events (on the event loop) --------------------------------------------------------
@@ -364,20 +380,29 @@ class Engine(ClientEntryPoints, FailOver):
         """``sampled``: the sequences that sampled in the step and their tokens, when the event
         does not hold them all (a worker relayed some to the API processes); else counted here."""
         now = time.monotonic()
-        client_of_seq, unstarted = self._client_of_seq, self._unstarted
+        client_of_seq, unstarted, held = self._client_of_seq, self._unstarted, self._held
         for update in event.updates:  # NOTE: once per token: the common case stays in this loop
             request = update.request
             req_id = request.req_id
+            finished = update.finished
+            prefilled = finished is RequestStatus.PREFILLED
             client = client_of_seq.get(req_id)
             if client is None:
+                if prefilled:  # NOTE: dropped while its prefill ran: nothing pulls its blocks
+                    lane.release_held([req_id])
                 continue
             if req_id in unstarted:
                 self._started(req_id)
+            if held and held.get(req_id, lane) is not lane:  # the decode lane answered its pull
+                self._release_held(req_id)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - request.arrival_time)
-            finished = update.finished
+            if prefilled:
+                finished = None
             stop = client.deliver(request, update.new_token_ids, update.new_logprobs, finished)
+            if prefilled:
+                self._prefilled(lane, request, stop is not None)
             if stop is not None:
                 self._stop_by_string(lane, request, stop, now)
             elif finished is not None:
@@ -393,15 +418,10 @@ class Engine(ClientEntryPoints, FailOver):
         if event.evacuated:
             for request in event.evacuated:
                 self._started(request.req_id)
+                self._forget_placement(request.req_id)
             self._fail_over(event.evacuated, event.error or "executor lost")
         for request in event.ended:
-            self._started(request.req_id)
-            client = self._client_of_seq.get(request.req_id)
-            if client is not None:
-                client.end(request, request.status, event.error)
-                self._forget_if_finished(client)
-            if request.status != RequestStatus.FINISHED_STOPPED:
-                self.recorder.record_finish(request, request.status.value, now)
+            self._end_outside_step(request, request.status, event.error)
         if sampled is None:
             sampled = len(event.updates), sum(len(update.new_token_ids) for update in event.updates)
         self.recorder.record_step(lane, event, *sampled)
@@ -413,6 +433,18 @@ class Engine(ClientEntryPoints, FailOver):
             self.drain_executor(lane.executor_id, "the executor is draining")
         if lane.draining and not event.lane_down:
             self._remove_if_drained(lane)
+
+    def _end_outside_step(self, request: Request, status: RequestStatus, error: str | None) -> None:
+        """A sequence ended outside a step (aborted, stopped from outside, or failed)."""
+        request.status = status
+        self._started(request.req_id)
+        self._forget_placement(request.req_id)
+        client = self._client_of_seq.get(request.req_id)
+        if client is not None:
+            client.end(request, status, error)
+            self._forget_if_finished(client)
+        if status != RequestStatus.FINISHED_STOPPED:
+            self.recorder.record_finish(request, status.value, time.monotonic())
 
     def _stop_by_string(self, lane: Lane, request: Request, stop: str, now: float) -> None:
         """A stop string ended a sequence: the executor stops computing it."""
@@ -435,7 +467,7 @@ class Engine(ClientEntryPoints, FailOver):
         self.recorder.refresh_gauges(self.live_lanes, len(self._parked))
 
     async def _refresh_gauges_forever(self, interval_s: float = 1.0) -> None:
-        while True:
+        while True:  # NOTE: O(executors): once a second, not once a step
             self.refresh_gauges()
             await asyncio.sleep(interval_s)
 
@@ -452,13 +484,11 @@ class Engine(ClientEntryPoints, FailOver):
         return not any(lane.has_work for lane in self.live_lanes)
 
     async def check_integrity(self, expect_idle: bool = False) -> list[engine_probes.PoolState]:
-        """Every lane's block pool passes its integrity check (run on the lanes, between
-        steps); raises AssertionError naming the first violation. Returns each pool's state."""
+        """Each lane's pool state, checked between its steps (AssertionError: the first violation)."""
         return await engine_probes.check_integrity(list(self.lanes.values()), self.grammars, expect_idle)
 
     async def start_profile(self) -> list[str]:
-        """Starts profiling on every live executor; returns their ids. A failure (profiling off,
-        or already running) raises the executor's error, named by its id."""
+        """Starts profiling on every live executor; returns their ids (a failure raises, named)."""
         return await engine_probes.start_profile(self.live_lanes)
 
     async def stop_profile(self) -> dict[str, list[str]]:

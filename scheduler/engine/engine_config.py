@@ -5,7 +5,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT, ROUTING_POLICIES
+from npuserve.scheduler.core.router import (
+    DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+    DEFAULT_PREFILL_WEIGHT,
+    ROUTING_POLICIES,
+)
 from npuserve.scheduler.core.step_passes import check_num_scheduler_steps
 
 __all__ = ["EngineConfig", "NoExecutorError", "QueueFullError", "new_request_id"]
@@ -32,8 +36,14 @@ class EngineConfig:
     # Passes per step of a sampling request (multi-step decoding); `AUTO_SCHEDULER_STEPS`: each
     # executor's lane chooses them (`step_passes`).
     num_scheduler_steps: int = 1
+    # Prefill/decode disaggregation: a request whose prompt, less what the chosen decode (or
+    # mixed) executor has cached, is longer than this prefills on a prefill executor
+    # (`disaggregation`); shorter ones prefill where they decode. Dynamo's name and default.
+    max_local_prefill_length: int = DEFAULT_MAX_LOCAL_PREFILL_LENGTH
 
     def __post_init__(self) -> None:
+        if self.max_local_prefill_length < 0:
+            raise ValueError(f"--max-local-prefill-length must be >= 0, got {self.max_local_prefill_length}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if not self.routing_prefill_weight >= 0:  # NOTE: NaN too

@@ -39,8 +39,10 @@ class MetricsRecorder:
                 m.prompt_tokens.inc(event.stats.num_prompt_tokens)
             if event.stats.num_preemptions:
                 m.num_preemptions.inc(event.stats.num_preemptions)
+            m.executors.tokens(lane.executor_id, event.stats.num_prompt_tokens, num_tokens)
         elif num_tokens:  # the first tokens of a step's admitted requests, before its result
             m.answered_early(num_tokens)
+            m.executors.tokens(lane.executor_id, 0, num_tokens)
         now_queries, now_hits = lane.prefix_stats
         queries, hits = self._prefix_counted.get(lane, (0, 0))
         if (now_queries, now_hits) != (queries, hits):  # NOTE: most steps look nothing up

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from npuserve.proto.step_plan import KV_TRANSFER_KINDS, StepTimings
+from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, EXECUTOR_ROLES, KV_TRANSFER_KINDS, StepTimings
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -46,6 +46,8 @@ class _Executor:
     passes: tuple[Counter, ...]  # of `steps`, one per mode of `PASS_MODES`
     kv_transfer_bytes: dict[str, Counter]  # by kind, of `KV_TRANSFER_KINDS`
     kv_transfer_seconds: dict[str, Histogram]
+    prompt_tokens: Counter
+    generation_tokens: Counter
     departed_at: float | None = None
     steps: HistogramTally = field(default_factory=lambda: HistogramTally())  # not yet in step_seconds
 
@@ -91,6 +93,12 @@ class ExecutorMetrics:
             "prefix_cache_queries", "Prefix cache queries on the executor, in tokens."
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits on the executor, in tokens.")
+        self.prompt_tokens = counter(
+            "prompt_tokens",
+            "Prompt tokens the executor computed (those found in its prefix cache, or pulled from "
+            "another executor's, not counted).",
+        )
+        self.generation_tokens = counter("generation_tokens", "Tokens the executor sampled.")
         self.restarts = counter(
             "restarts", "Times the executor (by id or address) joined again after going down or restarting."
         )
@@ -130,17 +138,26 @@ class ExecutorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self._labelled_by_kind: dict[Counter | Histogram, tuple[str, ...]] = {self.steps: PASS_MODES, self.kv_transfer_bytes: KV_TRANSFER_KINDS,
-                                  self.kv_transfer_seconds: KV_TRANSFER_KINDS}  # fmt: skip
+        # NOTE: an info series (always 1), as Prometheus exporters give constant labels: joined on
+        # an executor's other series by `executor`.
+        self.executor_info = Gauge(
+            "npuserve:executor_info",
+            "1 for each executor the scheduler knows (its series go with its others), with its role "
+            "(--role): prefill, decode or mixed.",
+            [*labels, "role"],
+            registry=registry,
+        )
+        self._labelled_by_kind: dict[Counter | Histogram | Gauge, tuple[str, ...]] = {self.steps: PASS_MODES, self.kv_transfer_bytes: KV_TRANSFER_KINDS,
+                                  self.kv_transfer_seconds: KV_TRANSFER_KINDS, self.executor_info: EXECUTOR_ROLES}  # fmt: skip
         self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
                         self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                        self.restarts, self.failed_steps, self.joined_steps)  # fmt: skip
+                        self.prompt_tokens, self.generation_tokens, self.restarts, self.failed_steps, self.joined_steps)  # fmt: skip
         self._executors: dict[str, _Executor] = {}  # those with series
         self._seen: set[str] = set()  # every executor id and address that ever joined
 
-    def joined(self, executor_id: str, address: str | None = None) -> None:
-        """The executor serves (again, with a fresh block pool)."""
+    def joined(self, executor_id: str, address: str | None = None, role: str = EXECUTOR_ROLE_MIXED) -> None:
+        """The executor serves (again, with a fresh block pool), in ``role``."""
         names = {executor_id} if address is None else {executor_id, address}
         rejoined = bool(names & self._seen)
         self._seen |= names
@@ -154,8 +171,13 @@ class ExecutorMetrics:
             tuple(self.steps.labels(*labels, mode) for mode in PASS_MODES),
             {kind: self.kv_transfer_bytes.labels(*labels, kind) for kind in KV_TRANSFER_KINDS},
             {kind: self.kv_transfer_seconds.labels(*labels, kind) for kind in KV_TRANSFER_KINDS},
+            self.prompt_tokens.labels(*labels),
+            self.generation_tokens.labels(*labels),
         )
         self.up.labels(*labels).set(1)
+        for other in EXECUTOR_ROLES:  # NOTE: it may have come back in another role
+            self.executor_info.remove(*labels, other)
+        self.executor_info.labels(*labels, role).set(1)
         if rejoined:
             self.restarts.labels(self.model_name, executor_id).inc()
 
@@ -195,6 +217,15 @@ class ExecutorMetrics:
             if transferred is not None:  # NOTE: a kind this scheduler does not know is not counted
                 transferred.inc(transfer.num_bytes)
                 executor.kv_transfer_seconds[transfer.kind].observe(transfer.seconds)
+
+    def tokens(self, executor_id: str, num_prompt: int, num_generated: int) -> None:
+        """Prompt tokens a step of the executor computed, and tokens it sampled."""
+        executor = self._executors.get(executor_id)
+        if executor is not None:
+            if num_prompt:
+                executor.prompt_tokens.inc(num_prompt)
+            if num_generated:
+                executor.generation_tokens.inc(num_generated)
 
     def step_failed(self, executor_id: str) -> None:
         if executor_id in self._executors:

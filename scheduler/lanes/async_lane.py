@@ -27,10 +27,11 @@ from typing import TypeVar
 
 import structlog
 
-from npuserve.proto.step_plan import ExecutorInfo, StepPlan, StepResult
+from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, ExecutorInfo, StepPlan, StepResult
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.request import Request, RequestStatus
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig, StepStats
+from npuserve.scheduler.core.scheduler import Scheduler, StepStats
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep, StepClient, down_reason, executor_is_down
 from npuserve.scheduler.lanes.step_joining import StepJoining, take_joined
 from npuserve.scheduler.lanes.step_pacing import StepPacing
@@ -95,8 +96,9 @@ class ExecutorLane:
         has_room: Callable[[], Awaitable[bool]],
         joins_steps: bool = False,
         on_idle: Callable[[], None] | None = None,
+        role: str = EXECUTOR_ROLE_MIXED,
     ) -> None:
-        """``async_scheduling``: schedule and send each step while the executor runs the one
+        """``role``: the executor's (`ExecutorInfo.role`). ``async_scheduling``: schedule and send each step while the executor runs the one
         before. ``has_room``: awaited before each new step;
         False holds it back for now (whoever takes this lane's events is behind).
         ``joins_steps``: the executor runs a step that joins the one it is running
@@ -106,6 +108,7 @@ class ExecutorLane:
         self.executor_id = executor_id
         self.client = client
         self.scheduler = scheduler
+        self.role = role
         self.on_event = on_event
         self.async_scheduling = async_scheduling
         self.joining = StepJoining(self) if joins_steps and self.async_scheduling else None
@@ -155,6 +158,7 @@ class ExecutorLane:
             has_room,
             joins_steps=info.joins_steps,
             on_idle=on_idle,
+            role=info.role,
         )
 
     # -- commands (any task of the loop) ---------------------------------------------------------
@@ -180,6 +184,10 @@ class ExecutorLane:
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
         self._command(partial(self._finish, req_ids, status))
+
+    def release_held(self, req_ids: list[str]) -> None:
+        """Frees the blocks held for prefilled requests (`Scheduler.release_held`)."""
+        self._command(partial(self.scheduler.release_held, req_ids))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the lane's task between steps (e.g. an integrity check)."""

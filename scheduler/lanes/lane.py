@@ -95,6 +95,7 @@ class Lane(Protocol):
     """What the engine and the router use of a lane."""
 
     executor_id: str
+    role: str  # the executor's (`ExecutorInfo.role`): prefill, decode or mixed
     alive: bool
     draining: bool  # set by the engine: no new requests, its own finish here
     queued_requests: int  # placed here without a token yet (kept by the engine)
@@ -151,6 +152,10 @@ class Lane(Protocol):
     def submit(self, requests: list[Request]) -> None: ...
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None: ...
+
+    def release_held(self, req_ids: list[str]) -> None:
+        """Frees the blocks the lane holds for prefilled requests (pulled, or never to be)."""
+        ...
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` between the lane's steps (e.g. an integrity check)."""

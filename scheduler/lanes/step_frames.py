@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from npuserve.proto.step_plan import StepTimings, TokenLogprobs
 from npuserve.scheduler.core.block_hash import BlockHash
-from npuserve.scheduler.core.request import Request, RequestStatus, StreamRelay
+from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus, StreamRelay
 from npuserve.scheduler.core.scheduler import RequestUpdate, StepStats
 from npuserve.scheduler.lanes.async_lane import ExecutorLane
 from npuserve.scheduler.lanes.lane import LaneEvent
@@ -73,6 +73,9 @@ class LaneReport:
     updates: list[CompactUpdate] = field(default_factory=list)
     ended: list[tuple[str, str, int]] = field(default_factory=list)  # (req_id, status value, outputs)
     evacuated: list[Evacuated] = field(default_factory=list)
+    # Prefill-only requests that ended PREFILLED in it: (req_id, the blocks the lane holds for
+    # them, the tokens those hold), for the decode lane that pulls them (`Request.pull`).
+    prefilled: list[tuple[str, list[int], int]] = field(default_factory=list)
     # (API process index, incarnation) -> the tokens for its streams (`_pack_unsent`).
     relayed: dict[tuple[int, int], RelayedPack] = field(default_factory=dict)
     num_relayed_tokens: int = 0  # tokens of this step in `relayed`, or held back for it
@@ -125,8 +128,11 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
     updates: list[CompactUpdate] = []
     relayed: dict[tuple[int, int], list[PackedUpdate]] = {}
     num_relayed_tokens = 0
+    prefilled: list[tuple[str, list[int], int]] = []
     for u in event.updates:  # NOTE: once per token
         request = u.request
+        if u.finished is PREFILLED and (pull := request.pull) is not None:
+            prefilled.append((request.req_id, pull.block_ids, pull.num_tokens))
         relay = request.relay
         if relay is not None:
             req_id = request.req_id
@@ -161,6 +167,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
         updates=updates,
         ended=[(r.req_id, r.status.value, len(r.output_token_ids)) for r in event.ended],
         evacuated=[evacuated(r) for r in event.evacuated],
+        prefilled=prefilled,
         relayed={key: (len(items), pickle.dumps(items, protocol=5)) for key, items in relayed.items()},
         num_relayed_tokens=num_relayed_tokens,
         num_sequences=len(event.updates),
@@ -180,6 +187,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
 
 
 RUNNING = RequestStatus.RUNNING
+PREFILLED = RequestStatus.PREFILLED
 
 
 def _pack_unsent(
@@ -266,6 +274,10 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         request.status = status
         request.error = error or request.error
         updates.append(RequestUpdate(request, token_ids, logprobs, status))
+    for req_id, block_ids, num_tokens in report.prefilled:
+        request = request_of(req_id)
+        if request is not None:
+            request.pull = PrefilledBlocks("", "", block_ids, num_tokens)
     for req_id, status_value, num_output in report.ended:
         request = request_of(req_id)
         if request is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from npuserve.scheduler.core.scheduler import SchedulerConfig
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.core.step_passes import PassController
 
 LAUNCH_LEAD_PASSES = 2  # a step after a multi-pass one is sent this many passes before it ends

@@ -55,6 +55,7 @@ from npuserve.scheduler.lanes.worker_messages import (
     FinishRequests,
     FrontToWorker,
     OpenLane,
+    ReleaseHeld,
     StopLane,
     SubmitRequests,
     TakeLaneDown,
@@ -156,6 +157,9 @@ class StepWorker:
                 case FinishRequests(lane_key=lane_key, req_ids=req_ids, status=status):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.finish(req_ids, status)
+                case ReleaseHeld(lane_key=lane_key, req_ids=req_ids):
+                    if (lane := lanes.get(lane_key)) is not None:
+                        lane.release_held(req_ids)
                 case TakeLaneDown(lane_key=lane_key, reason=reason):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.take_down(reason)

@@ -45,6 +45,7 @@ from npuserve.scheduler.lanes.worker_messages import (
     FinishRequests,
     FrontToWorker,
     OpenLane,
+    ReleaseHeld,
     StopLane,
     SubmitRequests,
     TakeLaneDown,
@@ -70,6 +71,7 @@ class RemoteLane:
         self.executor_id = executor_id
         self.client = client  # the front's own client: health, profiling (steps go from the worker)
         self.info = info
+        self.role = info.role
         self.worker = worker
         self.alive = True
         self.draining = False
@@ -150,6 +152,9 @@ class RemoteLane:
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
         self.worker.send(FinishRequests(self.key, req_ids, status))
+
+    def release_held(self, req_ids: list[str]) -> None:
+        self.worker.send(ReleaseHeld(self.key, req_ids))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the worker's lane, between steps; ``fn`` must pickle (a

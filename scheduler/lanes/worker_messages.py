@@ -49,6 +49,14 @@ class FinishRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseHeld:
+    """Frees the blocks the lane holds for prefilled requests (`Scheduler.release_held`)."""
+
+    lane_key: str
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class TakeLaneDown:
     """The executor is gone: the lane's requests are evacuated."""
 
@@ -82,7 +90,15 @@ class ExitWorker:
 
 
 FrontToWorker = (
-    OpenLane | SubmitRequests | FinishRequests | TakeLaneDown | StopLane | CallLane | AckReports | ExitWorker
+    OpenLane
+    | SubmitRequests
+    | FinishRequests
+    | ReleaseHeld
+    | TakeLaneDown
+    | StopLane
+    | CallLane
+    | AckReports
+    | ExitWorker
 )
 
 # -- worker -> front ---------------------------------------------------------------------------

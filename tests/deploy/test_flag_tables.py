@@ -52,7 +52,8 @@ def parse(command: str, *flags: str):
 def test_executor_config_round_trips(config: ExecutorConfig) -> None:
     flags = EXECUTOR.to_flags(config)
     assert EXECUTOR.from_args(parse("executor", *flags)) == config
-    assert EXECUTOR.from_args(parse("serve", *flags)) == config
+    # NOTE: serve gives each executor its role (--prefill-executors), not one for all.
+    assert EXECUTOR.from_args(parse("serve", *EXECUTOR.to_flags(config, exclude=["role"]))) == config
 
 
 def test_scheduler_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,6 +151,7 @@ def test_gateway_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         "--request-header-timeout=2.5",
         "--keep-alive-timeout=1",
         "--max-connections=7",
+        "--max-stream-buffer-bytes=65536",
         "--enable-auto-tool-choice",
         "--tool-call-parser=hermes",
         "--served-model-name=mine",
@@ -162,9 +164,12 @@ def test_gateway_config_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
         "mine",
     )
     assert (config.request_header_timeout_s, config.request_body_timeout_s) == (2.5, 30.0)
+    assert config.max_stream_buffer_bytes == 65536
     assert config.parsers.auto_tool_parser is TOOL_PARSERS["hermes"] and config.parsers.reasoning is None
     assert gateway_config_from_args(parse("gateway", *where, *GATEWAY.forward(args))) == config
     assert "--api-key" in _help("gateway") and "--max-connections" in _help("serve")
+    with pytest.raises(ValueError, match="--max-stream-buffer-bytes"):
+        gateway_config_from_args(parse("gateway", *where, "--max-stream-buffer-bytes=-1"))
 
 
 def test_serve_forwards_the_gateways_parser_flags_switches_included() -> None:
@@ -218,3 +223,20 @@ def test_serves_stall_timeout_is_the_gateways_and_the_scheduler_keeps_its_own() 
         SCHEDULER.from_args(
             parse("scheduler", "--model", "m", "--executors", "h:1", "--stream-stall-timeout", "-1")
         )
+
+
+def test_an_executors_role_is_its_own_flag_and_serves_prefill_executors_set_the_roles() -> None:
+    from npuserve.deploy.executor_flags import serve_executor_roles
+
+    config = ExecutorConfig(model="/models/m", role="prefill")
+    assert EXECUTOR.from_args(parse("executor", *EXECUTOR.to_flags(config))) == config
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        parse("serve", "--role", "prefill")  # NOTE: serve sets each executor's
+    assert parse("serve", "--num-executors", "3", "--prefill-executors", "1").prefill_executors == 1
+    assert serve_executor_roles(3, 1) == ["prefill", "decode", "decode"]
+    assert serve_executor_roles(2, 0) == ["mixed", "mixed"]
+    for num_executors, num_prefill in [(2, 2), (1, 1), (2, -1)]:
+        with pytest.raises(ValueError, match="--prefill-executors"):
+            serve_executor_roles(num_executors, num_prefill)
+    with pytest.raises(ValueError, match="--role"):
+        ExecutorConfig(model="/models/m", role="both")

@@ -16,7 +16,8 @@ from npuserve.executor.model_runner import ModelRunner
 from npuserve.proto.plan_checks import PlanError
 from npuserve.proto.step_plan import KV_TRANSFER_HOST_TIER, BlockCopy, StepPlan
 from npuserve.scheduler.core.request import Request, SamplingParams
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 
 MAX_MODEL_LEN = 128
 DEVICE_BLOCKS = 12  # 11 usable blocks of 16 tokens: a few requests' worth

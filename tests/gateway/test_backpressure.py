@@ -16,12 +16,11 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, closing
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness.serve import Served, serve_checked, serve_child
+from harness.serve import Served, rss_mb, serve_checked, serve_child
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow  # starts npuserve processes
@@ -44,14 +43,6 @@ def served() -> Iterator[Served]:
     flags = ["--kv-cache-memory", "0.05", "--stream-stall-timeout", str(STALL_TIMEOUT_S)]
     with serve_checked(None, *flags) as served:
         yield served
-
-
-def rss_mb(pid: int) -> float:
-    """The resident memory of process ``pid``, in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
 
 
 def open_unread_stream(served: Served) -> socket.socket:

@@ -14,11 +14,19 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
-from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
+from npuserve.proto.step_plan import (
+    EXECUTOR_ROLE_MIXED,
+    ExecutorInfo,
+    FirstPassAnswer,
+    JoiningSteps,
+    StepPlan,
+    StepResult,
+)
 from npuserve.scheduler.core.request import SamplingParams
+from npuserve.scheduler.core.router import DEFAULT_MAX_LOCAL_PREFILL_LENGTH
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.engine.outputs import GenerateOutput
@@ -56,8 +64,16 @@ class ControlledExecutor(InProcessClient):
         pause_at: int | None = None,
         fail_at: int | None = None,
         code: str = "UNAVAILABLE",
+        role: str = EXECUTOR_ROLE_MIXED,
+        address: str = "",
     ) -> None:
+        """``role``: its `ExecutorInfo.role`; ``address``: where other executors reach it (the
+        source address of the blocks they pull from it)."""
         self.simulated = runner
+        self.role, self.address = role, address
+        # The executors its steps pull from, by address: a pull from one that is gone fails the
+        # step as ABORTED, as `executor.kv_transfer` does.
+        self.peers: dict[str, ControlledExecutor] = {}
         self.pause_at, self.fail_at, self.code = pause_at, fail_at, code
         self.num_steps = 0
         self.paused = threading.Event()  # set while a step waits for `resume`
@@ -67,7 +83,7 @@ class ControlledExecutor(InProcessClient):
         super().__init__(self)
 
     def info(self) -> ExecutorInfo:
-        return self.simulated.info()
+        return replace(self.simulated.info(), role=self.role)
 
     async def health(self) -> bool:
         return self.answers_health
@@ -87,6 +103,9 @@ class ControlledExecutor(InProcessClient):
             if self.code == "UNAVAILABLE":
                 self.answers_health = False
             raise ExecutorError(self.code, "injected failure")
+        for pull in plan.kv_pulls:
+            if not self.peers[pull.address].answers_health:
+                raise ExecutorError("ABORTED", f"kv pull from {pull.address}: the source is gone")
         result = self.simulated.execute(plan, on_first_pass, joining)
         result.draining = self.draining
         return result
@@ -143,16 +162,27 @@ async def simulated_engine(
     stream_interval: int = 1,
     num_scheduler_steps: int = 1,
     async_scheduling: bool = False,
+    roles: dict[str, str] | None = None,
+    max_local_prefill_length: int = DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
 ) -> AsyncIterator[SimulatedEngine]:
     """A started engine over ``num_executors`` simulated executors ``e0, e1, ...``, each pausing
     after ``pause_at`` steps; ``failing`` maps some of them to (the number of steps they serve,
-    the status code they fail with then). On exit every pool must pass its integrity check with
+    the status code they fail with then), ``roles`` some of them to their role (others are
+    mixed). On exit every pool must pass its integrity check with
     no request left, and every lane is stopped."""
-    failing = failing or {}
+    failing, roles = failing or {}, roles or {}
     controlled = {
-        name: ControlledExecutor(SimulatedRunner(config), pause_at, *failing.get(name, (None,)))
+        name: ControlledExecutor(
+            SimulatedRunner(config),
+            pause_at,
+            *failing.get(name, (None, "UNAVAILABLE")),
+            role=roles.get(name, EXECUTOR_ROLE_MIXED),
+            address=f"simulated-{name}:0",
+        )
         for name in (f"e{i}" for i in range(num_executors))
     }
+    for executor in controlled.values():
+        executor.peers = {peer.address: peer for peer in controlled.values()}
     executors: list[tuple[str, StepClient, ExecutorInfo]] = [
         (name, executor, executor.info()) for name, executor in controlled.items()
     ]
@@ -163,6 +193,7 @@ async def simulated_engine(
         stream_interval=stream_interval,
         num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
+        max_local_prefill_length=max_local_prefill_length,
     )
     engine = Engine(engine_config, tokenizer, executors)
     engine.start()

@@ -1,9 +1,10 @@
-"""`GenerateManyClient`'s bound on the output a generation keeps unread, in process against a fake
-scheduler that answers two generations on one call as fast as it can.
+"""`GenerateManyClient`'s bound on the output generations keep unread (`UnreadBudget`), in
+process against a fake scheduler that answers two generations on one call as fast as it can.
 
-The generation nobody reads fails `StreamOverrun` once more than the bound waits for it, and the
-scheduler is told to cancel it; the one read as it comes gets all of its output, which is many
-times the bound; with no bound, the unread one keeps all of its output.
+The generation nobody reads fails `StreamOverrun` once more than its budget's limit waits for it,
+and the scheduler is told to cancel it; the one read as it comes gets all of its output, many
+times the limit, whether it shares the budget or not; with no bound, a limit above the whole
+output, or a budget started only once all of it was kept, the unread one keeps all of its output.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.generate_many import GenerateManyClient, GenerateStream, StreamOverrun
+from npuserve.proto.generate_many import GenerateManyClient, GenerateStream, StreamOverrun, UnreadBudget
 
 RESPONSES = 200  # per generation
 TEXT = "x" * 1000  # a response of about 1 KB
-MAX_BUFFERED_BYTES = 16 << 10  # a small part of a generation's 200 KB
+LIMIT_BYTES = 16 << 10  # a small part of a generation's 200 KB
 
 
 def response(index: int) -> pb.GenerateResponse:
@@ -64,9 +65,13 @@ async def read_all(stream: GenerateStream) -> list[int]:
     return [c.token_ids[0] async for r in stream for c in r.completions]
 
 
-async def scenario(max_buffered_bytes: int) -> tuple[list[int], list[int] | StreamOverrun, set[int]]:
+async def scenario(
+    limit_bytes: int, shared: bool, start_late: bool = False
+) -> tuple[list[int], list[int] | StreamOverrun, set[int]]:
     """(what the generation read as it comes got, what the unread one then gets or how it
-    failed, the stream ids the scheduler was told to cancel)."""
+    failed, the stream ids the scheduler was told to cancel). Their budgets have ``limit_bytes``
+    each, or they share one, started before the generations (``start_late``: once the one read
+    as it comes has ended, every response of the unread one kept by then)."""
     server = grpc.aio.server()
     scheduler = FakeScheduler()
     pb_grpc.add_SchedulerServicer_to_server(scheduler, server)
@@ -74,9 +79,15 @@ async def scenario(max_buffered_bytes: int) -> tuple[list[int], list[int] | Stre
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = GenerateManyClient(pb_grpc.SchedulerStub(channel), max_buffered_bytes=max_buffered_bytes)
-            unread = client.generate(pb.GenerateRequest(text="unread"))
-            read = await read_all(client.generate(pb.GenerateRequest(text="read")))
+            client = GenerateManyClient(pb_grpc.SchedulerStub(channel))
+            budget = UnreadBudget(limit_bytes)
+            other = budget if shared else UnreadBudget(limit_bytes)
+            if not start_late:
+                budget.start()
+                other.start()
+            unread = client.generate(pb.GenerateRequest(text="unread"), budget)
+            read = await read_all(client.generate(pb.GenerateRequest(text="read"), other))
+            budget.start()
             try:
                 late: list[int] | StreamOverrun = await read_all(unread)
             except StreamOverrun as exc:
@@ -87,15 +98,20 @@ async def scenario(max_buffered_bytes: int) -> tuple[list[int], list[int] | Stre
         await server.stop(None)
 
 
-def test_an_unread_generation_fails_past_the_bound_and_is_cancelled() -> None:
-    read, late, cancelled = asyncio.run(scenario(MAX_BUFFERED_BYTES))
-    assert read == list(range(RESPONSES))  # read as it came: never near the bound
-    assert isinstance(late, StreamOverrun) and late.limit_bytes == MAX_BUFFERED_BYTES
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_unread_generation_fails_past_the_limit_and_is_cancelled(shared: bool) -> None:
+    read, late, cancelled = asyncio.run(scenario(LIMIT_BYTES, shared))
+    assert read == list(range(RESPONSES))  # read as it came: never near the limit
+    assert isinstance(late, StreamOverrun) and late.limit_bytes == LIMIT_BYTES
     assert late.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not late.call_ended
     assert cancelled == {1}  # the unread one, the first opened
 
 
-@pytest.mark.parametrize("max_buffered_bytes", [0, RESPONSES * len(TEXT) * 2])
-def test_an_unread_generation_within_the_bound_keeps_its_whole_output(max_buffered_bytes: int) -> None:
-    read, late, cancelled = asyncio.run(scenario(max_buffered_bytes))
+@pytest.mark.parametrize(
+    ("limit_bytes", "start_late"), [(0, False), (RESPONSES * len(TEXT) * 2, False), (LIMIT_BYTES, True)]
+)
+def test_an_unread_generation_within_the_limit_keeps_its_whole_output(
+    limit_bytes: int, start_late: bool
+) -> None:
+    read, late, cancelled = asyncio.run(scenario(limit_bytes, shared=True, start_late=start_late))
     assert read == late == list(range(RESPONSES)) and not cancelled

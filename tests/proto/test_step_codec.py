@@ -165,8 +165,10 @@ def test_info_round_trip_and_identity() -> None:
     msg = info_to_proto(info, executor_id="host:5000", version="0.1.0")
     assert (msg.executor_id, msg.version) == ("host:5000", "0.1.0")
     assert info_from_proto(pb.ExecutorInfo.FromString(msg.SerializeToString())) == info
-    joins = dataclasses.replace(info, joins_steps=True)
-    assert info_from_proto(pb.ExecutorInfo.FromString(info_to_proto(joins).SerializeToString())) == joins
+    for changed in (dataclasses.replace(info, joins_steps=True), dataclasses.replace(info, role="decode")):
+        assert (
+            info_from_proto(pb.ExecutorInfo.FromString(info_to_proto(changed).SerializeToString())) == changed
+        )
 
 
 def _joining_plan() -> StepPlan:

@@ -13,7 +13,8 @@ from npuserve.proto.step_plan import BlockCopy, StepPlan
 from npuserve.scheduler.core.block_hash import hash_block_tokens
 from npuserve.scheduler.core.host_tier import HostTier
 from npuserve.scheduler.core.request import Request, SamplingParams
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 
 EOS = 2
 BLOCK = 4

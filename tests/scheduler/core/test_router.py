@@ -13,7 +13,8 @@ from harness.simulated_engine import SMALL, generate, simulated_engine
 from npuserve.executor.simulated import SimulatedRunner
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
 from npuserve.scheduler.core.router import cached_prefix, choose_lane, lane_load_blocks
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.in_process_client import InProcessClient

@@ -10,16 +10,17 @@ preemption must reproduce a plain run.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from harness.step_driver import OneJoiningStep
 
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
-from npuserve.proto.step_plan import NewRequest, StepPlan, StepResult, admits_only
+from npuserve.proto.step_plan import KvPull, NewRequest, StepPlan, StepResult, admits_only
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus, SamplingParams
+from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -81,7 +82,13 @@ class CheckedExecutor:
             self.sent.pop(req_id, None)  # a request aborted while waiting was never sent
         for new in plan.new_requests:
             assert new.req_id not in self.sent, f"{new.req_id} sent whole while the executor holds it"
-            assert new.num_computed_tokens % bs == 0, "a prefix hit covers whole blocks"
+            pulled = [pull for pull in plan.kv_pulls if set(pull.dst_block_ids) <= set(new.block_ids)]
+            if not pulled:
+                assert new.num_computed_tokens % bs == 0, "a prefix hit covers whole blocks"
+            else:  # NOTE: pulled blocks are its computed ones past its prefix hits, the last maybe partial
+                (pull,) = pulled
+                num_blocks = -(-new.num_computed_tokens // bs)
+                assert new.block_ids[num_blocks - len(pull.dst_block_ids) : num_blocks] == pull.dst_block_ids
             self.sent[new.req_id] = _Sent(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens
             )
@@ -828,6 +835,22 @@ def test_with_early_first_tokens_a_queue_the_budget_cannot_take_is_admitted_in_o
     assert [len(run.outputs[r]) for r in "abcd"] == [20, 2, 2, 2]
 
 
+def test_a_joining_step_leaves_the_slots_of_requests_not_dropped_yet() -> None:
+    """A joining step carries no drops, so a request that ended since the last step still holds
+    its sequence slot on the executor: with every slot held so, nothing joins."""
+    run = new_run(num_scheduler_steps=4, early_first_tokens=True, max_num_seqs=2)
+    sched = run.scheduler
+    for name in ("a", "b"):
+        sched.add_request(make_request(name, prompt_of(5, ord(name)), max_tokens=10))
+    run.step()
+    running, _ = sched.schedule()
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # its drop goes with the next step
+    sched.add_request(make_request("c", prompt_of(6, 3), max_tokens=6))
+    assert running.num_steps == {"a": 4, "b": 4}
+    assert sched.schedule_joining(budget=100) is None  # the executor holds a and b: c would be a third
+    sched.check_integrity()
+
+
 def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay(tokenizer: Tokenizer) -> None:
     """Requests that come while a multi-pass step runs start in a step that joins it: whole
     prompts, in order, within the budget it is given; nothing when the first one waiting is
@@ -886,3 +909,63 @@ def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
     assert [r.req_id for r in admitted.new_requests] == ["c"] and not admitted.num_steps
     run.until_done()
     assert [len(run.outputs[r]) for r in "abc"] == [9, 9, 2]
+
+
+def test_a_prefill_only_request_ends_with_its_blocks_held_and_another_scheduler_pulls_them() -> None:
+    """Prefill/decode disaggregation, one scheduler per side: the prefill side samples the first
+    token and holds the request's blocks (PREFILLED) until released; the decode side admits it
+    with the prompt counted as computed, pulling the blocks its prefix cache lacks, and the
+    outputs are those of a request that ran on one side alone."""
+    prompt = prompt_of(14)
+    prefill = new_run(num_blocks=32)
+    request = make_request("a", prompt, max_tokens=4)
+    request.prefill_only = True
+    prefill.scheduler.add_request(request)
+    prefill.step()
+    (update,) = prefill.updates[-1]
+    assert update.finished is RequestStatus.PREFILLED and request.output_token_ids == [
+        output_token(1, "a", 14)
+    ]
+    assert request.pull is not None and (request.pull.block_ids, request.pull.num_tokens) == (
+        [1, 2, 3, 4],
+        14,
+    )
+    assert prefill.scheduler.held == {"a": request} and not prefill.scheduler.requests
+    with pytest.raises(AssertionError, match="in use"):
+        prefill.scheduler.check_integrity(expect_idle=True)
+
+    decode = new_run(num_blocks=32)
+    decode.scheduler.add_request(make_request("c", [*prompt[:8], 99], max_tokens=1))
+    decode.until_done()  # the prompt's first two blocks are cached on the decode side
+    pulled = replace(request.pull, address="prefill:1", instance_id="i")
+    request.prefill_only = False
+    request.reset_for_recompute()
+    request.pull = pulled
+    decode.scheduler.add_request(request)
+    plan = decode.step()
+    (new,) = plan.new_requests
+    assert new.num_computed_tokens == 14 and plan.num_scheduled_tokens == {"a": 1}
+    assert plan.kv_pulls == [KvPull("prefill:1", "i", [3, 4], new.block_ids[2:4])]
+    assert decode.executor.runner.num_pulled_blocks == 2
+    prefill.scheduler.release_held(["a"])
+    prefill.scheduler.check_integrity(expect_idle=True)
+    decode.until_done()
+    assert decode.outputs["a"] == [output_token(k, "a", 14) for k in range(1, 5)]
+
+
+def test_a_failed_step_that_pulled_charges_no_retry_and_its_request_computes_its_tokens() -> None:
+    """A pull's source may be gone: the step's requests all run again, none charged for it, and
+    the one that pulled computes its prompt instead."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4))
+    pulled = make_request("a", prompt_of(14), max_tokens=4)
+    pulled.append_output(7, None)  # its first token, sampled on the prefill side
+    pulled.pull = PrefilledBlocks("prefill:1", "", [1, 2, 3, 4], 14)
+    scheduler.add_request(pulled)
+    scheduler.add_request(make_request("b", prompt_of(6, seed=1), max_tokens=4))
+    plan, _ = scheduler.schedule()
+    assert plan.kv_pulls and set(plan.num_scheduled_tokens) == {"a", "b"}
+    failed, retried = scheduler.fail_step(plan)
+    assert not failed and {r.req_id for r in retried} == {"a", "b"}
+    assert all(r.num_step_retries == 0 for r in retried) and pulled.pull is None
+    plan, _ = scheduler.schedule()
+    assert not plan.kv_pulls and plan.num_scheduled_tokens == {"a": 15, "b": 6}

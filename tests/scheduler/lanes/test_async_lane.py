@@ -24,7 +24,8 @@ from npuserve.executor.server import RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams
-from npuserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.core.step_passes import AUTO_MAX_PASSES, AUTO_SCHEDULER_STEPS, PassController
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room

@@ -36,7 +36,8 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_pool import ON_DEVICE, BlockPool
 from npuserve.scheduler.core.request import Request, RequestStatus, SamplingParams, StreamRelay
-from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, StepStats
+from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, StepStats
+from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.in_process_client import InProcessClient

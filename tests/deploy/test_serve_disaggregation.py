@@ -1,0 +1,88 @@
+"""`npuserve serve --prefill-executors 1`: prefill/decode disaggregation in real processes, the
+KV of every prompt pulled over gRPC from the prefill executor by the decode one; greedy outputs
+equal transformers' (as colocated serving's do: tests/deploy/test_serve.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness.reference import transformers_greedy
+from harness.serve import generate_concurrently, greedy_request, run_streams, serve, serve_child
+from prometheus_client.parser import text_string_to_metric_families
+
+from npuserve.proto import scheduler_pb2 as pb
+
+pytestmark = pytest.mark.slow  # `npuserve serve` in processes of its own
+
+transformers = pytest.importorskip("transformers")
+
+NUM_STREAMS = 32
+NUM_NEW = 12
+
+
+def by_role(text: str, name: str, **labels: str) -> dict[str, float]:
+    """A per-executor series of the scheduler's metrics (those samples with ``labels``), by the
+    executor's role."""
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    role_of = {s.labels["executor"]: s.labels["role"] for s in samples if s.name == "npuserve:executor_info"}
+    return {
+        role_of[s.labels["executor"]]: s.value
+        for s in samples
+        if s.name == name and labels.items() <= s.labels.items()
+    }
+
+
+def test_every_prompt_prefills_on_the_prefill_executor_and_decodes_on_the_other(stories_dir: Path) -> None:
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 61, (NUM_STREAMS,), generator=generator).tolist()
+    prompt_ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
+    expected = transformers_greedy(stories_dir, prompt_ids, NUM_NEW)
+    flags = ("--kv-cache-memory", "0.02", "--num-executors", "2", "--prefill-executors", "1")
+    with serve(stories_dir, *flags, "--max-local-prefill-length", "0") as served:
+        stub = served.stub()
+        results = generate_concurrently(stub, [greedy_request(p, NUM_NEW) for p in prompt_ids])
+        assert [tokens for tokens, _, _ in results] == expected
+        text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+        prompt_tokens = by_role(text, "npuserve:executor_prompt_tokens_total")
+        cached = served.metric("vllm:prefix_cache_hits_total")
+        assert prompt_tokens["decode"] == 0 and prompt_tokens["prefill"] + cached >= sum(lengths)
+        sampled = by_role(text, "npuserve:executor_generation_tokens_total")
+        assert sampled == {"prefill": NUM_STREAMS, "decode": NUM_STREAMS * (NUM_NEW - 1)}
+        pulled = by_role(text, "npuserve:kv_transfer_bytes_total", kind="executor")
+        assert pulled["decode"] > 0 and not pulled.get("prefill")
+        check = served.integrity(expect_idle=True)
+        assert check.ok, check.message
+        assert all(e.num_requests == 0 and e.num_free_blocks == e.num_blocks for e in check.executors)
+
+
+@pytest.mark.parametrize("killed", ["executor-0", "executor-1"])
+def test_a_killed_prefill_or_decode_executor_costs_no_stream(stories_dir: Path, killed: str) -> None:
+    """One prefill executor (executor-0) and two decode ones under 32 streams; one of them is
+    SIGKILLed once a few streams have their first token, with prompts prefilling, pulled and
+    decoding: every stream completes with the undisturbed tokens, and no block stays held."""
+    generator = torch.Generator().manual_seed(2)
+    lengths = torch.randint(20, 61, (NUM_STREAMS,), generator=generator).tolist()
+    prompt_ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
+    expected = transformers_greedy(stories_dir, prompt_ids, NUM_NEW)
+    flags = ("--kv-cache-memory", "0.02", "--num-executors", "3", "--prefill-executors", "1")
+    with serve(stories_dir, *flags, "--max-local-prefill-length", "0") as served:
+        threads, outputs, reasons = run_streams(
+            served.stub(), [greedy_request(p, NUM_NEW) for p in prompt_ids], None
+        )
+        deadline = time.monotonic() + 60
+        while sum(bool(tokens) for tokens in outputs) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        found = serve_child(served.process.pid, killed)  # type: ignore[union-attr]
+        assert found is not None
+        os.kill(found[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        assert outputs == expected
+        assert reasons == ["length"] * NUM_STREAMS
+        check = served.integrity(expect_idle=True, timeout_s=10)
+        assert check.ok, check.message
