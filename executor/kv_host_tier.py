@@ -10,13 +10,13 @@ without pays nothing).
 
 from __future__ import annotations
 
-import time
 from itertools import groupby
 
 import torch
 
+from npuserve.executor.transfer_tally import TransferTally
 from npuserve.proto.plan_checks import check_block_copies
-from npuserve.proto.step_plan import BlockCopy
+from npuserve.proto.step_plan import KV_TRANSFER_HOST_TIER, BlockCopy
 
 GIB = 1 << 30
 
@@ -26,9 +26,7 @@ class HostKvTier:
         """kv_caches: the device cache, [2, num_device_blocks, block_size, Hkv, D] per layer."""
         self.num_blocks = num_blocks
         self.block_bytes = sum(cache[:, 0].numel() * cache.element_size() for cache in kv_caches)
-        # Copied since `take_copied`: bytes, seconds.
-        self.copied_bytes = 0
-        self.copied_s = 0.0
+        self.tally = TransferTally(KV_TRANSFER_HOST_TIER)
         self.layers = [
             torch.zeros(
                 (cache.shape[0], num_blocks, *cache.shape[2:]), dtype=cache.dtype
@@ -44,23 +42,16 @@ class HostKvTier:
     def run(self, copies: list[BlockCopy], kv_caches: list[torch.Tensor], num_device_blocks: int) -> None:
         """Runs ``copies`` in order (a `PlanError` for an id out of range, before any copy)."""
         check_block_copies(copies, num_device_blocks, self.num_blocks)
-        started = time.perf_counter()
-        for to_host, run in groupby(copies, key=lambda copy: copy.to_host):
-            pairs = list(run)
-            src = torch.tensor([copy.src for copy in pairs], dtype=torch.int64)  # [n]
-            dst = torch.tensor([copy.dst for copy in pairs], dtype=torch.int64)  # [n]
-            for cache, host in zip(kv_caches, self.layers, strict=True):
-                if to_host:
-                    blocks = cache.index_select(1, src.to(cache.device)).cpu()  # [2, n, bs, Hkv, D]
-                    host.index_copy_(1, dst, blocks)
-                else:
-                    blocks = host.index_select(1, src).to(cache.device)  # [2, n, bs, Hkv, D]
-                    cache.index_copy_(1, dst.to(cache.device), blocks)
-        self.copied_bytes += len(copies) * self.block_bytes
-        self.copied_s += time.perf_counter() - started
-
-    def take_copied(self) -> tuple[int, float]:
-        """Bytes and seconds copied since the last call (a step's, for its timings)."""
-        copied = self.copied_bytes, self.copied_s
-        self.copied_bytes, self.copied_s = 0, 0.0
-        return copied
+        with self.tally.timed():
+            for to_host, run in groupby(copies, key=lambda copy: copy.to_host):
+                pairs = list(run)
+                src = torch.tensor([copy.src for copy in pairs], dtype=torch.int64)  # [n]
+                dst = torch.tensor([copy.dst for copy in pairs], dtype=torch.int64)  # [n]
+                for cache, host in zip(kv_caches, self.layers, strict=True):
+                    if to_host:
+                        blocks = cache.index_select(1, src.to(cache.device)).cpu()  # [2, n, bs, Hkv, D]
+                        host.index_copy_(1, dst, blocks)
+                    else:
+                        blocks = host.index_select(1, src).to(cache.device)  # [2, n, bs, Hkv, D]
+                        cache.index_copy_(1, dst.to(cache.device), blocks)
+        self.tally.num_bytes += len(copies) * self.block_bytes

@@ -43,19 +43,19 @@ pageable host memory (pinned staging buffers would let the copies overlap the ne
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 
 import grpc
 import torch
 
 from npuserve.executor.rpc_status import KvPullFailed
+from npuserve.executor.transfer_tally import TransferTally
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto.auth import with_bearer
 from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, client_channel, message_size_options
 from npuserve.proto.plan_checks import PlanError
-from npuserve.proto.step_plan import KvPull
+from npuserve.proto.step_plan import KV_TRANSFER_EXECUTOR, KvPull
 
 # Bytes of one ReadBlocks message's blocks (a single block of one layer may be more).
 CHUNK_BYTES = 4 << 20
@@ -156,27 +156,16 @@ class KvPuller:
 
     def __init__(self, client: ReadBlocksClient | None = None) -> None:
         self.client = client or ReadBlocksClient()
-        # Pulled since `take_pulled`: bytes, seconds.
-        self.pulled_bytes = 0
-        self.pulled_s = 0.0
+        self.tally = TransferTally(KV_TRANSFER_EXECUTOR)
 
     def run(self, pulls: list[KvPull], kv_caches: list[torch.Tensor]) -> None:
         """Runs ``pulls`` in order (checked by the caller: `check_kv_pulls`); `KvPullFailed` when a
         source fails or sends what does not fit (the blocks written so far hold part of it).
 
         kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
-        started = time.perf_counter()
-        try:
+        with self.tally.timed():
             for pull in pulls:
-                self.pulled_bytes += _write(kv_caches, pull, self.client.read(pull))
-        finally:
-            self.pulled_s += time.perf_counter() - started
-
-    def take_pulled(self) -> tuple[int, float]:
-        """Bytes and seconds pulled since the last call (a step's, for its timings)."""
-        pulled = self.pulled_bytes, self.pulled_s
-        self.pulled_bytes, self.pulled_s = 0, 0.0
-        return pulled
+                self.tally.num_bytes += _write(kv_caches, pull, self.client.read(pull))
 
 
 def _write(kv_caches: list[torch.Tensor], pull: KvPull, chunks: Iterator[pb.BlockChunk]) -> int:

@@ -52,19 +52,17 @@ from npuserve.executor.sampler import (
 )
 from npuserve.executor.step_profiler import StepClock
 from npuserve.executor.token_bitmask import bitmask_rows
+from npuserve.executor.transfer_tally import TransferTally
 from npuserve.kernels import NPU_BLOCK_SIZE, build_attention_metadata, get_backend
 from npuserve.kernels.staging import HostStaging
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.plan_checks import check_kv_pulls, check_num_steps
 from npuserve.proto.step_plan import (
     EMULATED_NPU_DEVICE,
-    KV_TRANSFER_EXECUTOR,
-    KV_TRANSFER_HOST_TIER,
     ExecutorInfo,
     FirstPassAnswer,
     JoiningSteps,
     KvPull,
-    KvTransfer,
     StepPlan,
     StepResult,
     StepTimings,
@@ -278,10 +276,10 @@ class ModelRunner:
         if plan.num_scheduled_tokens:  # NOTE: a step that ran no pass reports no time
             result.timings.total_s = self.step_clock() - started
         # NOTE: its joiners' copies too: they ran in its passes.
-        transfers = [KvTransfer(KV_TRANSFER_EXECUTOR, *self.kv_puller.take_pulled())]
-        if self.host_kv is not None:
-            transfers.insert(0, KvTransfer(KV_TRANSFER_HOST_TIER, *self.host_kv.take_copied()))
-        result.timings.kv_transfers = [t for t in transfers if t.num_bytes]
+        tallies = (
+            [self.kv_puller.tally] if self.host_kv is None else [self.host_kv.tally, self.kv_puller.tally]
+        )
+        result.timings.kv_transfers = [t for t in map(TransferTally.take, tallies) if t.num_bytes]
 
     def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
         """Blocks of this cache for another executor's pull, chunk by chunk, each copied to the

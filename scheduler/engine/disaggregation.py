@@ -121,9 +121,7 @@ class Disaggregation:
             self._release_held(req_id)
         else:
             client = prefill_lane.client
-            address = getattr(client, "address", "")
-            instance_id = getattr(client, "instance_id", "")
-            request.pull = replace(pulled, address=address, instance_id=instance_id)
+            request.pull = replace(pulled, address=client.address, instance_id=client.instance_id)
         self._lane_of[req_id] = decode
         decode.submit([request])
         log.debug("prefilled", request_id=req_id, prefill=prefill_lane.executor_id, decode=decode.executor_id)

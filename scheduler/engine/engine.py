@@ -216,7 +216,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             )
         self.lanes[executor_id] = lane
         lane.start()
-        self.metrics.executors.joined(executor_id, getattr(client, "address", None), info.role)
+        self.metrics.executors.joined(executor_id, client.address or None, info.role)
         log.info(
             "executor joined",
             executor=executor_id,

@@ -121,8 +121,10 @@ def _as_executor_error(exc: Exception) -> ExecutorError:
 class InProcessClient:
     """Steps to ``runner``, run in order on a thread of the client's (see the module)."""
 
-    def __init__(self, runner: PlanRunner) -> None:
+    def __init__(self, runner: PlanRunner, address: str = "") -> None:
         self.runner = runner
+        self.address = address  # where other executors reach the runner (none: empty)
+        self.instance_id = ""
         self._joins_steps = runner.info().joins_steps
         self._steps = _StepQueue()
         self._stream: _Stream | None = None

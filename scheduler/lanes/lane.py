@@ -62,7 +62,12 @@ class PendingStep(Protocol):
 
 class StepClient(Protocol):
     """What a lane needs of an executor: the gRPC client (`AioExecutorClient`), or a runner in
-    this process (`InProcessClient`). Its failures are `ExecutorError`s."""
+    this process (`InProcessClient`). Its failures are `ExecutorError`s. ``address`` and
+    ``instance_id`` name the executor process to others (where its blocks are pulled from;
+    empty for a runner no other executor reaches)."""
+
+    address: str
+    instance_id: str
 
     async def submit(self, plan: StepPlan, early_results: bool = False) -> PendingStep: ...
 

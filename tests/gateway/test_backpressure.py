@@ -11,16 +11,14 @@ then a normal request is served and every block pool is whole and idle.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, closing
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness.serve import Served, rss_mb, serve_checked, serve_child
+from harness.serve import Served, open_completion_stream, rss_mb, serve_checked, serve_child
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow  # starts npuserve processes
@@ -48,18 +46,7 @@ def served() -> Iterator[Served]:
 def open_unread_stream(served: Served) -> socket.socket:
     """A client that sends a streaming request and never reads the answer; its small receive
     buffer fills at once, so the gateway's writes soon wait on it."""
-    url = urlsplit(served.url)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-    sock.settimeout(GIVE_UP_S)
-    sock.connect((url.hostname, url.port))
-    body = json.dumps(UNREAD).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + body)
-    return sock
+    return open_completion_stream(served.url, UNREAD, RECEIVE_BUFFER_BYTES, GIVE_UP_S)
 
 
 def read_until_closed(sock: socket.socket) -> bytes:

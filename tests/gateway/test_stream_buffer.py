@@ -19,11 +19,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness.serve import Served, rss_mb, serve_checked, serve_child
+from harness.serve import Served, open_completion_stream, rss_mb, serve_checked, serve_child
 
 from npuserve.proto.channel import API_SERVERS
 
@@ -51,22 +50,6 @@ def served() -> Iterator[Served]:
     flags = ["--kv-cache-memory", "0.05", "--max-stream-buffer-bytes", str(MAX_BUFFER_BYTES)]
     with serve_checked(None, *flags) as served:
         yield served
-
-
-def open_stream(served: Served, body: dict) -> socket.socket:
-    """A raw-socket client that sent a streaming request, with a small receive buffer."""
-    url = urlsplit(served.url)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-    sock.settimeout(GIVE_UP_S)
-    sock.connect((url.hostname, url.port))
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
 
 
 class SlowReader:
@@ -132,7 +115,7 @@ def test_a_reader_slower_than_its_output_is_cut_off_at_the_bound(served: Served)
         assert warm.status_code == 200  # the gateway warmed up
         baseline = rss_mb(gateway_pid)
         tokens_before = served.metric("vllm:generation_tokens_total")
-        with closing(open_stream(served, SLOW)) as sock:
+        with closing(open_completion_stream(served.url, SLOW, RECEIVE_BUFFER_BYTES, GIVE_UP_S)) as sock:
             reader = SlowReader(sock)
             probes = [probe(http) for _ in range(MIN_PROBES)]
             # With the probes done, the slow request is the only one: idle once it was aborted.

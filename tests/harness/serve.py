@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,6 +58,25 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def open_completion_stream(
+    url: str, body: dict, receive_buffer_bytes: int, timeout_s: float
+) -> socket.socket:
+    """A raw-socket client that has sent a streaming completion to the gateway at ``url``, with a
+    receive buffer of ``receive_buffer_bytes`` (small: the gateway's writes soon wait on it)."""
+    where = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+    sock.settimeout(timeout_s)
+    sock.connect((where.hostname, where.port))
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
 
 
 def rss_mb(pid: int) -> float:

@@ -70,7 +70,7 @@ class ControlledExecutor(InProcessClient):
         """``role``: its `ExecutorInfo.role`; ``address``: where other executors reach it (the
         source address of the blocks they pull from it)."""
         self.simulated = runner
-        self.role, self.address = role, address
+        self.role = role
         # The executors its steps pull from, by address: a pull from one that is gone fails the
         # step as ABORTED, as `executor.kv_transfer` does.
         self.peers: dict[str, ControlledExecutor] = {}
@@ -80,7 +80,7 @@ class ControlledExecutor(InProcessClient):
         self.resume = threading.Event()
         self.draining = False  # what its step answers say (SIGTERM: no new requests for it)
         self.answers_health = True
-        super().__init__(self)
+        super().__init__(self, address)
 
     def info(self) -> ExecutorInfo:
         return replace(self.simulated.info(), role=self.role)
