@@ -122,19 +122,20 @@ class ModelRunner:
             self.device,
             self.tp,
         )
+        # Pulls from other executors; `serve_executor` gives it the cluster token.
+        self.kv_puller = KvPuller()
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
+        self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
         self.host_kv = (
             HostKvTier.for_budget(
                 config.kv_host_memory_gib,
                 self.kv_caches,
                 block_bytes(self.model_config, self.block_size, self.dtype, self.tp),
+                self.staging,
             )
             if config.kv_host_memory_gib
             else None
         )
-        # Pulls from other executors; `serve_executor` gives it the cluster token.
-        self.kv_puller = KvPuller()
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
-        self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
         self.sampler = Sampler()
         self._seed_source = np.random.default_rng(config.seed)
         self._passes = PassLoop(self, config.max_num_batched_tokens)

@@ -50,6 +50,10 @@ class HostTransfers(Protocol):
     def copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """Queues ``target.copy_(source)`` without waiting; ``source`` must be pinned."""
 
+    def copy_to_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Queues ``target.copy_(source)`` from the device without waiting; ``target`` must be
+        pinned (and is read only once the device's stream has run the copy)."""
+
     def new_event(self) -> CopyEvent: ...
 
 
@@ -65,6 +69,10 @@ class DeviceTransfers:
 
     def copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
         assert source.is_pinned(), "a non-blocking host-to-device copy must start from pinned memory"
+        target.copy_(source, non_blocking=True)
+
+    def copy_to_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        assert target.is_pinned(), "a non-blocking device-to-host copy must land in pinned memory"
         target.copy_(source, non_blocking=True)
 
     def new_event(self) -> CopyEvent:

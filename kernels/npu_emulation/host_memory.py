@@ -46,6 +46,7 @@ class EmulatedHostMemory:
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}  # first byte -> bytes, of every live pinned buffer
         self.num_copies = 0  # host-to-device copies made (tests read it)
+        self.num_copies_to_host = 0  # device-to-host copies made
 
     def empty_pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """[numel] host memory the emulation treats as pinned until the tensor is freed."""
@@ -78,6 +79,18 @@ class EmulatedHostMemory:
             )
         target.copy_(source)
         self.num_copies += 1
+
+    def copy_to_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target.copy_(source, non_blocking=True)`` from the emulated NPU. Into pageable
+        memory such a copy either waits for the device or races with the host, so the emulation
+        refuses it: npuserve's copies out of the device land in pinned memory."""
+        if not self.is_pinned(target):
+            raise UnpinnedCopyError(
+                "non-blocking device-to-host copy into pageable (unpinned) host memory: it would "
+                "run synchronously; copy into a pinned buffer"
+            )
+        target.copy_(source)
+        self.num_copies_to_host += 1
 
     def new_event(self) -> _CopyDone:
         return _CopyDone()

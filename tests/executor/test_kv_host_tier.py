@@ -9,10 +9,14 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.kv_cache import GIB, block_bytes
+from npuserve.executor.kv_host_tier import HostKvTier, consecutive_runs
 from npuserve.executor.model_runner import ModelRunner
+from npuserve.kernels.npu_emulation.host_memory import EmulatedHostMemory
+from npuserve.kernels.staging import HostStaging
 from npuserve.proto.plan_checks import PlanError
 from npuserve.proto.step_plan import KV_TRANSFER_HOST_TIER, BlockCopy, StepPlan
 from npuserve.scheduler.core.request import Request, SamplingParams
@@ -119,3 +123,28 @@ def test_a_copy_outside_the_tier_is_refused_before_any_copy(tiered: ModelRunner)
         tiered.execute(
             StepPlan(step_id=10**9 + 1, block_copies=[BlockCopy(True, 1, 0), BlockCopy(True, 1, 64)])
         )
+
+
+def test_on_a_device_the_copies_are_batched_through_pinned_memory_and_round_trip() -> None:
+    """On the emulated NPU's host memory (which refuses a non-blocking copy to or from pageable
+    memory): the host blocks are pinned, each run of consecutive host blocks is one copy per
+    layer, and blocks spilled then loaded into other device blocks come back equal."""
+    memory = EmulatedHostMemory()
+    staging = HostStaging(memory, torch.device("cpu"))
+    caches = [torch.randn(2, 10, 4, 2, 8) for _ in range(3)]  # [2, N, bs, Hkv, D] per layer
+    tier = HostKvTier(caches, num_blocks=6, staging=staging)
+    assert all(memory.is_pinned(layer) for layer in tier.layers)
+    spilled = [caches[i][:, [1, 2, 7]].clone() for i in range(3)]
+    # host blocks 0, 1 (one run) and 4: two copies per layer
+    tier.run([BlockCopy(True, 1, 0), BlockCopy(True, 2, 1), BlockCopy(True, 7, 4)], caches, 10)
+    assert memory.num_copies_to_host == 2 * len(caches)
+    tier.run([BlockCopy(False, 0, 3), BlockCopy(False, 1, 4), BlockCopy(False, 4, 9)], caches, 10)
+    assert memory.num_copies == 2 * len(caches) + 2  # two runs per layer, and the two staged indices
+    for cache, before in zip(caches, spilled, strict=True):
+        assert torch.equal(cache[:, [3, 4, 9]], before)
+    assert tier.tally.take().num_bytes == 6 * tier.block_bytes
+
+
+def test_consecutive_runs() -> None:
+    assert list(consecutive_runs([4, 5, 6, 0, 2, 3])) == [(0, 4, 3), (3, 0, 1), (4, 2, 2)]
+    assert list(consecutive_runs([])) == []

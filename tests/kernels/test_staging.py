@@ -86,6 +86,9 @@ class RecordingTransfers:
         self.log.append(f"copy {source.tolist()}")
         self.memory.copy_to_device(target, source)
 
+    def copy_to_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        self.memory.copy_to_host(target, source)
+
     def new_event(self) -> RecordingEvent:
         return RecordingEvent(self.log, len(self.log))
 
