@@ -1,10 +1,11 @@
-"""deploy/k8s and deploy/compose.yaml: rendered by the real tools, checked against the Kubernetes
-schemas, and every npuserve command line in them (and in the Dockerfiles) parsed by the real CLI."""
+"""deploy/k8s (both layouts: every executor mixed, and the disaggregated overlay's prefill and
+decode executors) and deploy/compose.yaml: rendered by the real tools, checked against the
+Kubernetes schemas, and every npuserve command line in them (and in the Dockerfiles) parsed by the
+real CLI."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -12,65 +13,50 @@ from harness.deploy_files import (
     COMPOSE,
     DEPLOY,
     DOCKERFILES,
-    K8S_VAR,
     dockerfile_instructions,
     exec_form,
     parse_npuserve,
     parse_probe,
     render_kustomization,
 )
+from harness.k8s_objects import (
+    LAYOUTS,
+    ROLE_LABEL,
+    allowed,
+    by_kind,
+    container_argv,
+    npuserve_containers,
+    pod_labels,
+    selects,
+    workloads,
+)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 # Custom resources have no schema in kubernetes-validate: checked by hand below instead.
 CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1 (Prometheus operator CRD)"}
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ASCEND_DEVICE = "huawei.com/Ascend910"
 GRACE_MARGIN_S = 5  # between the end of the drain and SIGKILL
+# Each layout's executor StatefulSets and the --role each runs.
+EXECUTOR_ROLES = {
+    "colocated": {"npuserve-executor": "mixed"},
+    "disaggregated": {"npuserve-executor-prefill": "prefill", "npuserve-executor-decode": "decode"},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def rendered() -> list[dict]:
-    return render_kustomization()
+def rendered(layout: str) -> list[dict]:
+    return render_kustomization(LAYOUTS[layout])
 
 
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
-
-
-def workloads(objects: list[dict]) -> Iterator[dict]:
-    return (o for o in objects if o["kind"] in WORKLOAD_KINDS)
-
-
-def npuserve_containers(objects: list[dict]) -> Iterator[tuple[dict, dict]]:
-    """(workload, container) for every container that runs npuserve."""
-    for workload in workloads(objects):
-        for container in workload["spec"]["template"]["spec"]["containers"]:
-            if container.get("args", [""])[0] == "npuserve":
-                yield workload, container
-
-
-def pod_labels(workload: dict) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"]
-
-
-def selects(selector: dict, labels: dict[str, str]) -> bool:
-    assert set(selector) <= {"matchLabels"}, f"only matchLabels selectors are evaluated: {selector}"
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-
-
-def expand_k8s_vars(argv: list[str], env_names: set[str], where: str) -> list[str]:
-    """Replaces `$(NAME)` as the kubelet does; each NAME must be in the container's env."""
-
-    def value(match) -> str:
-        assert match.group(1) in env_names, f"{where}: $({match.group(1)}) is not in the container's env"
-        return f"{match.group(1).lower()}-value"
-
-    return [K8S_VAR.sub(value, arg) for arg in argv]
-
-
-def test_the_kustomization_renders_the_whole_deployment(rendered: list[dict]) -> None:
+def test_the_kustomization_renders_the_whole_deployment(layout: str, rendered: list[dict]) -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered}
+    executors = EXECUTOR_ROLES[layout]
     assert {
         ("Namespace", "npuserve"),
         ("Secret", "npuserve-secrets"),
@@ -78,15 +64,16 @@ def test_the_kustomization_renders_the_whole_deployment(rendered: list[dict]) ->
         ("Service", "npuserve-redis"),
         ("Deployment", "npuserve-scheduler"),
         ("Service", "npuserve-scheduler"),
-        ("StatefulSet", "npuserve-executor"),
         ("Service", "npuserve-executor"),
         ("Deployment", "npuserve-gateway"),
         ("Service", "npuserve-gateway"),
         ("HorizontalPodAutoscaler", "npuserve-gateway"),
-        ("PodDisruptionBudget", "npuserve-executor"),
         ("PodDisruptionBudget", "npuserve-gateway"),
         ("ServiceMonitor", "npuserve-gateway"),
+        *(("StatefulSet", name) for name in executors),
+        *(("PodDisruptionBudget", name) for name in executors),
     } <= kinds
+    assert set(by_kind(rendered, "StatefulSet")) == set(executors)
     assert len(by_kind(rendered, "NetworkPolicy")) >= 4
     namespaced = [o for o in rendered if o["kind"] != "Namespace"]
     assert {o["metadata"].get("namespace") for o in namespaced} == {"npuserve"}
@@ -121,8 +108,7 @@ def test_every_npuserve_command_line_parses(rendered: list[dict]) -> None:
     seen = set()
     for workload, container in npuserve_containers(rendered):
         where = f"{workload['kind']}/{workload['metadata']['name']}"
-        env_names = {e["name"] for e in container.get("env", [])}
-        args = parse_npuserve(expand_k8s_vars(container["args"], env_names, where), where)
+        args = parse_npuserve(container_argv(workload, container), where)
         seen.add(args.command)
         ports = {p["containerPort"] for p in container["ports"]}
         assert args.port in ports, f"{where}: serves on {args.port}, declares {ports}"
@@ -153,8 +139,7 @@ def test_termination_grace_covers_the_drain(rendered: list[dict]) -> None:
     """The preStop pause, then the process's --shutdown-timeout drain, end before the SIGKILL."""
     for workload, container in npuserve_containers(rendered):
         where = f"{workload['kind']}/{workload['metadata']['name']}"
-        env_names = {e["name"] for e in container.get("env", [])}
-        drain_s = parse_npuserve(expand_k8s_vars(container["args"], env_names, where), where).shutdown_timeout
+        drain_s = parse_npuserve(container_argv(workload, container), where).shutdown_timeout
         spec = workload["spec"]["template"]["spec"]
         pause = 0
         if "lifecycle" in container:
@@ -175,33 +160,33 @@ def test_npuserve_pods_run_unprivileged_with_resource_requests(rendered: list[di
             assert "memory" in container["resources"]["limits"]
 
 
-def test_executors_get_their_npus_and_a_stable_dns_name(rendered: list[dict]) -> None:
-    (executor,) = by_kind(rendered, "StatefulSet").values()
-    (container,) = executor["spec"]["template"]["spec"]["containers"]
-    resources = container["resources"]
-    args = parse_npuserve(
-        expand_k8s_vars(container["args"], {e["name"] for e in container["env"]}, "executor"), "executor"
-    )
-    devices = int(resources["limits"][ASCEND_DEVICE])
-    assert int(resources["requests"][ASCEND_DEVICE]) == devices == args.tensor_parallel_size
-    assert args.device == "npu" and args.registry.startswith("redis://npuserve-redis:")
+def test_executors_get_their_npus_role_and_a_stable_dns_name(layout: str, rendered: list[dict]) -> None:
+    for name, executor in by_kind(rendered, "StatefulSet").items():
+        (container,) = executor["spec"]["template"]["spec"]["containers"]
+        resources = container["resources"]
+        args = parse_npuserve(container_argv(executor, container), name)
+        devices = int(resources["limits"][ASCEND_DEVICE])
+        assert int(resources["requests"][ASCEND_DEVICE]) == devices == args.tensor_parallel_size
+        assert args.device == "npu" and args.registry.startswith("redis://npuserve-redis:")
+        role = EXECUTOR_ROLES[layout][name]
+        assert args.role == role and pod_labels(executor).get(ROLE_LABEL, "mixed") == role, name
 
-    service = by_kind(rendered, "Service")[executor["spec"]["serviceName"]]
-    assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
-    assert service["spec"]["publishNotReadyAddresses"] is True  # resolvable as soon as it registers
-    assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(executor))
-    raw = dict(zip(container["args"][2::2], container["args"][3::2], strict=False))
-    port = container["ports"][0]["containerPort"]
-    service_name = executor["spec"]["serviceName"]
-    expected = f"$(POD_NAME).{service_name}.$(POD_NAMESPACE).svc.cluster.local:{port}"
-    assert raw["--advertise-address"] == expected
-    assert raw["--executor-id"] == "$(POD_NAME)"
-    fields = {
-        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
-        for e in container["env"]
-        if "fieldRef" in e.get("valueFrom", {})
-    }
-    assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+        service = by_kind(rendered, "Service")[executor["spec"]["serviceName"]]
+        assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
+        assert service["spec"]["publishNotReadyAddresses"] is True  # resolvable as soon as it registers
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(executor))
+        raw = dict(zip(container["args"][2::2], container["args"][3::2], strict=False))
+        port = container["ports"][0]["containerPort"]
+        service_name = executor["spec"]["serviceName"]
+        expected = f"$(POD_NAME).{service_name}.$(POD_NAMESPACE).svc.cluster.local:{port}"
+        assert raw["--advertise-address"] == expected
+        assert raw["--executor-id"] == "$(POD_NAME)"
+        fields = {
+            e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+            for e in container["env"]
+            if "fieldRef" in e.get("valueFrom", {})
+        }
+        assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
 
 
 def test_secrets_are_read_through_secret_key_refs(rendered: list[dict]) -> None:
@@ -223,21 +208,26 @@ def test_secrets_are_read_through_secret_key_refs(rendered: list[dict]) -> None:
                 refs[env["name"]] = ref["key"]
         assert wanted[container["args"][1]] <= set(refs), workload["metadata"]["name"]
         if "NPUSERVE_CLUSTER_TOKEN" in refs:
-            assert refs["NPUSERVE_CLUSTER_TOKEN"] == "cluster-token"  # the same secret on both ends
+            # NOTE: the same secret on every end: the scheduler's steps, and a decode executor's
+            # pulls from a prefill executor.
+            assert refs["NPUSERVE_CLUSTER_TOKEN"] == "cluster-token"
 
 
 def test_services_select_their_pods_and_name_declared_ports(rendered: list[dict]) -> None:
+    """Each Service selects the workload of its name, or the StatefulSets it names the pods of."""
     pods = {w["metadata"]["name"]: w for w in workloads(rendered)}
     for name, service in by_kind(rendered, "Service").items():
         matching = [
             w for w in pods.values() if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(w))
         ]
-        assert [w["metadata"]["name"] for w in matching] == [name]
-        declared = {
-            p["name"] for c in matching[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]
-        }
-        for port in service["spec"]["ports"]:
-            assert port["targetPort"] in declared, (name, port)
+        governed = [w for w in pods.values() if name in (w["metadata"]["name"], w["spec"].get("serviceName"))]
+        assert matching and matching == governed, name
+        for workload in matching:
+            declared = {
+                p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+            }
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in declared, (name, port)
 
 
 def test_autoscaler_and_disruption_budgets_target_the_workloads(rendered: list[dict]) -> None:
@@ -252,38 +242,30 @@ def test_autoscaler_and_disruption_budgets_target_the_workloads(rendered: list[d
     assert hpa["spec"]["minReplicas"] >= 2
     scheduler = by_kind(rendered, "Deployment")["npuserve-scheduler"]
     assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
-    for budget in by_kind(rendered, "PodDisruptionBudget").values():
+    for name, budget in by_kind(rendered, "PodDisruptionBudget").items():
         selected = [w for w in workloads(rendered) if selects(budget["spec"]["selector"], pod_labels(w))]
-        assert len(selected) == 1, budget["metadata"]["name"]
-
-
-def allowed(policies: list[dict], source: dict[str, str], target: dict[str, str], port: int) -> bool:
-    """Whether NetworkPolicies let a pod labelled ``source`` (same namespace) reach ``target``."""
-    applying = [p for p in policies if selects(p["spec"]["podSelector"] or {}, target)]
-    assert applying, f"no policy isolates {target}"
-    for policy in applying:
-        for rule in policy["spec"].get("ingress", []):
-            ports = [p["port"] for p in rule.get("ports", [])]
-            peers = rule.get("from")
-            if ports and port not in ports:
-                continue
-            if peers is None or any(selects(peer.get("podSelector", {}), source) for peer in peers):
-                return True
-    return False
+        assert [w["metadata"]["name"] for w in selected] == [name]
+    for name in by_kind(rendered, "StatefulSet"):
+        assert by_kind(rendered, "PodDisruptionBudget")[name]["spec"]["maxUnavailable"] == 1, name
 
 
 def test_network_policies_let_only_the_listed_clients_in(rendered: list[dict]) -> None:
     policies = list(by_kind(rendered, "NetworkPolicy").values())
     pods = {w["metadata"]["name"].removeprefix("npuserve-"): pod_labels(w) for w in workloads(rendered)}
+    executors = {name for name in pods if name.startswith("executor")}
     outsider = {"app": "something-else"}
     client = {"npuserve.io/scheduler-client": "true"}
-    expected = {
-        ("executor", 50061): {"scheduler"},
-        ("scheduler", 50051): {"gateway", "client"},
-        ("redis", 6379): {"executor", "scheduler"},
-        ("gateway", 8000): {"executor", "scheduler", "redis", "gateway", "client", "outsider"},
-    }
     sources = {**pods, "client": client, "outsider": outsider}
+    expected = {
+        ("scheduler", 50051): {"gateway", "client"},
+        ("redis", 6379): {"scheduler", *executors},
+        ("gateway", 8000): set(sources),
+    }
+    for executor in executors:
+        # NOTE: a decode executor pulls the KV blocks a prefill executor computed from its gRPC
+        # port (executor/kv_transfer.py); no other executor dials another.
+        pullers = {"executor-decode"} if executor == "executor-prefill" else set()
+        expected[(executor, 50061)] = {"scheduler", *pullers}
     for (target, port), who in expected.items():
         got = {name for name, labels in sources.items() if allowed(policies, labels, pods[target], port)}
         assert got == who, (target, got)
