@@ -4,7 +4,8 @@ The contract: a pull names a source executor (its address and instance id) and p
 ids, the source's and this executor's; the scheduler chooses every id, and holds the source's
 blocks unchanged until the pulling step is answered. The pulling step runs its pulls after its
 `block_copies` and before its forward pass, each block whole, every layer; its timings report
-them as a `KvTransfer` of kind "executor".
+them as a `KvTransfer` of kind "executor". A pull that fails fails its request only
+(`ModelRunner._run_pulls`, `StepResult.failed_pull_req_ids`).
 
 Transport: host-staged over gRPC, which works on every device. The pulling executor calls the
 source's `ReadBlocks`, a server stream, presenting its own cluster token (`ReadBlocksClient`;
@@ -16,16 +17,29 @@ than one chunk in host memory. The pulling executor copies each chunk host -> de
 blocks as it arrives (`KvPuller`), checking that it fits its own cache (same layers, block
 shape and dtype: equal model, dtype, block size and tensor-parallel size on both sides).
 
-Locking on the source: the servicer reads each chunk under its step lock, so a read never runs
-during one of its steps (on a device, the read comes after the step that wrote the blocks has
-synchronized, and before the next one starts), and a step waits at most one chunk's copy.
-NOTE: the pulling step holds its own executor's step lock while it waits for the source's: two
-executors whose steps pull from each other at the same time wait on each other until
-`PULL_TIMEOUT_S`: the scheduler must plan no such pair (a prefill executor never pulls).
+Reads beside steps: the source reads the blocks while its steps go on, taking no step lock. No
+step writes a block a pull names: the source's step that computed them has answered, and the
+scheduler holds them, out of every later plan, until the pulling step is answered. So a pull never
+waits for the source's step in flight (a long prefill), and two executors pulling from each other
+cannot wait on each other. On a device the read's copies queue on the device's stream behind the
+work already queued there (a side stream would let them overlap it). A tensor-parallel group's
+reads go between its steps (the group leader's lock), as its ranks act in lockstep.
 
-Tensor parallelism: each rank holds a shard of every block (its KV heads), and only rank 0
-serves gRPC; moving each rank's shard to the same rank on the other side is not built yet, so a
-tensor-parallel group refuses pulls and reads (`PlanError`).
+Tensor parallelism (`kv_transfer_group`): each rank holds a shard of every block (its KV heads),
+and rank r of the pulling group takes its shard from rank r of the source group; both groups
+must be of the same size (the source refuses a read asked by a group of another size,
+INVALID_ARGUMENT, which fails the pull). The shards travel between the two groups' rank 0s, over
+the one authenticated link that already joins each executor to the others (its port, cluster
+token and TLS), and inside each group over the group's own gloo channel: the source's rank 0
+gathers each span of blocks from every rank (`BlockChunk.shard` tells them apart) and the
+puller's rank 0 relays each rank's chunks to it. Ranks >= 1 then need no port, address or
+credentials of their own, the scheduler plans a pull as it does for one device, and a group
+spread over nodes works as its steps do. The cost: every shard but rank 0's crosses a group's
+host link once more on each side, and the two rank 0s carry all of them, one chunk at a time.
+(Every rank serving its own shard would spread the network load over the ranks, but needs a gRPC
+port per rank, published to the pullers, and the cluster's credentials on every rank.) The
+pulling step's `KvTransfer` counts every rank's bytes, and its seconds last until every rank has
+written its shard.
 
 On Ascend a device-to-device path would skip the host. vllm-ascend's disaggregated prefill
 (docs.vllm.ai/projects/ascend, "Disaggregated-prefill" design document) has the decode instance
@@ -60,7 +74,8 @@ from npuserve.proto.step_plan import KV_TRANSFER_EXECUTOR, KvPull
 # Bytes of one ReadBlocks message's blocks (a single block of one layer may be more).
 CHUNK_BYTES = 4 << 20
 # A pull's deadline: under the scheduler's default --step-timeout (60 s), so a source that
-# stalls fails the pulling step (ABORTED) before the scheduler takes the puller for gone.
+# stalls fails the pull (its request computes its prompt instead) before the scheduler takes
+# the puller for gone.
 PULL_TIMEOUT_S = 30.0
 _CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 
@@ -87,25 +102,47 @@ def read_blocks(
     device -> host as it is taken; a `PlanError` at once for an id outside 1..num_blocks-1.
 
     kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
-    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
-        raise PlanError(f"read of a block id outside 1..{num_blocks - 1}")
+    check_read(block_ids, num_blocks)
     return _chunks(kv_caches, block_ids)
 
 
-def _chunks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[pb.BlockChunk]:
-    ids = torch.tensor(block_ids, dtype=torch.int64)  # [n]
+def check_read(block_ids: list[int], num_blocks: int) -> None:
+    """`PlanError` for a read of an id outside 1..num_blocks-1."""
+    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
+        raise PlanError(f"read of a block id outside 1..{num_blocks - 1}")
+
+
+def chunk_spans(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
+    """(layer, first, ids): the blocks of each chunk of a read, in `read_blocks`' order (the same
+    on every rank of a group: its ranks' caches have one shape)."""
     for layer, cache in enumerate(kv_caches):
         per_chunk = _blocks_per_chunk(cache)
-        device_ids = ids.to(cache.device)
         for first in range(0, len(block_ids), per_chunk):
-            blocks = cache.index_select(1, device_ids[first : first + per_chunk]).cpu()  # [2, c, bs, Hkv, D]
-            yield pb.BlockChunk(
-                layer=layer,
-                first=first,
-                shape=blocks.shape,
-                dtype=dtype_name(blocks.dtype),
-                data=blocks.view(-1).view(torch.uint8).numpy().tobytes(),
-            )
+            yield layer, first, block_ids[first : first + per_chunk]
+
+
+def host_blocks(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """cache: [2, num_device_blocks, block_size, Hkv, D] -> a host copy of its ``block_ids``,
+    [2, len(block_ids), block_size, Hkv, D]."""
+    return cache.index_select(1, torch.tensor(block_ids, dtype=torch.int64, device=cache.device)).cpu()
+
+
+def block_chunk(layer: int, first: int, blocks: torch.Tensor, shard: int = 0) -> pb.BlockChunk:
+    """blocks: [2, c, block_size, Hkv, D] on the host -> their `BlockChunk` (``shard``: the
+    tensor-parallel rank whose KV heads they are)."""
+    return pb.BlockChunk(
+        layer=layer,
+        first=first,
+        shape=blocks.shape,
+        dtype=dtype_name(blocks.dtype),
+        data=blocks.reshape(-1).view(torch.uint8).numpy().tobytes(),
+        shard=shard,
+    )
+
+
+def _chunks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[pb.BlockChunk]:
+    for layer, first, ids in chunk_spans(kv_caches, block_ids):
+        yield block_chunk(layer, first, host_blocks(kv_caches[layer], ids))
 
 
 # -- the pulling executor --------------------------------------------------------------------
@@ -124,14 +161,19 @@ class ReadBlocksClient:
         self._stubs: dict[str, pb_grpc.ExecutorStub] = {}
         self._channels: list[grpc.Channel] = []
 
-    def read(self, pull: KvPull) -> Iterator[pb.BlockChunk]:
-        """The source's chunks of ``pull.src_block_ids``; `KvPullFailed` for any failure of the call."""
+    def read(self, pull: KvPull, tensor_parallel_size: int = 1) -> Iterator[pb.BlockChunk]:
+        """The source's chunks of ``pull.src_block_ids`` (every rank's shards, for a puller of
+        ``tensor_parallel_size`` ranks); `KvPullFailed` for any failure of the call."""
         stub = self._stubs.get(pull.address)
         if stub is None:
             channel = client_channel(pull.address, _CHANNEL_OPTIONS, self._tls_ca)
             self._channels.append(channel)
             stub = self._stubs[pull.address] = pb_grpc.ExecutorStub(with_bearer(channel, self._token))
-        request = pb.ReadBlocksRequest(block_ids=pull.src_block_ids, instance_id=pull.instance_id)
+        request = pb.ReadBlocksRequest(
+            block_ids=pull.src_block_ids,
+            instance_id=pull.instance_id,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         call = stub.ReadBlocks(request, timeout=self.timeout_s)
         try:
             yield from call
@@ -165,10 +207,10 @@ class KvPuller:
         kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
         with self.tally.timed():
             for pull in pulls:
-                self.tally.num_bytes += _write(kv_caches, pull, self.client.read(pull))
+                self.tally.num_bytes += write_chunks(kv_caches, pull, self.client.read(pull))
 
 
-def _write(kv_caches: list[torch.Tensor], pull: KvPull, chunks: Iterator[pb.BlockChunk]) -> int:
+def write_chunks(kv_caches: list[torch.Tensor], pull: KvPull, chunks: Iterator[pb.BlockChunk]) -> int:
     """Writes each chunk into its blocks of ``pull.dst_block_ids`` as it comes; the bytes written.
     The chunks must come in `read_blocks`' order and cover every block of every layer once."""
     dst = torch.tensor(pull.dst_block_ids, dtype=torch.int64)  # [n]

@@ -42,6 +42,7 @@ from npuserve.executor.model_loader import load_model
 from npuserve.executor.pass_loop import PassLoop, StepPass
 from npuserve.executor.platform import resolve_target
 from npuserve.executor.profiling import profile_kv_budget
+from npuserve.executor.rpc_status import KvPullFailed
 from npuserve.executor.sampler import (
     AllowedTokens,
     Sampler,
@@ -124,6 +125,7 @@ class ModelRunner:
         )
         # Pulls from other executors; `serve_executor` gives it the cluster token.
         self.kv_puller = KvPuller()
+        self._failed_pulls: list[str] = []  # of the step running: the requests whose pull failed
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
         self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
         self.host_kv = (
@@ -244,6 +246,7 @@ class ModelRunner:
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
 
     def begin_step(self, plan: StepPlan, started: float) -> None:
+        self._failed_pulls = []
         self._update_states(plan)
 
     def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
@@ -259,6 +262,8 @@ class ModelRunner:
         sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         allowed = None
         if step_pass.index == 0:
+            # NOTE: before the early answer is taken from it: it names them with their tokens.
+            result.failed_pull_req_ids, self._failed_pulls = self._failed_pulls, []
             if plan.num_steps:
                 self._check_num_steps(plan, inputs)
             # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
@@ -284,17 +289,10 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
         """Blocks of this cache for another executor's pull, chunk by chunk, each copied to the
-        host as it is taken (`kv_transfer.read_blocks`; the caller keeps steps out meanwhile);
-        `PlanError` for an id outside 1..num_blocks-1, or on a tensor-parallel rank."""
-        self._refuse_tensor_parallel_transfer()
+        host as it is taken (`kv_transfer.read_blocks`, beside the steps: no step writes them);
+        `PlanError` for an id outside 1..num_blocks-1. A tensor-parallel group's reads are its
+        leader's (`GroupLeader.read_blocks`: every rank's shard)."""
         return read_blocks(self.kv_caches, block_ids, self.num_blocks)
-
-    def _refuse_tensor_parallel_transfer(self) -> None:
-        if self.tp.size > 1:
-            raise PlanError(
-                f"KV blocks move between executors of tensor-parallel size 1 only: this one's are "
-                f"sharded over {self.tp.size} ranks"
-            )
 
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -377,7 +375,7 @@ class ModelRunner:
                 raise PlanError("block copies to a host tier this executor does not have (--kv-host-memory)")
             self.host_kv.run(plan.block_copies, self.kv_caches, self.num_blocks)
         if plan.kv_pulls:
-            self.kv_puller.run(plan.kv_pulls, self.kv_caches)
+            self._failed_pulls = self._run_pulls(plan.kv_pulls)
         batch = self.batch
         if plan.reset:
             for req_id in list(batch.row_of):
@@ -397,8 +395,22 @@ class ModelRunner:
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
 
+    def _run_pulls(self, pulls: list[KvPull]) -> list[str]:
+        """Runs each pull on its own; returns the requests whose pull failed (`KvPullFailed`: the
+        source is gone, refused or too slow). Their blocks hold part of the KV at most: the step
+        runs as planned, and its answer names them (`StepResult.failed_pull_req_ids`), so the
+        scheduler drops their token and computes their prompt here instead. A tensor-parallel
+        group's ranks agree on each pull's outcome (`GroupKvPuller`)."""
+        failed = []
+        for pull in pulls:
+            try:
+                self.kv_puller.run([pull], self.kv_caches)
+            except KvPullFailed as exc:
+                log.warning("kv pull failed", request_id=pull.req_id, error=str(exc))
+                failed.append(pull.req_id)
+        return failed
+
     def _check_pulls(self, pulls: list[KvPull]) -> None:
-        self._refuse_tensor_parallel_transfer()
         check_kv_pulls(pulls, self.num_blocks)
 
     def _allowed_tokens(

@@ -31,6 +31,10 @@ tokens (as vLLM V1's workers do) and keeps its request state in step without a s
 only rank 0 answers. While idle, rank 0 broadcasts a heartbeat so the others' receive never
 times out and a lost rank is noticed.
 
+KV blocks between executors (`kv_transfer_group`). A step's pulls run on every rank, each taking
+its shard through rank 0. Another executor's read of this group's blocks comes to rank 0, which
+sends a "read" message per chunk between steps, as it sends steps, and gathers the ranks' shards.
+
 Failures. A rank that dies breaks the current or next collective (gloo reports the closed
 connection at once; rank 0 also watches the ranks it started): rank 0 answers the step with
 UNAVAILABLE (`GroupLost`), so the scheduler treats the executor as down, stops serving and
@@ -55,11 +59,13 @@ import torch.distributed as dist
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
+from npuserve.executor.kv_transfer import block_chunk, check_read, chunk_spans
+from npuserve.executor.kv_transfer_group import GroupKvPuller, gather_shards
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.parallel_config import ParallelConfig, check_devices, check_model_split
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.rank_group import RankGroup, post_failure
-from npuserve.executor.rpc_status import ExecutorStopping
+from npuserve.executor.rpc_status import ExecutorStopping, KvPullFailed
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
@@ -101,11 +107,13 @@ class StartRanks(Protocol):
 
 
 class TensorParallelRunner(ModelRunner):
-    """A ModelRunner holding one rank's shard; its KV cache has the fewest blocks of any rank."""
+    """A ModelRunner holding one rank's shard; its KV cache has the fewest blocks of any rank.
+    Its pulls take its shard of the blocks through rank 0 (`GroupKvPuller`)."""
 
     def __init__(self, config: ExecutorConfig, model_config: ModelConfig, group: RankGroup) -> None:
         self.group = group
         super().__init__(config, model_config, group.tp)
+        self.kv_puller = GroupKvPuller(group, self.kv_puller.client)
 
     def _size_kv_cache(self) -> int:
         # NOTE: ModelRunner sizes the cache right after loading the weights: every rank must have
@@ -147,8 +155,25 @@ class GroupLeader:
         return self.runner.num_requests
 
     def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
-        """Refused (`PlanError`): each rank holds a shard of every block (`kv_transfer`)."""
-        return self.runner.read_blocks(block_ids)
+        """Every rank's shard of ``block_ids``, chunk by chunk (`gather_shards`), for another
+        group's pull; `PlanError` at once for an id outside 1..num_blocks-1. Each chunk is read on
+        every rank at once, as a message between steps (the caller keeps steps out meanwhile)."""
+        check_read(block_ids, self.runner.num_blocks)
+        return self._read_shards(block_ids)
+
+    def _read_shards(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
+        kv_caches = self.runner.kv_caches
+        for layer, first, ids in chunk_spans(kv_caches, block_ids):
+            with self._lock:
+                if self.lost is not None:
+                    raise GroupLost(f"tensor-parallel group lost: {self.lost}")
+                self._send(("read", (layer, ids)))
+                try:
+                    shards = gather_shards(self.group, kv_caches, layer, ids)
+                except Exception as exc:
+                    raise self._lose(f"cannot gather the ranks' KV blocks: {exc}") from exc
+            for shard, blocks in enumerate(shards):
+                yield block_chunk(layer, first, blocks, shard)
 
     def execute(
         self,
@@ -166,8 +191,8 @@ class GroupLeader:
             self._send(("step", plan))
             try:
                 return self.runner.execute(plan, on_first_pass)
-            except PlanError:
-                raise  # every rank refused the same plan the same way: the group is intact
+            except (PlanError, KvPullFailed):
+                raise  # every rank refused the plan, or failed its pulls, alike: the group is intact
             except Exception as exc:
                 # NOTE: a failure inside the step may have left ranks out of step; never go on.
                 raise self._lose(f"step {plan.step_id} failed: {exc}") from exc
@@ -230,7 +255,8 @@ class GroupLeader:
 
 
 def run_follower(runner: TensorParallelRunner) -> None:
-    """Ranks >= 1: run every step rank 0 sends until it says stop; SystemExit(1) if it is lost."""
+    """Ranks >= 1: run every step rank 0 sends, and give it this rank's part of every KV read,
+    until it says stop; SystemExit(1) if it is lost."""
     group = runner.group
     settle_heap_for_serving()
     while True:
@@ -243,11 +269,19 @@ def run_follower(runner: TensorParallelRunner) -> None:
             ) from None
         if kind == "stop":
             break
-        if kind == "step":
+        if kind == "read":
+            try:
+                gather_shards(group, runner.kv_caches, *payload)
+            except Exception as exc:
+                group.close()
+                raise SystemExit(
+                    f"npuserve executor: error: tensor-parallel rank {group.rank} failed a KV read: {exc}"
+                ) from None
+        elif kind == "step":
             try:
                 runner.execute(payload)
-            except PlanError:
-                pass  # rank 0 refused the same plan, and answered so
+            except (PlanError, KvPullFailed):
+                pass  # rank 0 refused the same plan, or failed the same pulls, and answered so
             except Exception as exc:
                 log.exception("tensor-parallel step failed", rank=group.rank, step_id=payload.step_id)
                 group.close()

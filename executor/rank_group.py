@@ -4,8 +4,10 @@ Rank 0 hosts a TCPStore at the master address; every rank announces itself there
 the others within the connect timeout (a rank that does not come fails the group with an error
 naming it). Then `torch.distributed` starts on this rank's device (`select_device`) with the
 device's backend (`BACKENDS`: hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries
-host metadata: rank 0's messages to the others (`send`, `receive`). Collectives of both groups wait
-up to the collective timeout (``--distributed-timeout-seconds``), not the connect timeout.
+host metadata: rank 0's messages to the others (`send`, `receive`) and the KV shards that move
+between executors (`send_to`, `gather_bytes`, ...: `kv_transfer_group`). Collectives of both
+groups wait up to the collective timeout (``--distributed-timeout-seconds``), not the connect
+timeout.
 Start-up results (`agree_min`, `check_same`), start-up barriers (`barrier`) and start-up failures
 (`post_failure`) travel through the store; a group that cannot form raises `TensorParallelError`.
 """
@@ -163,6 +165,31 @@ class RankGroup:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
         return box[0]
+
+    # NOTE: the exchanges below run inside a step or a message of rank 0's, on every rank alike.
+
+    def send_to(self, rank: int, value: Any) -> None:
+        """Rank 0: ``value`` to ``rank`` alone (it calls `receive_from_leader`)."""
+        dist.send_object_list([value], dst=rank, group=self.meta_group)
+
+    def receive_from_leader(self) -> Any:
+        """Ranks >= 1: what rank 0 sent this rank with `send_to`."""
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=0, group=self.meta_group)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.meta_group)
+        return values
+
+    def gather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """data: [n] uint8 on the host, as long on every rank -> every rank's, in rank order, on
+        rank 0 (an empty list elsewhere)."""
+        gathered = [torch.empty_like(data) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(data, gathered, dst=0, group=self.meta_group)
+        return gathered or []
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

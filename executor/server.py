@@ -44,7 +44,7 @@ from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS, choose_cpu_threads
-from npuserve.executor.kv_transfer import KvPuller, ReadBlocksClient
+from npuserve.executor.kv_transfer import ReadBlocksClient
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.registration import ExecutorRegistration, RegistryConfig
 from npuserve.executor.rpc_status import StatusInterceptor
@@ -245,7 +245,7 @@ def serve_executor(
             return
     model_runner = leader.runner if leader is not None else ModelRunner(config)
     # NOTE: the chain's certificates are the roots it trusts: its peers serve the same certificate.
-    model_runner.kv_puller = KvPuller(ReadBlocksClient(cluster_token, tls[1] if tls is not None else None))
+    model_runner.kv_puller.client = ReadBlocksClient(cluster_token, tls[1] if tls is not None else None)
     runner = leader or model_runner
     if config.warmup:
         warm_up(runner)

@@ -6,8 +6,8 @@ sent while the one before it ran starts as that one ends; a single lock keeps st
 overlapping, whichever of the scheduler's streams brings them. The servicer refuses a
 plan addressed to another instance of the executor, a plan older than one of the same scheduler
 already run, and any step once it shuts down (`rpc_status` turns those into status codes).
-`ReadBlocks` serves another executor's pull of this one's KV blocks (`kv_transfer`), each chunk
-read under the step lock, between steps.
+`ReadBlocks` serves another executor's pull of this one's KV blocks (`kv_transfer`) beside the
+steps, not between them; it refuses a puller of another tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
+from npuserve.executor.input_batch import PlanError
 from npuserve.executor.rpc_status import ExecutorRestarted, ExecutorStopping, NoKvBlocks, StaleStep
 from npuserve.executor.step_profiler import StepProfiler
 from npuserve.executor.step_stream import StepStreamPipeline
@@ -116,23 +117,27 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
-        """The blocks another executor's step pulls (`kv_transfer`). Each chunk is copied off the
-        cache under the step lock, so no read overlaps a step, and a step waits at most one
-        chunk's copy; the chunk is sent outside it. A draining executor still serves reads (its
+        """The blocks another executor's step pulls (`kv_transfer`), chunk by chunk, read beside
+        this executor's steps: no step writes the blocks a pull names (the scheduler holds them
+        until the pulling step is answered), so a read waits for no step, and the pulling
+        executor's step does not wait for this one's. A draining executor still serves reads (its
         blocks may be what another executor's requests continue from)."""
         if request.instance_id and request.instance_id != self.instance_id:
             raise ExecutorRestarted("this executor restarted and holds none of the blocks asked for")
+        asked, own = request.tensor_parallel_size or 1, self._info.tensor_parallel_size or 1
+        if asked != own:
+            raise PlanError(
+                f"a pull by an executor of tensor-parallel size {asked} from one of size {own}: KV "
+                "blocks move only between executors of the same --tensor-parallel-size (each rank "
+                "holds its share of every block's KV heads)"
+            )
         read_blocks = getattr(self._runner, "read_blocks", None)
         if read_blocks is None:
             raise NoKvBlocks("this executor has no KV cache to read blocks of")
         chunks = read_blocks(request.block_ids[:])  # NOTE: checks the ids (PlanError), reads nothing yet
-        while True:
-            with self._step_lock:
-                if not self.serving:
-                    raise ExecutorStopping("the executor is shutting down")
-                chunk = next(chunks, None)
-            if chunk is None:
-                return
+        for chunk in chunks:
+            if not self.serving:
+                raise ExecutorStopping("the executor is shutting down")
             yield chunk
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:

@@ -5,8 +5,14 @@ then block deltas, finished ids, reset), refuses the plans the real runner refus
 cheap to check (`PlanError`), and answers every request whose computed plus scheduled tokens
 reach its known tokens with one token. The token is a hash of the request id and the position,
 so runs are reproducible (`simulated_token`), and never an EOS unless `eos_after` asks for one.
-A plan's KV block copies and pulls from other executors are checked and counted; they move
-nothing and take no modelled time, and its `ReadBlocks` is UNIMPLEMENTED (no KV cache).
+A plan's KV block copies are checked and counted; they move nothing and take no modelled time.
+
+Pulls from other executors (`StepPlan.kv_pulls`) run as a real executor runs them, without the
+bytes: given a ``block_reader`` (`simulated_fleet` gives it `kv_transfer.ReadBlocksClient.read`),
+the step calls the source's `ReadBlocks` and checks the chunks it gets (`simulated_kv`; a pull
+that fails fails its request only). The pulls then take their modelled time, their bytes over
+`LatencyModel.pull_bytes_per_s`, before the step's first pass; the source serves `ReadBlocks`
+(`read_blocks`) between its steps, as a real executor does.
 
 Each step takes as long as a latency model says a real NPU step would (`LatencyModel`); the
 bookkeeping runs inside that time, and a step whose bookkeeping alone overruns it is counted.
@@ -18,12 +24,16 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from npuserve.executor import simulated_kv
 from npuserve.executor.pass_loop import PassLoop, StepPass
+from npuserve.executor.simulated_kv import BlockReader
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
+from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.plan_checks import (
     PlanError,
     check_block_copies,
@@ -34,9 +44,12 @@ from npuserve.proto.plan_checks import (
 )
 from npuserve.proto.step_plan import (
     EXECUTOR_ROLE_MIXED,
+    KV_TRANSFER_EXECUTOR,
     ExecutorInfo,
     FirstPassAnswer,
     JoiningSteps,
+    KvPull,
+    KvTransfer,
     NewRequest,
     StepPlan,
     StepResult,
@@ -49,18 +62,23 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass(slots=True)
 class LatencyModel:
-    """Seconds one step takes: ``base_s + per_token_s * tokens + per_seq_s * sequences``.
+    """Seconds one step takes: ``base_s + per_token_s * tokens + per_seq_s * sequences``, and
+    before its first pass, its pulls' bytes over ``pull_bytes_per_s``.
 
-    The defaults resemble a decode step of a mid-size model on one Ascend 910B.
+    The step terms resemble a decode step of a mid-size model on one Ascend 910B; the pull rate is
+    a setting of the link between executors (10 GB/s by default).
     """
 
     base_s: float = 0.005
     per_token_s: float = 0.00002
     per_seq_s: float = 0.00001
+    pull_bytes_per_s: float = 10e9
 
     def __post_init__(self) -> None:
         if min(self.base_s, self.per_token_s, self.per_seq_s) < 0:
             raise ValueError(f"latency terms must be >= 0, got {self}")
+        if not self.pull_bytes_per_s > 0:
+            raise ValueError(f"pull_bytes_per_s must be > 0, got {self.pull_bytes_per_s}")
 
     def step_seconds(self, num_tokens: int, num_seqs: int) -> float:
         return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
@@ -68,6 +86,10 @@ class LatencyModel:
     def joined_seconds(self, num_tokens: int, num_seqs: int) -> float:
         """What a step that joins another's pass adds to that pass: its tokens, no base."""
         return self.per_token_s * num_tokens + self.per_seq_s * num_seqs
+
+    def pull_seconds(self, num_bytes: int) -> float:
+        """What pulling ``num_bytes`` of KV from another executor adds to a step."""
+        return num_bytes / self.pull_bytes_per_s
 
 
 @dataclass(slots=True)
@@ -87,6 +109,9 @@ class SimulatedConfig:
     seed: int = 0  # mixed into every token, for runs that must differ
     num_host_blocks: int = 0  # a host-memory KV tier: its copies are checked, not modelled in time
     role: str = EXECUTOR_ROLE_MIXED  # `ExecutorInfo.role`
+    # KV bytes per token (keys and values, every layer), what a pull moves: Llama-3.2-1B's in
+    # bf16 (16 layers x 8 KV heads x 64 dims x 2 x 2 bytes).
+    kv_bytes_per_token: int = 32768
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -100,16 +125,24 @@ class SimulatedConfig:
             raise ValueError(f"vocab_size {self.vocab_size} leaves no token that is not an EOS")
         if self.eos_after is not None and (self.eos_after < 1 or not self.eos_token_ids):
             raise ValueError("eos_after must be >= 1 and needs an EOS token id")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
 
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
+    @property
+    def block_bytes(self) -> int:
+        """Modelled KV bytes of one block."""
+        return self.block_size * self.kv_bytes_per_token
+
 
 @dataclass(slots=True)
 class SimulatedStats:
-    """Totals since start; `modeled_s` is the time the latency model charged, `busy_s` the wall
-    time steps took (sleep included), `num_overruns` the steps whose bookkeeping took longer."""
+    """Totals since start; `modeled_s` is the time the latency model charged (`pull_s` of it for
+    pulls), `busy_s` the wall time steps took (sleep included), `num_overruns` the steps whose
+    bookkeeping (a pull's `ReadBlocks` included) took longer."""
 
     num_steps: int = 0
     num_tokens: int = 0
@@ -118,6 +151,7 @@ class SimulatedStats:
     modeled_s: float = 0.0
     busy_s: float = 0.0
     num_overruns: int = 0
+    pull_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -128,6 +162,7 @@ class _ModelledStep:
     start: float  # time.perf_counter()
     modeled_s: float = 0.0
     num_tokens: int = 0
+    pulled: KvTransfer | None = None  # its pulls' bytes and modelled seconds
 
 
 @dataclass(slots=True)
@@ -162,14 +197,19 @@ def simulated_token(key: int, position: int, vocab_size: int, eos_token_ids: tup
 
 class SimulatedRunner:
     """A `StepRunner` without a model. Steps are serialised by the server's lock, as for the
-    `ModelRunner`; `stats` may be read from any thread (a snapshot, not a transaction)."""
+    `ModelRunner`; `stats` may be read from any thread (a snapshot, not a transaction).
+    ``block_reader``: how a step's pulls reach their sources (None: they are checked, counted and
+    modelled in time, and reach nothing)."""
 
-    def __init__(self, config: SimulatedConfig | None = None) -> None:
+    def __init__(
+        self, config: SimulatedConfig | None = None, block_reader: BlockReader | None = None
+    ) -> None:
         self.config = config or SimulatedConfig()
+        self.block_reader = block_reader
         self.stats = SimulatedStats()
         self.num_block_copies = 0  # block copies of the host tier run so far (checked, not modelled)
-        # Blocks pulled from other executors so far (checked here, not fetched: no KV to move).
-        self.num_pulled_blocks = 0
+        self.num_pulled_blocks = 0  # blocks pulled from other executors so far (no bytes moved)
+        self._failed_pulls: list[str] = []  # of the step running: the requests whose pull failed
         self._requests: dict[str, _RequestState] = {}
         self._passes = PassLoop(self, self.config.max_num_batched_tokens)
         self._step = _ModelledStep(0.0)
@@ -222,8 +262,14 @@ class SimulatedRunner:
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
 
     def begin_step(self, plan: StepPlan, started: float) -> None:
-        self._step = _ModelledStep(started)
+        self._failed_pulls = []
         self._update_states(plan)
+        if plan.kv_pulls:  # NOTE: the passes' modelled time starts once the sources have answered
+            pulled = self._pull(plan.kv_pulls)
+            reported = pulled if pulled.num_bytes else None  # NOTE: as the real runner reports them
+            self._step = _ModelledStep(time.perf_counter(), modeled_s=pulled.seconds, pulled=reported)
+        else:
+            self._step = _ModelledStep(started)
 
     def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
         """The pass's tokens, then the joiners' (each sampled alone, as if it ran on its own);
@@ -231,6 +277,7 @@ class SimulatedRunner:
         latency, step, stats = self.config.latency, self._step, self.stats
         num_sampled = len(result.sampled_req_ids)
         if step_pass.index == 0:
+            result.failed_pull_req_ids, self._failed_pulls = self._failed_pulls, []
             self._run_scheduled(plan, result)
         else:
             self._run_later_pass(step_pass.tokens, result)
@@ -267,13 +314,42 @@ class SimulatedRunner:
         if not self._sleep_until(step.start + step.modeled_s, done) and num_seqs:
             self.stats.num_overruns += 1
         end = time.perf_counter()
-        result.timings = StepTimings(prepare_s=done - started, forward_s=end - done, total_s=end - started)
+        result.timings = StepTimings(
+            prepare_s=done - started,
+            forward_s=end - done,
+            total_s=end - started,
+            kv_transfers=[step.pulled] if step.pulled is not None else [],
+        )
         s = self.stats
         s.num_steps += 1
         s.num_tokens += step.num_tokens
         s.num_seqs += num_seqs
         s.modeled_s += step.modeled_s
         s.busy_s += end - started
+
+    def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
+        """Another executor's pull of ``block_ids`` (`ReadBlocks`), as `simulated_kv.read_blocks`
+        serves it: a `PlanError` at once for an id outside 1..num_blocks-1."""
+        c = self.config
+        return simulated_kv.read_blocks(block_ids, c.num_blocks, c.block_size, c.block_bytes)
+
+    def _pull(self, pulls: list[KvPull]) -> KvTransfer:
+        """Runs a step's pulls (checked: `_update_states`), each on its own through the block
+        reader (`simulated_kv.run_pull`); one that fails names its request in the first pass's
+        answer (`StepResult.failed_pull_req_ids`), as the real runner's. Returns the bytes and
+        modelled seconds of those that succeeded."""
+        c = self.config
+        num_blocks = 0
+        for pull in pulls:
+            if self.block_reader is None or simulated_kv.run_pull(self.block_reader, pull):
+                num_blocks += len(pull.dst_block_ids)
+            else:
+                self._failed_pulls.append(pull.req_id)
+        self.num_pulled_blocks += num_blocks
+        num_bytes = num_blocks * c.block_bytes
+        pull_s = c.latency.pull_seconds(num_bytes)
+        self.stats.pull_s += pull_s
+        return KvTransfer(KV_TRANSFER_EXECUTOR, num_bytes, pull_s)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -291,7 +367,6 @@ class SimulatedRunner:
         check_kv_pulls(plan.kv_pulls, self.config.num_blocks)
         check_block_copies(plan.block_copies, self.config.num_blocks, self.config.num_host_blocks)
         self.num_block_copies += len(plan.block_copies)
-        self.num_pulled_blocks += sum(len(pull.dst_block_ids) for pull in plan.kv_pulls)
         requests = self._requests
         if plan.reset:
             requests.clear()

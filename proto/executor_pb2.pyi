@@ -145,38 +145,44 @@ class BlockCopy(_message.Message):
     def __init__(self, to_host: _Optional[bool] = ..., src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class KvPull(_message.Message):
-    __slots__ = ("address", "instance_id", "src_block_ids", "dst_block_ids")
+    __slots__ = ("address", "instance_id", "src_block_ids", "dst_block_ids", "req_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     instance_id: str
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    req_id: str
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., req_id: _Optional[str] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("block_ids", "instance_id")
+    __slots__ = ("block_ids", "instance_id", "tensor_parallel_size")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("layer", "first", "shape", "dtype", "data")
+    __slots__ = ("layer", "first", "shape", "dtype", "data", "shard")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     layer: int
     first: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shard: int
+    def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("req_ids", "words")
@@ -231,7 +237,7 @@ class KvTransfer(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial")
+    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial", "failed_pull_req_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +245,7 @@ class StepResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PULL_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -246,7 +253,8 @@ class StepResponse(_message.Message):
     timings: StepTimings
     draining: bool
     partial: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., partial: _Optional[bool] = ...) -> None: ...
+    failed_pull_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., partial: _Optional[bool] = ..., failed_pull_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -83,6 +83,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
                 instance_id=p.instance_id,
                 src_block_ids=p.src_block_ids,
                 dst_block_ids=p.dst_block_ids,
+                req_id=p.req_id,
             )
             for p in plan.kv_pulls
         )
@@ -116,7 +117,8 @@ def plan_from_proto(msg: pb.StepRequest) -> StepPlan:
         joins_running=msg.joins_running,
         block_copies=[BlockCopy(c.to_host, c.src, c.dst) for c in msg.block_copies],
         kv_pulls=[
-            KvPull(p.address, p.instance_id, p.src_block_ids[:], p.dst_block_ids[:]) for p in msg.kv_pulls
+            KvPull(p.address, p.instance_id, p.src_block_ids[:], p.dst_block_ids[:], p.req_id)
+            for p in msg.kv_pulls
         ],
     )
     if plan.joins_running and not admits_only(plan):
@@ -229,6 +231,7 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
         ),
         draining=result.draining,
         partial=result.partial,
+        failed_pull_req_ids=result.failed_pull_req_ids,
     )
     asked = [(i, lp) for i, lp in enumerate(result.logprobs) if lp is not None]
     if asked:  # NOTE: only the tokens whose request asked for logprobs travel
@@ -269,6 +272,7 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
         ),
         draining=msg.draining,
         partial=msg.partial,
+        failed_pull_req_ids=msg.failed_pull_req_ids[:],
     )
 
 

@@ -92,13 +92,15 @@ class BlockCopy(NamedTuple):
 @dataclass(slots=True)
 class KvPull:
     """KV blocks of another executor (the source) copied whole, every layer, into this one's:
-    ``src_block_ids[i]`` of the source into ``dst_block_ids[i]`` here (`executor.kv_transfer`).
-    The scheduler holds the source's blocks, unchanged, until the pulling step is answered."""
+    ``src_block_ids[i]`` of the source into ``dst_block_ids[i]`` here (`executor.kv_transfer`),
+    for request ``req_id``. The scheduler holds the source's blocks, unchanged, until the pulling
+    step is answered. A pull that fails fails its request only (`StepResult.failed_pull_req_ids`)."""
 
     address: str  # host:port of the source executor, as the scheduler reaches it
     instance_id: str  # its `ExecutorInfo.instance_id` (empty: any): a restarted source refuses
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    req_id: str = ""  # the request of the step whose blocks these are
 
 
 @dataclass(slots=True)
@@ -204,6 +206,9 @@ class StepResult:
     # The first pass's tokens of the requests that run only that pass, answered before the
     # step's final result (`take_first_pass_only`); the final result does not name them.
     partial: bool = False
+    # Requests whose `KvPull` failed: the token sampled for them here is not to be used (their
+    # blocks hold part of their KV at most). Named in the result that holds their token.
+    failed_pull_req_ids: list[str] = field(default_factory=list)
 
 
 def named_req_ids(*plans: StepPlan) -> list[str]:
@@ -278,6 +283,11 @@ def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepR
         kept.sampled_token_ids,
         kept.logprobs,
     )
+    if result.failed_pull_req_ids:  # NOTE: named with their tokens (a pulled request runs one pass)
+        early_ids = set(early.sampled_req_ids)
+        failed = result.failed_pull_req_ids
+        early.failed_pull_req_ids = [r for r in failed if r in early_ids]
+        result.failed_pull_req_ids = [r for r in failed if r not in early_ids]
     return early
 
 

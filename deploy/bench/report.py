@@ -132,6 +132,12 @@ _COUNTS: list[tuple[str, Callable[[BenchSummary], float], str]] = [
     ("prefix cache hit rate", lambda s: s.prefix_cache_hit_rate, ".1%"),
 ]
 _LATENCIES = [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")]
+# Under a mixed load: the decode streams' (every request but the long prompts) and the long prompts'.
+_MIXED_LATENCIES = [
+    ("decode TTFT", "decode_ttft_ms"),
+    ("decode ITL", "decode_itl_ms"),
+    ("long TTFT", "long_prompt_ttft_ms"),
+]
 _RATIO_LABELS = [
     ("throughput", "output_throughput"),
     ("TTFT mean", "ttft_mean_ms"),
@@ -192,13 +198,15 @@ def format_round_ratios(rounds: Sequence[Sequence[BenchSummary]]) -> str:
 
 
 def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
-    """One column per variant, one line per metric; then each variant against the first."""
+    """One column per variant, one line per metric (under a mixed load the decode streams' and
+    the long prompts' latencies too); then each variant against the first."""
     width = max(12, *(len(s.variant) + 2 for s in summaries))
     header = f"{'metric':<24}" + "".join(f"{s.variant:>{width}}" for s in summaries)
     lines = [header, "-" * len(header)]
     for label, value, fmt in _COUNTS:
         lines.append(f"{label:<24}" + "".join(f"{cell(float(value(s)), fmt):>{width}}" for s in summaries))
-    for label, attr in _LATENCIES:
+    mixed = any(s.num_long_prompts for s in summaries)
+    for label, attr in _LATENCIES + (_MIXED_LATENCIES if mixed else []):
         for stat in ("mean", "p50", "p90", "p99"):
             values = [getattr(getattr(s, attr), stat) for s in summaries]
             lines.append(
@@ -341,6 +349,8 @@ SCALE_COLUMNS: list[tuple[str, str, str]] = [
     ("step wall ms", "mean_step_wall_ms", ".1f"),
     ("TTFT p50 ms", "ttft_p50_ms", ",.0f"),
     ("TTFT p99 ms", "ttft_p99_ms", ",.0f"),
+    ("ITL p50 ms", "itl_p50_ms", ",.1f"),
+    ("ITL p99 ms", "itl_p99_ms", ",.1f"),
     ("engine TTFT ms", "engine_ttft_mean_ms", ",.0f"),
     ("in engine", "engine_requests", ",.0f"),
     ("no token yet", "awaiting_first_token", ",d"),
@@ -350,9 +360,26 @@ SCALE_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
-def _scale_cells(r: Result) -> list[str]:
+# After the first two columns, where a sweep had prefill executors or long prompts.
+SCALE_DISAGGREGATION_COLUMNS: list[tuple[str, str, str]] = [
+    ("prefill", "prefill_executors", "d"),
+    ("long/s", "long_prompt_rate", "g"),
+    ("long TTFT p50 ms", "long_ttft_p50_ms", ",.0f"),
+    ("long TTFT p99 ms", "long_ttft_p99_ms", ",.0f"),
+    ("pulled MB/s", "kv_pulled_mb_per_s", ",.0f"),
+]
+
+
+def _scale_columns(results: Sequence[Result]) -> list[tuple[str, str, str]]:
+    rounds = [("round", "round", "d")] if any(r.round > 1 for r in results) else []
+    if not any(r.prefill_executors or r.long_prompt_rate for r in results):
+        return rounds + SCALE_COLUMNS
+    return rounds + SCALE_COLUMNS[:2] + SCALE_DISAGGREGATION_COLUMNS + SCALE_COLUMNS[2:]
+
+
+def _scale_cells(r: Result, columns: list[tuple[str, str, str]]) -> list[str]:
     cells = []
-    for _, attr, fmt in SCALE_COLUMNS:
+    for _, attr, fmt in columns:
         if not attr:
             cores = (r.scheduler_cores, r.executors_cores, r.client_cores, r.other_cores)
             cells.append("/".join(f"{c:.2f}" for c in cores))
@@ -362,8 +389,9 @@ def _scale_cells(r: Result) -> list[str]:
 
 
 def format_scale_table(results: Sequence[Result]) -> str:
-    rows = [[title for title, _, _ in SCALE_COLUMNS], *(_scale_cells(r) for r in results)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(SCALE_COLUMNS))]
+    columns = _scale_columns(results)
+    rows = [[title for title, _, _ in columns], *(_scale_cells(r, columns) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(width) for c, width in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)

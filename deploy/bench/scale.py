@@ -20,7 +20,15 @@ measures one window and reports:
   (from queueing the request, `vllm:time_to_first_token_seconds`): the gap is the public gRPC
   path; and how many requests the engine holds against how many streams are open;
 * the CPU cores the scheduler, the simulated executors, this client and everything else on the
-  machine used (they all share it: on a small machine that bounds every number here).
+  machine used (they all share it: on a small machine that bounds every number here);
+* the streams' ITL p50/p99 (gaps between their tokens).
+
+Prefill/decode disaggregation: ``--prefill-executors 0,1`` runs each executor count all mixed,
+then with one prefill executor and the rest decode (their pulls go over the real `ReadBlocks`
+path, each taking its bytes over ``--pull-gb-per-s``); ``--long-prompt-rate 0,4`` measures each
+configuration without, then with 4 long prompts/s (``--long-prompt-len`` tokens) arriving beside
+the streams, which `--max-local-prefill-length` (default: the streams' longest prompt) sends to
+the prefill executors. The notes say how far the long prompts move the streams' ITL p99.
 
 `--profile` samples the scheduler with py-spy (``--gil``: whoever holds the GIL) during one
 configuration and names the top costs. It prints a table and where throughput saturates, and
@@ -29,7 +37,8 @@ writes `--output-json` and a `--plot`.
     npuserve bench-scale --output-json scale.json --plot scale.png --profile
 
 (or ``python -m npuserve.deploy.bench.scale``). The load is `scale_load`, the measurement
-`scale_measure`, the profile `scale_profile`; the table, JSON and plot are `report`'s.
+`scale_measure`, the profile `scale_profile`, the notes `scale_notes`; the table, JSON and plot
+are `report`'s (`disaggregation_report`'s plot for the prefill/decode runs).
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import math
 import sys
 import tempfile
 import time
@@ -47,13 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from npuserve.deploy.bench import machine, report
-from npuserve.deploy.bench.scale_config import (
-    SATURATED_GAIN,
-    START_TIMEOUT_S,
-    TTFT_EXPLODED,
-    ScaleConfig,
-)
+from npuserve.deploy.bench.disaggregation_report import plot_points, scale_points
+from npuserve.deploy.bench.scale_config import START_TIMEOUT_S, ScaleConfig
 from npuserve.deploy.bench.scale_measure import Result, run_load
+from npuserve.deploy.bench.scale_notes import saturation_notes
 from npuserve.deploy.bench.scale_profile import format_profile
 from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.flags import add_logging_flags
@@ -66,13 +71,15 @@ STOP_GRACE_S = 30.0
 # -- processes --------------------------------------------------------------------------------
 
 
-def simulated_args(config: ScaleConfig, count: int, stats_file: Path) -> list[str]:
+def simulated_args(config: ScaleConfig, count: int, stats_file: Path, num_prefill: int = 0) -> list[str]:
     return [
         "--port", "0", "--count", str(count), "--stats-file", str(stats_file), "--stats-interval", "0.25",
         "--base-ms", str(config.base_ms), "--per-token-ms", str(config.per_token_ms),
         "--per-seq-ms", str(config.per_seq_ms), "--block-size", str(config.block_size),
         "--num-blocks", str(config.blocks_per_executor), "--max-num-seqs", str(config.max_num_seqs),
-        "--max-model-len", str(config.prompt_len[1] + config.output_len[1]), "--log-level", "warning",
+        "--max-model-len", str(config.max_model_len), "--prefill-executors", str(num_prefill),
+        "--kv-bytes-per-token", str(config.kv_bytes_per_token), "--pull-gb-per-s", str(config.pull_gb_per_s),
+        "--log-level", "warning",
     ]  # fmt: skip
 
 
@@ -97,6 +104,7 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         async_scheduling=config.async_scheduling,
         stream_interval=config.stream_interval,
         num_scheduler_steps=config.num_scheduler_steps,
+        max_local_prefill_length=config.local_prefill,
     )
     return [
         "scheduler",
@@ -109,15 +117,18 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
 
 
 @contextmanager
-def started_cluster(config: ScaleConfig, num_executors: int, run_dir: Path) -> Iterator[tuple[Any, ...]]:
-    """The simulated executors and a scheduler over them; yields (scheduler pid, its ready file,
-    executors pid, theirs, their stats file). Stops both after."""
+def started_cluster(
+    config: ScaleConfig, num_executors: int, run_dir: Path, num_prefill: int = 0
+) -> Iterator[tuple[Any, ...]]:
+    """The simulated executors (the first ``num_prefill`` prefill, the rest decode; 0: all mixed)
+    and a scheduler over them; yields (scheduler pid, its ready file, executors pid, theirs, their
+    stats file). Stops both after."""
     launcher = Launcher(run_dir)
     stats_file = run_dir / "executor-stats.json"
     try:
         executors = launcher.start(
             "executors",
-            simulated_args(config, num_executors, stats_file),
+            simulated_args(config, num_executors, stats_file, num_prefill),
             command=python_module(SIMULATED_FLEET),
             log_path=run_dir / "executors.log",
             nice=config.executor_nice,
@@ -139,23 +150,32 @@ def started_cluster(config: ScaleConfig, num_executors: int, run_dir: Path) -> I
 
 
 def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
+    """Per round, executor count and prefill executors, a cluster; in it a window per concurrency
+    and long-prompt rate."""
     workdir = config.workdir or Path(tempfile.mkdtemp(prefix="npuserve-scale-"))
     profile_at = config.profile_at or (max(config.executors), max(config.concurrency))
     results = []
-    for num_executors in config.executors:
-        run_dir = workdir / f"n{num_executors}"
+    clusters = itertools.product(range(1, config.repeat + 1), config.executors, config.prefill_executors)
+    for round_number, num_executors, num_prefill in clusters:
+        name = f"n{num_executors}-p{num_prefill}" if num_prefill else f"n{num_executors}"
+        run_dir = workdir / (f"{name}-round{round_number}" if config.repeat > 1 else name)
         run_dir.mkdir(parents=True, exist_ok=True)
-        with started_cluster(config, num_executors, run_dir) as (
+        with started_cluster(config, num_executors, run_dir, num_prefill) as (
             sched_pid,
             sched_ready,
             sim_pid,
             sim_ready,
             stats,
         ):
-            for concurrency in config.concurrency:
+            for concurrency, rate in itertools.product(config.concurrency, config.long_prompt_rate):
                 profile_path = None
-                if config.profile and (num_executors, concurrency) == profile_at:
-                    profile_path = run_dir / f"profile-c{concurrency}.txt"
+                first_load = (round_number, num_prefill, rate) == (
+                    1,
+                    config.prefill_executors[0],
+                    config.long_prompt_rate[0],
+                )
+                if config.profile and (num_executors, concurrency) == profile_at and first_load:
+                    profile_path = run_dir / f"profile-c{concurrency}-r{rate:g}.txt"
                 result = asyncio.run(
                     run_load(
                         config,
@@ -166,6 +186,9 @@ def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
                         stats,
                         sim_ready["info"]["vocab_size"],
                         profile_path,
+                        num_prefill,
+                        rate,
+                        round_number,
                     )
                 )
                 results.append(result)
@@ -175,108 +198,14 @@ def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
 
 
 def _progress_line(r: Result) -> str:
+    roles = f", {r.prefill_executors} prefill" if r.prefill_executors else ""
+    long = f" + {r.long_prompt_rate:g} long prompts/s" if r.long_prompt_rate else ""
     return (
-        f"[{r.executors} executors x {r.concurrency} streams] {r.output_tokens_per_s:,.0f} tok/s, "
-        f"{r.steps_per_s:,.0f} steps/s, scheduler {r.scheduler_cpu_ms_per_step:.2f} ms CPU/step"
+        f"[round {r.round}: {r.executors} executors{roles} x {r.concurrency} streams{long}] "
+        f"{r.output_tokens_per_s:,.0f} tok/s, "
+        f"{r.steps_per_s:,.0f} steps/s, scheduler {r.scheduler_cpu_ms_per_step:.2f} ms CPU/step, "
+        f"ITL p99 {r.itl_p99_ms or 0:,.1f} ms"
     )
-
-
-# -- what the numbers say -----------------------------------------------------------------------
-
-
-def _saturated(runs: list[Result], along: str) -> Iterator[tuple[Result, Result, float]]:
-    """Neighbouring runs (sorted by ``along``) where the larger one raises tokens/s too little."""
-    runs.sort(key=lambda r: getattr(r, along))
-    for low, high in itertools.pairwise(runs):
-        gain = high.output_tokens_per_s / max(low.output_tokens_per_s, 1e-9)
-        if gain < SATURATED_GAIN:
-            yield low, high, gain
-
-
-def saturation_notes(results: Sequence[Result]) -> list[str]:
-    """Where adding executors or load stops raising throughput, or TTFT explodes."""
-    notes = []
-    by_n: dict[int, list[Result]] = {}
-    by_c: dict[int, list[Result]] = {}
-    for r in results:
-        by_n.setdefault(r.executors, []).append(r)
-        by_c.setdefault(r.concurrency, []).append(r)
-    for n, runs in sorted(by_n.items()):
-        for low, high, gain in _saturated(runs, "concurrency"):
-            notes.append(
-                f"{n} executors: {low.concurrency} -> {high.concurrency} streams raises tokens/s only "
-                f"x{gain:.2f} ({low.output_tokens_per_s:,.0f} -> {high.output_tokens_per_s:,.0f})"
-            )
-        base = runs[0].ttft_p99_ms
-        for r in runs[1:]:
-            if base and r.ttft_p99_ms and r.ttft_p99_ms > TTFT_EXPLODED * base:
-                notes.append(
-                    f"{n} executors: TTFT p99 at {r.concurrency} streams is {r.ttft_p99_ms:,.0f} ms, "
-                    f"x{r.ttft_p99_ms / base:.0f} its {base:,.0f} ms at {runs[0].concurrency}"
-                )
-    for c, runs in sorted(by_c.items()):
-        for low, high, gain in _saturated(runs, "executors"):
-            notes.append(
-                f"{c} streams: {low.executors} -> {high.executors} executors raises tokens/s only x{gain:.2f}"
-            )
-    fit = cost_model(results)
-    if fit is not None:
-        per_step_ms, per_token_us = fit
-        notes.append(
-            f"scheduler CPU per step ~ {per_step_ms:.2f} ms + {per_token_us:.0f} us x tokens sampled in the "
-            f"step (least squares over these runs, every scheduler process summed): one core's worth drives "
-            f"at most ~{1e3 / per_step_ms:,.0f} steps/s, ~{1e6 / per_token_us:,.0f} tokens/s"
-            if per_step_ms > 0 and per_token_us > 0
-            else f"scheduler CPU per step fit: {per_step_ms:.2f} ms + {per_token_us:.0f} us x tokens sampled"
-        )
-    notes += short_window_notes(results)
-    peak = max(results, key=lambda r: r.output_tokens_per_s)
-    notes.append(
-        f"peak {peak.output_tokens_per_s:,.0f} tok/s at {peak.executors} executors x {peak.concurrency} streams: "
-        f"scheduler at {peak.scheduler_cores:.2f} cores, {peak.scheduler_cpu_ms_per_step:.2f} ms CPU/step, "
-        f"executors busy {peak.executor_busy:.0%} (ideal {peak.ideal_output_tokens_per_s:,.0f} tok/s)"
-    )
-    return notes
-
-
-def short_window_notes(results: Sequence[Result]) -> list[str]:
-    """Configurations whose window is shorter than a request's mean life (streams over the
-    sustained requests/s): their requests/s, TTFT and end-to-end times come from the few
-    requests that began or ended in the window (at 64 executors x 4,096 streams on 2 cores a
-    request lives about 27 s: a 10 s window saw no first token at all)."""
-    notes = []
-    for r in results:
-        if r.sustained_requests_per_s <= 0:
-            continue
-        life_s = r.concurrency / r.sustained_requests_per_s
-        if life_s > r.window_s:
-            notes.append(
-                f"{r.executors} executors x {r.concurrency} streams: a request lives ~{life_s:.0f} s, longer "
-                f"than the {r.window_s:.0f} s window: its req/s, TTFT and e2e come from the few requests "
-                f"that began or ended in it (--duration {math.ceil(2 * life_s)} or more sees whole lives)"
-            )
-    return notes
-
-
-def cost_model(results: Sequence[Result]) -> tuple[float, float] | None:
-    """(ms per step, us per token): the line through scheduler CPU per step against the output
-    tokens sampled per step (one per sequence, or up to `--num-scheduler-steps`), by least
-    squares; None when the runs do not spread enough to fit."""
-    points = [
-        (r.output_tokens_per_s / r.steps_per_s, r.scheduler_cpu_ms_per_step)
-        for r in results
-        if r.steps_per_s > 0
-    ]
-    points = [(x, y) for x, y in points if not math.isnan(y)]
-    if len(points) < 2:
-        return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    if max(x for x, _ in points) - min(x for x, _ in points) < 4:
-        return None
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
-    return mean_y - slope * mean_x, 1e3 * slope
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -285,6 +214,13 @@ def cost_model(results: Sequence[Result]) -> tuple[float, float] | None:
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -311,6 +247,36 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="per executor (0: sized to the load)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--prefill-executors",
+        type=_ints,
+        default=d.prefill_executors,
+        help="comma list: of each executor count, this many prefill and the rest decode (0: all mixed)",
+    )
+    pd.add_argument(
+        "--long-prompt-rate",
+        type=_floats,
+        default=d.long_prompt_rate,
+        help="comma list: long prompts per second arriving beside the streams (0: none)",
+    )
+    pd.add_argument("--long-prompt-len", type=int, default=d.long_prompt_len, help="tokens each")
+    pd.add_argument("--long-output-len", type=int, default=d.long_output_len, help="output tokens each")
+    SCHEDULER.add(
+        pd,
+        only=["max_local_prefill_length"],
+        overrides={"max_local_prefill_length": {"default": None, "help": "a longer prompt prefills "
+                   "on a prefill executor (default: the streams' longest, --prompt-len's HIGH)"}},
+    )  # fmt: skip
+    pd.add_argument(
+        "--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token, help="the modelled KV a pull moves"
+    )
+    pd.add_argument(
+        "--pull-gb-per-s",
+        type=float,
+        default=d.pull_gb_per_s,
+        help="the modelled rate of a pull (1e9 bytes/s)",
+    )
     p.add_argument("--model", type=Path, default=d.model, help="the tokenizer's model directory")
     p.add_argument(
         "--executor-nice",
@@ -336,6 +302,9 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--switch-interval-ms", type=float, help="experiment: the scheduler's GIL switch interval (Python: 5)"
     )
+    p.add_argument(
+        "--repeat", type=int, default=d.repeat, help="run the whole sweep this many rounds, one after another"
+    )
     p.add_argument("--workdir", type=Path, help="logs, ready files and profiles (default: a temp dir)")
     p.add_argument("--output-json", type=Path, help="default: ./bench-results/")
     p.add_argument("--plot", type=Path)
@@ -358,6 +327,14 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             max_num_seqs=args.max_num_seqs,
+            prefill_executors=args.prefill_executors,
+            long_prompt_rate=args.long_prompt_rate,
+            long_prompt_len=args.long_prompt_len,
+            long_output_len=args.long_output_len,
+            max_local_prefill_length=args.max_local_prefill_length,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            pull_gb_per_s=args.pull_gb_per_s,
+            repeat=args.repeat,
             model=args.model,
             routing=args.routing,
             routing_prefill_weight=args.routing_prefill_weight,
@@ -406,7 +383,11 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     )
     print(f"results: {written}", file=sys.stderr)
     if args.plot:
-        report.plot_scale(results, args.plot)
+        points = scale_points(results)
+        if points:
+            plot_points(points, args.plot, "simulated executors: the streams' ITL, long prompts' TTFT")
+        else:
+            report.plot_scale(results, args.plot)
     return 0
 
 

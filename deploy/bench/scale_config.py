@@ -8,6 +8,7 @@ from pathlib import Path
 
 from npuserve.deploy.bench.targets import CLIENT_CALLS
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
+from npuserve.executor.simulated import LatencyModel, SimulatedConfig
 from npuserve.scheduler.core.router import DEFAULT_PREFILL_WEIGHT
 from npuserve.scheduler.core.step_passes import AUTO_SCHEDULER_STEPS
 
@@ -57,6 +58,17 @@ class ScaleConfig:
     client_call: str = CLIENT_CALLS[0]
     scheduler_log_level: str = "warning"
     seed: int = 0
+    # Prefill/decode disaggregation: of each executor count, this many prefill and the rest
+    # decode (0: all mixed), one cluster each; long prompts arriving at each of these rates
+    # beside the streams (0: none), evenly spaced, in a window each.
+    prefill_executors: tuple[int, ...] = (0,)
+    long_prompt_rate: tuple[float, ...] = (0.0,)
+    long_prompt_len: int = 4096
+    long_output_len: int = 16
+    max_local_prefill_length: int | None = None  # None: the streams' longest prompt (prompt_len[1])
+    kv_bytes_per_token: int = SimulatedConfig().kv_bytes_per_token  # what a pull moves
+    pull_gb_per_s: float = LatencyModel().pull_bytes_per_s / 1e9
+    repeat: int = 1  # the whole sweep this many rounds, one after another
     profile: bool = False
     profile_at: tuple[int, int] | None = None  # (executors, concurrency); None: the largest
     profile_s: float = 10.0
@@ -79,8 +91,33 @@ class ScaleConfig:
             )
         if not 0 <= self.executor_nice <= 19:
             raise ValueError(f"--executor-nice must be within 0..19, got {self.executor_nice}")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
         if self.duration_s <= 0 or self.warmup_s < 0:
             raise ValueError("--duration must be > 0 and --warmup >= 0")
+        if min(self.prefill_executors) < 0 or max(self.prefill_executors) >= min(self.executors):
+            raise ValueError(
+                f"--prefill-executors {self.prefill_executors} must be >= 0 and leave every executor "
+                f"count {self.executors} a decode executor"
+            )
+        if min(self.long_prompt_rate) < 0:
+            raise ValueError(f"--long-prompt-rate must be >= 0, got {self.long_prompt_rate}")
+        if (
+            max(self.prefill_executors)
+            and max(self.long_prompt_rate)
+            and self.long_prompt_len <= self.local_prefill
+        ):
+            raise ValueError(
+                f"--long-prompt-len {self.long_prompt_len} would prefill where it decodes: raise it "
+                f"above --max-local-prefill-length {self.local_prefill}"
+            )
+        if (
+            min(self.long_prompt_len, self.long_output_len, self.kv_bytes_per_token) < 1
+            or self.pull_gb_per_s <= 0
+        ):
+            raise ValueError(
+                "--long-prompt-len, --long-output-len, --kv-bytes-per-token and --pull-gb-per-s must be > 0"
+            )
         if self.max_num_seqs < -(-max(self.concurrency) // min(self.executors)):
             raise ValueError(
                 f"{max(self.concurrency)} streams over {min(self.executors)} executors exceed "
@@ -88,11 +125,28 @@ class ScaleConfig:
             )
 
     @property
+    def local_prefill(self) -> int:
+        """The scheduler's --max-local-prefill-length: by default the streams' longest prompt."""
+        return self.prompt_len[1] if self.max_local_prefill_length is None else self.max_local_prefill_length
+
+    @property
+    def max_model_len(self) -> int:
+        longest = self.prompt_len[1] + self.output_len[1]
+        return (
+            max(longest, self.long_prompt_len + self.long_output_len)
+            if max(self.long_prompt_rate)
+            else longest
+        )
+
+    @property
     def blocks_per_executor(self) -> int:
         if self.num_blocks:
             return self.num_blocks
         # NOTE: 4x an even share, so a lane that routing overloads queues on max_num_seqs and
-        # its step time rather than on blocks (a real NPU holds tens of thousands of blocks).
+        # its step time rather than on blocks (a real NPU holds tens of thousands of blocks);
+        # and room for 64 long prompts, held where they prefilled until their KV is pulled.
         per_request = -(-(self.prompt_len[1] + self.output_len[1]) // self.block_size)
         per_executor = -(-max(self.concurrency) // min(self.executors))
-        return max(1024, 4 * per_executor * per_request) + 1
+        per_long = -(-(self.long_prompt_len + self.long_output_len) // self.block_size)
+        long_prompts = 64 * per_long if max(self.long_prompt_rate) else 0
+        return max(1024, 4 * per_executor * per_request + long_prompts) + 1

@@ -1,10 +1,16 @@
 """The scale bench's load: ``concurrency`` generations kept running against one scheduler from a
 `grpc.aio` client (closed loop: a finished request is replaced at once), over a `GenerateMany`
-call per channel or a `Generate` call each (`ScaleConfig.client_call`)."""
+call per channel or a `Generate` call each (`ScaleConfig.client_call`).
+
+A mixed load adds long prompts (`ScaleConfig.long_prompt_len` tokens) arriving at a rate (open
+loop, evenly spaced) beside the streams; their first tokens are recorded apart, and the ITL only
+of the streams (the decode streams: tokens that arrive together have gaps of 0 after the first).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import time
@@ -33,6 +39,8 @@ class LoadState:
     awaiting_at_window_end: int = 0
     awaiting_samples: list[int] = field(default_factory=list)  # over the window
     first_tokens: list[tuple[float, float]] = field(default_factory=list)  # (arrival, ttft)
+    itls: list[float] = field(default_factory=list)  # the streams' gaps between tokens, in the window
+    long_first_tokens: list[tuple[float, float]] = field(default_factory=list)  # the long prompts'
     completions: list[tuple[float, float]] = field(default_factory=list)  # (end, e2e)
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -43,11 +51,19 @@ class LoadState:
 class Load:
     """Keeps ``concurrency`` Generate streams running against one scheduler."""
 
-    def __init__(self, config: ScaleConfig, address: str, vocab_size: int, concurrency: int) -> None:
+    def __init__(
+        self,
+        config: ScaleConfig,
+        address: str,
+        vocab_size: int,
+        concurrency: int,
+        long_prompt_rate: float = 0.0,
+    ) -> None:
         self.config = config
         self.address = address
         self.vocab_size = vocab_size
         self.concurrency = concurrency
+        self.long_prompt_rate = long_prompt_rate
         self.state = LoadState()
         self._rng = random.Random(f"scale-bench-{config.seed}-{concurrency}")
         self.channels: list[grpc.aio.Channel] = []
@@ -66,10 +82,12 @@ class Load:
         if self.config.client_call == "generate-many":
             self.generators = [GenerateManyClient(stub) for stub in self.stubs]
 
-    def _request(self) -> pb.GenerateRequest:
+    def _request(self, long_prompt: bool = False) -> pb.GenerateRequest:
         rng, c = self._rng, self.config
-        prompt = rng.choices(range(FIRST_TOKEN_ID, self.vocab_size), k=rng.randint(*c.prompt_len))
-        sampling = pb.SamplingParams(max_tokens=rng.randint(*c.output_len), temperature=0, ignore_eos=True)
+        prompt_len = c.long_prompt_len if long_prompt else rng.randint(*c.prompt_len)
+        output_len = c.long_output_len if long_prompt else rng.randint(*c.output_len)
+        prompt = rng.choices(range(FIRST_TOKEN_ID, self.vocab_size), k=prompt_len)
+        sampling = pb.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
     def _responses(self, index: int, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
@@ -84,6 +102,7 @@ class Load:
             request = self._request()
             sent = time.perf_counter()
             first = True
+            last = sent
             state.awaiting_first_token += 1
             try:
                 async for response in self._responses(index, request):
@@ -93,6 +112,11 @@ class Load:
                         first = False
                         state.awaiting_first_token -= 1
                         state.first_tokens.append((now, now - sent))
+                    elif num_new and state.in_window(now):
+                        state.itls.append(now - last)
+                        state.itls.extend([0.0] * (num_new - 1))
+                    if num_new:
+                        last = now
                     if state.in_window(now):
                         state.tokens_in_window += num_new
                 end = time.perf_counter()
@@ -104,12 +128,49 @@ class Load:
                 state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
                 await asyncio.sleep(0.1)
 
+    async def _long_prompt(self, index: int) -> None:
+        """One long prompt: its first token's time, and its tokens in the window."""
+        state = self.state
+        sent = time.perf_counter()
+        first = True
+        try:
+            async for response in self._responses(index, self._request(long_prompt=True)):
+                now = time.perf_counter()
+                num_new = sum(len(c.token_ids) for c in response.completions)
+                if num_new and first:
+                    first = False
+                    state.long_first_tokens.append((now, now - sent))
+                if state.in_window(now):
+                    state.tokens_in_window += num_new
+        except (grpc.aio.AioRpcError, GenerateFailed) as exc:
+            if not state.stopping:
+                state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
+
+    async def _long_prompts(self, delay_s: float) -> None:
+        """Long prompts at ``long_prompt_rate`` per second, evenly spaced, until the load stops."""
+        await asyncio.sleep(delay_s)
+        sending: set[asyncio.Task[None]] = set()
+        try:
+            for index in itertools.count():
+                task = asyncio.create_task(self._long_prompt(index))
+                sending.add(task)
+                task.add_done_callback(sending.discard)
+                await asyncio.sleep(1 / self.long_prompt_rate)
+        finally:
+            for task in list(sending):
+                task.cancel()  # cancels the RPC: the scheduler aborts the request
+            await asyncio.gather(*sending, return_exceptions=True)
+
     def start(self, ramp_s: float) -> list[asyncio.Task[None]]:
-        """Starts every stream, spread over ``ramp_s`` so they do not arrive in one burst."""
-        return [
+        """Starts every stream, spread over ``ramp_s`` so they do not arrive in one burst, and
+        the long prompts after it."""
+        tasks = [
             asyncio.create_task(self._stream(i, ramp_s * i / self.concurrency))
             for i in range(self.concurrency)
         ]
+        if self.long_prompt_rate:
+            tasks.append(asyncio.create_task(self._long_prompts(ramp_s)))
+        return tasks
 
     async def close(self, tasks: list[asyncio.Task[None]]) -> None:
         self.state.stopping = True

@@ -53,6 +53,9 @@ class Result:
     executors: int
     concurrency: int
     window_s: float
+    prefill_executors: int  # of ``executors`` (the rest decode); 0: all mixed
+    long_prompt_rate: float  # long prompts arriving per second beside the streams (0: none)
+    round: int  # of the sweep's rounds (`ScaleConfig.repeat`), from 1
     requests_per_s: float  # completed in the window
     sustained_requests_per_s: float  # output tokens/s over the mean output length
     output_tokens_per_s: float
@@ -76,6 +79,13 @@ class Result:
     executor_overruns: float  # share of steps whose bookkeeping outran the latency model
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
+    # The streams' gaps between tokens (the long prompts' left out): what long prompts disturb.
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    long_ttft_p50_ms: float | None  # the long prompts' whose first token came in the window
+    long_ttft_p99_ms: float | None
+    num_long_first_tokens: int
+    kv_pulled_mb_per_s: float  # KV the executors pulled from each other (the scheduler's count)
     # Inside the engine (request queued -> first token / last token) against the client's view:
     # the difference is the public gRPC path (accepting the call, streaming the tokens out).
     engine_ttft_mean_ms: float | None
@@ -206,11 +216,14 @@ async def run_load(
     stats_file: Path,
     vocab_size: int,
     profile_path: Path | None,
+    prefill_executors: int = 0,
+    long_prompt_rate: float = 0.0,
+    round_number: int = 1,
 ) -> Result:
     """One configuration: warm up, measure one window, stop every stream, wait for the drain."""
     control = grpc.aio.insecure_channel(address)
     stub = pb_grpc.SchedulerStub(control)
-    load = Load(config, address, vocab_size, concurrency)
+    load = Load(config, address, vocab_size, concurrency, long_prompt_rate)
     await load.connect()
     tasks = load.start(ramp_s=min(2.0, config.warmup_s / 2))
     profile = None
@@ -229,7 +242,17 @@ async def run_load(
         await load.close(tasks)
     await wait_idle(stub, DRAIN_TIMEOUT_S)
     await control.close()
-    result = summarize(config, executors, concurrency, before, after, load.state)
+    result = summarize(
+        config,
+        executors,
+        concurrency,
+        before,
+        after,
+        load.state,
+        prefill_executors,
+        long_prompt_rate,
+        round_number,
+    )
     result.profile = profile
     return result
 
@@ -245,7 +268,15 @@ def _per(amount: float, count: float) -> float:
 
 
 def summarize(
-    config: ScaleConfig, executors: int, concurrency: int, before: Snapshot, after: Snapshot, state: LoadState
+    config: ScaleConfig,
+    executors: int,
+    concurrency: int,
+    before: Snapshot,
+    after: Snapshot,
+    state: LoadState,
+    prefill_executors: int = 0,
+    long_prompt_rate: float = 0.0,
+    round_number: int = 1,
 ) -> Result:
     window = state.window[1] - state.window[0]
     elapsed = after.time - before.time  # a little longer: the last snapshot waits for the stats
@@ -256,6 +287,7 @@ def summarize(
     modelled = sim["modeled_s"] / sim_steps
     sampled_per_step = sim["num_sampled"] / sim_steps
     ttfts = [ttft for arrival, ttft in state.first_tokens if state.in_window(arrival)]
+    long_ttfts = [ttft for arrival, ttft in state.long_first_tokens if state.in_window(arrival)]
     e2es = [e2e for end, e2e in state.completions if state.in_window(end)]
     cores = {
         name: (getattr(after, f"{name}_cpu_s") - getattr(before, f"{name}_cpu_s")) / elapsed
@@ -269,6 +301,9 @@ def summarize(
         executors=executors,
         concurrency=concurrency,
         window_s=window,
+        prefill_executors=prefill_executors,
+        long_prompt_rate=long_prompt_rate,
+        round=round_number,
         requests_per_s=len(e2es) / window,
         sustained_requests_per_s=tokens_per_s / (sum(config.output_len) / 2),
         output_tokens_per_s=tokens_per_s,
@@ -294,6 +329,12 @@ def summarize(
         executor_overruns=sim["num_overruns"] / sim_steps,
         ttft_p50_ms=1e3 * percentile(ttfts, 50) if ttfts else None,
         ttft_p99_ms=1e3 * percentile(ttfts, 99) if ttfts else None,
+        itl_p50_ms=1e3 * percentile(state.itls, 50) if state.itls else None,
+        itl_p99_ms=1e3 * percentile(state.itls, 99) if state.itls else None,
+        long_ttft_p50_ms=1e3 * percentile(long_ttfts, 50) if long_ttfts else None,
+        long_ttft_p99_ms=1e3 * percentile(long_ttfts, 99) if long_ttfts else None,
+        num_long_first_tokens=len(long_ttfts),
+        kv_pulled_mb_per_s=after.delta(before, "npuserve:kv_transfer_bytes_total") / elapsed / 1e6,
         engine_ttft_mean_ms=after.mean_ms(before, "vllm:time_to_first_token_seconds"),
         client_ttft_mean_ms=1e3 * sum(ttfts) / len(ttfts) if ttfts else None,
         engine_e2e_mean_ms=after.mean_ms(before, "vllm:e2e_request_latency_seconds"),

@@ -1,9 +1,10 @@
 """`npuserve bench`: a serving benchmark, in process or through the public gRPC API.
 
-A workload (`workload`) runs against one or more targets (`targets`): the offline engine, or a
-scheduler over gRPC: the one at ``--address``, or one this bench launches with the offline
-engine's configuration (`launched_server`, as `npuserve serve` does, without the gateway) and
-stops after. Every request asks for exactly ``output_len`` tokens (``ignore_eos``), so variants do
+A workload (`workload`) runs against one or more targets (`targets`), one per variant
+(`variants`): the offline engine, or a scheduler over gRPC: the one at ``--address``, or one this
+bench launches with the offline engine's configuration (`launched_server`, as `npuserve serve`
+does, without the gateway; for prefill/decode disaggregation, with executor roles) and stops
+after. Every request asks for exactly its ``output_len`` tokens (``ignore_eos``), so variants do
 equal work. The summary per variant is `serving_metrics`'; the table, JSON and plot `report`'s.
 This module imports no torch; the offline target and presets load the executor lazily.
 """
@@ -19,18 +20,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from npuserve.deploy.bench import machine, report
+from npuserve.deploy.bench import disaggregation_report, machine, report
 from npuserve.deploy.bench.serving_metrics import BenchSummary, RequestRecord, summarize
 from npuserve.deploy.bench.targets import CLIENT_CALLS, BenchError, GrpcTarget, OfflineTarget, Target
+from npuserve.deploy.bench.variants import VARIANT_KINDS, Variant, max_local_prefill_length, parse_variants
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.executor_flags import EXECUTOR
+from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles
 from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.runtime.cpu_priority import control_plane_nice
@@ -59,11 +61,13 @@ async def _run_one(
     target: Target, request: BenchRequest, config: WorkloadConfig, start: float
 ) -> RequestRecord:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
-    record = RequestRecord(len(request.prompt_token_ids), time.perf_counter())
+    record = RequestRecord(
+        len(request.prompt_token_ids), time.perf_counter(), long_prompt=request.long_prompt
+    )
     try:
         seed = config.seed + request.index
         async for chunk in target.stream(
-            request.prompt_token_ids, config.output_len, config.temperature, seed
+            request.prompt_token_ids, request.output_len, config.temperature, seed
         ):
             now = time.perf_counter()
             record.token_times += [now] * chunk.num_tokens
@@ -84,16 +88,15 @@ async def _measure(
 ) -> BenchSummary:
     try:
         await target.open()
-        longest = max(len(r.prompt_token_ids) for r in requests) + config.output_len
-        if longest > target.max_model_len:
+        longest = max(requests, key=lambda r: len(r.prompt_token_ids) + r.output_len)
+        if len(longest.prompt_token_ids) + longest.output_len > target.max_model_len:
             raise ValueError(
-                f"prompts of up to {longest - config.output_len} tokens plus {config.output_len} output "
+                f"prompts of {len(longest.prompt_token_ids)} tokens plus {longest.output_len} output "
                 f"tokens exceed {target.name}'s max_model_len {target.max_model_len}"
             )
         if warmup:
             start = time.perf_counter()
-            short = replace(config, num_requests=len(warmup), output_len=min(4, config.output_len))
-            await asyncio.gather(*(_run_one(target, r, short, start) for r in warmup))
+            await asyncio.gather(*(_run_one(target, r, config, start) for r in warmup))
         with tqdm(
             total=len(requests), desc=target.name, unit="req", file=sys.stderr, disable=not progress
         ) as bar:
@@ -124,12 +127,14 @@ def measure(
 
 @dataclass(slots=True, frozen=True)
 class ServerSpec:
-    """What `launched_server` starts: `npuserve executor` and `npuserve scheduler` flags."""
+    """What `launched_server` starts: `npuserve executor` and `npuserve scheduler` flags, and
+    each executor's ``--role`` (none: the executor's default, mixed)."""
 
     executor_args: list[str]
     scheduler_args: list[str]
     num_executors: int = 1
     device: str = "auto"
+    roles: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -146,7 +151,13 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
         executors = [
             launcher.start(
                 f"executor-{i}",
-                ["executor", *spec.executor_args, "--port", "0"],
+                [
+                    "executor",
+                    *spec.executor_args,
+                    *(["--role", spec.roles[i]] if spec.roles else []),
+                    "--port",
+                    "0",
+                ],
                 device_env(spec.device, i, spec.num_executors),
             )
             for i in range(spec.num_executors)
@@ -163,63 +174,7 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
         launcher.stop()
 
 
-# -- variants and the command line ------------------------------------------------------------------
-
-# "grpc-stream": the name "grpc" had when steps could also go as a call each.
-VARIANT_KINDS = ("offline", "grpc", "grpc-stream", "caching", "host-tier")
-# `--compare host-tier` without --kv-host-memory: a host tier this many times the KV cache.
-HOST_TIER_TIMES_CACHE = 4
-
-
-@dataclass(slots=True, frozen=True)
-class Variant:
-    name: str
-    kind: str  # "offline" or "grpc"
-    enable_prefix_caching: bool
-    kv_host_memory_gib: float | None = None  # None: as --kv-host-memory says
-
-
-def parse_variants(args: argparse.Namespace) -> list[Variant]:
-    """`--mode` (default: grpc with `--address`, else offline) or the `--compare` list, as variants.
-
-    ``caching`` is two offline variants, prefix caching on and off; ``host-tier`` two with and
-    without a host-memory KV tier (--kv-host-memory, else `HOST_TIER_TIMES_CACHE` times the cache).
-    """
-    compare, address = args.compare, args.address
-    names = (
-        [n.strip() for n in compare.split(",")]
-        if compare
-        else [args.mode or ("grpc" if address else "offline")]
-    )
-    caching = args.enable_prefix_caching
-    variants: list[Variant] = []
-    for name in names:
-        if name == "offline":
-            variants.append(Variant("offline", "offline", caching))
-        elif name in ("grpc", "grpc-stream"):
-            variants.append(Variant(name, "grpc", caching))
-        elif name == "caching":
-            variants += [
-                Variant("prefix-cache-on", "offline", True),
-                Variant("prefix-cache-off", "offline", False),
-            ]
-        elif name == "host-tier":
-            host_gib = args.kv_host_memory or HOST_TIER_TIMES_CACHE * (args.kv_cache_memory or 0.0)
-            if not host_gib:
-                raise ValueError("--compare host-tier needs --kv-host-memory or --kv-cache-memory")
-            variants += [
-                Variant("host-tier-on", "offline", caching, host_gib),
-                Variant("host-tier-off", "offline", caching, 0.0),
-            ]
-        else:
-            raise ValueError(
-                f"unknown variant {name!r} in --compare (choose from {', '.join(VARIANT_KINDS)})"
-            )
-    if len({v.name for v in variants}) != len(variants):
-        raise ValueError(f"--compare names a variant twice: {compare}")
-    if address and sum(v.kind == "grpc" for v in variants) > 1:
-        raise ValueError("--address serves one gRPC variant; omit it to launch one server per variant")
-    return variants
+# -- the command line -------------------------------------------------------------------------------
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,8 +222,25 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     workload.add_argument("--temperature", type=float, default=0.0)
     workload.add_argument("--seed", type=int, default=0)
+    mixed = parser.add_argument_group("mixed load: long prompts arriving while the others decode")
+    mixed.add_argument("--long-prompts", type=int, default=0, help="how many (default: none)")
+    mixed.add_argument("--long-prompt-len", type=int, default=1024, help="tokens each")
+    mixed.add_argument("--long-prompt-rate", type=float, default=1.0, help="per second, evenly spaced")
+    mixed.add_argument("--long-output-len", type=int, default=16, help="output tokens of each")
     engine = parser.add_argument_group("engine (offline, and the gRPC server when launched)")
     engine.add_argument("--num-executors", type=int, default=1)
+    engine.add_argument(
+        "--prefill-executors",
+        type=int,
+        default=1,
+        help="--compare disaggregated: executors that prefill the long prompts (the rest decode)",
+    )
+    SCHEDULER.add(
+        engine,
+        only=["max_local_prefill_length"],
+        overrides={"max_local_prefill_length": {"default": None, "help": "--compare disaggregated: a "
+                   "longer prompt prefills on a prefill executor (default: --prompt-len-max)"}},
+    )  # fmt: skip
     for name in ENGINE_FIELDS:
         EXECUTOR.add(engine, only=[name], overrides=ENGINE_FLAG_WORDING)
     SCHEDULER.add(engine, only=["enable_prefix_caching"], overrides={"enable_prefix_caching": {"help": None}})
@@ -291,25 +263,31 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_spec(args: argparse.Namespace, model: str, load_format: str, variant: Variant) -> ServerSpec:
-    """Executor and scheduler flags equal to the offline engine's configuration."""
+    """Executor and scheduler flags equal to the offline engine's configuration, and the
+    variant's executor roles."""
     executor = EXECUTOR.from_args(args, model=model, load_format=load_format)
     if executor.cpu_threads is None:  # NOTE: as `npuserve serve` runs them
         executor.cpu_threads = AUTO_CPU_THREADS
     passed_on = {name: getattr(args, name) for name in BENCH_FIELDS}
     scheduler = SCHEDULER.default(
-        model=model, enable_prefix_caching=variant.enable_prefix_caching, **passed_on
+        model=model,
+        enable_prefix_caching=variant.enable_prefix_caching,
+        max_local_prefill_length=max_local_prefill_length(args),
+        **passed_on,
     )
+    roles = serve_executor_roles(args.num_executors, variant.prefill_executors)
     return ServerSpec(
         [*EXECUTOR.to_flags(executor), *logging_flags(args)],
         [*SCHEDULER.to_flags(scheduler), *logging_flags(args)],
         args.num_executors,
         args.device,
+        tuple(roles) if variant.prefill_executors else (),
     )
 
 
 def materialise_preset(name: str, directory: Path, seed: int) -> Path:
     """A random-weight preset's config.json plus a synthetic word-level tokenizer (one word per id)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from npuserve.deploy.bench import runner as runner_benchmark  # torch: only for presets
 
@@ -323,6 +301,9 @@ def materialise_preset(name: str, directory: Path, seed: int) -> Path:
     }
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # NOTE: a decoder that the grammar compiler (llguidance) reads: without one the scheduler's
+    # grammar worker fails to start, and is started again every few seconds, during the run.
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(specials)
     tokenizer.save(str(directory / "tokenizer.json"))
     special_map = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
@@ -347,6 +328,8 @@ def _run_variant(
     requests: Sequence[BenchRequest],
 ) -> BenchSummary:
     warmup = warmup_requests(workload, _vocab_size(model), args.max_num_batched_tokens)
+    if variant.decode_only:
+        requests = [r for r in requests if not r.long_prompt]
     progress = not args.disable_tqdm
     if variant.kind == "offline":
         config = EXECUTOR.from_args(args, model=model, load_format=load_format)
@@ -386,6 +369,10 @@ def run_bench(args: argparse.Namespace) -> int:
             request_rate=args.request_rate,
             seed=args.seed,
             temperature=args.temperature,
+            long_prompts=args.long_prompts,
+            long_prompt_len=args.long_prompt_len,
+            long_prompt_rate=args.long_prompt_rate,
+            long_output_len=args.long_output_len,
         )
         variants = parse_variants(args)
         if args.repeat < 1:
@@ -409,6 +396,12 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"{workload.output_len}, rate {workload.request_rate} req/s; model {args.preset or model}",
                 flush=True,
             )
+            if workload.long_prompts:
+                print(
+                    f"mixed load: {workload.long_prompts} long prompts of {workload.long_prompt_len} tokens, "
+                    f"{workload.long_prompt_rate}/s, output {workload.long_output_len}",
+                    flush=True,
+                )
             for index in range(args.repeat):
                 if args.repeat > 1:
                     print(f"round {index + 1} of {args.repeat}", flush=True)
@@ -422,14 +415,23 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report.format_serving_table(summaries))
     if len(rounds) > 1 and len(variants) > 1:
         print(report.format_round_ratios(rounds))
+    effects = disaggregation_report.serving_effects(rounds)
+    if effects:
+        print(disaggregation_report.format_effects(effects))
     workload_row = {**asdict(workload), "model": args.preset or model}
-    written = report.write_json(
-        report.output_path(args.output_json, "bench"), report.serving_json(workload_row, rounds, host)
-    )
+    payload = report.serving_json(workload_row, rounds, host)
+    if effects:
+        payload["long_prompt_effects"] = effects
+    written = report.write_json(report.output_path(args.output_json, "bench"), payload)
     print(f"results: {written}", file=sys.stderr)
     if args.plot:
         title = f"{args.preset or Path(model).name}: {workload.num_requests} requests"
-        report.plot_serving(summaries, args.plot, title)
+        points = disaggregation_report.serving_points_by_round(rounds)
+        if points:
+            title += f" decoding, {workload.long_prompts} long prompts of {workload.long_prompt_len} tokens arriving"
+            disaggregation_report.plot_points(points, args.plot, title)
+        else:
+            report.plot_serving(summaries, args.plot, title)
     failed = [s for r in rounds for s in r if s.num_failed]
     for s in failed:
         print(

@@ -6,6 +6,10 @@ the same response share a time, so their gap is 0); TPOT is a request's decode t
 output tokens after the first; e2e runs from sending to the last token. Throughputs count the
 tokens of successful requests over the run's duration (first send to last completion). The
 table, JSON and plot are `report`'s.
+
+Under a mixed load (`WorkloadConfig.long_prompts`) the summary also splits the requests: the
+decode streams (every request but the long prompts: their TTFT and ITL) and the long prompts
+(their TTFT). Without long prompts the decode streams are every request.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class RequestRecord:
     end_time: float | None = None
     cached_prompt_tokens: int = 0  # from the final usage
     error: str | None = None
+    long_prompt: bool = False  # one of a mixed load's long prompts
 
     @property
     def ok(self) -> bool:
@@ -70,6 +75,10 @@ class BenchSummary:
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
     e2e_ms: LatencyStats
+    decode_ttft_ms: LatencyStats  # the decode streams': every request but the long prompts
+    decode_itl_ms: LatencyStats
+    long_prompt_ttft_ms: LatencyStats
+    num_long_prompts: int = 0
     first_error: str | None = None
 
     @property
@@ -102,8 +111,9 @@ class BenchSummary:
             "output_throughput": self.output_throughput,
             "total_token_throughput": self.total_token_throughput,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "num_long_prompts": self.num_long_prompts,
         }
-        for name in ("ttft", "tpot", "itl", "e2e"):
+        for name in ("ttft", "tpot", "itl", "e2e", "decode_ttft", "decode_itl", "long_prompt_ttft"):
             for stat, value in asdict(getattr(self, f"{name}_ms")).items():
                 row[f"{name}_{stat}_ms"] = value
         row["first_error"] = self.first_error
@@ -114,6 +124,7 @@ def summarize(variant: str, records: Sequence[RequestRecord], duration_s: float)
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     tpots = [t for t in (r.tpot for r in done) if t is not None]
+    decode = [r for r in done if not r.long_prompt]
     return BenchSummary(
         variant=variant,
         num_requests=len(records),
@@ -126,5 +137,9 @@ def summarize(variant: str, records: Sequence[RequestRecord], duration_s: float)
         tpot_ms=LatencyStats.of_seconds(tpots),
         itl_ms=LatencyStats.of_seconds([gap for r in done for gap in r.itls]),
         e2e_ms=LatencyStats.of_seconds([r.e2e for r in done]),
+        decode_ttft_ms=LatencyStats.of_seconds([r.ttft for r in decode]),
+        decode_itl_ms=LatencyStats.of_seconds([gap for r in decode for gap in r.itls]),
+        long_prompt_ttft_ms=LatencyStats.of_seconds([r.ttft for r in done if r.long_prompt]),
+        num_long_prompts=sum(r.long_prompt for r in records),
         first_error=next((r.error or "no tokens" for r in failed), None),
     )

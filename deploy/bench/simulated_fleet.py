@@ -4,7 +4,10 @@ the scheduler against 16-64 executors on a small machine (`npuserve bench-scale`
     python -m npuserve.deploy.bench.simulated_fleet --port 0 --count 16 --ready-file ready.json
 
 Each is a `SimulatedRunner` (`npuserve.executor.simulated`, the one fake executor) behind the
-real `start_executor_server` (its StepStreams not pipelined: see `start_simulated`). The ready
+real `start_executor_server` (its StepStreams pipelined: see `start_simulated`). With
+``--prefill-executors P`` the first P take the prefill role and the others decode, as under
+`npuserve serve --prefill-executors`; each pulls its blocks over the real `ReadBlocks` client
+(`kv_transfer.ReadBlocksClient`), and each serves `ReadBlocks`. The ready
 file holds what the real executor writes (`address`, `pid`, `executor_id`, `version`, `info`)
 for one server, and `addresses` (and `executor_ids`) for any count; ``--stats-file`` is
 rewritten with every runner's step totals.
@@ -24,7 +27,9 @@ from typing import Any
 
 import structlog
 
+from npuserve.deploy.executor_flags import serve_executor_roles
 from npuserve.deploy.flags import add_logging_flags
+from npuserve.executor.kv_transfer import ReadBlocksClient
 from npuserve.executor.server import STOP_GRACE_S, RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.ready_file import write_ready_file
@@ -33,13 +38,20 @@ log = structlog.get_logger(__name__)
 
 
 def start_simulated(
-    config: SimulatedConfig, host: str, port: int, count: int, executor_id: str | None = None
+    config: SimulatedConfig,
+    host: str,
+    port: int,
+    count: int,
+    executor_id: str | None = None,
+    num_prefill: int = 0,
 ) -> list[tuple[RunningExecutor, SimulatedRunner]]:
-    """``count`` servers, one runner each, on ports ``port, port+1, ...`` (port 0: free ones)."""
+    """``count`` servers, one runner each, on ports ``port, port+1, ...`` (port 0: free ones);
+    the first ``num_prefill`` prefill and the others decode (0: every one is ``config.role``)."""
+    roles = serve_executor_roles(count, num_prefill) if num_prefill else [config.role] * count
     started = []
     try:
-        for index in range(count):
-            runner = SimulatedRunner(config)
+        for index, role in enumerate(roles):
+            runner = SimulatedRunner(dataclasses.replace(config, role=role), ReadBlocksClient().read)
             name = executor_id if count == 1 else (f"{executor_id}-{index}" if executor_id else None)
             # NOTE: pipelined streams, as a real executor's: a step that joins a multi-pass one
             # (`StepPlan.joins_running`) is read while that one runs. They cost this process
@@ -98,10 +110,12 @@ def serve_simulated(
     executor_id: str | None = None,
     stats_file: Path | None = None,
     stats_interval_s: float = 0.5,
+    num_prefill: int = 0,
 ) -> None:
-    """Serves ``count`` simulated executors until SIGTERM/SIGINT (main thread only); rewrites
-    ``stats_file`` every ``stats_interval_s`` seconds and once more at the end."""
-    started = start_simulated(config, host, port, count, executor_id)
+    """Serves ``count`` simulated executors (the first ``num_prefill`` prefill ones) until
+    SIGTERM/SIGINT (main thread only); rewrites ``stats_file`` every ``stats_interval_s`` seconds
+    and once more at the end."""
+    started = start_simulated(config, host, port, count, executor_id, num_prefill)
     servers = [running for running, _ in started]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -111,6 +125,7 @@ def serve_simulated(
         log.info(
             "simulated executors serving",
             count=count,
+            prefill_executors=num_prefill,
             addresses=[s.address for s in servers] if count <= 4 else f"{servers[0].address} ...",
             latency=dataclasses.asdict(config.latency),
             num_blocks=config.num_blocks,
@@ -145,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-ms", type=float, default=latency.base_s * 1e3, help="fixed cost of a step")
     p.add_argument("--per-token-ms", type=float, default=latency.per_token_s * 1e3)
     p.add_argument("--per-seq-ms", type=float, default=latency.per_seq_s * 1e3)
+    p.add_argument(
+        "--prefill-executors",
+        type=int,
+        default=0,
+        help="the first N prefill, the others decode (0: all mixed)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token", type=int, default=defaults.kv_bytes_per_token, help="modelled KV a pull moves"
+    )
+    p.add_argument(
+        "--pull-gb-per-s",
+        type=float,
+        default=latency.pull_bytes_per_s / 1e9,
+        help="the modelled rate of a pull from another executor (GB: 1e9 bytes)",
+    )
     p.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
@@ -163,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
     return SimulatedConfig(
-        latency=LatencyModel(args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3),
+        latency=LatencyModel(
+            args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3, args.pull_gb_per_s * 1e9
+        ),
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -174,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
         eos_after=args.eos_after,
         model=args.model_name,
         seed=args.seed,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
 
 
@@ -197,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             args.executor_id,
             args.stats_file,
             args.stats_interval,
+            args.prefill_executors,
         )
     except ValueError as exc:  # ConfigError (a busy port) included
         print(f"npuserve simulated executor: error: {exc}", file=sys.stderr)

@@ -1,5 +1,10 @@
 """The serving bench's workload: seeded random token-id prompts (optionally sharing prefixes),
-arriving at once or as a Poisson process; the same for a given config and vocabulary."""
+arriving at once or as a Poisson process; the same for a given config and vocabulary.
+
+A mixed load adds ``long_prompts`` long prompts that keep arriving while the others decode, evenly
+spaced (``long_prompt_rate`` per second, the first one interval after the start): what
+prefill/decode disaggregation is measured under (`npuserve bench --compare colocated,disaggregated`).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ class WorkloadConfig:
     request_rate: float = math.inf  # requests/s; finite: Poisson arrivals, inf: all at once
     seed: int = 0
     temperature: float = 0.0
+    long_prompts: int = 0  # long prompts arriving while the others decode (0: none)
+    long_prompt_len: int = 1024
+    long_prompt_rate: float = 1.0  # long prompts per second, evenly spaced
+    long_output_len: int = 16  # each long prompt's output tokens
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -44,6 +53,12 @@ class WorkloadConfig:
             raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.long_prompts < 0:
+            raise ValueError(f"--long-prompts must be >= 0, got {self.long_prompts}")
+        if self.long_prompts and (self.long_prompt_len < 1 or self.long_output_len < 1):
+            raise ValueError("--long-prompt-len and --long-output-len must be >= 1")
+        if self.long_prompts and not 0 < self.long_prompt_rate < math.inf:
+            raise ValueError(f"--long-prompt-rate must be > 0 and finite, got {self.long_prompt_rate}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,13 +66,15 @@ class BenchRequest:
     index: int
     prompt_token_ids: list[int]
     arrival_s: float  # after the start of the run
+    output_len: int
+    long_prompt: bool = False  # one of a mixed load's long prompts
 
 
 def build_workload(config: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
     """The requests of a workload: the same for a given config and vocabulary.
 
     NOTE: prompts and arrivals draw from separate seeded streams, so changing the request rate
-    keeps the prompts.
+    keeps the prompts; the long prompts, after the others, from a stream of their own.
     """
     if vocab_size <= FIRST_TOKEN_ID:
         raise ValueError(f"vocabulary of {vocab_size} tokens is too small for random prompts")
@@ -74,13 +91,28 @@ def build_workload(config: WorkloadConfig, vocab_size: int) -> list[BenchRequest
         if index and math.isfinite(config.request_rate):
             clock += arrivals.expovariate(config.request_rate)
         prefix = prefixes[index % len(prefixes)]
-        requests.append(BenchRequest(index, prefix + draw(length - len(prefix)), clock))
-    return requests
+        requests.append(BenchRequest(index, prefix + draw(length - len(prefix)), clock, config.output_len))
+    return requests + _long_prompts(config, vocab_size)
+
+
+def _long_prompts(config: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
+    tokens = random.Random(f"npuserve-bench-long-prompts-{config.seed}")
+    return [
+        BenchRequest(
+            config.num_requests + k,
+            [tokens.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(config.long_prompt_len)],
+            (k + 1) / config.long_prompt_rate,
+            config.long_output_len,
+            long_prompt=True,
+        )
+        for k in range(config.long_prompts)
+    ]
 
 
 def warmup_requests(config: WorkloadConfig, vocab_size: int, token_budget: int = 8192) -> list[BenchRequest]:
     """Prompts as long as the workload's but of their own tokens (no prefix shared with it), about
-    one full step of them (``token_budget`` prompt tokens, at least two requests).
+    one full step of them (``token_budget`` prompt tokens, at least two requests), and one long
+    prompt when it has any; all at once, of up to 4 output tokens.
 
     NOTE: on CPU the first step of a large shape runs far slower than later ones (a 4k-token
     prefill of a 150M model: 6.0 s cold, 4.1 s warm); warming up with the workload's shapes keeps
@@ -89,9 +121,10 @@ def warmup_requests(config: WorkloadConfig, vocab_size: int, token_budget: int =
     own = replace(config, shared_prefix_len=0, request_rate=math.inf, seed=config.seed + 1)
     chosen: list[BenchRequest] = []
     total = 0
-    for request in build_workload(own, vocab_size):
+    for request in build_workload(replace(own, long_prompts=0), vocab_size):
         total += len(request.prompt_token_ids)
         if len(chosen) >= 2 and total > token_budget:
             break
         chosen.append(request)
-    return chosen
+    chosen += _long_prompts(replace(own, long_prompts=min(1, config.long_prompts)), vocab_size)
+    return [replace(r, arrival_s=0.0, output_len=min(4, r.output_len)) for r in chosen]

@@ -74,7 +74,8 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
     if which == "text":
         return PromptInput(text=msg.text, add_special_tokens=add_special)
     if which == "token_ids" and isinstance(msg, pb.GenerateRequest):  # a TokenizeRequest has none
-        return PromptInput(token_ids=list(msg.token_ids.ids))
+        # NOTE: a slice, not list(): upb copies it in one call, not an item at a time.
+        return PromptInput(token_ids=msg.token_ids.ids[:])
     if which == "chat":
         chat = msg.chat
         return PromptInput(

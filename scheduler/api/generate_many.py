@@ -1,12 +1,13 @@
 """One `GenerateMany` call: many generations over one stream, each under its caller's handle.
 
-A generation opens as a `Generate` call's request does (checked, tokenized and queued, in a task
-of its own); from then on its stream hands each output straight to the call (`listen`), which
-writes it as an event into the response being gathered: no task switch per output. The call
-sends that response when the event loop gets to it: one message for every generation that moved
-in the meantime (and for every turn a write was in flight), at most `MAX_EVENTS_PER_RESPONSE`
-events each. A generation the client gives up (cancel, or cancelling the call) is closed as a
-cancelled `Generate` call's: what is left of its request is aborted and its blocks freed.
+A generation opens as a `Generate` call's request does (checked, tokenized and queued), at once
+(`eager_start`: in a task of its own only from where it must wait); from then on its stream hands
+each output straight to the call (`listen`), which writes it as an event into the response being
+gathered: no task switch per output. The call sends that response when the event loop gets to it:
+one message for every generation that moved in the meantime (and for every turn a write was in
+flight), at most `MAX_EVENTS_PER_RESPONSE` events each. A generation the client gives up (cancel,
+or cancelling the call) is closed as a cancelled `Generate` call's: what is left of its request is
+aborted and its blocks freed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import structlog
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.scheduler.api import api_codec
 from npuserve.scheduler.api.api_status import client_status
+from npuserve.scheduler.api.eager_start import start_eagerly
 from npuserve.scheduler.core.request import InvalidRequestError
 from npuserve.scheduler.engine.outputs import GenerateOutput, OpenStream, Usage
 from npuserve.scheduler.text.tokenizer import Tokenizer
@@ -36,7 +38,7 @@ OpenGeneration = Callable[[pb.GenerateRequest], Awaitable[OpenStream]]
 class _Generation:
     stream_id: int
     return_prompt: bool
-    opening: asyncio.Task[None] | None = None  # until its request is queued
+    opening: asyncio.Task[None] | None = None  # until its request is queued, where that waits
     opened: OpenStream | None = None  # from then on
     usage: Usage | None = None  # the last the client was sent
 
@@ -139,8 +141,9 @@ class GenerateManyCall:
                 return
             generate = action.generate
             generation = _Generation(stream_id, generate.sampling.return_prompt)
-            generation.opening = asyncio.create_task(self._open(generation, generate))
             self._generations[stream_id] = generation
+            # NOTE: opened now, up to its first wait (most never wait): no task of its own.
+            generation.opening = start_eagerly(self._open(generation, generate))
         elif kind == "cancel":
             cancelled = self._generations.pop(stream_id, None)
             if cancelled is not None:

@@ -72,10 +72,16 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[PrefixHit] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[PrefixHit] = (),
+        cache_new: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones (and after the
-        prefix-cache hits ``new_computed_blocks``), or None if the pool cannot hold them."""
+        prefix-cache hits ``new_computed_blocks``), or None if the pool cannot hold them.
+        ``cache_new=False``: no block is registered in the prefix cache yet (blocks that a pull
+        fills, once it has landed: `cache_computed`)."""
         blocks = self.req_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = (
@@ -99,9 +105,23 @@ class KVCacheManager:
         # before any attention reads them. A failed step un-registers them (`free(valid=False)`).
         num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.req_id, 0)
+        if not cache_new:  # NOTE: the hits are registered already
+            num_full = max(start, len(new_computed_blocks))
         self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
         self.num_cached_blocks[request.req_id] = max(start, num_full)
         return new_blocks
+
+    def cache_computed(self, request: Request) -> None:
+        """Registers the full blocks of a request's computed tokens in the prefix cache (those a
+        pull filled, once it has landed)."""
+        req_id = request.req_id
+        blocks = self.req_blocks.get(req_id)
+        if blocks is None:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks[req_id]
+        self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
+        self.num_cached_blocks[req_id] = max(start, num_full)
 
     def fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
         """Whether ``num_new_tokens`` more fit in the blocks a request already holds and fill no

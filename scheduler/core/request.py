@@ -123,6 +123,9 @@ class RequestStatus(enum.Enum):
     # A prefill-only request sampled its first token: it leaves its (prefill) executor, whose
     # blocks stay held for a decode executor to pull (`Scheduler.release_held` frees them).
     PREFILLED = "prefilled"
+    # On a decode executor: a request whose prompt another executor prefills holds its blocks
+    # here, and is not scheduled until it is told where its KV is (`Scheduler.start_decode`).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
 
     @property
     def is_finished(self) -> bool:
@@ -138,6 +141,19 @@ class PrefilledBlocks:
     instance_id: str  # its process (`KvPull.instance_id`)
     block_ids: list[int]
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A request's prefill elsewhere is over, for the decode executor where it waits
+    (`Request.remote_prefill`): its output so far (the first token sampled there included), and
+    where its KV is (`pull`; None: nowhere now, so the decode executor computes it)."""
+
+    req_id: str
+    pull: PrefilledBlocks | None
+    output_token_ids: list[int]
+    output_logprobs: list[TokenLogprobs | None]
+    num_cached_tokens: int  # the prompt tokens the prefill found in its prefix cache (-1: none ran)
 
 
 @dataclass(eq=False)
@@ -173,9 +189,13 @@ class Request:
     # them back from the worker or the API process to move it.
     relay: StreamRelay | None = None
     num_direct_tokens: int = 0  # on the front's copy: output tokens that went straight to `relay`
-    # Prefill/decode disaggregation: ``prefill_only`` runs it until it samples a token, then it
-    # ends as PREFILLED with its blocks held (`Scheduler.held_block_ids`); ``pull`` admits it
-    # with those tokens' KV copied from the prefill executor (`KvPull`), not computed.
+    # Prefill/decode disaggregation, both sides at once. On the decode executor,
+    # ``remote_prefill``: its blocks are reserved at once, and it starts once the front says
+    # where its KV is (`Scheduler.start_decode`): ``pull`` then admits it with those tokens' KV
+    # copied from the prefill executor (`KvPull`), not computed. On the prefill executor, its
+    # `prefill_twin`, ``prefill_only``: it runs until it samples a token, then ends as PREFILLED
+    # with its blocks held (`Scheduler.held`) until they are pulled.
+    remote_prefill: bool = False
     prefill_only: bool = False
     pull: PrefilledBlocks | None = None
 
@@ -188,6 +208,29 @@ class Request:
         state = dict(self.__dict__)
         state["grammar"] = None
         return state
+
+    def prefill_twin(self) -> Request:
+        """A copy of this request to prefill on another executor (``prefill_only``) while this one
+        waits for its KV: the same id, tokens and sampling, and a matcher of its own."""
+        twin = Request(
+            req_id=self.req_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            options=self.options,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            arrival_time=self.arrival_time,
+            output_token_ids=list(self.output_token_ids),
+            output_logprobs=list(self.output_logprobs),
+            block_hashes=list(self.block_hashes),
+            relay=self.relay,
+            prefill_only=True,
+        )
+        if self.grammar is not None:
+            twin.grammar = self.grammar.grammar.new_state(self.grammar.max_tokens)
+            twin.grammar.sync(twin.output_token_ids)
+        return twin
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -261,7 +304,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
-        self.pull = None  # NOTE: the held blocks are released by the front; it recomputes
+        # NOTE: wherever it is placed next decides again where its prompt is computed; the
+        # blocks held for a pull are released by the front.
+        self.remote_prefill = False
+        self.pull = None
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def check_stop(self) -> RequestStatus | None:

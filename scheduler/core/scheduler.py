@@ -5,6 +5,8 @@ Every request has ``num_computed_tokens`` chasing ``num_tokens``. Each step gran
 token, an unfinished prefill takes a chunk), then waiting ones, which may start from a
 prefix-cache hit. When no block is left for a running request, the newest running request is
 preempted (its blocks freed, recomputed later) and no waiting request is admitted that step.
+A request whose prompt another executor computes is this scheduler's from its placement on
+(`kv_handoff`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from dataclasses import dataclass, field
 
 from npuserve.proto.step_plan import (
     CachedRequest,
-    KvPull,
     NewRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
 )
 from npuserve.scheduler.core.kv_cache_manager import KVCacheManager
+from npuserve.scheduler.core.kv_handoff import KvHandOff
 from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus
 from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.structured.matchers import advance_masks, step_bitmask
@@ -50,7 +52,7 @@ class StepStats:
     requests: list[Request] = field(default_factory=list)
 
 
-class Scheduler:
+class Scheduler(KvHandOff):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVCacheManager(
@@ -59,8 +61,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Prefill-only requests that ended PREFILLED: their blocks stay until `release_held`.
-        self.held: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # `kv_handoff`
+        self.awaiting: dict[str, Request] = {}
+        self.ready: deque[Request] = deque()
         # Requests the executor must drop before the next step (finished, aborted, preempted).
         self._to_drop: list[str] = []
         # NOTE: a random base, so a restarted scheduler never repeats the step id an executor
@@ -76,14 +79,21 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.awaiting) + len(self.ready)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_drop)
+        """A step to send: requests to run, or finished ones the executor must still drop."""
+        return bool(self.waiting or self.running or self._to_drop or self.ready)
+
+    def waits_on_others(self) -> bool:
+        """No step to send for them, but not done: blocks held for another executor's pull, or
+        requests reserved while another executor prefills them (`kv_handoff`; a draining
+        executor waits for these too)."""
+        return bool(self.held or self.awaiting)
 
     def add_request(self, request: Request) -> None:
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id!r}"
-        self.release_held([request.req_id])  # NOTE: placed here again: its blocks are cached
+        self._free_held(request.req_id)  # NOTE: placed here again: its blocks are cached
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -94,35 +104,35 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._take_out(request)
             self._finish(request, status)
             finished.append(request)
         return finished
 
+    def _take_out(self, request: Request) -> None:
+        """Out of the queue it is in, before it ends."""
+        status = request.status
+        if status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if self.awaiting.pop(request.req_id, None) is None:
+                self.ready.remove(request)
+        else:
+            self.waiting.remove(request)
+
     def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None:
         request.status = status
         req_id = request.req_id
-        if status is RequestStatus.PREFILLED:  # NOTE: its matcher goes on with it
+        if request.grammar is not None:
+            request.grammar.release()
+        if status is RequestStatus.PREFILLED:  # NOTE: the blocks stay for a pull (`kv_handoff`)
             num_tokens = request.num_computed_tokens
             request.pull = PrefilledBlocks("", "", self.kv.get_block_ids(req_id), num_tokens)
             self.held[req_id] = request
         else:
-            if request.grammar is not None:
-                request.grammar.release()
             self.kv.free(request, valid=valid)
         del self.requests[req_id]
         self._to_drop.append(req_id)
-
-    def release_held(self, req_ids: Iterable[str]) -> None:
-        """Frees the blocks of prefilled requests (their KV was pulled, or never will be); they
-        stay in the prefix cache. Ids not held are ignored."""
-        for req_id in req_ids:
-            request = self.held.pop(req_id, None)
-            if request is not None:
-                self.kv.free(request)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -134,7 +144,6 @@ class Scheduler:
             session=self.session,
         )
         self._to_drop = []
-        self._first_step = False
         stats = StepStats()
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -171,13 +180,19 @@ class Scheduler:
             self._grant(request, num_new, num_steps, plan, stats, scheduled, sampling)
             budget -= num_new
 
+        # NOTE: the requests whose KV is known hold their blocks already.
+        budget = self._start_pulled(plan, stats, budget, scheduled, sampling)
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
         if not stats.num_preemptions:
             self._admit(plan, stats, budget, scheduled, sampling)
 
         stats.requests = scheduled
         plan.bitmask = step_bitmask(sampling)
-        plan.block_copies = self.kv.pool.take_copies()
+        if plan.num_scheduled_tokens or plan.finished_req_ids:
+            # NOTE: only a plan that is sent; else the copies (of blocks reserved for a pull, say)
+            # and the reset go with the next one.
+            plan.block_copies = self.kv.pool.take_copies()
+            self._first_step = False
         return plan, stats
 
     def schedule_joining(self, budget: int) -> tuple[StepPlan, StepStats] | None:
@@ -212,21 +227,27 @@ class Scheduler:
         # hold a sequence slot on the executor until the next one drops them.
         max_num_seqs = self.config.max_num_seqs - (len(self._to_drop) if joining else 0)
         while self.waiting and budget > 0:
-            if len(self.running) >= max_num_seqs:
+            if self._num_admitted >= max_num_seqs:
                 break
             request = self.waiting[0]
             if joining and request.grammar is not None:
                 break
             pull = request.pull
-            if joining and pull is not None:
+            awaits_kv = request.remote_prefill and pull is None
+            if joining and (pull is not None or awaits_kv):
                 break  # NOTE: a joining step pulls nothing
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if awaits_kv:
+                if not self._reserve(request, hits, num_hit_tokens):
+                    break
+                continue
             # Tokens computed before this step: the cached prefix, or the pulled tokens.
             num_computed = num_hit_tokens if pull is None else max(num_hit_tokens, pull.num_tokens)
             num_new = min(request.num_tokens - num_computed, budget)
             if joining and num_new < request.num_tokens - num_hit_tokens:
                 break
-            if self.kv.allocate_slots(request, num_computed - num_hit_tokens + num_new, hits) is None:
+            num_slots = num_computed - num_hit_tokens + num_new
+            if self.kv.allocate_slots(request, num_slots, hits, cache_new=pull is None) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -238,31 +259,28 @@ class Scheduler:
                 self._pull(request, pull, len(hits), plan)
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            plan.new_requests.append(
-                NewRequest(
-                    req_id=request.req_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling=request.options,
-                    block_ids=self.kv.get_block_ids(request.req_id),
-                    num_computed_tokens=num_computed,
-                )
-            )
+            self._send_whole(request, plan)
             self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
             budget -= num_new
 
-    def _pull(self, request: Request, pull: PrefilledBlocks, num_hit_blocks: int, plan: StepPlan) -> None:
-        """The plan copies the prefilled blocks of ``request`` that no prefix hit here covers."""
-        num_blocks = -(-pull.num_tokens // self.config.block_size)
-        dst = self.kv.get_block_ids(request.req_id)[num_hit_blocks:num_blocks]
-        if dst:
-            src = pull.block_ids[num_hit_blocks:num_blocks]
-            plan.kv_pulls.append(KvPull(pull.address, pull.instance_id, src, dst))
+    def _send_whole(self, request: Request, plan: StepPlan) -> None:
+        """The plan sends a request that starts on the executor whole (its computed tokens
+        before this step: prefix hits, or pulled)."""
+        plan.new_requests.append(
+            NewRequest(
+                req_id=request.req_id,
+                token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=request.options,
+                block_ids=self.kv.get_block_ids(request.req_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
 
     def _may_admit(self) -> bool:
         """Whether the first waiting request may start this step: a sequence slot is free, and
         blocks for its tokens (prefix-cache hits aside, which only need fewer)."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or self._num_admitted >= self.config.max_num_seqs:
             return False
         return self.kv.pool.num_free_blocks * self.config.block_size >= self.waiting[0].num_tokens
 
@@ -270,7 +288,7 @@ class Scheduler:
         """Whether this step's token budget covers every waiting request that a sequence slot
         could take (their prompts whole, as if nothing were cached)."""
         budget = self.config.max_num_batched_tokens - len(self.running)
-        slots = self.config.max_num_seqs - len(self.running)
+        slots = self.config.max_num_seqs - self._num_admitted
         for request in self.waiting:  # NOTE: stops at the budget or at the free slots
             if slots <= 0:
                 return True
@@ -283,8 +301,9 @@ class Scheduler:
     @staticmethod
     def _may_run_ahead(request: Request) -> bool:
         """Whether a request whose last step is still in flight may be scheduled again now: not
-        when it may sample no further token, nor when its grammar must see that token first."""
-        if request.grammar is not None or request.prefill_only:
+        when it may sample no further token, nor when its grammar must see that token first, nor
+        while its pull has not landed (it may fail: `kv_handoff`)."""
+        if request.grammar is not None or request.prefill_only or request.pull is not None:
             return False
         return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
 
@@ -365,6 +384,8 @@ class Scheduler:
         passes sampled after a stop are dropped (a constrained request runs one pass)."""
         updates: list[RequestUpdate] = []
         requests, running = self.requests, RequestStatus.RUNNING
+        if plan.kv_pulls:  # NOTE: first: a request whose pull failed drops its token
+            self._pulls_landed(plan, result)
         if plan.num_steps:
             # NOTE: each request's tokens first, then its stop rules over them at once.
             by_request: dict[str, RequestUpdate] = {}
@@ -427,12 +448,10 @@ class Scheduler:
         prefix cache: their contents were never confirmed) and run again, from their prompt and
         the tokens they have, at the head of the queue; one that has run again
         `MAX_STEP_RETRIES` times already ends with an error instead (a request that fails every
-        step it is in cannot fail its neighbours' steps forever). A step that pulled blocks from
-        other executors may have failed for a source that is gone: its requests all run again,
-        none of them charged, and none pulls again. Returns (ended, retried)."""
+        step it is in cannot fail its neighbours' steps forever). A request that pulled in it
+        computes its prompt when it runs again. Returns (ended, retried)."""
         failed: list[Request] = []
         retried: list[Request] = []
-        charged = not plan.kv_pulls
         # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
         self._to_drop.extend(plan.finished_req_ids)
         self.kv.pool.undo_copies(plan.block_copies)
@@ -441,9 +460,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # queued to start over already: preempted since, or an earlier plan's
             self.running.remove(request)
-            if not charged or request.num_step_retries < MAX_STEP_RETRIES:
-                if charged:
-                    request.num_step_retries += 1
+            if request.num_step_retries < MAX_STEP_RETRIES:
+                request.num_step_retries += 1
                 self.kv.free(request, valid=False)
                 request.reset_for_recompute()
                 self._to_drop.append(req_id)  # the executor may hold it: it starts over there
@@ -457,9 +475,11 @@ class Scheduler:
     def evacuate(self) -> list[Request]:
         """Takes every unfinished request out (its executor is gone), reset to be recomputed
         elsewhere from its prompt and the tokens it has generated so far."""
-        evacuated = [*self.running, *self.waiting]
+        evacuated = [*self.running, *self.waiting, *self.awaiting.values(), *self.ready]
         self.running.clear()
         self.waiting.clear()
+        self.awaiting.clear()
+        self.ready.clear()
         for request in evacuated:
             self.kv.free(request, valid=False)
             del self.requests[request.req_id]
@@ -475,3 +495,4 @@ class Scheduler:
         if expect_idle:
             assert not self.requests, f"requests still tracked: {list(self.requests)[:8]}"
             assert not self.held, f"prefilled blocks still held: {list(self.held)[:8]}"
+            assert not (self.awaiting or self.ready), f"requests await their KV: {list(self.awaiting)[:8]}"

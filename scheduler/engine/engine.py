@@ -29,7 +29,7 @@ from npuserve.scheduler.engine import engine_probes
 from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
 from npuserve.scheduler.engine.continuation import Continuation
-from npuserve.scheduler.engine.disaggregation import Disaggregation
+from npuserve.scheduler.engine.disaggregation import Disaggregation, RemotePrefill
 from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
 from npuserve.scheduler.engine.engine_metrics import MetricsRecorder
 from npuserve.scheduler.engine.failover import FailOver
@@ -82,9 +82,8 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         self._client_of_seq: dict[str, ClientRequest] = {}  # req_id of a sequence -> its client request
         self._sequences: dict[str, Request] = {}  # req_id -> the sequence (one lookup per token)
         self._lane_of: dict[str, Lane] = {}
-        self._held: dict[str, Lane] = {}  # `disaggregation`
-        self._decode_lane_of: dict[str, Lane] = {}
-        self._aborted_in_prefill: set[str] = set()
+        self._remote: dict[str, RemotePrefill] = {}  # `disaggregation`
+        self._held: dict[str, Lane] = {}
         self.step_workers = step_workers
         # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
         self._parked: list[Request] = []
@@ -307,8 +306,6 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             return False
         for child in client.children:
             if not client.is_finished(child.req_id):
-                if child.prefill_only:
-                    self._aborted_in_prefill.add(child.req_id)
                 self._lane_of[child.req_id].finish([child.req_id], RequestStatus.FINISHED_ABORTED)
         log.info("request aborted", request_id=request_id)
         return True
@@ -323,14 +320,12 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         self._forget_if_finished(client)
 
     def _place(self, siblings: list[Request]) -> Lane:
-        """Routes requests of one client request (siblings stay together) to a live executor:
-        the one that decodes them, or first a prefill executor (`disaggregation`)."""
+        """Routes requests of one client request (siblings stay together) to the live executor
+        that decodes them; a long prompt prefills meanwhile on a prefill executor
+        (`disaggregation`)."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
         config = self.config
-        for request in siblings:  # NOTE: placed again (fail-over): decided again
-            request.prefill_only = False
-            self._forget_placement(request.req_id)
         lane = choose_lane(
             self._decode_lanes(),
             first.block_hashes,
@@ -338,9 +333,9 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             config.routing,
             config.routing_prefill_weight,
         )
-        lane = self._prefill_lane_for(siblings, lane) or lane
         # NOTE: siblings share the prompt's blocks: one prefill, counted with the first.
-        prefill = uncached_blocks(lane, first.block_hashes, num_blocks)
+        elsewhere = self._prefill_elsewhere(siblings, lane, num_blocks)
+        prefill = 0 if elsewhere else uncached_blocks(lane, first.block_hashes, num_blocks)
         for index, request in enumerate(siblings):
             self._lane_of[request.req_id] = lane
             self._unstarted[request.req_id] = (lane, num_blocks, prefill if index == 0 else 0)
@@ -416,12 +411,10 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             self._retiring.add(lane)
             self._loop.call_later(RETIRE_AFTER_S, self._retire, lane)
         if event.evacuated:
-            for request in event.evacuated:
-                self._started(request.req_id)
-                self._forget_placement(request.req_id)
-            self._fail_over(event.evacuated, event.error or "executor lost")
+            self._fail_over(self._evacuated(lane, event.evacuated), event.error or "executor lost")
         for request in event.ended:
-            self._end_outside_step(request, request.status, event.error)
+            if not self._twin_ended(lane, request):
+                self._end_outside_step(request, request.status, event.error)
         if sampled is None:
             sampled = len(event.updates), sum(len(update.new_token_ids) for update in event.updates)
         self.recorder.record_step(lane, event, *sampled)

@@ -29,7 +29,7 @@ import structlog
 
 from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, ExecutorInfo, StepPlan, StepResult
 from npuserve.scheduler.core.block_hash import BlockHash
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Prefilled, Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler, StepStats
 from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep, StepClient, down_reason, executor_is_down
@@ -186,8 +186,12 @@ class ExecutorLane:
         self._command(partial(self._finish, req_ids, status))
 
     def release_held(self, req_ids: list[str]) -> None:
-        """Frees the blocks held for prefilled requests (`Scheduler.release_held`)."""
-        self._command(partial(self.scheduler.release_held, req_ids))
+        """Frees what the lane holds for requests that go on elsewhere (`Scheduler.release_held`)."""
+        self._command(partial(self._release_held, req_ids))
+
+    def start_decode(self, prefilled: Prefilled) -> None:
+        """A request waiting here for its KV starts (`Scheduler.start_decode`)."""
+        self._command(partial(self.scheduler.start_decode, prefilled))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the lane's task between steps (e.g. an integrity check)."""
@@ -211,6 +215,12 @@ class ExecutorLane:
         for request in requests:
             self.scheduler.add_request(request)
 
+    def _release_held(self, req_ids: list[str]) -> None:
+        had_work = self.has_work
+        self.scheduler.release_held(req_ids)
+        if had_work and not self.has_work:  # NOTE: reported: a draining executor may go now
+            self.on_event(self, LaneEvent())
+
     def _finish(self, req_ids: list[str], status: RequestStatus) -> None:
         ended = self.scheduler.finish_requests(req_ids, status)
         if ended:
@@ -230,6 +240,11 @@ class ExecutorLane:
 
     @property
     def has_work(self) -> bool:
+        """A step to send or in flight, or blocks it holds for others (`Scheduler.waits_on_others`)."""
+        return self._steps_to_run or self.scheduler.waits_on_others()
+
+    @property
+    def _steps_to_run(self) -> bool:
         return bool(self._in_flight) or self.scheduler.has_work()
 
     @property
@@ -267,7 +282,7 @@ class ExecutorLane:
         busy = False
         while not self._stopping:
             self._apply_commands()
-            if not self.alive or not self.has_work:
+            if not self.alive or not self._steps_to_run:
                 if busy and self._on_idle is not None:
                     self._on_idle()
                 busy = False

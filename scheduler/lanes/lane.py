@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 
 from npuserve.proto.step_plan import StepPlan, StepResult, StepTimings
 from npuserve.scheduler.core.block_hash import BlockHash
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Prefilled, Request, RequestStatus
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler, StepStats
 
 T = TypeVar("T")
@@ -159,7 +159,14 @@ class Lane(Protocol):
     def finish(self, req_ids: list[str], status: RequestStatus) -> None: ...
 
     def release_held(self, req_ids: list[str]) -> None:
-        """Frees the blocks the lane holds for prefilled requests (pulled, or never to be)."""
+        """Frees, with no report, what the lane holds for requests that go on (or ended)
+        elsewhere: prefilled blocks (pulled, or never to be), or requests of its own no longer
+        wanted here (`Scheduler.release_held`)."""
+        ...
+
+    def start_decode(self, prefilled: Prefilled) -> None:
+        """A request waiting here for its KV (`Request.remote_prefill`) starts: it pulls it from
+        where it was prefilled, or computes it (`Scheduler.start_decode`)."""
         ...
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:

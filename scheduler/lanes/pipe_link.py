@@ -48,7 +48,7 @@ class FrameReader:
     def __init__(self) -> None:
         self.buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[bytes]:
         buffer = self.buffer
         buffer += data
         payloads, start = [], 0
@@ -92,6 +92,10 @@ class PipeLink(Generic[Out, In]):
         self._sending = True  # until `close`, or a write fails
         self._gone = False
         self._reader = FrameReader()
+        # NOTE: read into one buffer kept for the link's life: `os.read` of READ_CHUNK bytes
+        # allocates that much for every read (past malloc's mmap threshold: an mmap, a mremap to
+        # the size read, and a munmap once handled, each a system call).
+        self._read_view = memoryview(bytearray(READ_CHUNK))
 
     def _on_loop(self) -> bool:
         return _get_running_loop() is self.loop
@@ -200,16 +204,17 @@ class PipeLink(Generic[Out, In]):
         self._stop_sending()
 
     def _readable(self) -> None:
+        view = self._read_view
         try:
-            data = os.read(self._fd, READ_CHUNK)
+            size = os.readv(self._fd, [view])
         except BlockingIOError:
             return
         except OSError:
-            data = b""
-        if not data:
+            size = 0
+        if not size:
             self._closed()
             return
-        for payload in self._reader.feed(data):
+        for payload in self._reader.feed(view[:size]):
             self._on_batch(pickle.loads(payload))
             if self._gone:
                 return

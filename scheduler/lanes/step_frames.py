@@ -281,13 +281,18 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
     for req_id, status_value, num_output in report.ended:
         request = request_of(req_id)
         if request is not None:
-            count_direct_tokens(request, num_output)
+            # NOTE: a worker may hold fewer: a request that waited there for its KV, ended before
+            # the token sampled where it prefilled reached it.
+            count_direct_tokens(request, max(num_output, len(request.output_token_ids)))
             request.status = RequestStatus(status_value)
             event.ended.append(request)
     for req_id, output_token_ids, output_logprobs in report.evacuated:
         request = request_of(req_id)
         if request is not None:
-            request.take_output(output_token_ids, output_logprobs)
+            # NOTE: one that waited there for its KV may have left before the token sampled where
+            # it prefilled reached it: the front's copy holds that one.
+            if len(output_token_ids) >= request.num_output_tokens:
+                request.take_output(output_token_ids, output_logprobs)
             request.reset_for_recompute()
             event.evacuated.append(request)
     if report.stats is not None:

@@ -56,6 +56,7 @@ from npuserve.scheduler.lanes.worker_messages import (
     FrontToWorker,
     OpenLane,
     ReleaseHeld,
+    StartDecode,
     StopLane,
     SubmitRequests,
     TakeLaneDown,
@@ -160,6 +161,9 @@ class StepWorker:
                 case ReleaseHeld(lane_key=lane_key, req_ids=req_ids):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.release_held(req_ids)
+                case StartDecode(lane_key=lane_key, prefilled=prefilled):
+                    if (lane := lanes.get(lane_key)) is not None:
+                        lane.start_decode(prefilled)
                 case TakeLaneDown(lane_key=lane_key, reason=reason):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.take_down(reason)

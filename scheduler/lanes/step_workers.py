@@ -29,7 +29,7 @@ from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.proto.step_plan import ExecutorInfo
 from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.block_pool import NOT_CACHED
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Prefilled, Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.executor_client import ClientSpec
@@ -46,6 +46,7 @@ from npuserve.scheduler.lanes.worker_messages import (
     FrontToWorker,
     OpenLane,
     ReleaseHeld,
+    StartDecode,
     StopLane,
     SubmitRequests,
     TakeLaneDown,
@@ -155,6 +156,9 @@ class RemoteLane:
 
     def release_held(self, req_ids: list[str]) -> None:
         self.worker.send(ReleaseHeld(self.key, req_ids))
+
+    def start_decode(self, prefilled: Prefilled) -> None:
+        self.worker.send(StartDecode(self.key, prefilled))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the worker's lane, between steps; ``fn`` must pickle (a

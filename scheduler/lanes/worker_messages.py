@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Prefilled, Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler
 from npuserve.scheduler.lanes.step_frames import LaneReport
 
@@ -50,10 +50,20 @@ class FinishRequests:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseHeld:
-    """Frees the blocks the lane holds for prefilled requests (`Scheduler.release_held`)."""
+    """Frees what the lane holds for requests that go on, or ended, elsewhere: prefilled blocks,
+    or requests of its own no longer wanted there (`Scheduler.release_held`)."""
 
     lane_key: str
     req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class StartDecode:
+    """A request waiting in the lane for its KV was prefilled elsewhere: it pulls it, or computes
+    it there (`Scheduler.start_decode`)."""
+
+    lane_key: str
+    prefilled: Prefilled
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,7 @@ FrontToWorker = (
     | SubmitRequests
     | FinishRequests
     | ReleaseHeld
+    | StartDecode
     | TakeLaneDown
     | StopLane
     | CallLane

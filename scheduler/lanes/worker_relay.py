@@ -92,6 +92,7 @@ class WorkerRelay:
             lane.alive = False
             if engine.lanes.get(lane.executor_id) is lane:
                 del engine.lanes[lane.executor_id]
+        engine._prefill_lanes_lost(lost_set)  # NOTE: their twins; the requests they decode move below
         requests = []
         for req_id, placed in list(engine._lane_of.items()):
             request = engine._sequences.get(req_id)

@@ -94,7 +94,7 @@ class IncrementalDetokenizer:
         self._run_valid = False  # the run is a valid start of UTF-8 text: it may still decode
         self._stop_str: str | None = None
         self._finished = False
-        self._prime(list(prompt_token_ids))
+        self._prime(prompt_token_ids)
 
     @property
     def stop_str(self) -> str | None:
@@ -118,7 +118,7 @@ class IncrementalDetokenizer:
         elif len(new_token_ids) == 1:  # nothing is held back: the text goes out as it comes
             text = self._next_text(new_token_ids[0])
         else:
-            text = "".join([self._next_text(token_id) for token_id in new_token_ids])
+            text = self._next_texts(new_token_ids)
         if self._prefix_offset >= COMPACT_AFTER_TOKENS:
             self._compact()
         return DetokenizerUpdate(text, None, len(new_token_ids))
@@ -140,22 +140,40 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _prime(self, prompt: list[int]) -> None:
+    def _prime(self, prompt: Sequence[int]) -> None:
         """Puts the prompt's last ids in the window so the first output ids decode in context."""
         start = max(0, len(prompt) - INITIAL_CONTEXT_TOKENS)
-        ids = prompt[start:]
+        ids = list(prompt[start:])
+        if self._plain_window(ids):
+            # Its text is whole and non-empty, and is decoded only if it is needed (as a window
+            # that `_decode_step` leaves ending in a plain token).
+            self._ids, self._read_offset = ids, len(ids)
+            self._prefix_text, self._steady = None, True
+            return
         text = self._decode(ids)
         # NOTE: the window's text must not be empty (a sentencepiece decoder would then strip the
         # first output token's leading space) nor start inside a multi-byte character; if it does,
         # reach twice as far back.
         while start > 0 and (not text or text.startswith(REPLACEMENT_CHAR)):
             start = max(0, len(prompt) - 2 * (len(prompt) - start))
-            ids = prompt[start:]
+            ids = list(prompt[start:])
             text = self._decode(ids)
         self._ids = ids
         self._read_offset, text = self._complete_chars_end(ids, text)
         self._prefix_text = text
         self._steady = self._read_offset == len(ids) and _ends_whole(text)
+
+    def _plain_window(self, ids: list[int]) -> bool:
+        """Whether every one of `ids` (at least one) has a stream piece, the first one a non-empty
+        text alone: then their text is that, followed by the others' pieces (`stream_pieces`),
+        whole and non-empty, and the window needs no decoding to start."""
+        pieces = self._pieces
+        if pieces is None or not ids:
+            return False
+        first = pieces[ids[0]]
+        if not isinstance(first, tuple) or not first[1]:
+            return False
+        return all(isinstance(pieces[token_id], tuple) for token_id in ids[1:])
 
     def _complete_chars_end(self, ids: list[int], text: str) -> tuple[int, str]:
         """How many of `ids` (whose text is ``text``) end on a whole character, and their text:
@@ -167,6 +185,32 @@ class IncrementalDetokenizer:
             if not head.endswith(REPLACEMENT_CHAR):
                 return len(ids) - back, head
         return len(ids), text
+
+    def _next_texts(self, new_token_ids: Sequence[int]) -> str:
+        """`_next_text` of each id in turn, joined (a multi-step update carries several ids): its
+        usual cases, a plain token in a steady window and an id after held bytes, inline."""
+        pieces = self._pieces
+        if pieces is None:
+            return "".join([self._next_text(token_id) for token_id in new_token_ids])
+        ids = self._ids
+        texts = []
+        for token_id in new_token_ids:
+            if self._steady:
+                piece = pieces[token_id]
+                if isinstance(piece, tuple):
+                    ids.append(token_id)
+                    self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+                    texts.append(piece[0])
+                    self._prefix_text = piece[1]
+                    if not piece[1]:
+                        self._steady = False
+                    continue
+            elif (run := self._run) is not None:
+                ids.append(token_id)
+                texts.append(self._next_in_run(run, token_id, pieces))
+                continue
+            texts.append(self._next_text(token_id))
+        return "".join(texts)
 
     def _next_text(self, token_id: int) -> str:
         """Adds one id to the window; returns the text it adds (see `_decode_step`)."""

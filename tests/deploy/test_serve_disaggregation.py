@@ -1,21 +1,32 @@
 """`npuserve serve --prefill-executors 1`: prefill/decode disaggregation in real processes, the
 KV of every prompt pulled over gRPC from the prefill executor by the decode one; greedy outputs
-equal transformers' (as colocated serving's do: tests/deploy/test_serve.py)."""
+equal transformers' (as colocated serving's do: tests/deploy/test_serve.py), and a constrained
+request's equal its colocated run's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from harness.reference import transformers_greedy
-from harness.serve import generate_concurrently, greedy_request, run_streams, serve, serve_child
-from prometheus_client.parser import text_string_to_metric_families
+from harness.serve import (
+    generate_concurrently,
+    greedy_request,
+    metric_by_role,
+    run_streams,
+    serve,
+    serve_child,
+)
 
 from npuserve.proto import scheduler_pb2 as pb
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.scheduler.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # `npuserve serve` in processes of its own
 
@@ -23,18 +34,14 @@ transformers = pytest.importorskip("transformers")
 
 NUM_STREAMS = 32
 NUM_NEW = 12
-
-
-def by_role(text: str, name: str, **labels: str) -> dict[str, float]:
-    """A per-executor series of the scheduler's metrics (those samples with ``labels``), by the
-    executor's role."""
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-    role_of = {s.labels["executor"]: s.labels["role"] for s in samples if s.name == "npuserve:executor_info"}
-    return {
-        role_of[s.labels["executor"]]: s.value
-        for s in samples
-        if s.name == name and labels.items() <= s.labels.items()
-    }
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 3, "maxLength": 12},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "pets"],
+}
 
 
 def test_every_prompt_prefills_on_the_prefill_executor_and_decodes_on_the_other(stories_dir: Path) -> None:
@@ -48,16 +55,39 @@ def test_every_prompt_prefills_on_the_prefill_executor_and_decodes_on_the_other(
         results = generate_concurrently(stub, [greedy_request(p, NUM_NEW) for p in prompt_ids])
         assert [tokens for tokens, _, _ in results] == expected
         text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
-        prompt_tokens = by_role(text, "npuserve:executor_prompt_tokens_total")
+        prompt_tokens = metric_by_role(text, "npuserve:executor_prompt_tokens_total")
         cached = served.metric("vllm:prefix_cache_hits_total")
         assert prompt_tokens["decode"] == 0 and prompt_tokens["prefill"] + cached >= sum(lengths)
-        sampled = by_role(text, "npuserve:executor_generation_tokens_total")
+        sampled = metric_by_role(text, "npuserve:executor_generation_tokens_total")
         assert sampled == {"prefill": NUM_STREAMS, "decode": NUM_STREAMS * (NUM_NEW - 1)}
-        pulled = by_role(text, "npuserve:kv_transfer_bytes_total", kind="executor")
+        pulled = metric_by_role(text, "npuserve:kv_transfer_bytes_total", kind="executor")
         assert pulled["decode"] > 0 and not pulled.get("prefill")
+
+        # A JSON-schema constrained request, greedy: its first token sampled under its grammar on
+        # the prefill executor, the rest on the decode executor's matcher (rebuilt by its scheduler
+        # worker). Asked with n=2, it runs colocated there (siblings share one prefill on the lane
+        # that decodes them): each choice is what colocated serving gives.
+        constraint = pb.StructuredOutputs(json_schema=json.dumps(SCHEMA))
+        prompt = torch.randint(3, 512, (40,), generator=generator).tolist()
+        (handed_off,) = choices(stub, greedy_request(prompt, 64, structured_outputs=constraint))
+        colocated = choices(stub, greedy_request(prompt, 64, structured_outputs=constraint, n=2))
+        assert colocated == [handed_off, handed_off]
+        jsonschema.validate(json.loads(Tokenizer.from_pretrained(stories_dir).decode(handed_off)), SCHEMA)
+        text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+        assert metric_by_role(text, "npuserve:executor_generation_tokens_total")["prefill"] == NUM_STREAMS + 1
         check = served.integrity(expect_idle=True)
         assert check.ok, check.message
         assert all(e.num_requests == 0 and e.num_free_blocks == e.num_blocks for e in check.executors)
+
+
+def choices(stub: pb_grpc.SchedulerStub, request: pb.GenerateRequest) -> list[list[int]]:
+    """Each choice's tokens, the request streamed to its end (each ends as its constraint stops it)."""
+    tokens: dict[int, list[int]] = {}
+    for response in stub.Generate(request, timeout=120):
+        for completion in response.completions:
+            tokens.setdefault(completion.index, []).extend(completion.token_ids)
+            assert completion.finish_reason in ("", "stop"), completion
+    return [tokens[index] for index in sorted(tokens)]
 
 
 @pytest.mark.parametrize("killed", ["executor-0", "executor-1"])

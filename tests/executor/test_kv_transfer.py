@@ -2,7 +2,8 @@
 two real executor processes on loopback that require a cluster token: a prompt prefilled on A
 continues on B, as a new request whose prompt B does not compute, from A's blocks pulled into
 B's own, and B's greedy tokens are those of the whole request on one runner. `ReadBlocks`
-needs the token and refuses ids out of range; both executors serve on after any refusal."""
+needs the token and refuses ids out of range and a puller of another tensor-parallel size; both
+executors serve on after any refusal."""
 
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ from harness.step_driver import DrivenRequest, StepDriver
 
 from npuserve.executor.config import ExecutorConfig
 from npuserve.executor.kv_cache import block_bytes
-from npuserve.executor.layers import TensorParallel
+from npuserve.executor.kv_transfer import ReadBlocksClient
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.rpc_status import KvPullFailed
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto.kv_layout import cdiv
-from npuserve.proto.plan_checks import PlanError
 from npuserve.proto.step_plan import (
     KV_TRANSFER_EXECUTOR,
     KvPull,
@@ -115,12 +115,19 @@ def decode(
 
 
 def read(
-    address: str, block_ids: list[int], token: str | None = TOKEN, instance_id: str = ""
+    address: str,
+    block_ids: list[int],
+    token: str | None = TOKEN,
+    instance_id: str = "",
+    tensor_parallel_size: int = 0,
 ) -> list[pb.BlockChunk]:
-    """`ReadBlocks` called directly, presenting ``token``."""
+    """`ReadBlocks` called directly, presenting ``token``, for a puller of
+    ``tensor_parallel_size`` ranks (0: unsaid)."""
     with grpc.insecure_channel(address) as channel:
         metadata = [("authorization", f"Bearer {token}")] if token else None
-        request = pb.ReadBlocksRequest(block_ids=block_ids, instance_id=instance_id)
+        request = pb.ReadBlocksRequest(
+            block_ids=block_ids, instance_id=instance_id, tensor_parallel_size=tensor_parallel_size
+        )
         return list(pb_grpc.ExecutorStub(channel).ReadBlocks(request, timeout=10, metadata=metadata))
 
 
@@ -175,15 +182,19 @@ def test_reads_need_the_cluster_token(pair: Pair, local: ModelRunner) -> None:
     unauthenticated = grpc.StatusCode.UNAUTHENTICATED
     assert "requires the cluster token" in refused(unauthenticated, read, pair.a, [1], token=None)
     assert "does not match" in refused(unauthenticated, read, pair.a, [1], token="wrong")
-    # A puller without the token fails its step, and holds none of the step's requests after.
+    # A puller without the token fails that pull: its step runs on, and names the request.
+    pull = KvPull(pair.a, "", A_BLOCKS[:1], [5], "tokenless")
+    with pytest.raises(KvPullFailed, match="UNAUTHENTICATED"):
+        list(ReadBlocksClient().read(pull))
     plan = StepPlan(
         step_id=next(_step_ids),
         new_requests=[NewRequest("tokenless", PROMPT[:17], 16, GREEDY, [5, 6], 16)],
         num_scheduled_tokens={"tokenless": 1},
-        kv_pulls=[KvPull(pair.a, "", A_BLOCKS[:1], [5])],
+        kv_pulls=[pull],
     )
-    with pytest.raises(KvPullFailed, match="UNAUTHENTICATED"):
-        local.execute(plan)
+    result = local.execute(plan)
+    assert result.failed_pull_req_ids == ["tokenless"] == result.sampled_req_ids
+    local.execute(StepPlan(step_id=next(_step_ids), finished_req_ids=["tokenless"]))
     assert local.num_requests == 0
 
 
@@ -200,16 +211,13 @@ def test_bad_reads_are_refused_and_both_executors_serve_on(pair: Pair, expected:
             (layer, 0, 2) for layer in range(len(chunks))
         ]
 
-        # The puller fails the step as ABORTED, the source's refusal in its message, and serves on.
+        # A refused pull fails its request only: the step runs on and names it, and B serves on.
         first = prefill(on_a, "source")
         request = continued("refused", first, [5, 6, 7])
-        for src, instance_id, refusal in (
-            ([3, num_blocks], on_a.instance_id, "INVALID_ARGUMENT"),
-            ([3, 4], "gone", "UNAVAILABLE"),
-        ):
-            pull = KvPull(pair.a, instance_id, src, [5, 6])
-            message = failed("ABORTED", first_decode, on_b, request, [pull])
-            assert refusal in message and pair.a in message
+        for src, instance_id in (([3, num_blocks], on_a.instance_id), ([3, 4], "gone")):
+            pull = KvPull(pair.a, instance_id, src, [5, 6], "refused")
+            assert first_decode(on_b, request, [pull]).failed_pull_req_ids == ["refused"]
+            run(on_b, finished_req_ids=["refused"])
         # A pull into a block B does not have is B's plan error, refused before anything moves.
         pull = KvPull(pair.a, on_a.instance_id, A_BLOCKS, [5, 6, num_blocks])
         message = failed("INVALID_ARGUMENT", first_decode, on_b, request, [pull])
@@ -221,19 +229,15 @@ def test_bad_reads_are_refused_and_both_executors_serve_on(pair: Pair, expected:
     assert tokens == expected
 
 
-def test_a_tensor_parallel_runner_refuses_pulls_and_reads(
-    local: ModelRunner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each rank holds a shard of every block; moving the shards is not built, and says so."""
-    monkeypatch.setattr(local, "tp", TensorParallel(rank=0, size=2))
-    plan = StepPlan(
-        step_id=next(_step_ids),
-        new_requests=[NewRequest("sharded", PROMPT[:17], 16, GREEDY, [5, 6], 16)],
-        num_scheduled_tokens={"sharded": 1},
-        kv_pulls=[KvPull("127.0.0.1:1", "", [3], [5])],
-    )
-    with pytest.raises(PlanError, match="tensor-parallel size 1 only"):
-        local.execute(plan)
-    with pytest.raises(PlanError, match="tensor-parallel size 1 only"):
-        local.read_blocks([3])
-    assert local.num_requests == 0
+def test_a_source_refuses_a_puller_of_another_tensor_parallel_size(pair: Pair) -> None:
+    """Each rank of a group holds a shard of every block (tests/executor/test_kv_transfer_group.py
+    moves them rank to rank): a pull between executors of two sizes fails, with the reason."""
+    details = refused(grpc.StatusCode.INVALID_ARGUMENT, read, pair.a, [3], tensor_parallel_size=2)
+    assert "tensor-parallel size 2 from one of size 1" in details
+    client = ReadBlocksClient(TOKEN)
+    with pytest.raises(
+        KvPullFailed, match=f"kv pull from {pair.a}: INVALID_ARGUMENT: .* same --tensor-parallel-size"
+    ):
+        list(client.read(KvPull(pair.a, "", [3], [5]), tensor_parallel_size=2))
+    client.close()
+    assert len(read(pair.a, [3], tensor_parallel_size=1)) == len(read(pair.a, [3]))

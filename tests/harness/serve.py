@@ -423,3 +423,15 @@ def worker_pids(scheduler: Proc) -> dict[int, int]:
 
 def api_pids(scheduler: Proc) -> dict[int, int]:
     return started_pids(scheduler, "api server process started", "index")
+
+
+def metric_by_role(text: str, name: str, **labels: str) -> dict[str, float]:
+    """A per-executor series of the scheduler's metrics ``text`` (the samples of ``name`` with
+    ``labels``), by the executor's role (`npuserve:executor_info`)."""
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    role_of = {s.labels["executor"]: s.labels["role"] for s in samples if s.name == "npuserve:executor_info"}
+    return {
+        role_of[s.labels["executor"]]: s.value
+        for s in samples
+        if s.name == name and labels.items() <= s.labels.items()
+    }

@@ -71,9 +71,10 @@ class ControlledExecutor(InProcessClient):
         source address of the blocks they pull from it)."""
         self.simulated = runner
         self.role = role
-        # The executors its steps pull from, by address: a pull from one that is gone fails the
-        # step as ABORTED, as `executor.kv_transfer` does.
+        # The executors its steps pull from, by address: a pull from one that is gone, or whose
+        # reads fail (``refuses_reads``), fails that pull's request only, as `ModelRunner` does.
         self.peers: dict[str, ControlledExecutor] = {}
+        self.refuses_reads = False
         self.pause_at, self.fail_at, self.code = pause_at, fail_at, code
         self.num_steps = 0
         self.paused = threading.Event()  # set while a step waits for `resume`
@@ -103,12 +104,31 @@ class ControlledExecutor(InProcessClient):
             if self.code == "UNAVAILABLE":
                 self.answers_health = False
             raise ExecutorError(self.code, "injected failure")
-        for pull in plan.kv_pulls:
-            if not self.peers[pull.address].answers_health:
-                raise ExecutorError("ABORTED", f"kv pull from {pull.address}: the source is gone")
+        failed = [
+            pull.req_id
+            for pull in plan.kv_pulls
+            if not (source := self.peers[pull.address]).answers_health or source.refuses_reads
+        ]
+        if failed:  # NOTE: the step runs on; the answer holding their tokens names them
+            plan = replace(plan, kv_pulls=[pull for pull in plan.kv_pulls if pull.req_id not in failed])
+            on_first_pass = _naming_failed_pulls(on_first_pass, failed)
         result = self.simulated.execute(plan, on_first_pass, joining)
+        result.failed_pull_req_ids = [r for r in failed if r in result.sampled_req_ids]
         result.draining = self.draining
         return result
+
+
+def _naming_failed_pulls(on_first_pass: FirstPassAnswer | None, failed: list[str]) -> FirstPassAnswer | None:
+    """``on_first_pass``, whose early answers name the requests of ``failed`` they hold."""
+    if on_first_pass is None:
+        return None
+    answer = on_first_pass
+
+    def named(early: StepResult) -> None:
+        early.failed_pull_req_ids = [r for r in failed if r in early.sampled_req_ids]
+        answer(early)
+
+    return named
 
 
 @dataclass

@@ -90,20 +90,24 @@ def test_empty_plan_and_empty_result_round_trip() -> None:
 
 def test_block_copies_and_pulls_travel_in_order() -> None:
     """A plan's copies to and from the host tier, and its pulls from other executors (one
-    source unnamed by instance), in order; a result's KV transfers by kind."""
+    source unnamed by instance), each for its request, in order; a result's KV transfers by
+    kind, and the requests whose pull failed."""
     plan = dataclasses.replace(
         _mixed_plan(),
         block_copies=[BlockCopy(True, 5, 0), BlockCopy(False, 3, 9)],
         kv_pulls=[
-            KvPull("10.0.0.7:50061", "f00d", [7, 2, 30], [17, 3, 12]),
-            KvPull("[::1]:50062", "", [4], [8]),
+            KvPull("10.0.0.7:50061", "f00d", [7, 2, 30], [17, 3, 12], "a"),
+            KvPull("[::1]:50062", "", [4], [8], "b"),
         ],
     )
     assert _wire_plan(plan) == plan
     timings = StepTimings(
         total_s=0.5, kv_transfers=[KvTransfer("host_tier", 4096, 0.25), KvTransfer("executor", 2**40, 0.125)]
     )
-    result = StepResult(step_id=3, timings=timings)
+    result = StepResult(
+        step_id=3, sampled_req_ids=["a"], sampled_token_ids=[5], logprobs=[None], timings=timings
+    )
+    result.failed_pull_req_ids = ["a"]
     assert _wire_result(result) == result
 
 
@@ -134,8 +138,11 @@ def test_the_first_pass_only_requests_are_taken_out_of_a_result() -> None:
     assert not StepPlan(1, num_scheduled_tokens={"a": 1, "new": 5}).has_first_pass_only
     asked = TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[7], top_logprobs=[-0.5])
     result = StepResult(1, ["a", "new", "b", "other"], [8, 7, 9, 3], [None, asked, None, None])
+    result.failed_pull_req_ids = ["new"]  # a pulled request runs the first pass only
     early = take_first_pass_only(result, plan.num_steps)
-    assert early == StepResult(1, ["new", "other"], [7, 3], [asked, None], partial=True)
+    assert early == StepResult(
+        1, ["new", "other"], [7, 3], [asked, None], partial=True, failed_pull_req_ids=["new"]
+    )
     assert result == StepResult(1, ["a", "b"], [8, 9], [None, None])
 
 

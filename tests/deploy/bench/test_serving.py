@@ -315,3 +315,15 @@ def test_grpc_mode_launches_serve_and_counts_every_token(
     (row,) = json.loads(out.read_text())["variants"]
     assert (row["variant"], row["num_failed"], row["output_tokens"]) == ("grpc", 0, 16)
     assert row["ttft_mean_ms"] > 0
+
+
+def test_a_presets_tokenizer_is_one_the_grammar_compiler_reads(tmp_path: Path) -> None:
+    """Else the scheduler's grammar worker fails to start, and starts again every few seconds
+    while the bench runs."""
+    import llguidance
+
+    from npuserve.scheduler.structured.grammar_compiler import grammar_tokenizer_json
+
+    model = benchmark.materialise_preset("llama-150m", tmp_path, seed=0)
+    tokenizer_json = grammar_tokenizer_json((model / "tokenizer.json").read_text())
+    assert llguidance.LLTokenizer(tokenizer_json, n_vocab=32000, eos_token=2) is not None

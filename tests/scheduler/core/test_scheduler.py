@@ -18,7 +18,13 @@ from harness.step_driver import OneJoiningStep
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import KvPull, NewRequest, StepPlan, StepResult, admits_only
 from npuserve.proto.structured_outputs import StructuredOutputs
-from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus, SamplingParams
+from npuserve.scheduler.core.request import (
+    Prefilled,
+    PrefilledBlocks,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from npuserve.scheduler.core.scheduler import RequestUpdate, Scheduler
 from npuserve.scheduler.core.scheduler_config import SchedulerConfig
 from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler
@@ -911,61 +917,84 @@ def test_multi_step_goes_on_while_waiting_requests_cannot_start() -> None:
     assert [len(run.outputs[r]) for r in "abc"] == [9, 9, 2]
 
 
-def test_a_prefill_only_request_ends_with_its_blocks_held_and_another_scheduler_pulls_them() -> None:
-    """Prefill/decode disaggregation, one scheduler per side: the prefill side samples the first
-    token and holds the request's blocks (PREFILLED) until released; the decode side admits it
-    with the prompt counted as computed, pulling the blocks its prefix cache lacks, and the
-    outputs are those of a request that ran on one side alone."""
+def test_a_prefilled_request_decodes_on_another_scheduler_that_reserved_its_blocks() -> None:
+    """Prefill/decode disaggregation, one scheduler per side (`kv_handoff`): the decode side
+    takes the request at once (its blocks, its own prefix hits among them, and a sequence slot)
+    but schedules nothing for it; the prefill side, its twin, samples the first token and holds
+    its blocks (PREFILLED) until released. Told where the KV is, the decode side pulls the blocks
+    its hits lack, into the blocks it reserved, and the outputs are those of a request that ran
+    on one side alone."""
     prompt = prompt_of(14)
-    prefill = new_run(num_blocks=32)
+    decode = new_run(num_blocks=32, max_num_seqs=2)
+    decode.scheduler.add_request(make_request("c", [*prompt[:8], 99], max_tokens=1))
+    decode.until_done()  # the prompt's first two blocks are cached on the decode side
     request = make_request("a", prompt, max_tokens=4)
-    request.prefill_only = True
-    prefill.scheduler.add_request(request)
+    request.remote_prefill = True
+    twin = request.prefill_twin()
+    decode.scheduler.add_request(request)
+    decode.scheduler.add_request(make_request("d", prompt_of(6, seed=1), max_tokens=8))
+    plan = decode.step()  # "a" reserved, "d" takes the last sequence slot
+    assert plan.num_scheduled_tokens == {"d": 6} and not plan.kv_pulls
+    reserved = decode.scheduler.kv.get_block_ids("a")
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS and len(reserved) == 4
+    assert decode.scheduler.num_unfinished == 2 and decode.scheduler.waits_on_others()
+    decode.scheduler.add_request(make_request("e", prompt_of(5, seed=2), max_tokens=1))
+    decode.step()
+    assert [r.req_id for r in decode.scheduler.waiting] == ["e"]  # no slot: "a" holds one
+
+    prefill = new_run(num_blocks=32)
+    prefill.scheduler.add_request(twin)
     prefill.step()
     (update,) = prefill.updates[-1]
-    assert update.finished is RequestStatus.PREFILLED and request.output_token_ids == [
-        output_token(1, "a", 14)
-    ]
-    assert request.pull is not None and (request.pull.block_ids, request.pull.num_tokens) == (
-        [1, 2, 3, 4],
-        14,
-    )
-    assert prefill.scheduler.held == {"a": request} and not prefill.scheduler.requests
+    assert update.finished is RequestStatus.PREFILLED and twin.output_token_ids == [output_token(1, "a", 14)]
+    assert twin.pull is not None and (twin.pull.block_ids, twin.pull.num_tokens) == ([1, 2, 3, 4], 14)
+    assert prefill.scheduler.held == {"a": twin} and not prefill.scheduler.requests
+    assert prefill.scheduler.waits_on_others()  # a draining executor waits for the pull
     with pytest.raises(AssertionError, match="in use"):
         prefill.scheduler.check_integrity(expect_idle=True)
 
-    decode = new_run(num_blocks=32)
-    decode.scheduler.add_request(make_request("c", [*prompt[:8], 99], max_tokens=1))
-    decode.until_done()  # the prompt's first two blocks are cached on the decode side
-    pulled = replace(request.pull, address="prefill:1", instance_id="i")
-    request.prefill_only = False
-    request.reset_for_recompute()
-    request.pull = pulled
-    decode.scheduler.add_request(request)
+    pull = replace(twin.pull, address="prefill:1", instance_id="i")
+    decode.scheduler.start_decode(Prefilled("a", pull, twin.output_token_ids, twin.output_logprobs, 0))
     plan = decode.step()
-    (new,) = plan.new_requests
-    assert new.num_computed_tokens == 14 and plan.num_scheduled_tokens == {"a": 1}
-    assert plan.kv_pulls == [KvPull("prefill:1", "i", [3, 4], new.block_ids[2:4])]
+    new = next(n for n in plan.new_requests if n.req_id == "a")
+    assert new.num_computed_tokens == 14 and plan.num_scheduled_tokens["a"] == 1
+    assert new.block_ids == reserved
+    assert plan.kv_pulls == [KvPull("prefill:1", "i", [3, 4], reserved[2:4], "a")]
     assert decode.executor.runner.num_pulled_blocks == 2
     prefill.scheduler.release_held(["a"])
     prefill.scheduler.check_integrity(expect_idle=True)
     decode.until_done()
     assert decode.outputs["a"] == [output_token(k, "a", 14) for k in range(1, 5)]
+    # The pulled blocks joined the prefix cache once their step landed.
+    assert decode.scheduler.kv.get_computed_blocks(make_request("f", prompt))[1] == 12
 
 
-def test_a_failed_step_that_pulled_charges_no_retry_and_its_request_computes_its_tokens() -> None:
-    """A pull's source may be gone: the step's requests all run again, none charged for it, and
-    the one that pulled computes its prompt instead."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=4))
+def test_a_failed_pull_fails_its_request_only_which_computes_its_prompt() -> None:
+    """The step runs on; the request whose pull failed drops the token sampled over its blocks,
+    gives them back (none was registered in the prefix cache) and computes its prompt from the
+    head of the queue; the other request of the step keeps its token."""
+    run = new_run(num_blocks=32)
     pulled = make_request("a", prompt_of(14), max_tokens=4)
-    pulled.append_output(7, None)  # its first token, sampled on the prefill side
-    pulled.pull = PrefilledBlocks("prefill:1", "", [1, 2, 3, 4], 14)
-    scheduler.add_request(pulled)
-    scheduler.add_request(make_request("b", prompt_of(6, seed=1), max_tokens=4))
-    plan, _ = scheduler.schedule()
-    assert plan.kv_pulls and set(plan.num_scheduled_tokens) == {"a", "b"}
-    failed, retried = scheduler.fail_step(plan)
-    assert not failed and {r.req_id for r in retried} == {"a", "b"}
-    assert all(r.num_step_retries == 0 for r in retried) and pulled.pull is None
-    plan, _ = scheduler.schedule()
-    assert not plan.kv_pulls and plan.num_scheduled_tokens == {"a": 15, "b": 6}
+    pulled.remote_prefill = True
+    run.scheduler.add_request(pulled)
+    run.step()
+    first = output_token(1, "a", 14)
+    source = PrefilledBlocks("prefill:1", "", [1, 2, 3, 4], 14)
+    run.scheduler.start_decode(Prefilled("a", source, [first], [None], 0))
+    run.scheduler.add_request(make_request("b", prompt_of(6, seed=1), max_tokens=4))
+    plan, _ = run.scheduler.schedule()
+    assert [p.req_id for p in plan.kv_pulls] == ["a"] and set(plan.num_scheduled_tokens) == {"a", "b"}
+    run.executor.check(plan)
+    result = run.executor.runner.execute(plan)
+    result.failed_pull_req_ids = ["a"]
+    run.executor._sent_after(plan, result)
+    updates = run.scheduler.update_from_output(plan, result)
+    assert [u.request.req_id for u in updates] == ["b"]
+    assert pulled.status is RequestStatus.WAITING and pulled.pull is None and not pulled.remote_prefill
+    assert pulled.output_token_ids == [first] and run.scheduler.waiting[0] is pulled
+    assert run.scheduler.kv.get_computed_blocks(make_request("c", prompt_of(14)))[1] == 0
+    plan = run.step()
+    assert plan.finished_req_ids == ["a"] and not plan.kv_pulls
+    assert plan.num_scheduled_tokens == {"b": 1, "a": 15}
+    run.until_done()
+    assert run.outputs["a"] == [first, *(output_token(k, "a", 14) for k in range(2, 5))]

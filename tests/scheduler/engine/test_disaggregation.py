@@ -1,28 +1,56 @@
 """Prefill/decode disaggregation through the engine over simulated executors: a prompt longer
-than --max-local-prefill-length prefills on the prefill executor (its first token sampled there)
-and decodes on a decode executor, which pulls its blocks; shorter ones stay where they decode.
-Every stream has exactly its tokens, whichever executor fails; every pool ends idle (the
-blocks held for the pulls included)."""
+than --max-local-prefill-length waits on a decode executor, its blocks reserved there, while it
+prefills on the prefill executor (its first token sampled there); the decode executor then pulls
+its blocks and decodes it. Shorter ones stay where they decode. Every stream has exactly its
+tokens, whichever executor or pull fails; every pool ends idle (the blocks held for the pulls,
+and those reserved for them, included)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
-from harness.simulated_engine import SimulatedEngine, generate, simulated_engine
+from harness.simulated_engine import Collected, SimulatedEngine, generate, simulated_engine
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.proto.step_plan import EXECUTOR_ROLE_DECODE, EXECUTOR_ROLE_PREFILL
+from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
 ROLES = {"e0": EXECUTOR_ROLE_PREFILL, "e1": EXECUTOR_ROLE_DECODE, "e2": EXECUTOR_ROLE_DECODE}
+ONE_EACH = {"e0": EXECUTOR_ROLE_PREFILL, "e1": EXECUTOR_ROLE_DECODE}
 MAX_LOCAL_PREFILL_LENGTH = 12  # tokens: three blocks of the simulated executors' four
 LONG, SHORT = 22, 9  # prompt tokens
+LONG_BLOCKS = -(-LONG // 4)
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
     return [(seed * 31 + i * 7) % 500 + 3 for i in range(n)]
+
+
+def start(sim: SimulatedEngine, num_prompt: int, max_tokens: int, req_id: str) -> asyncio.Task[Collected]:
+    """Request ``req_id`` (its prompt from its number), streamed to its end in a task."""
+    prompt = prompt_of(num_prompt, int(req_id[1:]))
+    return asyncio.create_task(generate(sim.engine, prompt, SamplingParams(max_tokens=max_tokens), req_id))
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the condition did not come true")
+
+
+def metric(sim: SimulatedEngine, name: str, executor: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(sim.engine.metrics.render())
+        for sample in family.samples
+        if sample.name == name and sample.labels.get("executor") == executor
+    )
 
 
 async def run_all(sim: SimulatedEngine, lengths: list[tuple[int, int]]) -> None:
@@ -128,26 +156,226 @@ def test_with_only_prefill_executors_left_they_decode_too(tokenizer: Tokenizer) 
     asyncio.run(scenario())
 
 
-def test_an_abort_while_the_prompt_prefills_ends_the_request_and_frees_every_block(
-    tokenizer: Tokenizer,
+@pytest.mark.parametrize("paused", ["e0", "e1"])
+def test_an_abort_while_the_prompt_prefills_or_is_pulled_frees_both_sides(
+    tokenizer: Tokenizer, paused: str
 ) -> None:
-    """Aborted while the prefill executor computes its prompt, a request ends as aborted (the
-    abort reaches the prefill lane after the request has left it) instead of decoding on; the
-    blocks held for it are freed."""
+    """Aborted while the prefill executor computes its prompt (its decode executor holding its
+    blocks), or while the decode executor's step pulls it, a request ends as aborted instead of
+    decoding on: the blocks held for it on both sides are freed."""
 
     async def scenario() -> None:
         async with simulated_engine(
-            tokenizer, num_executors=2, roles=ROLES, max_local_prefill_length=0, pause_at=0
+            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
         ) as sim:
-            run = asyncio.create_task(
-                generate(sim.engine, prompt_of(LONG, 0), SamplingParams(max_tokens=8), "r0")
-            )
-            assert await sim.wait_paused() == "e0"
+            sim.executors[paused].pause_at = 0
+            run = start(sim, LONG, 8, "r0")
+            assert await sim.wait_paused() == paused
             assert sim.engine.abort("r0")
             sim.resume()
             result = await run
-            assert result.finish_reasons == {0: "abort"} and len(result.tokens[0]) <= 1
-            assert sim.sampled_by()["e1"] == 0
+            assert result.finish_reasons == {0: "abort"} and len(result.tokens[0]) <= (paused == "e1") + 1
+            assert sim.sampled_by()["e1"] <= (paused == "e1")
             await sim.wait_idle()
 
     asyncio.run(scenario())
+
+
+def test_a_decode_executor_lost_while_the_prompt_prefills_waits_elsewhere_for_that_prefill(
+    tokenizer: Tokenizer,
+) -> None:
+    """The decode executor that holds a request's blocks goes while the prefill executor
+    computes its prompt: the request waits on the other decode executor, for the same prefill."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer, num_executors=3, roles=ROLES, max_local_prefill_length=0, pause_at=0
+        ) as sim:
+            run = start(sim, LONG, 6, "r0")
+            assert await sim.wait_paused() == "e0"
+            lost = sim.engine._lane_of["r0"].executor_id
+            sim.engine.remove_executor(lost, "lost")
+            await until(lambda: sim.engine._lane_of["r0"].executor_id != lost)
+            other = sim.engine._lane_of["r0"].executor_id
+            sim.resume()
+            assert (await run).tokens == {0: sim.expected_tokens("r0", LONG, 6)}
+            assert sim.sampled_by() == {"e0": 1, lost: 0, other: 5}  # prefilled once
+            assert sim.executors[other].simulated.num_pulled_blocks == LONG_BLOCKS
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_executor_lost_in_its_pull_step_releases_the_held_blocks_and_the_request_moves(
+    tokenizer: Tokenizer,
+) -> None:
+    """The decode executor dies in the step that pulls a request's blocks: the prefill executor
+    frees them, and the request, with its first token, prefills again there (from its prefix
+    cache) and decodes on the other decode executor."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer, num_executors=3, roles=ROLES, max_local_prefill_length=0
+        ) as sim:
+            for name in ("e1", "e2"):
+                sim.executors[name].pause_at = 0
+            run = start(sim, LONG, 6, "r0")
+            lost = await sim.wait_paused()
+            sim.executors[lost].fail_at = 0
+            sim.resume()
+            assert (await run).tokens == {0: sim.expected_tokens("r0", LONG, 6)}
+            assert lost not in sim.engine.lanes
+            assert sim.sampled_by()["e0"] == 2  # its first token, then its second
+            states = {state.executor_id: state for state in await sim.engine.check_integrity()}
+            assert states["e0"].prefix_cache_hits == LONG // 4 * 4
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_prefill_executor_prefills_again_on_another_while_the_decode_one_waits(
+    tokenizer: Tokenizer,
+) -> None:
+    """Two prefill executors; the one computing a request's prompt dies: the other computes it,
+    and the decode executor, which kept the request's blocks, pulls them from there."""
+
+    async def scenario() -> None:
+        roles = {"e0": EXECUTOR_ROLE_PREFILL, "e1": EXECUTOR_ROLE_PREFILL, "e2": EXECUTOR_ROLE_DECODE}
+        async with simulated_engine(
+            tokenizer, num_executors=3, roles=roles, max_local_prefill_length=0, pause_at=0
+        ) as sim:
+            run = start(sim, LONG, 6, "r0")
+            lost = await sim.wait_paused()
+            other = {"e0": "e1", "e1": "e0"}[lost]
+            sim.executors[lost].fail_at = 0
+            sim.resume()
+            assert (await run).tokens == {0: sim.expected_tokens("r0", LONG, 6)}
+            assert sim.sampled_by() == {lost: 0, other: 1, "e2": 5}
+            assert sim.executors["e2"].simulated.num_pulled_blocks == LONG_BLOCKS
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_its_prefill_executor_fails_is_computed_where_it_decodes(tokenizer: Tokenizer) -> None:
+    """The prefill executor serves on but fails every step: each twin fails there (its step, then
+    its one retry) and ends no client request: its decode executor computes the prompt."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer,
+            num_executors=2,
+            roles=ONE_EACH,
+            max_local_prefill_length=0,
+            failing={"e0": (0, "INTERNAL")},
+        ) as sim:
+            await run_all(sim, [(LONG, 6)] * 2)
+            assert sim.sampled_by() == {"e0": 0, "e1": 2 * 6} and "e0" in sim.engine.lanes
+            assert metric(sim, "npuserve:executor_failed_steps_total", "e0") >= 2
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("num_scheduler_steps", "async_scheduling"), [(1, False), (4, True)])
+def test_a_failed_pull_fails_only_its_request_which_computes_its_prompt(
+    tokenizer: Tokenizer, num_scheduler_steps: int, async_scheduling: bool
+) -> None:
+    """The prefill executor serves on but its blocks cannot be read: each pull fails its own
+    request only (no step fails), which computes its prompt where it decodes, beside the
+    requests decoding there."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer,
+            num_executors=2,
+            roles=ONE_EACH,
+            max_local_prefill_length=MAX_LOCAL_PREFILL_LENGTH,
+            num_scheduler_steps=num_scheduler_steps,
+            async_scheduling=async_scheduling,
+        ) as sim:
+            sim.executors["e0"].refuses_reads = True
+            await run_all(sim, [(SHORT, 16), (LONG, 6), (LONG, 6)])
+            # NOTE: and one each over the blocks the failed pulls left, which was dropped
+            assert sim.sampled_by() == {"e0": 2, "e1": 16 + 2 * 5 + 2}
+            assert sim.executors["e1"].simulated.num_pulled_blocks == 0
+            assert metric(sim, "npuserve:executor_failed_steps_total", "e1") == 0
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_prefill_executor_stays_until_its_held_blocks_are_pulled(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
+        ) as sim:
+            sim.executors["e1"].pause_at = 0  # its step that pulls waits
+            run = start(sim, LONG, 4, "r0")
+            assert await sim.wait_paused() == "e1"
+            sim.engine.drain_executor("e0", "draining")
+            prefill = sim.engine.lanes["e0"]
+            assert await asyncio.wrap_future(prefill.call(lambda scheduler: list(scheduler.held))) == ["r0"]
+            await asyncio.sleep(0.05)
+            assert sim.engine.lanes.get("e0") is prefill
+            sim.resume()
+            assert (await run).tokens == {0: sim.expected_tokens("r0", LONG, 4)}
+            await until(lambda: "e0" not in sim.engine.lanes)
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_requests_wait_for_the_decode_executors_blocks_while_their_prompts_prefill(
+    tokenizer: Tokenizer,
+) -> None:
+    """More long prompts than the decode executor's pool can reserve blocks for: the rest wait
+    in its queue while they prefill, and are admitted, pulling, as blocks come free."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
+        ) as sim:
+            await run_all(sim, [(LONG, 8)] * 14)  # 14 x 6 blocks reserved: 84 of 64
+            assert sim.sampled_by()["e0"] == 14
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+CONSTRAINTS = {
+    "regex": StructuredOutputs("regex", "[a-z]{2,6}( [a-z]{2,6}){2,4}"),
+    "json_schema": StructuredOutputs.json_schema(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        }
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_a_constrained_request_crosses_the_hand_off_as_it_runs_colocated(
+    tokenizer: Tokenizer, kind: str
+) -> None:
+    """A constrained request's first token is sampled under its grammar on the prefill executor,
+    and the decode executor's matcher goes on from it: the output is the one a single mixed
+    executor gives, token for token."""
+    params = SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS[kind])
+
+    async def serve(roles: dict[str, str]) -> tuple[Collected, dict[str, int]]:
+        async with simulated_engine(
+            tokenizer, num_executors=len(roles), roles=roles, max_local_prefill_length=0
+        ) as sim:
+            result = await generate(sim.engine, prompt_of(LONG, 0), params, "r0")
+            await sim.wait_idle()
+            return result, sim.sampled_by()
+
+    colocated, _ = asyncio.run(serve({"e0": "mixed"}))
+    handed_off, sampled = asyncio.run(serve(ONE_EACH))
+    assert sampled["e0"] == 1 and sampled["e1"] == len(colocated.tokens[0]) - 1 > 2
+    assert handed_off.tokens == colocated.tokens and handed_off.text == colocated.text
+    assert handed_off.finish_reasons == colocated.finish_reasons == {0: "stop"}
+    if kind == "json_schema":
+        assert '"name":' in colocated.text[0]

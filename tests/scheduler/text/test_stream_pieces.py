@@ -89,7 +89,7 @@ def random_ids(rng: random.Random, tok: Tokenizer, length: int) -> list[int]:
 def chunks_of(rng: random.Random, ids: list[int]) -> list[list[int]]:
     chunks, i = [], 0
     while i < len(ids):
-        n = rng.choice([1, 1, 1, 1, 2, 3])
+        n = rng.choice([1, 1, 1, 1, 2, 3, 16])  # 16: a multi-step update's
         chunks.append(ids[i : i + n])
         i += n
     return chunks
