@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 import torch
@@ -65,6 +65,7 @@ from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.parallel_config import ParallelConfig, check_devices, check_model_split
 from npuserve.executor.platform import resolve_device
 from npuserve.executor.rank_group import RankGroup, post_failure
+from npuserve.executor.rank_messages import Heartbeat, RankMessage, ReadShards, RunStep, StopRanks
 from npuserve.executor.rpc_status import ExecutorStopping, KvPullFailed
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
@@ -167,7 +168,7 @@ class GroupLeader:
             with self._lock:
                 if self.lost is not None:
                     raise GroupLost(f"tensor-parallel group lost: {self.lost}")
-                self._send(("read", (layer, ids)))
+                self._send(ReadShards(layer, ids))
                 try:
                     shards = gather_shards(self.group, kv_caches, layer, ids)
                 except Exception as exc:
@@ -188,7 +189,7 @@ class GroupLeader:
         with self._lock:
             if self.lost is not None:
                 raise GroupLost(f"tensor-parallel group lost: {self.lost}")
-            self._send(("step", plan))
+            self._send(RunStep(plan))
             try:
                 return self.runner.execute(plan, on_first_pass)
             except (PlanError, KvPullFailed):
@@ -197,7 +198,7 @@ class GroupLeader:
                 # NOTE: a failure inside the step may have left ranks out of step; never go on.
                 raise self._lose(f"step {plan.step_id} failed: {exc}") from exc
 
-    def _send(self, message: tuple[str, Any]) -> None:
+    def _send(self, message: RankMessage) -> None:
         try:
             self.group.send(message)
         except Exception as exc:
@@ -210,7 +211,7 @@ class GroupLeader:
                 continue
             try:
                 if self.lost is None and not self._stopping.is_set():
-                    self._send(("ping", None))
+                    self._send(Heartbeat())
             except GroupLost:
                 pass
             finally:
@@ -245,7 +246,7 @@ class GroupLeader:
         with self._lock:
             if self.lost is None:
                 with contextlib.suppress(GroupLost):
-                    self._send(("stop", None))
+                    self._send(StopRanks())
         if self.ranks is not None:
             # NOTE: after a loss the others may wait in a collective until it times out: end them.
             self.ranks.stop(STOP_RANKS_GRACE_S if self.lost is None else 0.0)
@@ -261,33 +262,36 @@ def run_follower(runner: TensorParallelRunner) -> None:
     settle_heap_for_serving()
     while True:
         try:
-            kind, payload = group.receive()
+            message = group.receive()
         except Exception as exc:
             group.close()
             raise SystemExit(
                 f"npuserve executor: error: tensor-parallel rank {group.rank} lost rank 0: {exc}"
             ) from None
-        if kind == "stop":
-            break
-        if kind == "read":
-            try:
-                gather_shards(group, runner.kv_caches, *payload)
-            except Exception as exc:
-                group.close()
-                raise SystemExit(
-                    f"npuserve executor: error: tensor-parallel rank {group.rank} failed a KV read: {exc}"
-                ) from None
-        elif kind == "step":
-            try:
-                runner.execute(payload)
-            except (PlanError, KvPullFailed):
-                pass  # rank 0 refused the same plan, or failed the same pulls, and answered so
-            except Exception as exc:
-                log.exception("tensor-parallel step failed", rank=group.rank, step_id=payload.step_id)
-                group.close()
-                raise SystemExit(
-                    f"npuserve executor: error: tensor-parallel rank {group.rank} failed a step: {exc}"
-                ) from None
+        match message:
+            case StopRanks():
+                break
+            case ReadShards(layer, block_ids):
+                try:
+                    gather_shards(group, runner.kv_caches, layer, block_ids)
+                except Exception as exc:
+                    group.close()
+                    raise SystemExit(
+                        f"npuserve executor: error: tensor-parallel rank {group.rank} failed a KV read: {exc}"
+                    ) from None
+            case RunStep(plan):
+                try:
+                    runner.execute(plan)
+                except (PlanError, KvPullFailed):
+                    pass  # rank 0 refused the same plan, or failed the same pulls, and answered so
+                except Exception as exc:
+                    log.exception("tensor-parallel step failed", rank=group.rank, step_id=plan.step_id)
+                    group.close()
+                    raise SystemExit(
+                        f"npuserve executor: error: tensor-parallel rank {group.rank} failed a step: {exc}"
+                    ) from None
+            case Heartbeat():
+                pass
     group.close()
     log.info("tensor-parallel rank stopped", rank=group.rank)
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from npuserve.executor.config import ConfigError
 from npuserve.executor.layers import TensorParallel
 from npuserve.executor.parallel_config import VISIBLE_DEVICES_ENV, ParallelConfig
+from npuserve.executor.rank_messages import RankMessage
 
 log = structlog.get_logger(__name__)
 
@@ -156,15 +157,16 @@ class RankGroup:
         self.store.set(f"npuserve/{name}/{self.rank}", str(value))
         return min(int(v) for v in self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, f"report {name}"))
 
-    def send(self, message: tuple[str, Any]) -> None:
+    def send(self, message: RankMessage) -> None:
         """Rank 0: one message to every other rank."""
         dist.broadcast_object_list([message], src=0, group=self.meta_group)
 
-    def receive(self) -> tuple[str, Any]:
+    def receive(self) -> RankMessage:
         """Ranks >= 1: rank 0's next message (waits at most the collective timeout)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
-        return box[0]
+        message: RankMessage = box[0]
+        return message
 
     # NOTE: the exchanges below run inside a step or a message of rank 0's, on every rank alike.
 
