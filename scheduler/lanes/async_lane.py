@@ -249,7 +249,10 @@ class ExecutorLane:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Queued requests, and those reserved here while another executor computes their prompt
+        (vLLM counts its WAITING_FOR_REMOTE_KVS requests as waiting too)."""
+        scheduler = self.scheduler
+        return len(scheduler.waiting) + len(scheduler.awaiting) + len(scheduler.ready)
 
     @property
     def num_running(self) -> int:

@@ -326,6 +326,29 @@ def test_a_draining_prefill_executor_stays_until_its_held_blocks_are_pulled(toke
     asyncio.run(scenario())
 
 
+def test_a_request_reserved_while_its_prompt_prefills_counts_as_waiting(tokenizer: Tokenizer) -> None:
+    """Reserved on its decode executor while the prefill executor computes its prompt, a request
+    counts as waiting there (vLLM counts WAITING_FOR_REMOTE_KVS as waiting): in
+    vllm:num_requests_waiting and against --max-queued-requests; once it decodes, no longer."""
+
+    async def scenario() -> None:
+        async with simulated_engine(
+            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
+        ) as sim:
+            sim.executors["e0"].pause_at = 0
+            run = start(sim, LONG, 8, "r0")
+            assert await sim.wait_paused() == "e0"
+            decode = next(lane for lane in sim.engine.routable_lanes if lane.executor_id == "e1")
+            await until(lambda: "r0" in decode.scheduler.awaiting)  # type: ignore[attr-defined]
+            assert decode.num_waiting == 1
+            sim.resume()
+            assert (await run).finish_reasons == {0: "length"}
+            await sim.wait_idle()
+            assert decode.num_waiting == 0
+
+    asyncio.run(scenario())
+
+
 def test_requests_wait_for_the_decode_executors_blocks_while_their_prompts_prefill(
     tokenizer: Tokenizer,
 ) -> None:
