@@ -11,9 +11,12 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import jsonschema
 import pytest
 import torch
+from harness.cluster import processes, wait_until
+from harness.pools import idle_pools, pools
 from harness.reference import transformers_greedy
 from harness.serve import (
     generate_concurrently,
@@ -22,6 +25,9 @@ from harness.serve import (
     run_streams,
     serve,
     serve_child,
+    start_executors,
+    start_scheduler,
+    worker_pids,
 )
 
 from npuserve.proto import scheduler_pb2 as pb
@@ -116,3 +122,46 @@ def test_a_killed_prefill_or_decode_executor_costs_no_stream(stories_dir: Path, 
         assert reasons == ["length"] * NUM_STREAMS
         check = served.integrity(expect_idle=True, timeout_s=10)
         assert check.ok, check.message
+
+
+@pytest.mark.slow
+def test_a_killed_scheduler_worker_of_the_prefill_executor_costs_no_stream(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """The prefill executor's lane runs in one scheduler worker, the decode executor's in the
+    other. The first worker is SIGKILLed once a few streams have their first token, with
+    prompts prefilling, held and pulled: it restarts, the prefills it ran run again, and every
+    stream completes with transformers' tokens; no block stays held on either executor."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = torch.randint(20, 61, (NUM_STREAMS,), generator=generator).tolist()
+    prompt_ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
+    expected = transformers_greedy(stories_dir, prompt_ids, NUM_NEW)
+    with processes(tmp_path) as procs:
+        roles = {"e0": "prefill", "e1": "decode"}
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"], roles)
+        flags = ("--scheduler-workers", "2", "--max-local-prefill-length", "0")
+        scheduler = start_scheduler(procs, stories_dir, addresses, *flags)
+        address = scheduler.wait_ready()["address"]
+        stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
+        first_pids = worker_pids(scheduler)
+        # NOTE: each executor's lane goes to the worker with the fewest lanes, in joining order.
+        joined = [e["executor"] for e in scheduler.events() if e["event"] == "executor joined"]
+        prefill_worker = joined.index("e0")
+        threads, outputs, reasons = run_streams(stub, [greedy_request(p, NUM_NEW) for p in prompt_ids], None)
+        wait_until(lambda: sum(bool(tokens) for tokens in outputs) >= 4, 60, "a few first tokens")
+        os.kill(first_pids[prefill_worker], signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        assert outputs == expected
+        assert reasons == ["length"] * NUM_STREAMS
+        # NOTE: the kill caught prompts prefilling there, which prefilled again (on the decode
+        # executor while the worker restarted, or on the prefill executor once it was back).
+        assert any(e["event"] == "prefill moved" for e in scheduler.events())
+        wait_until(
+            lambda: worker_pids(scheduler)[prefill_worker] != first_pids[prefill_worker],
+            30,
+            "the worker to restart",
+        )
+        wait_until(lambda: set(pools(stub)) == {"e0", "e1"}, 30, "both executors to be served again")
+        final = idle_pools(stub)
+        assert all(p.num_requests == 0 and p.num_free_blocks == p.num_blocks for p in final.values())

@@ -365,11 +365,16 @@ def complete_over(
         return complete_streams(pb_grpc.SchedulerStub(channel), requests, disturb)
 
 
-def start_executors(procs: Processes, model: Path, names: Sequence[str]) -> str:
-    """Small-cache executors of ``model``, one per name; their addresses, comma-separated."""
+def start_executors(
+    procs: Processes, model: Path, names: Sequence[str], roles: dict[str, str] | None = None
+) -> str:
+    """Small-cache executors of ``model``, one per name (of its role in ``roles``, else mixed);
+    their addresses, comma-separated."""
+    roles = roles or {}
     executors = [
         procs.start(name, "executor", "--model", str(model), "--port", "0",
-                    "--kv-cache-memory", "0.02", "--executor-id", name)
+                    "--kv-cache-memory", "0.02", "--executor-id", name,
+                    *(("--role", roles[name]) if name in roles else ()))
         for name in names
     ]  # fmt: skip
     return ",".join(e.wait_ready()["address"] for e in executors)
