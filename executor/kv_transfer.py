@@ -10,7 +10,7 @@ them as a `KvTransfer` of kind "executor". A pull that fails fails its request o
 Transport: host-staged over gRPC, which works on every device. The pulling executor calls the
 source's `ReadBlocks`, a server stream, presenting its own cluster token (`ReadBlocksClient`;
 over TLS it trusts its own certificate chain: the executors of one deployment share a
-certificate, or a CA that the chain holds). The source copies each chunk, up to `CHUNK_BYTES` of
+certificate, or a CA that the chain holds). The source copies each chunk, up to `KV_CHUNK_BYTES` of
 consecutive blocks of one layer, device -> host as it is sent (`read_blocks`): every message
 stays far below the step link's limit (`MAX_STEP_MESSAGE_BYTES`), and neither side holds more
 than one chunk in host memory. The pulling executor copies each chunk host -> device into its
@@ -67,19 +67,22 @@ from npuserve.executor.transfer_tally import TransferTally
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto import executor_pb2_grpc as pb_grpc
 from npuserve.proto.auth import with_bearer
-from npuserve.proto.channel import MAX_STEP_MESSAGE_BYTES, client_channel, message_size_options
-from npuserve.proto.plan_checks import PlanError
+from npuserve.proto.channel import (
+    KV_CHUNK_BYTES,
+    MAX_STEP_MESSAGE_BYTES,
+    client_channel,
+    message_size_options,
+)
+from npuserve.proto.plan_checks import check_read_block_ids
 from npuserve.proto.step_plan import KV_TRANSFER_EXECUTOR, KvPull
 
-# Bytes of one ReadBlocks message's blocks (a single block of one layer may be more).
-CHUNK_BYTES = 4 << 20
 # A pull's deadline: under the scheduler's default --step-timeout (60 s), so a source that
 # stalls fails the pull (its request computes its prompt instead) before the scheduler takes
 # the puller for gone.
 PULL_TIMEOUT_S = 30.0
 _CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 
-assert CHUNK_BYTES < MAX_STEP_MESSAGE_BYTES // 2
+assert KV_CHUNK_BYTES < MAX_STEP_MESSAGE_BYTES // 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,7 +92,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _blocks_per_chunk(cache: torch.Tensor) -> int:
     """cache: [2, num_blocks, block_size, Hkv, D]."""
-    return max(1, CHUNK_BYTES // (cache[:, 0].numel() * cache.element_size()))
+    return max(1, KV_CHUNK_BYTES // (cache[:, 0].numel() * cache.element_size()))
 
 
 # -- the source ------------------------------------------------------------------------------
@@ -102,14 +105,8 @@ def read_blocks(
     device -> host as it is taken; a `PlanError` at once for an id outside 1..num_blocks-1.
 
     kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
-    check_read(block_ids, num_blocks)
+    check_read_block_ids(block_ids, num_blocks)
     return _chunks(kv_caches, block_ids)
-
-
-def check_read(block_ids: list[int], num_blocks: int) -> None:
-    """`PlanError` for a read of an id outside 1..num_blocks-1."""
-    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
-        raise PlanError(f"read of a block id outside 1..{num_blocks - 1}")
 
 
 def chunk_spans(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:

@@ -369,7 +369,7 @@ class ModelRunner:
 
     def _update_states(self, plan: StepPlan) -> None:
         if plan.kv_pulls:
-            self._check_pulls(plan.kv_pulls)  # NOTE: before the block copies run
+            check_kv_pulls(plan.kv_pulls, self.num_blocks)  # NOTE: before the block copies run
         if plan.block_copies:
             if self.host_kv is None:
                 raise PlanError("block copies to a host tier this executor does not have (--kv-host-memory)")
@@ -409,9 +409,6 @@ class ModelRunner:
                 log.warning("kv pull failed", request_id=pull.req_id, error=str(exc))
                 failed.append(pull.req_id)
         return failed
-
-    def _check_pulls(self, pulls: list[KvPull]) -> None:
-        check_kv_pulls(pulls, self.num_blocks)
 
     def _allowed_tokens(
         self, bitmask: TokenBitmask | None, sampled_req_ids: list[str]

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.executor.config import ExecutorConfig, ModelConfig
 from npuserve.executor.input_batch import PlanError
-from npuserve.executor.kv_transfer import block_chunk, check_read, chunk_spans
+from npuserve.executor.kv_transfer import block_chunk, chunk_spans
 from npuserve.executor.kv_transfer_group import GroupKvPuller, gather_shards
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.parallel_config import ParallelConfig, check_devices, check_model_split
@@ -68,6 +68,7 @@ from npuserve.executor.rank_group import RankGroup, post_failure
 from npuserve.executor.rank_messages import Heartbeat, RankMessage, ReadShards, RunStep, StopRanks
 from npuserve.executor.rpc_status import ExecutorStopping, KvPullFailed
 from npuserve.proto import executor_pb2 as pb
+from npuserve.proto.plan_checks import check_read_block_ids
 from npuserve.proto.step_plan import ExecutorInfo, FirstPassAnswer, JoiningSteps, StepPlan, StepResult
 
 log = structlog.get_logger(__name__)
@@ -159,7 +160,7 @@ class GroupLeader:
         """Every rank's shard of ``block_ids``, chunk by chunk (`gather_shards`), for another
         group's pull; `PlanError` at once for an id outside 1..num_blocks-1. Each chunk is read on
         every rank at once, as a message between steps (the caller keeps steps out meanwhile)."""
-        check_read(block_ids, self.runner.num_blocks)
+        check_read_block_ids(block_ids, self.runner.num_blocks)
         return self._read_shards(block_ids)
 
     def _read_shards(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:

@@ -2,7 +2,7 @@
 its puller's read and check of them (`npuserve.executor.simulated`).
 
 A source serves the chunks a real cache of the same blocks would be sent as (`kv_transfer`: one
-per `CHUNK_BYTES` of KV), each empty, so a pull sends as many messages as for a real cache, read
+per `KV_CHUNK_BYTES` of KV), each empty, so a pull sends as many messages as for a real cache, read
 beside the source's steps as there. This module loads no torch.
 """
 
@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from npuserve.proto import executor_pb2 as pb
-from npuserve.proto.plan_checks import PlanError
+from npuserve.proto.channel import KV_CHUNK_BYTES
+from npuserve.proto.plan_checks import check_read_block_ids
 from npuserve.proto.step_plan import KvPull
-
-# Modelled KV bytes per chunk: `kv_transfer.CHUNK_BYTES` (that module loads torch).
-CHUNK_BYTES = 4 << 20
 
 # A source executor's `ReadBlocks` of a pull's blocks (`kv_transfer.ReadBlocksClient.read`).
 BlockReader = Callable[[KvPull], Iterator[pb.BlockChunk]]
@@ -27,9 +25,8 @@ def read_blocks(
     """The chunks of ``block_ids``, in order, each of shape [2, blocks, block_size, 0, 0] and no
     data; a `PlanError` at once for an id outside 1..num_blocks-1 (``block_bytes``: the modelled
     KV of one block)."""
-    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
-        raise PlanError(f"read of a block id outside 1..{num_blocks - 1}")
-    return _chunks(len(block_ids), block_size, max(1, CHUNK_BYTES // block_bytes))
+    check_read_block_ids(block_ids, num_blocks)
+    return _chunks(len(block_ids), block_size, max(1, KV_CHUNK_BYTES // block_bytes))
 
 
 def _chunks(count: int, block_size: int, per_chunk: int) -> Iterator[pb.BlockChunk]:

@@ -7,6 +7,9 @@ import grpc
 
 # Scheduler <-> executor: a step plan carries whole prompts for every new request of a batch.
 MAX_STEP_MESSAGE_BYTES = 256 * 1024 * 1024
+# Executor <-> executor (`ReadBlocks`): the KV bytes of one message's blocks (a single block of
+# one layer may be more), far below the step link's limit, which that link shares.
+KV_CHUNK_BYTES = 4 << 20
 # Clients <-> the scheduler's public API: one request or one stream message.
 MAX_API_MESSAGE_BYTES = 64 * 1024 * 1024
 # Seconds a client may leave a response stream untaken before it is cut off and its requests

@@ -60,6 +60,12 @@ def check_kv_pulls(pulls: list[KvPull], num_blocks: int) -> None:
         written.update(dst)
 
 
+def check_read_block_ids(block_ids: list[int], num_blocks: int) -> None:
+    """Another executor's read of this one's blocks (`ReadBlocks`): ids within 1..num_blocks-1."""
+    if block_ids and not (min(block_ids) > 0 and max(block_ids) < num_blocks):
+        raise PlanError(f"read of a block id outside 1..{num_blocks - 1}")
+
+
 def check_block_ids(
     req_id: str, block_ids: list[int], num_held: int, num_blocks: int, max_blocks_per_req: int
 ) -> None:

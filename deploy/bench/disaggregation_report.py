@@ -161,7 +161,8 @@ def serving_points_by_round(rounds: Sequence[Sequence[BenchSummary]]) -> list[Lo
     return [p for i, r in enumerate(rounds) for p in serving_points(r, f", round {i + 1}")]
 
 
-def _percent(change: float | None) -> str:
+def format_change(change: float | None) -> str:
+    """A `_change` as a signed percentage ("+20%"), "-" where it is missing."""
     return "-" if change is None else f"{change:+.0%}"
 
 
@@ -172,7 +173,7 @@ def format_effects(over_rounds: Sequence[dict[str, Any]]) -> str:
         rounds = entry["rounds"]
         each = ", ".join(
             f"{cell(e['decode_only_itl_p99_ms'], ',.1f')} -> {cell(e['itl_p99_ms'], ',.1f')} ms "
-            f"({_percent(e['itl_p99_change'])})"
+            f"({format_change(e['itl_p99_change'])})"
             for e in rounds
         )
         ttft = ", ".join(
@@ -180,7 +181,7 @@ def format_effects(over_rounds: Sequence[dict[str, Any]]) -> str:
         )
         lines.append(
             f"{entry['configuration']}: {entry['load']} move decode ITL p99 by "
-            f"{_percent(entry['median_itl_p99_change'])} (median of {len(rounds)}: {each}); "
+            f"{format_change(entry['median_itl_p99_change'])} (median of {len(rounds)}: {each}); "
             f"long-prompt TTFT p50/p99 ms: {ttft}"
         )
     return "\n".join(lines)

@@ -47,6 +47,10 @@ class LoadState:
     def in_window(self, t: float) -> bool:
         return self.window[0] <= t < self.window[1]
 
+    def count_error(self, exc: grpc.aio.AioRpcError | GenerateFailed) -> None:
+        """One failed call, counted under its status code's name."""
+        self.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
+
 
 class Load:
     """Keeps ``concurrency`` Generate streams running against one scheduler."""
@@ -125,7 +129,7 @@ class Load:
                 if state.stopping:
                     return
                 state.awaiting_first_token -= first
-                state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
+                state.count_error(exc)
                 await asyncio.sleep(0.1)
 
     async def _long_prompt(self, index: int) -> None:
@@ -144,7 +148,7 @@ class Load:
                     state.tokens_in_window += num_new
         except (grpc.aio.AioRpcError, GenerateFailed) as exc:
             if not state.stopping:
-                state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
+                state.count_error(exc)
 
     async def _long_prompts(self, delay_s: float) -> None:
         """Long prompts at ``long_prompt_rate`` per second, evenly spaced, until the load stops."""

@@ -8,7 +8,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
-from npuserve.deploy.bench.disaggregation_report import effects, scale_points
+from npuserve.deploy.bench.disaggregation_report import effects, format_change, scale_points
 from npuserve.deploy.bench.report import cell
 from npuserve.deploy.bench.scale_config import SATURATED_GAIN, TTFT_EXPLODED
 from npuserve.deploy.bench.scale_measure import Result
@@ -133,7 +133,7 @@ def long_prompt_notes(results: Sequence[Result]) -> list[str]:
     """How far the long prompts move each configuration's ITL p99 over its decode-only window."""
     return [
         f"{e['configuration']}: {e['load']} move the streams' ITL p99 by "
-        f"{'-' if e['itl_p99_change'] is None else format(e['itl_p99_change'], '+.0%')} "
+        f"{format_change(e['itl_p99_change'])} "
         f"({cell(e['decode_only_itl_p99_ms'], ',.1f')} -> {cell(e['itl_p99_ms'], ',.1f')} ms); "
         f"long-prompt TTFT p50/p99 {cell(e['long_ttft_p50_ms'], ',.0f')}/{cell(e['long_ttft_p99_ms'], ',.0f')} ms"
         for e in effects(scale_points(results))

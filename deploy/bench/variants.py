@@ -12,7 +12,7 @@ its long prompts), so the report can say how far the long prompts move the decod
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from npuserve.deploy.executor_flags import serve_executor_roles
 
@@ -102,10 +102,7 @@ def _disaggregation_variants(name: str, args: argparse.Namespace) -> list[Varian
     variant = Variant(name, "grpc", args.enable_prefix_caching, prefill_executors=prefill)
     if not args.long_prompts:
         return [variant]
-    return [
-        Variant(f"{name}{DECODE_ONLY}", "grpc", variant.enable_prefix_caching, None, prefill, True),
-        variant,
-    ]
+    return [replace(variant, name=f"{name}{DECODE_ONLY}", decode_only=True), variant]
 
 
 def max_local_prefill_length(args: argparse.Namespace) -> int:

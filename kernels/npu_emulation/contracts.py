@@ -41,8 +41,8 @@ PAGED_PREFILL_BLOCK_MULTIPLE = 128
 MAX_BATCH_TND = 4096  # FIA "actual_seq_lengths": TND batch (element count) <= 4096
 MAX_HEADS = 256  # FIA "各轴取值范围速查": Q_N and KV_N <= 256
 MAX_GQA_RATIO = 64  # FIA "num_key_value_heads": num_heads / num_key_value_heads <= 64
-# Masks found to be the causal triangle, while they live (a mask is built once and kept).
-_VERIFIED_MASKS: dict[int, weakref.ref[torch.Tensor]] = {}
+# Masks found to be the causal triangle, by id, while they live (a mask is built once and kept).
+_VERIFIED_MASKS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class OpContractError(RuntimeError):
@@ -150,8 +150,7 @@ def check_causal_mask(atten_mask: torch.Tensor | None, op: str) -> None:
     # triu(ones(2048, 2048), diagonal=1): 1 masks. The operator trusts it; emulated, a wrong
     # mask would silently pass, so it is checked here, once per mask tensor (NOTE: comparing
     # 4M elements in every layer's call made the check most of an emulated step's time).
-    verified = _VERIFIED_MASKS.get(id(atten_mask))
-    if verified is not None and verified() is atten_mask:
+    if _VERIFIED_MASKS.get(id(atten_mask)) is atten_mask:
         return
     expected = torch.ones(size, size, dtype=torch.bool, device=atten_mask.device).triu(1)
     require(
@@ -159,7 +158,7 @@ def check_causal_mask(atten_mask: torch.Tensor | None, op: str) -> None:
         op,
         "atten_mask must be triu(ones(2048, 2048), 1)",
     )
-    _VERIFIED_MASKS[id(atten_mask)] = weakref.ref(atten_mask)
+    _VERIFIED_MASKS[id(atten_mask)] = atten_mask
 
 
 def check_fused_infer_attention(

@@ -62,13 +62,13 @@ class GraphReplayError(OpContractError):
     """A replay a device would run wrongly, or never finish."""
 
 
-def capturing() -> bool:
-    """Whether this thread is capturing a graph."""
-    return getattr(_local, "capture", None) is not None
-
-
 def _capture() -> _Capture | None:
     return getattr(_local, "capture", None)
+
+
+def capturing() -> bool:
+    """Whether this thread is capturing a graph."""
+    return _capture() is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,12 +420,9 @@ class NPUGraph:
         self._capture.__enter__()
 
     def capture_end(self) -> None:
-        capture = self._capture
+        capture = self._stop_capture()
         if capture is None:
             raise GraphCaptureError("capture_end without capture_begin")
-        capture.__exit__(None, None, None)
-        _local.capture = None
-        self._capture = None
         if capture.group is not None:
             raise GraphCaptureError("capture ended inside an open task group")
         assert self._pool is not None
@@ -454,14 +451,18 @@ class NPUGraph:
     def reset(self) -> None:
         self._tasks, self._groups, self.captured = [], [], False
 
+    def _stop_capture(self) -> _Capture | None:
+        """Ends this graph's capture in progress (None if none): its modes leave the thread."""
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.__exit__(None, None, None)
+            _local.capture = None
+        return capture
+
     def pool(self) -> PoolHandle:
         if self._pool is None:
             raise GraphCaptureError("pool() of a graph that never captured")
         return self._pool
-
-    @property
-    def num_tasks(self) -> int:
-        return len(self._tasks)
 
 
 class graph:
@@ -482,11 +483,7 @@ class graph:
         self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None and self.npu_graph._capture is not None:
-            capture = self.npu_graph._capture
-            capture.__exit__(None, None, None)  # the error propagates; the graph holds nothing
-            _local.capture = None
-            self.npu_graph._capture = None
-            self.npu_graph.reset()
+        if exc[0] is not None and self.npu_graph._stop_capture() is not None:
+            self.npu_graph.reset()  # the error propagates; the graph holds nothing
             return
         self.npu_graph.capture_end()

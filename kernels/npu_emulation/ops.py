@@ -33,6 +33,46 @@ def reshape_and_cache(
         value_cache[block, offset] = value[token]
 
 
+def check_fused_infer_attention_score(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [num_blocks, block_size, Hkv * D]
+    value: torch.Tensor,
+    *,
+    atten_mask: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    input_layout: str = "BSH",
+    block_size: int = 0,
+    actual_seq_lengths: object = None,
+    actual_seq_lengths_kv: object = None,
+    num_key_value_heads: int = 0,
+    num_heads: int = 1,
+    scale: float = 1.0,  # any scale is valid
+    sparse_mode: int = 0,
+    **unsupported: object,
+) -> tuple[list[int], list[int]]:
+    """The checks of `fused_infer_attention_score`, with the operator's defaults; returns
+    (cumulative query ends, per-request kv lengths)."""
+    contracts.require(
+        all(v is None or v in (0, False) for v in unsupported.values()),
+        "npu_fused_infer_attention_score",
+        f"emulation does not cover {sorted(k for k, v in unsupported.items() if v not in (None, 0, False))}",
+    )
+    return contracts.check_fused_infer_attention(
+        query,
+        key,
+        value,
+        atten_mask=atten_mask,
+        block_table=block_table,
+        input_layout=input_layout,
+        block_size=block_size,
+        actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv,
+        num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads,
+        sparse_mode=sparse_mode,
+    )
+
+
 def fused_infer_attention_score(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [num_blocks, block_size, Hkv * D]
@@ -48,16 +88,11 @@ def fused_infer_attention_score(
     num_heads: int = 1,
     scale: float = 1.0,
     sparse_mode: int = 0,
-    **unsupported: object,
+    **unsupported: Any,  # refused by the checks unless unset
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(attention_out [T, H, D], softmax_lse)``; softmax_lse is the (1,) zero tensor the
     operator returns without ``softmax_lse_flag`` (FIA "返回值说明")."""
-    contracts.require(
-        all(v is None or v in (0, False) for v in unsupported.values()),
-        "npu_fused_infer_attention_score",
-        f"emulation does not cover {sorted(k for k, v in unsupported.items() if v not in (None, 0, False))}",
-    )
-    query_ends, kv_lens = contracts.check_fused_infer_attention(
+    query_ends, kv_lens = check_fused_infer_attention_score(
         query,
         key,
         value,
@@ -67,9 +102,10 @@ def fused_infer_attention_score(
         block_size=block_size,
         actual_seq_lengths=actual_seq_lengths,
         actual_seq_lengths_kv=actual_seq_lengths_kv,
-        num_heads=num_heads,
         num_key_value_heads=num_key_value_heads,
+        num_heads=num_heads,
         sparse_mode=sparse_mode,
+        **unsupported,
     )
     assert block_table is not None
     head_size = query.shape[2]
@@ -101,7 +137,7 @@ def fused_infer_attention_score(
 
 
 def fused_infer_attention_score_out(
-    query: torch.Tensor,
+    query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,
     value: torch.Tensor,
     *,
@@ -112,7 +148,7 @@ def fused_infer_attention_score_out(
     """``npu_fused_infer_attention_score.out``: the same call, written into ``out =
     [attention_out, softmax_lse]``, with the scratch memory of a workspace query (VA
     ``full_graph_fia``). Returns ``out``."""
-    check_fused_infer_attention_score_out(query, key, value, workspace=workspace, out=out, **kwargs)
+    _check_out_and_workspace(query, workspace, out, kwargs)
     attention_out, softmax_lse = out
     result, lse = fused_infer_attention_score(query, key, value, **kwargs)
     attention_out.copy_(result)
@@ -121,7 +157,7 @@ def fused_infer_attention_score_out(
 
 
 def check_fused_infer_attention_score_out(
-    query: torch.Tensor,
+    query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,
     value: torch.Tensor,
     *,
@@ -130,9 +166,21 @@ def check_fused_infer_attention_score_out(
     **kwargs: Any,
 ) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
     """The checks of `fused_infer_attention_score_out`, without computing; returns ``out``."""
+    _check_out_and_workspace(query, workspace, out, kwargs)
+    check_fused_infer_attention_score(query, key, value, **kwargs)
+    return out
+
+
+def _check_out_and_workspace(
+    query: torch.Tensor,
+    workspace: torch.Tensor | None,
+    out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+    kwargs: dict[str, Any],
+) -> None:
+    """What the ``.out`` form checks beyond the operator's own checks."""
     op = "npu_fused_infer_attention_score.out"
     contracts.require(len(out) == 2, op, "out must be [attention_out, softmax_lse]")
-    attention_out, _softmax_lse = out
+    attention_out = out[0]
     contracts.require(
         attention_out.shape == query.shape and attention_out.dtype == query.dtype,
         op,
@@ -146,8 +194,6 @@ def check_fused_infer_attention_score_out(
             f"workspace of {workspace.numel()} bytes, {needed} needed: query it with "
             "_npu_fused_infer_attention_score_get_max_workspace for the longest lengths",
         )
-    contracts.check_fused_infer_attention(query, key, value, **_contract_arguments(kwargs))
-    return out
 
 
 def fused_infer_attention_score_max_workspace(
@@ -155,7 +201,7 @@ def fused_infer_attention_score_max_workspace(
 ) -> torch.Tensor:
     """``_npu_fused_infer_attention_score_get_max_workspace``: [bytes] uint8, enough for every
     call like this one whose kv lengths fit its block table (VA ``full_graph_fia``)."""
-    contracts.check_fused_infer_attention(query, key, value, **_contract_arguments(kwargs))
+    check_fused_infer_attention_score(query, key, value, **kwargs)
     block_table = kwargs["block_table"]
     capacity = block_table.shape[1] * kwargs["block_size"]
     longest = dict(kwargs, actual_seq_lengths_kv=[capacity] * len(kwargs["actual_seq_lengths_kv"]))
@@ -168,27 +214,6 @@ def fused_attention_workspace_bytes(query: torch.Tensor, kwargs: dict[str, Any])
     kv_lens = kwargs["actual_seq_lengths_kv"]
     tiles = -(-max(kv_lens) // 128)
     return 4 * query.shape[0] * query.shape[1] * tiles + 64 * len(kv_lens)
-
-
-def _contract_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = (
-        "atten_mask",
-        "block_table",
-        "input_layout",
-        "block_size",
-        "actual_seq_lengths",
-        "actual_seq_lengths_kv",
-        "num_heads",
-        "num_key_value_heads",
-        "sparse_mode",
-    )
-    defaults: dict[str, Any] = {
-        "input_layout": "BSH",
-        "block_size": 0,
-        "num_heads": 1,
-        "num_key_value_heads": 0,
-    }
-    return {name: kwargs.get(name, defaults.get(name)) for name in names}
 
 
 def rms_norm(

@@ -113,7 +113,7 @@ class BlockPool:
         """`ON_DEVICE`, `ON_HOST` (only there) or `NOT_CACHED`."""
         if block_hash in self.cached_blocks:
             return ON_DEVICE
-        return ON_HOST if self.host_block_of(block_hash) else NOT_CACHED
+        return ON_HOST if self.in_host_tier(block_hash) else NOT_CACHED
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Hands out blocks from the head of the free list (the least recently freed first)."""
@@ -129,13 +129,13 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def host_block_of(self, block_hash: BlockHash) -> bool:
+    def in_host_tier(self, block_hash: BlockHash) -> bool:
         """Whether the host tier holds ``block_hash`` (a hit `load` can bring back)."""
         return self.host is not None and block_hash in self.host
 
     def load(self, block_hash: BlockHash) -> KVCacheBlock:
         """A fresh block (one reference) that the next step fills from the host tier's copy of
-        ``block_hash``, cached under it; the host block stays (`host_block_of` must hold)."""
+        ``block_hash``, cached under it; the host block stays (`in_host_tier` must hold)."""
         assert self.host is not None
         host_id = self.host.lookup(block_hash)
         assert host_id is not None, "not in the host tier"
@@ -220,10 +220,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
-            if self.events is not None:
-                self.events.append(
-                    (ON_HOST if self.host_block_of(block.block_hash) else NOT_CACHED, block.block_hash)
-                )
+            if self.events is not None:  # NOTE: held on the host still, or not at all
+                self.events.append((self.tier_of(block.block_hash), block.block_hash))
         block.block_hash = None
 
     def check_integrity(self, expect_idle: bool = False) -> None:

@@ -60,7 +60,7 @@ class KVCacheManager:
             block = pool.get_cached_block(block_hash)
             if block is not None:
                 hits.append(block)
-            elif pool.host_block_of(block_hash):
+            elif pool.in_host_tier(block_hash):
                 hits.append(block_hash)
             else:
                 break
@@ -91,9 +91,9 @@ class KVCacheManager:
         # Hits that sit unused in the free list leave it when taken; host hits take a fresh block.
         num_revived = sum(1 for b in device_hits if b.ref_cnt == 0)
         num_loads = len(new_computed_blocks) - len(device_hits)
-        if max(num_needed, 0) + num_loads > self.pool.num_free_blocks - num_revived:
-            return None
         pool = self.pool
+        if max(num_needed, 0) + num_loads > pool.num_free_blocks - num_revived:
+            return None
         pool.touch(device_hits)
         hits = [b if isinstance(b, KVCacheBlock) else pool.load(b) for b in new_computed_blocks]
         new_blocks = pool.get_new_blocks(max(num_needed, 0))
@@ -103,25 +103,26 @@ class KVCacheManager:
         # NOTE: blocks are registered when scheduled, before the step runs: a request later in
         # the same step may share them, since every layer writes the step's keys and values
         # before any attention reads them. A failed step un-registers them (`free(valid=False)`).
-        num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(request.req_id, 0)
-        if not cache_new:  # NOTE: the hits are registered already
-            num_full = max(start, len(new_computed_blocks))
-        self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
-        self.num_cached_blocks[request.req_id] = max(start, num_full)
+        if cache_new:
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+        else:  # NOTE: the hits are registered already
+            num_full = len(new_computed_blocks)
+        self._cache_blocks(request, blocks, num_full)
         return new_blocks
 
     def cache_computed(self, request: Request) -> None:
         """Registers the full blocks of a request's computed tokens in the prefix cache (those a
         pull filled, once it has landed)."""
-        req_id = request.req_id
-        blocks = self.req_blocks.get(req_id)
-        if blocks is None:
-            return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks[req_id]
+        blocks = self.req_blocks.get(request.req_id)
+        if blocks is not None:
+            num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            self._cache_blocks(request, blocks, num_full)
+
+    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
+        """Registers the request's first ``num_full`` blocks (all full) that it has not yet."""
+        start = self.num_cached_blocks.get(request.req_id, 0)
         self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
-        self.num_cached_blocks[req_id] = max(start, num_full)
+        self.num_cached_blocks[request.req_id] = max(start, num_full)
 
     def fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
         """Whether ``num_new_tokens`` more fit in the blocks a request already holds and fill no

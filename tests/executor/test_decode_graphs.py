@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,20 +39,21 @@ VOCAB = 256
 SIZES = [1, 2, 4, 8, 16, 24]
 
 
-def save_llama(path: Path) -> Path:
-    torch.manual_seed(128)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        initializer_range=0.05,
-        tie_word_embeddings=False,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+def save_llama(path: Path, seed: int = 128, **config: Any) -> Path:
+    """A random two-layer Llama (head size 128 unless ``config`` says otherwise) saved at ``path``."""
+    torch.manual_seed(seed)
+    defaults: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.05,
+        "tie_word_embeddings": False,
+    }
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**(defaults | config))).save_pretrained(path)
     return path
 
 
@@ -234,18 +236,16 @@ def test_the_torch_backends_decode_replays_as_captured(tmp_path: Path) -> None:
     (a graph's shapes are fixed), where eager's spans the step's longest request, and SDPA's
     rounding may differ with the width: the cache is equal within bfloat16 rounding, not byte
     for byte (the npu kernel reads each request's length, and is exact)."""
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+    save_llama(
+        tmp_path,
+        seed=3,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         initializer_range=0.2,  # spread logits: no argmax ties for rounding to flip
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     runner_config = executor_config(tmp_path, device="cpu", block_size=16, max_num_seqs=8)
     graph, eager = ModelRunner(runner_config), ModelRunner(runner_config)
     # The scratch block past the pool, as graph mode allocates it on a device.

@@ -90,12 +90,12 @@ class RecordingTransfers:
         self.memory.copy_to_host(target, source)
 
     def new_event(self) -> RecordingEvent:
-        return RecordingEvent(self.log, len(self.log))
+        return RecordingEvent(self.log)
 
 
 class RecordingEvent:
-    def __init__(self, log: list[str], number: int) -> None:
-        self.log, self.number = log, number
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
 
     def record(self) -> None:
         self.log.append("record")

@@ -24,7 +24,7 @@ from npuserve.deploy.bench.simulated_fleet import (
     stop_all,
 )
 from npuserve.deploy.launcher import Launcher, LaunchError, python_module
-from npuserve.executor import kv_transfer, simulated_kv
+from npuserve.executor import kv_transfer
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, request_key, simulated_token
 from npuserve.proto.step_plan import (
@@ -70,7 +70,6 @@ def pulled_request(req_id: str, block_ids: list[int]) -> NewRequest:
 
 
 def test_a_decode_executor_pulls_over_read_blocks_in_its_modelled_time() -> None:
-    assert simulated_kv.CHUNK_BYTES == kv_transfer.CHUNK_BYTES
     started = start_simulated(PULLED, "127.0.0.1", 0, 2, "sim", num_prefill=1)
     try:
         (source, prefill), (sink, decode) = started

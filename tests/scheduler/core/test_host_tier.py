@@ -162,7 +162,7 @@ def test_a_failed_step_forgets_what_its_spills_would_have_stored() -> None:
     plan, _ = scheduler.schedule()
     spills = [c for c in plan.block_copies if c.to_host]
     assert spills and all(isinstance(c, BlockCopy) for c in spills)
-    assert all(scheduler.kv.pool.host_block_of(h) for h in first.block_hashes[:2])
+    assert all(scheduler.kv.pool.in_host_tier(h) for h in first.block_hashes[:2])
     scheduler.fail_step(plan)
-    assert not any(scheduler.kv.pool.host_block_of(h) for h in first.block_hashes[:2])
+    assert not any(scheduler.kv.pool.in_host_tier(h) for h in first.block_hashes[:2])
     scheduler.check_integrity()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import pytest
 from harness.simulated_engine import Collected, SimulatedEngine, generate, simulated_engine
@@ -24,6 +26,20 @@ ONE_EACH = {"e0": EXECUTOR_ROLE_PREFILL, "e1": EXECUTOR_ROLE_DECODE}
 MAX_LOCAL_PREFILL_LENGTH = 12  # tokens: three blocks of the simulated executors' four
 LONG, SHORT = 22, 9  # prompt tokens
 LONG_BLOCKS = -(-LONG // 4)
+
+
+def disaggregated(
+    tokenizer: Tokenizer, roles: dict[str, str], max_local_prefill_length: int = 0, **options: Any
+) -> AbstractAsyncContextManager[SimulatedEngine]:
+    """The simulated engine over one executor per role, ``e0, e1, ...`` (``roles``); with the
+    default ``max_local_prefill_length``, every prompt prefills on a prefill executor."""
+    return simulated_engine(
+        tokenizer,
+        num_executors=len(roles),
+        roles=roles,
+        max_local_prefill_length=max_local_prefill_length,
+        **options,
+    )
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -77,11 +93,10 @@ def test_long_prompts_prefill_on_the_prefill_executor_and_decode_where_they_pull
     its prefix cache once pulled (a prompt placed there again is a hit)."""
 
     async def scenario() -> None:
-        async with simulated_engine(
+        async with disaggregated(
             tokenizer,
-            num_executors=3,
-            roles=ROLES,
-            max_local_prefill_length=MAX_LOCAL_PREFILL_LENGTH,
+            ROLES,
+            MAX_LOCAL_PREFILL_LENGTH,
             num_scheduler_steps=num_scheduler_steps,
             async_scheduling=async_scheduling,
         ) as sim:
@@ -126,12 +141,8 @@ def test_a_lost_prefill_or_decode_executor_costs_no_token_and_no_block(
     left), and every pool ends idle."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer,
-            num_executors=3,
-            roles=ROLES,
-            max_local_prefill_length=MAX_LOCAL_PREFILL_LENGTH,
-            failing={lost: (3, "UNAVAILABLE")},
+        async with disaggregated(
+            tokenizer, ROLES, MAX_LOCAL_PREFILL_LENGTH, failing={lost: (3, "UNAVAILABLE")}
         ) as sim:
             await run_all(sim, [(LONG, 8)] * 6 + [(SHORT, 8)] * 2)
             assert not sim.engine.lanes.get(lost)
@@ -144,12 +155,7 @@ def test_with_only_prefill_executors_left_they_decode_too(tokenizer: Tokenizer) 
     """A prefill executor alone serves every request, long prompts included, as a mixed one."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer,
-            num_executors=1,
-            roles={"e0": EXECUTOR_ROLE_PREFILL},
-            max_local_prefill_length=0,
-        ) as sim:
+        async with disaggregated(tokenizer, {"e0": EXECUTOR_ROLE_PREFILL}) as sim:
             await run_all(sim, [(LONG, 5), (SHORT, 5)])
             assert sim.executors["e0"].simulated.num_pulled_blocks == 0
 
@@ -165,9 +171,7 @@ def test_an_abort_while_the_prompt_prefills_or_is_pulled_frees_both_sides(
     decoding on: the blocks held for it on both sides are freed."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, ONE_EACH) as sim:
             sim.executors[paused].pause_at = 0
             run = start(sim, LONG, 8, "r0")
             assert await sim.wait_paused() == paused
@@ -188,9 +192,7 @@ def test_a_decode_executor_lost_while_the_prompt_prefills_waits_elsewhere_for_th
     computes its prompt: the request waits on the other decode executor, for the same prefill."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=3, roles=ROLES, max_local_prefill_length=0, pause_at=0
-        ) as sim:
+        async with disaggregated(tokenizer, ROLES, pause_at=0) as sim:
             run = start(sim, LONG, 6, "r0")
             assert await sim.wait_paused() == "e0"
             lost = sim.engine._lane_of["r0"].executor_id
@@ -214,9 +216,7 @@ def test_a_decode_executor_lost_in_its_pull_step_releases_the_held_blocks_and_th
     cache) and decodes on the other decode executor."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=3, roles=ROLES, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, ROLES) as sim:
             for name in ("e1", "e2"):
                 sim.executors[name].pause_at = 0
             run = start(sim, LONG, 6, "r0")
@@ -241,9 +241,7 @@ def test_a_lost_prefill_executor_prefills_again_on_another_while_the_decode_one_
 
     async def scenario() -> None:
         roles = {"e0": EXECUTOR_ROLE_PREFILL, "e1": EXECUTOR_ROLE_PREFILL, "e2": EXECUTOR_ROLE_DECODE}
-        async with simulated_engine(
-            tokenizer, num_executors=3, roles=roles, max_local_prefill_length=0, pause_at=0
-        ) as sim:
+        async with disaggregated(tokenizer, roles, pause_at=0) as sim:
             run = start(sim, LONG, 6, "r0")
             lost = await sim.wait_paused()
             other = {"e0": "e1", "e1": "e0"}[lost]
@@ -262,13 +260,7 @@ def test_a_prompt_its_prefill_executor_fails_is_computed_where_it_decodes(tokeni
     its one retry) and ends no client request: its decode executor computes the prompt."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer,
-            num_executors=2,
-            roles=ONE_EACH,
-            max_local_prefill_length=0,
-            failing={"e0": (0, "INTERNAL")},
-        ) as sim:
+        async with disaggregated(tokenizer, ONE_EACH, failing={"e0": (0, "INTERNAL")}) as sim:
             await run_all(sim, [(LONG, 6)] * 2)
             assert sim.sampled_by() == {"e0": 0, "e1": 2 * 6} and "e0" in sim.engine.lanes
             assert metric(sim, "npuserve:executor_failed_steps_total", "e0") >= 2
@@ -286,11 +278,10 @@ def test_a_failed_pull_fails_only_its_request_which_computes_its_prompt(
     requests decoding there."""
 
     async def scenario() -> None:
-        async with simulated_engine(
+        async with disaggregated(
             tokenizer,
-            num_executors=2,
-            roles=ONE_EACH,
-            max_local_prefill_length=MAX_LOCAL_PREFILL_LENGTH,
+            ONE_EACH,
+            MAX_LOCAL_PREFILL_LENGTH,
             num_scheduler_steps=num_scheduler_steps,
             async_scheduling=async_scheduling,
         ) as sim:
@@ -307,9 +298,7 @@ def test_a_failed_pull_fails_only_its_request_which_computes_its_prompt(
 
 def test_a_draining_prefill_executor_stays_until_its_held_blocks_are_pulled(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, ONE_EACH) as sim:
             sim.executors["e1"].pause_at = 0  # its step that pulls waits
             run = start(sim, LONG, 4, "r0")
             assert await sim.wait_paused() == "e1"
@@ -332,9 +321,7 @@ def test_a_request_reserved_while_its_prompt_prefills_counts_as_waiting(tokenize
     vllm:num_requests_waiting and against --max-queued-requests; once it decodes, no longer."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, ONE_EACH) as sim:
             sim.executors["e0"].pause_at = 0
             run = start(sim, LONG, 8, "r0")
             assert await sim.wait_paused() == "e0"
@@ -356,9 +343,7 @@ def test_requests_wait_for_the_decode_executors_blocks_while_their_prompts_prefi
     in its queue while they prefill, and are admitted, pulling, as blocks come free."""
 
     async def scenario() -> None:
-        async with simulated_engine(
-            tokenizer, num_executors=2, roles=ONE_EACH, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, ONE_EACH) as sim:
             await run_all(sim, [(LONG, 8)] * 14)  # 14 x 6 blocks reserved: 84 of 64
             assert sim.sampled_by()["e0"] == 14
             await sim.wait_idle()
@@ -388,9 +373,7 @@ def test_a_constrained_request_crosses_the_hand_off_as_it_runs_colocated(
     params = SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS[kind])
 
     async def serve(roles: dict[str, str]) -> tuple[Collected, dict[str, int]]:
-        async with simulated_engine(
-            tokenizer, num_executors=len(roles), roles=roles, max_local_prefill_length=0
-        ) as sim:
+        async with disaggregated(tokenizer, roles) as sim:
             result = await generate(sim.engine, prompt_of(LONG, 0), params, "r0")
             await sim.wait_idle()
             return result, sim.sampled_by()
