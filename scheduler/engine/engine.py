@@ -315,7 +315,10 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         client = self._clients.get(request_id)
         if client is None or not self.abort(request_id):
             return
+        now = time.monotonic()
         for child in client.children:
+            if not client.is_finished(child.req_id):  # its lane's report will not find it
+                self.recorder.record_finish(child, RequestStatus.FINISHED_ABORTED.value, now)
             client.mark_finished(child.req_id)
         self._forget_if_finished(client)
 

@@ -18,6 +18,7 @@ import pytest
 from harness.cluster import processes
 from harness.pools import idle_pools
 from harness.serve import collect, greedy_request, metric_total, start_executors, start_scheduler
+from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
@@ -42,19 +43,28 @@ def address(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield start_scheduler(procs, stories_dir, executors, *flags).wait_ready()["address"]
 
 
+GENERATIONS = {"generate": 1, "generate-many": 2}  # generations of N requests in one call
+
+
 def unread_call(stub: pb_grpc.SchedulerStub, kind: str) -> Iterator[object]:
     """A call of ``kind`` whose responses are not read (until the caller iterates them)."""
     request = greedy_request(PROMPT, MAX_TOKENS, n=N)
     if kind == "generate":
         return stub.Generate(request)
-    actions = [pb.GenerateManyAction(stream_id=i, generate=request) for i in (1, 2)]
+    actions = [pb.GenerateManyAction(stream_id=i + 1, generate=request) for i in range(GENERATIONS[kind])]
     return stub.GenerateMany(iter([pb.GenerateManyRequest(actions=actions)]))
 
 
-def generated_tokens(stub: pb_grpc.SchedulerStub) -> float:
-    return metric_total(
-        stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text, "vllm:generation_tokens_total"
+def counts(stub: pb_grpc.SchedulerStub) -> tuple[float, float]:
+    """Tokens generated and requests finished as aborted, so far."""
+    text = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10).text
+    aborted = sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "abort"
     )
+    return metric_total(text, "vllm:generation_tokens_total"), aborted
 
 
 def wait_for_pools(stub: pb_grpc.SchedulerStub, busy: bool) -> None:
@@ -72,13 +82,16 @@ def wait_for_pools(stub: pb_grpc.SchedulerStub, busy: bool) -> None:
 @pytest.mark.parametrize("kind", ["generate", "generate-many"])
 def test_a_stream_left_unread_has_its_requests_aborted_and_ends_aborted(address: str, kind: str) -> None:
     stub = pb_grpc.SchedulerStub(grpc.insecure_channel(address))
-    tokens_before = generated_tokens(stub)
+    tokens_before, aborted_before = counts(stub)
     with grpc.insecure_channel(address, options=UNREAD_OPTIONS) as channel:
         responses = unread_call(pb_grpc.SchedulerStub(channel), kind)
         wait_for_pools(stub, busy=True)
         wait_for_pools(stub, busy=False)  # while the call is open and unread
-        generated = generated_tokens(stub) - tokens_before
-        assert generated < N * MAX_TOKENS, "the request ran to its end instead of being aborted"
+        tokens_after, aborted_after = counts(stub)
+        generated = tokens_after - tokens_before
+        full = GENERATIONS[kind] * N * MAX_TOKENS  # had every request run to its end
+        assert generated < full, "the requests ran to their end instead of being aborted"
+        assert aborted_after > aborted_before, "no request finished as aborted"
         with pytest.raises(grpc.RpcError) as ended:
             for _ in responses:
                 pass
