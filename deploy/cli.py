@@ -13,15 +13,15 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
+from npuserve.deploy.flag_table import imported
 from npuserve.deploy.runtime.logs import configure_logging
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     from npuserve.deploy.executor_flags import add_executor_flags
     from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
-    from npuserve.deploy.gateway_flags import add_gateway_flags
+    from npuserve.deploy.gateway_flags import add_serve_gateway_flags
     from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
     from npuserve.deploy.scheduler_flags import GATEWAY_NAMED_FIELDS, SCHEDULER, SERVING_FIELDS
 
@@ -31,7 +31,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--scheduler-port", type=int, default=0, help="the scheduler's gRPC port (0: a free one)"
     )
-    add_gateway_flags(serve, standalone=False)
+    add_serve_gateway_flags(serve)
     add_allow_unauthenticated_flag(serve)
     serve.add_argument(
         "--num-executors",
@@ -49,68 +49,6 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     add_shutdown_timeout_flag(serve)
     add_logging_flags(serve)
-
-
-def add_executor_command_flags(executor: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.executor_flags import add_executor_cluster_flags, add_executor_flags
-    from npuserve.deploy.flags import add_logging_flags
-    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
-
-    add_executor_flags(executor)
-    add_executor_cluster_flags(executor)
-    add_shutdown_timeout_flag(executor)
-    add_logging_flags(executor)
-
-
-def add_scheduler_command_flags(scheduler: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.flags import add_logging_flags
-    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
-    from npuserve.deploy.scheduler_flags import add_scheduler_flags
-
-    add_scheduler_flags(scheduler)
-    add_shutdown_timeout_flag(scheduler)
-    add_logging_flags(scheduler)
-
-
-def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags
-    from npuserve.deploy.gateway_flags import add_gateway_flags
-    from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
-
-    gateway.add_argument("--scheduler", required=True, help="the scheduler's gRPC address, HOST:PORT")
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8000)
-    gateway.add_argument("--ready-file", type=Path)
-    add_allow_unauthenticated_flag(gateway)
-    add_gateway_flags(gateway, standalone=True)
-    add_shutdown_timeout_flag(gateway)
-    add_logging_flags(gateway)
-
-
-def add_doctor_command_flags(doctor: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.doctor.command import add_doctor_flags
-    from npuserve.deploy.flags import add_logging_flags
-
-    add_doctor_flags(doctor)
-    add_logging_flags(doctor)
-
-
-def add_serving_bench_flags(bench: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.bench.serving import add_bench_flags
-
-    add_bench_flags(bench)
-
-
-def add_runner_bench_command_flags(bench: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.bench.runner_flags import add_runner_bench_flags
-
-    add_runner_bench_flags(bench)
-
-
-def add_scale_bench_command_flags(bench: argparse.ArgumentParser) -> None:
-    from npuserve.deploy.bench.scale import add_scale_bench_flags
-
-    add_scale_bench_flags(bench)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -132,34 +70,30 @@ def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
     from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles, serve_parallel_flags
-    from npuserve.deploy.flags import CLUSTER_TOKEN_ENV, cluster_token, logging_flags, resolve_api_key
+    from npuserve.deploy.flags import command_error, logging_flags, resolve_api_key, resolve_cluster_token
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.runtime.cpu_priority import control_plane_nice
     from npuserve.deploy.runtime.shutdown import Shutdown, shutdown_timeout_flags
     from npuserve.deploy.scheduler_flags import SCHEDULER, serve_scheduler_config
     from npuserve.deploy.supervisor import Supervisor
-    from npuserve.proto.auth import API_KEY, GATEWAY_API_KEY, exposure_problem
+    from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN, GATEWAY_API_KEY, exposure_problem
     from npuserve.proto.ready_file import write_ready_file
 
-    problem = exposure_problem(
-        args.host, GATEWAY_API_KEY, bool(resolve_api_key(args.api_key)), args.allow_unauthenticated
-    )
-    if problem is not None:
-        print(f"npuserve serve: error: {problem}", file=sys.stderr)
-        return 2
+    has_key = bool(resolve_api_key(args.api_key))
+    if problem := exposure_problem(args.host, GATEWAY_API_KEY, has_key, args.allow_unauthenticated):
+        return command_error("serve", problem)
 
     # NOTE: a token even on loopback (other local users can reach the ports), made up when none
     # is given; it travels in the environment, not in argv where `ps` shows it.
-    token_env = {CLUSTER_TOKEN_ENV: cluster_token(args) or secrets.token_urlsafe(32)}
+    token_env = {CLUSTER_TOKEN.env: resolve_cluster_token(args.cluster_token) or secrets.token_urlsafe(32)}
     # NOTE: the API key travels in the environment, not in argv where `ps` shows it.
     key_env = {API_KEY.env: args.api_key} if args.api_key else {}
     num_executors = _num_executors(args)
     try:
         roles = serve_executor_roles(num_executors, args.prefill_executors)
     except ValueError as exc:
-        print(f"npuserve serve: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("serve", exc)
     common = [*logging_flags(args), *shutdown_timeout_flags(args)]
     launcher = Launcher()
     supervisor = Supervisor(launcher)
@@ -237,8 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
             supervisor.drain(shutdown, args.shutdown_timeout)
         return code
     except (LaunchError, ValueError) as exc:
-        print(f"npuserve serve: error: {exc}", file=sys.stderr)
-        return 1
+        return command_error("serve", exc, 1)
     finally:
         launcher.stop(0.5 if shutdown.now.is_set() else STOP_GRACE_S)
 
@@ -260,6 +193,7 @@ def _num_executors(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    from npuserve.deploy.flags import command_error
     from npuserve.deploy.gateway_flags import gateway_config_from_args
     from npuserve.gateway.server import run_gateway
     from npuserve.proto.auth import GATEWAY_API_KEY, exposure_problem
@@ -267,12 +201,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         config = gateway_config_from_args(args)
     except ValueError as exc:
-        print(f"npuserve gateway: error: {exc}", file=sys.stderr)
-        return 2
-    problem = exposure_problem(args.host, GATEWAY_API_KEY, bool(config.api_key), args.allow_unauthenticated)
-    if problem is not None:
-        print(f"npuserve gateway: error: {problem}", file=sys.stderr)
-        return 2
+        return command_error("gateway", exc)
+    if problem := exposure_problem(
+        args.host, GATEWAY_API_KEY, bool(config.api_key), args.allow_unauthenticated
+    ):
+        return command_error("gateway", problem)
     return run_gateway(config)
 
 
@@ -280,7 +213,7 @@ def run_executor(args: argparse.Namespace) -> int:
     """`npuserve executor`: serves with these flags; 2 (and the message) on a user error. Rank 0
     of a single-node tensor-parallel group starts the other ranks as `LocalRanks`."""
     from npuserve.deploy.executor_flags import EXECUTOR, cluster_from_args, parallel_config_from_args
-    from npuserve.deploy.flags import cluster_token
+    from npuserve.deploy.flags import command_error, resolve_cluster_token
     from npuserve.deploy.local_ranks import LocalRanks
     from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
     from npuserve.executor.config import ConfigError
@@ -289,11 +222,9 @@ def run_executor(args: argparse.Namespace) -> int:
     from npuserve.proto.auth import CLUSTER_TOKEN, exposure_problem
 
     try:
-        token = cluster_token(args)
-        problem = exposure_problem(
-            args.host, CLUSTER_TOKEN, bool(token), getattr(args, "allow_unauthenticated", False)
-        )
-        if problem is not None:
+        token = resolve_cluster_token(args.cluster_token)
+        allowed = getattr(args, "allow_unauthenticated", False)
+        if problem := exposure_problem(args.host, CLUSTER_TOKEN, bool(token), allowed):
             raise ConfigError(problem)
         tls, registry = cluster_from_args(args)
         serve_executor(
@@ -310,32 +241,27 @@ def run_executor(args: argparse.Namespace) -> int:
             shutdown_timeout_s=getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S),
         )
     except (ConfigError, PlatformError) as exc:
-        print(f"npuserve executor: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("executor", exc)
     return 0
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from npuserve.deploy.flags import command_error
     from npuserve.deploy.runtime import event_loop
     from npuserve.deploy.scheduler_flags import SCHEDULER
     from npuserve.proto.auth import API_KEY, exposure_problem
     from npuserve.scheduler.server import serve_scheduler
 
     if bool(args.executors) == bool(args.registry):
-        print("npuserve scheduler: error: give --executors or --registry (one of them)", file=sys.stderr)
-        return 2
+        return command_error("scheduler", "give --executors or --registry (one of them)")
     try:
         config = SCHEDULER.from_args(args)
     except OSError as exc:
-        print(f"npuserve scheduler: error: cannot read --tls-ca: {exc}", file=sys.stderr)
-        return 2
+        return command_error("scheduler", f"cannot read --tls-ca: {exc}")
     except ValueError as exc:
-        print(f"npuserve scheduler: error: {exc}", file=sys.stderr)
-        return 2
-    problem = exposure_problem(args.host, API_KEY, bool(config.api_key), args.allow_unauthenticated)
-    if problem is not None:
-        print(f"npuserve scheduler: error: {problem}", file=sys.stderr)
-        return 2
+        return command_error("scheduler", exc)
+    if problem := exposure_problem(args.host, API_KEY, bool(config.api_key), args.allow_unauthenticated):
+        return command_error("scheduler", problem)
     event_loop.run(
         serve_scheduler(
             config,
@@ -348,30 +274,6 @@ def run_scheduler(args: argparse.Namespace) -> int:
         )
     )
     return 0
-
-
-def run_bench_runner(args: argparse.Namespace) -> int:
-    from npuserve.deploy.bench.runner import run_runner_bench
-
-    return run_runner_bench(args)
-
-
-def run_doctor(args: argparse.Namespace) -> int:
-    from npuserve.deploy.doctor.command import run_doctor
-
-    return run_doctor(args)
-
-
-def run_serving_bench(args: argparse.Namespace) -> int:
-    from npuserve.deploy.bench.serving import run_bench
-
-    return run_bench(args)
-
-
-def run_scale_bench(args: argparse.Namespace) -> int:
-    from npuserve.deploy.bench.scale import run_scale_bench
-
-    return run_scale_bench(args)
 
 
 @dataclass(frozen=True)
@@ -388,31 +290,39 @@ class Command:
 COMMANDS = {
     "serve": Command("executors, scheduler and the OpenAI-compatible gateway", add_serve_flags, run_serve),
     "executor": Command(
-        "one executor: a model on one device, over gRPC", add_executor_command_flags, run_executor
+        "one executor: a model on one device, over gRPC",
+        imported("npuserve.deploy.executor_flags", "add_executor_command_flags"),
+        run_executor,
     ),
     "scheduler": Command(
-        "the scheduler, driving running executors", add_scheduler_command_flags, run_scheduler
+        "the scheduler, driving running executors",
+        imported("npuserve.deploy.scheduler_flags", "add_scheduler_flags"),
+        run_scheduler,
     ),
     "gateway": Command(
-        "the OpenAI-compatible REST gateway of a running scheduler", add_gateway_command_flags, run_gateway
+        "the OpenAI-compatible REST gateway of a running scheduler",
+        imported("npuserve.deploy.gateway_flags", "add_gateway_command_flags"),
+        run_gateway,
     ),
     "doctor": Command(
-        "check the driver, CANN, versions, NPUs and a model", add_doctor_command_flags, run_doctor
+        "check the driver, CANN, versions, NPUs and a model",
+        imported("npuserve.deploy.doctor.command", "add_doctor_flags"),
+        imported("npuserve.deploy.doctor.command", "run_doctor"),
     ),
     "bench": Command(
         "serving throughput, TTFT and inter-token latency, offline or over gRPC",
-        add_serving_bench_flags,
-        run_serving_bench,
+        imported("npuserve.deploy.bench.serving", "add_bench_flags"),
+        imported("npuserve.deploy.bench.serving", "run_bench"),
     ),
     "bench-runner": Command(
         "decode throughput of the ModelRunner, against transformers on the same weights",
-        add_runner_bench_command_flags,
-        run_bench_runner,
+        imported("npuserve.deploy.bench.runner_flags", "add_runner_bench_flags"),
+        imported("npuserve.deploy.bench.runner", "run_runner_bench"),
     ),
     "bench-scale": Command(
         "how far one scheduler scales over many simulated executors",
-        add_scale_bench_command_flags,
-        run_scale_bench,
+        imported("npuserve.deploy.bench.scale", "add_scale_bench_flags"),
+        imported("npuserve.deploy.bench.scale", "run_scale_bench"),
         argparse.RawDescriptionHelpFormatter,
     ),
 }

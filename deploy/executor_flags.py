@@ -2,7 +2,7 @@
 options (`ParallelConfig`), one for the registry (`RegistryConfig`), beside the server's own
 (address, ready file, id, TLS). Flag names follow vLLM's. Torch loads only when a config is built.
 
-    `npuserve executor`  -> add_executor_flags, add_executor_cluster_flags -> `cli.run_executor`
+    `npuserve executor`  -> add_executor_command_flags -> `cli.run_executor`
     `npuserve serve`, TP ranks, benches, tests -> EXECUTOR.to_flags(config) for the children
 """
 
@@ -13,16 +13,18 @@ import os
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
-from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto, csv
+from npuserve.deploy.flag_table import Flag, FlagTable, count_or_auto, csv, imported
 from npuserve.deploy.flags import (
+    CLUSTER_TOKEN_OPTIONS,
     add_allow_unauthenticated_flag,
-    add_cluster_token_flag,
+    add_logging_flags,
     add_server_tls_flags,
     server_tls,
 )
+from npuserve.deploy.runtime.shutdown import add_shutdown_timeout_flag
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
 from npuserve.executor.parallel_defaults import DEFAULT_DISTRIBUTED_TIMEOUT_S, DEFAULT_TP_CONNECT_TIMEOUT_S
 from npuserve.proto.step_plan import (
@@ -51,30 +53,11 @@ def device_flag(text: str) -> str:
     return value
 
 
-def _executor_config(**fields: Any) -> ExecutorConfig:
-    from npuserve.executor.config import ExecutorConfig
-
-    return ExecutorConfig(**fields)
-
-
-def _parallel_config(**fields: Any) -> ParallelConfig:
-    from npuserve.executor.parallel_config import ParallelConfig
-
-    return ParallelConfig(**fields)
-
-
-def _registry_config(**fields: Any) -> RegistryConfig:
-    from npuserve.executor.registration import RegistryConfig
-
-    return RegistryConfig(**fields)
-
-
 EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
-    _executor_config,
+    imported("npuserve.executor.config", "ExecutorConfig"),
     [
         Flag(
             "model",
-            "--model",
             {
                 "default": str(DEMO_MODEL_DIR),
                 "help": "a local Hugging Face model directory (default: the bundled stories260K demo model)",
@@ -82,22 +65,22 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "device",
-            "--device",
             {
                 "default": "auto",
                 "type": device_flag,
                 "help": "auto, cpu, cuda, npu, or npu:N (the Nth visible NPU; NPUSERVE_EMULATE_NPU=1 emulates one)",
             },
         ),
-        Flag("dtype", "--dtype", {"default": "auto"}),
-        Flag("block_size", "--block-size", {"type": int}),
-        Flag("max_model_len", "--max-model-len", {"type": int}),
-        Flag("max_num_seqs", "--max-num-seqs", {"type": int, "default": 256}),
-        Flag("max_num_batched_tokens", "--max-num-batched-tokens", {"type": int, "default": 8192}),
-        Flag("kv_cache_memory_gib", "--kv-cache-memory", {"type": float, "help": "KV cache size in GiB"}),
+        Flag("dtype", {"default": "auto"}),
+        Flag("block_size", {"type": int}),
+        Flag("max_model_len", {"type": int}),
+        Flag("max_num_seqs", {"type": int, "default": 256}),
+        Flag("max_num_batched_tokens", {"type": int, "default": 8192}),
+        Flag(
+            "kv_cache_memory_gib", {"type": float, "help": "KV cache size in GiB"}, name="--kv-cache-memory"
+        ),
         Flag(
             "kv_host_memory_gib",
-            "--kv-host-memory",
             {
                 "type": float,
                 "default": 0.0,
@@ -106,13 +89,13 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
                 "and come back on a prefix hit instead of being computed again (needs prefix caching; "
                 "default: 0, off)",
             },
+            name="--kv-host-memory",
         ),
-        Flag("gpu_memory_utilization", "--gpu-memory-utilization", {"type": float, "default": 0.9}),
-        Flag("load_format", "--load-format", {"default": "auto"}),
-        Flag("seed", "--seed", {"type": int, "default": 0}),
+        Flag("gpu_memory_utilization", {"type": float, "default": 0.9}),
+        Flag("load_format", {"default": "auto"}),
+        Flag("seed", {"type": int, "default": 0}),
         Flag(
             "warmup",
-            "--warmup",
             {
                 "action": argparse.BooleanOptionalAction,
                 "default": True,
@@ -121,7 +104,6 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "cpu_threads",
-            "--cpu-threads",
             {
                 "type": count_or_auto("threads", AUTO_CPU_THREADS),
                 "metavar": "{N,auto}",
@@ -132,7 +114,6 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "enforce_eager",
-            "--enforce-eager",
             {
                 "action": "store_true",
                 "help": "run every step eagerly: no decode graphs (graph mode is on by default on npu and cuda)",
@@ -140,7 +121,6 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "graph_capture_sizes",
-            "--graph-capture-sizes",
             {
                 "type": csv(int),
                 "metavar": "N,N,...",
@@ -150,7 +130,6 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "role",
-            "--role",
             {
                 "choices": EXECUTOR_ROLES,
                 "default": EXECUTOR_ROLE_MIXED,
@@ -161,7 +140,6 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
         ),
         Flag(
             "profile_dir",
-            "--profile-dir",
             {
                 "type": Path,
                 "help": "allow POST /start_profile and /stop_profile; traces are written here (off by default)",
@@ -175,67 +153,59 @@ EXECUTOR: FlagTable[ExecutorConfig] = FlagTable(
 # --master-addr/--master-port. HCCL_IF_IP, HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
 # HCCL_CONNECT_TIMEOUT, HCCL_BUFFSIZE and ASCEND_RT_VISIBLE_DEVICES pass through.
 PARALLEL: FlagTable[ParallelConfig] = FlagTable(
-    _parallel_config,
+    imported("npuserve.executor.parallel_config", "ParallelConfig"),
     [
         Flag(
             "size",
-            "--tensor-parallel-size",
             {"type": int, "default": 1, "help": "devices (ranks) one executor spans"},
+            name="--tensor-parallel-size",
         ),
         Flag(
             "rank",
-            "--tp-rank",
             {
                 "type": int,
                 "help": "this process's rank in a group started node by node (default: "
                 f"${TP_RANK_ENV}; omit it to start every rank on this node)",
             },
+            name="--tp-rank",
         ),
-        Flag(
-            "master_addr",
-            "--master-addr",
-            {"help": "rank 0's address for the rendezvous (default: $MASTER_ADDR)"},
-        ),
-        Flag(
-            "master_port",
-            "--master-port",
-            {"type": int, "help": "rank 0's rendezvous port (default: $MASTER_PORT)"},
-        ),
+        Flag("master_addr", {"help": "rank 0's address for the rendezvous (default: $MASTER_ADDR)"}),
+        Flag("master_port", {"type": int, "help": "rank 0's rendezvous port (default: $MASTER_PORT)"}),
         Flag(
             "connect_timeout_s",
-            "--tp-connect-timeout",
             {
                 "type": float,
                 "default": DEFAULT_TP_CONNECT_TIMEOUT_S,
                 "help": "seconds to wait for every rank to join the group",
             },
+            name="--tp-connect-timeout",
         ),
         Flag(
             "collective_timeout_s",
-            "--distributed-timeout-seconds",
             {
                 "type": float,
                 "default": DEFAULT_DISTRIBUTED_TIMEOUT_S,
                 "help": "seconds one collective waits for the other ranks once the group formed",
             },
+            name="--distributed-timeout-seconds",
         ),
     ],
 )
 
 REGISTRY: FlagTable[RegistryConfig] = FlagTable(
-    _registry_config,
+    imported("npuserve.executor.registration", "RegistryConfig"),
     [
-        Flag("url", "--registry", {"help": "redis://HOST:PORT/DB: register this executor there"}),
-        Flag("prefix", "--registry-prefix", {"default": "npuserve", "help": "prefix of the registry keys"}),
+        Flag("url", {"help": "redis://HOST:PORT/DB: register this executor there"}, name="--registry"),
         Flag(
-            "ttl_s",
-            "--registry-ttl",
-            {"type": float, "default": 10.0, "help": "seconds a registration lives without a heartbeat"},
+            "prefix", {"default": "npuserve", "help": "prefix of the registry keys"}, name="--registry-prefix"
         ),
         Flag(
-            "advertise_address",
-            "--advertise-address",
-            {"help": "HOST:PORT the scheduler connects to (default: the bound address)"},
+            "ttl_s",
+            {"type": float, "default": 10.0, "help": "seconds a registration lives without a heartbeat"},
+            name="--registry-ttl",
+        ),
+        Flag(
+            "advertise_address", {"help": "HOST:PORT the scheduler connects to (default: the bound address)"}
         ),
     ],
 )
@@ -251,15 +221,18 @@ def add_executor_flags(parser: argparse.ArgumentParser, exclude: Collection[str]
     parser.add_argument("--executor-id", help="default: HOSTNAME:PORT")
     EXECUTOR.add(parser, exclude=["model", *exclude])
     PARALLEL.add(parser)
-    add_cluster_token_flag(parser)
+    parser.add_argument("--cluster-token", **CLUSTER_TOKEN_OPTIONS)
 
 
-def add_executor_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of an executor that runs on its own in a cluster: registry, TLS, and leave to serve
-    a non-loopback address without a cluster token."""
+def add_executor_command_flags(parser: argparse.ArgumentParser) -> None:
+    """`npuserve executor`'s flags: the executor's, and those of one that runs on its own in a
+    cluster: registry, TLS, and leave to serve a non-loopback address without a cluster token."""
+    add_executor_flags(parser)
     REGISTRY.add(parser)
     add_server_tls_flags(parser)
     add_allow_unauthenticated_flag(parser)
+    add_shutdown_timeout_flag(parser)
+    add_logging_flags(parser)
 
 
 def serve_executor_roles(num_executors: int, num_prefill: int) -> list[str]:
@@ -309,17 +282,10 @@ def _env_int(name: str) -> int | None:
 
 
 def cluster_from_args(args: argparse.Namespace) -> tuple[tuple[bytes, bytes] | None, RegistryConfig | None]:
-    """TLS key and certificate, and the registry, from `add_executor_cluster_flags`' flags."""
+    """TLS key and certificate, and the registry, from `add_executor_command_flags`' flags."""
     from npuserve.executor.config import ConfigError
 
     try:
-        tls = server_tls(args)
+        return server_tls(args), REGISTRY.from_args(args) if getattr(args, "registry", None) else None
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    registry = None
-    if getattr(args, "registry", None):
-        try:
-            registry = REGISTRY.from_args(args)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    return tls, registry

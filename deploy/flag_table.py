@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +22,40 @@ C = TypeVar("C")
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    """``name`` sets the config's ``field``; ``options`` are `add_argument`'s keyword arguments.
+    """The flag ``name`` (default: ``--field-name``, from the field's name) sets the config's
+    ``field``; ``options`` are `add_argument`'s keyword arguments.
 
     ``forward=False``: `to_flags` leaves it out (a secret that travels in the environment, or a
     value the config holds in a form no flag can carry)."""
 
     field: str
-    name: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    name: str = ""
     forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", "--" + self.field.replace("_", "-"))
 
     @property
     def dest(self) -> str:
         return self.name.removeprefix("--").replace("-", "_")
+
+
+def imported(module: str, name: str) -> Callable[..., Any]:
+    """What calls ``module.name``, importing the module at its first call: a command line can
+    name what it would run (a config type, a command) without importing it (torch, say)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return call
+
+
+def same_named(config_type: type, args: argparse.Namespace) -> dict[str, Any]:
+    """{field: value} for the fields of the dataclass ``config_type`` that ``args`` has flags of
+    the same names for."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_type) if hasattr(args, f.name)}
 
 
 def count_or_auto(what: str, auto: int) -> Callable[[str], int]:
@@ -69,9 +91,6 @@ class FlagTable(Generic[C]):
         self.build = build
         self.flags = list(flags)
         self._by_field = {f.field: f for f in self.flags}
-
-    def __getitem__(self, field_name: str) -> Flag:
-        return self._by_field[field_name]
 
     def select(self, only: Collection[str] | None = None, exclude: Collection[str] = ()) -> list[Flag]:
         if only is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,13 @@ CLUSTER_TOKEN_OPTIONS: dict[str, Any] = {
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
+def command_error(command: str, message: object, code: int = 2) -> int:
+    """Says what is wrong on stderr as ``npuserve COMMAND: error: MESSAGE``; returns ``code``, the
+    command's exit status (2: a usage error)."""
+    print(f"npuserve {command}: error: {message}", file=sys.stderr)
+    return code
+
+
 def add_logging_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, level: str = "info") -> None:
     parser.add_argument("--log-level", default=level, choices=LOG_LEVELS)
     parser.add_argument("--log-format", default="console", choices=["console", "json"])
@@ -31,17 +39,9 @@ def logging_flags(args: argparse.Namespace) -> list[str]:
     return [f"--log-level={args.log_level}", f"--log-format={args.log_format}"]
 
 
-def add_cluster_token_flag(parser: argparse.ArgumentParser) -> None:
-    """``--cluster-token``: the secret the scheduler presents and executors require."""
-    parser.add_argument("--cluster-token", **CLUSTER_TOKEN_OPTIONS)
-
-
-def cluster_token(args: argparse.Namespace) -> str | None:
-    """The cluster token from ``--cluster-token`` or the environment (None: none configured)."""
-    return resolve_cluster_token(getattr(args, "cluster_token", None))
-
-
 def resolve_cluster_token(given: str | None) -> str | None:
+    """The cluster token as given (``--cluster-token``: the secret the scheduler presents and
+    executors require), else from the environment (None: none configured)."""
     return given or os.environ.get(CLUSTER_TOKEN_ENV) or None
 
 
@@ -57,12 +57,8 @@ API_KEY_OPTIONS: dict[str, Any] = {
 }
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The API key from ``--api-key`` or the environment (None: none configured)."""
-    return resolve_api_key(getattr(args, "api_key", None))
-
-
 def resolve_api_key(given: str | None) -> str | None:
+    """The API key as given (``--api-key``), else from the environment (None: none configured)."""
     return given or os.environ.get(API_KEY.env) or None
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from npuserve.deploy.flag_table import Flag, FlagTable
-from npuserve.deploy.flags import resolve_api_key
-from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
-from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits, flag_name
+from npuserve.deploy.flags import add_allow_unauthenticated_flag, add_logging_flags, resolve_api_key
+from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, add_shutdown_timeout_flag
+from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits
 from npuserve.gateway.reasoning import REASONING_PARSERS
 from npuserve.gateway.tool_parsers import TOOL_PARSERS
 from npuserve.proto.auth import API_KEY
@@ -101,11 +101,11 @@ LIMIT_HELP = {
 
 
 def _limit_flag(field: str) -> Flag:
-    """The flag of the `RequestLimits` field ``field``, named after it; its default is the
-    dataclass's (the flag's own is None, so an unset one is not forwarded)."""
+    """The flag of the `RequestLimits` field ``field``, named after it (`flag_name`); its default
+    is the dataclass's (the flag's own is None, so an unset one is not forwarded)."""
     what, why = LIMIT_HELP[field]
     default = getattr(DEFAULT_LIMITS, field)
-    return Flag(field, flag_name(field), {"type": int, "help": f"{what} (default {default}: {why})"})
+    return Flag(field, {"type": int, "help": f"{what} (default {default}: {why})"})
 
 
 def _request_limits(fields: dict[str, Any]) -> RequestLimits:
@@ -120,7 +120,6 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         # NOTE: the keys travel in the environment, not in argv where `ps` shows them.
         Flag(
             "api_key",
-            "--api-key",
             {
                 "help": "require `Authorization: Bearer KEY` on /v1/*, and present KEY to the scheduler "
                 f"(default: ${API_KEY.env})"
@@ -130,30 +129,29 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         *(_limit_flag(field) for field in LIMIT_FIELDS),
         Flag(
             "request_header_timeout_s",
-            "--request-header-timeout",
             {
                 "type": float,
                 "default": 10.0,
                 "help": "seconds a client may take to send a request's headers (then 408 and close)",
             },
+            name="--request-header-timeout",
         ),
         Flag(
             "request_body_timeout_s",
-            "--request-body-timeout",
             {
                 "type": float,
                 "default": 30.0,
                 "help": "seconds a client may take to send a request's body (then 408 and close)",
             },
+            name="--request-body-timeout",
         ),
         Flag(
             "keep_alive_timeout_s",
-            "--keep-alive-timeout",
             {"type": float, "default": 5.0, "help": "seconds an idle keep-alive connection stays open"},
+            name="--keep-alive-timeout",
         ),
         Flag(
             "stream_stall_timeout_s",
-            "--stream-stall-timeout",
             {
                 "type": float,
                 "default": 30.0,
@@ -161,10 +159,10 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
                 "then its connection is closed and its request aborted, so the output of a client that "
                 "stopped reading is neither generated nor buffered on (0: never)",
             },
+            name="--stream-stall-timeout",
         ),
         Flag(
             "max_stream_buffer_bytes",
-            "--max-stream-buffer-bytes",
             {
                 "type": int,
                 "default": DEFAULT_MAX_STREAM_BUFFER_BYTES,
@@ -176,7 +174,6 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         ),
         Flag(
             "max_connections",
-            "--max-connections",
             {
                 "type": int,
                 "default": 1000,
@@ -186,7 +183,6 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         # vLLM's flags for reading tool calls and reasoning out of chat answers:
         Flag(
             "enable_auto_tool_choice",
-            "--enable-auto-tool-choice",
             {
                 "action": "store_true",
                 "help": 'serve tool_choice "auto" (the default with tools): the model may call a tool, '
@@ -195,7 +191,6 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         ),
         Flag(
             "tool_call_parser",
-            "--tool-call-parser",
             {
                 "choices": sorted(TOOL_PARSERS),
                 "help": "how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3, Hermes), "
@@ -204,25 +199,19 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
         ),
         Flag(
             "reasoning_parser",
-            "--reasoning-parser",
             {
                 "choices": sorted(REASONING_PARSERS),
                 "help": "split a reasoning model's thinking into reasoning_content: qwen3 (<think>...</think>)",
             },
         ),
         # `npuserve gateway`'s alone (`serve` names the model and holds the scheduler):
-        Flag("served_model_name", "--served-model-name", {"help": "default: the scheduler's model name"}),
+        Flag("served_model_name", {"help": "default: the scheduler's model name"}),
         Flag(
             "scheduler_api_key",
-            "--scheduler-api-key",
             {"help": f"the key presented to the scheduler (default: --api-key, ${API_KEY.env})"},
             forward=False,
         ),
-        Flag(
-            "scheduler_tls_ca",
-            "--scheduler-tls-ca",
-            {"type": Path, "help": "PEM CA certificates: reach the scheduler over TLS"},
-        ),
+        Flag("scheduler_tls_ca", {"type": Path, "help": "PEM CA certificates: reach the scheduler over TLS"}),
     ],
 )
 STANDALONE_FIELDS = ("served_model_name", "scheduler_api_key", "scheduler_tls_ca")
@@ -236,16 +225,25 @@ SERVE_STALL_HELP = (
 )
 
 
-def add_gateway_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
-    """The gateway's own flags; ``--host``/``--port`` are added by the command that owns them."""
-    if standalone:
-        GATEWAY.add(parser)
-    else:
-        overrides = {
-            "api_key": {"help": SERVE_API_KEY_HELP},
-            "stream_stall_timeout_s": {"help": SERVE_STALL_HELP},
-        }
-        GATEWAY.add(parser, exclude=STANDALONE_FIELDS, overrides=overrides)
+def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
+    """`npuserve gateway`'s flags."""
+    gateway.add_argument("--scheduler", required=True, help="the scheduler's gRPC address, HOST:PORT")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--ready-file", type=Path)
+    add_allow_unauthenticated_flag(gateway)
+    GATEWAY.add(gateway)
+    add_shutdown_timeout_flag(gateway)
+    add_logging_flags(gateway)
+
+
+def add_serve_gateway_flags(serve: argparse.ArgumentParser) -> None:
+    """The gateway's own flags that `npuserve serve` takes (it has ``--host``/``--port`` of its own)."""
+    overrides = {
+        "api_key": {"help": SERVE_API_KEY_HELP},
+        "stream_stall_timeout_s": {"help": SERVE_STALL_HELP},
+    }
+    GATEWAY.add(serve, exclude=STANDALONE_FIELDS, overrides=overrides)
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:

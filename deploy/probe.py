@@ -26,15 +26,13 @@ def _grpc_health(kind: str, address: str, timeout_s: float) -> tuple[bool, str]:
     """(serving, what is wrong) from the Health RPC of an executor or the scheduler."""
     from npuserve.proto import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
+    stub, request = (
+        (executor_pb2_grpc.ExecutorStub, executor_pb2.HealthRequest)
+        if kind == "executor"
+        else (scheduler_pb2_grpc.SchedulerStub, scheduler_pb2.HealthRequest)
+    )
     with grpc.insecure_channel(address) as channel:
-        if kind == "executor":
-            reply: Any = executor_pb2_grpc.ExecutorStub(channel).Health(
-                executor_pb2.HealthRequest(), timeout=timeout_s
-            )
-        else:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).Health(
-                scheduler_pb2.HealthRequest(), timeout=timeout_s
-            )
+        reply: Any = stub(channel).Health(request(), timeout=timeout_s)
     return reply.serving, getattr(reply, "message", "") or "not serving"
 
 

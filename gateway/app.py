@@ -133,10 +133,6 @@ def _json(payload: Any, status: int = 200, headers: Mapping[str, str] | None = N
     return Response(body, status, headers, media_type="application/json")
 
 
-def _error_response(error: APIError) -> Response:
-    return _json(error.body(), error.status, error.headers)
-
-
 async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
     """The whole body, refused with 413 past `limit` bytes (by Content-Length, then as it streams)
     and with 408 (closing the connection) when it takes longer than `timeout_s` to arrive."""
@@ -329,7 +325,10 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/version")
     async def version() -> Response:
-        return _json({"version": _version()})
+        try:
+            return _json({"version": metadata.version("npuserve")})
+        except metadata.PackageNotFoundError:
+            return _json({"version": "unknown"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -343,19 +342,12 @@ def _routes(app: FastAPI) -> None:
         return Response(text, media_type=CONTENT_TYPE)
 
 
-def _version() -> str:
-    try:
-        return metadata.version("npuserve")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         if exc.status >= 500:
             log.warning("request failed", status=exc.status, error=exc.message)
-        return _error_response(exc)
+        return _json(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

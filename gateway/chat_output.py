@@ -83,9 +83,6 @@ class ChoiceOutput:
             delta["tool_calls"] = _call_pieces(calls)
         return delta
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        return finish_reason(reason, self.called)
-
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
     """A choice that made tool calls and stopped by itself finishes with `tool_calls`."""

@@ -49,7 +49,6 @@ class ChoiceDelta:
 
     index: int
     text: str
-    num_tokens: int
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None
@@ -236,12 +235,11 @@ def tokenize_request(req: TokenizeCompletionRequest | TokenizeChatRequest, model
 def update_of(msg: pb.GenerateResponse) -> Update:
     choices = []
     for c in msg.completions:
-        delta = ChoiceDelta(c.index, c.text, len(c.token_ids), [])
-        if c.logprobs:
-            delta.logprobs = [
-                TokenLogprob(lp.token, lp.logprob, [TopLogprob(t.token, t.logprob) for t in lp.top])
-                for lp in c.logprobs
-            ]
+        logprobs = [
+            TokenLogprob(lp.token, lp.logprob, [TopLogprob(t.token, t.logprob) for t in lp.top])
+            for lp in c.logprobs
+        ]
+        delta = ChoiceDelta(c.index, c.text, logprobs)
         if c.finish_reason:
             which = c.WhichOneof("stop_reason")
             delta.finish_reason, delta.error = c.finish_reason, c.error_message

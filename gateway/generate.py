@@ -105,6 +105,13 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
+    def add(self, delta: ChoiceDelta) -> None:
+        """Keeps ``delta``'s text, logprobs and finish for the whole response."""
+        self.parts.append(delta.text)
+        self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 class Generation:
     """One client request over its scheduler calls; `stream()` or `collect()` consumes it once."""
@@ -245,10 +252,7 @@ class CompletionFormat:
         if echoed:
             choice.parts.append(echoed)
             choice.text_len = len(echoed)  # where the first generated token's offset starts
-        choice.parts.append(delta.text)
-        choice.logprobs += delta.logprobs
-        if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        choice.add(delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         logprobs = self._logprobs(choice, choice.logprobs) if self.logprobs else None
@@ -303,7 +307,7 @@ class ChatFormat:
             message = {"content": delta.text} if delta.text else {}
         else:
             message = output.delta(delta.text, final=finish_reason is not None)
-            finish_reason = output.finish_reason(finish_reason)
+            finish_reason = chat_finish_reason(finish_reason, output.called)
         if not message and not delta.logprobs and finish_reason is None:
             return None
         return {
@@ -315,10 +319,7 @@ class ChatFormat:
         }
 
     def accumulate(self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None) -> None:
-        choice.parts.append(delta.text)
-        choice.logprobs += delta.logprobs
-        if delta.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        choice.add(delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         text, finish_reason = "".join(choice.parts), choice.finish_reason

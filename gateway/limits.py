@@ -88,7 +88,7 @@ class RequestLimits:
     def _check_prompt(self, prompt: Any) -> None:
         if not isinstance(prompt, list) or not prompt:
             return
-        if _is_int(prompt[0]):  # one prompt of token ids
+        if type(prompt[0]) is int:  # one prompt of token ids (a bool is no id)
             num_ids = len(prompt)
         else:
             self._check_length(prompt, "max_prompts", "prompt", "prompts")
@@ -134,7 +134,3 @@ class RequestLimits:
                 f"{param}: {size} {what}, more than the {allowed} per {per} allowed ({flag_name(limit)})"
             )
             raise APIError(400, message, param=param, code=code)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

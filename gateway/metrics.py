@@ -78,11 +78,6 @@ class GatewayMetrics:
         return generate_latest(self.registry).decode()
 
 
-def route_label(path: str) -> str:
-    """The path if it is one of ours, else "other" (unknown paths must not grow the label set)."""
-    return path if path in ROUTES else "other"
-
-
 class ObservabilityMiddleware:
     """Gives each request an id (`X-Request-Id`, echoed back), binds it to the log context,
     counts and times the request, and logs one line when its response ends."""
@@ -101,7 +96,8 @@ class ObservabilityMiddleware:
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
         client_id = _SAFE_ID.sub("", given.decode("latin-1"))[:128] or None
         scope.setdefault("state", {})["request_id"] = request_id
-        route = route_label(scope["path"])
+        # The path if it is one of ours, else "other" (unknown paths must not grow the label set).
+        route = scope["path"] if scope["path"] in ROUTES else "other"
         status = 500  # what a response that never started counts as
         start = time.monotonic()
 

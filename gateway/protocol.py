@@ -35,6 +35,17 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 _JINJA = re.compile(r"\{\{|\{%")
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def _refuse_a_value(value: T, info: ValidationInfo) -> T:
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
+
+
+# NOTE: a parameter the gateway refuses unless it is unset or empty.
+Unsupported = Annotated[T | None, AfterValidator(_refuse_a_value)]
 
 
 class _Request(BaseModel):
@@ -70,7 +81,7 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Unsupported[dict[str, float]] = None
     # vLLM's extras
     top_k: Int32 | None = None
     min_p: float | None = None
@@ -93,21 +104,7 @@ class _SamplingRequest(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:
-        if value is None:
-            return []
         return [value] if isinstance(value, str) else value
-
-    @field_validator("stop_token_ids", mode="before")
-    @classmethod
-    def _none_as_empty(cls, value: Any) -> Any:
-        return [] if value is None else value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -122,19 +119,22 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Int32 | None = None
     echo: bool = False
     best_of: Int32 | None = None
-    suffix: str | None = None
+    suffix: Unsupported[str] = None
     add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_as_list(cls, value: Any) -> list[str | list[int]]:
-        return normalize_prompt(value)
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
+        """A prompt given as a string, token ids, or a batch of either, as a list of prompts."""
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+        if _are_token_ids(value):
+            return [value]
+        for i, item in enumerate(value):
+            if not (isinstance(item, str) or (isinstance(item, list) and _are_token_ids(item))):
+                raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids")
         return value
 
     @field_validator("best_of")
@@ -143,20 +143,6 @@ class CompletionRequest(_SamplingRequest):
         if value is not None and value != info.data.get("n", 1):
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
         return value
-
-
-def normalize_prompt(value: Any) -> list[str | list[int]]:
-    """A prompt given as a string, token ids, or a batch of either, as a list of prompts."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
-    if _are_token_ids(value):
-        return [value]
-    for i, item in enumerate(value):
-        if not (isinstance(item, str) or (isinstance(item, list) and _are_token_ids(item))):
-            raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids")
-    return value
 
 
 def _are_token_ids(values: list[Any]) -> bool:
@@ -198,8 +184,6 @@ class ChatMessage(_Request):
     @field_validator("content", mode="before")
     @classmethod
     def _content_as_text(cls, value: Any) -> Any:
-        if value is None:
-            return ""
         if not isinstance(value, list):
             return value
         texts = []

@@ -21,10 +21,6 @@ class Split:
     reasoning: str = ""
     content: str = ""
 
-    def extend(self, other: Split) -> None:
-        self.reasoning += other.reasoning
-        self.content += other.content
-
 
 class _At(Enum):
     START = auto()  # not yet known whether the text opens with the start tag
@@ -73,9 +69,6 @@ class ThinkTagsParser:
             self._at = _At.CONTENT
         out.content, self.buffer = self.buffer, ""
         return out
-
-    def finish(self) -> Split:
-        return self.feed("", final=True)
 
     @classmethod
     def parse(cls, text: str) -> Split:

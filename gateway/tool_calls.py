@@ -135,7 +135,8 @@ def tool_plan(
     if choice == "none":
         return ToolPlan()
     if not tools:
-        raise bad_request(f"tool_choice {_choice_text(choice)} needs tools", "tool_choice")
+        what = f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
+        raise bad_request(f"tool_choice {what} needs tools", "tool_choice")
     max_calls = None if parallel else 1
     if choice == "auto":
         if auto_parser is None:
@@ -157,10 +158,6 @@ def tool_plan(
 def constrains_output(choice: ToolChoice | None) -> bool:
     """Whether the choice makes the grammar write a call (`required`, a named function)."""
     return choice == "required" or isinstance(choice, NamedToolChoice)
-
-
-def _choice_text(choice: ToolChoice) -> str:
-    return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
 def tool_call_schema(tools: list[Tool], name: str | None, parallel: bool) -> dict[str, Any]:

@@ -8,13 +8,12 @@ from npuserve.kernels.backends.base import KernelBackend
 from npuserve.kernels.layout import (
     NPU_ATTENTION_HEAD_DIMS,
     NPU_BLOCK_SIZE,
-    NULL_BLOCK_ID,
-    cdiv,
     kv_cache_block_bytes,
     kv_cache_shape,
     slot_mapping,
 )
 from npuserve.kernels.metadata import AttentionMetadata, build_attention_metadata
+from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
 
 __all__ = [
     "NPU_ATTENTION_HEAD_DIMS",

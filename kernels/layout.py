@@ -11,18 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
-
-__all__ = [
-    "NPU_ATTENTION_HEAD_DIMS",
-    "NPU_BLOCK_SIZE",
-    "NULL_BLOCK_ID",
-    "cdiv",
-    "kv_cache_block_bytes",
-    "kv_cache_shape",
-    "slot_mapping",
-]
-
 # NOTE: Ascend's paged-attention kernels take block_size 128: npu_fused_infer_attention_score's
 # paged prefill needs a multiple of 128 (op-plugin docs, PageAttention约束) and vllm-ascend v0.13.0
 # supports only 128 (AscendAttentionBackend.get_supported_block_size); smaller sizes are for CPU

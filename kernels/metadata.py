@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from npuserve.kernels.layout import cdiv
 from npuserve.kernels.staging import HostStaging
+from npuserve.proto.kv_layout import cdiv
 
 
 @dataclass

@@ -11,6 +11,7 @@ colocated,disaggregated`) runs both loads per configuration, in rounds; the scal
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from npuserve.deploy.bench.report import cell, figure
+from npuserve.deploy.bench.report import cell, figure, grouped_bars
 from npuserve.deploy.bench.variants import DECODE_ONLY, DISAGGREGATION_VARIANTS
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ class LoadPoint:
     @property
     def mixed(self) -> bool:
         return self.load != DECODE_ONLY_LOAD
+
+
+# A point's measures, which the scale bench's `Result` names alike.
+MEASURES = [field.name for field in dataclasses.fields(LoadPoint)][2:]
 
 
 def serving_points(summaries: Sequence[BenchSummary], label: str = "") -> list[LoadPoint]:
@@ -82,19 +87,8 @@ def scale_points(results: Sequence[Result]) -> list[LoadPoint]:
         roles = f"{r.prefill_executors} prefill" if r.prefill_executors else "colocated"
         load = f"{r.long_prompt_rate:g} long prompts/s" if r.long_prompt_rate else DECODE_ONLY_LOAD
         label = f", round {r.round}" if rounds > 1 else ""
-        points.append(
-            LoadPoint(
-                f"{r.executors} executors, {roles} x {r.concurrency} streams{label}",
-                load,
-                r.output_tokens_per_s,
-                r.itl_p50_ms,
-                r.itl_p99_ms,
-                r.ttft_p50_ms,
-                r.ttft_p99_ms,
-                r.long_ttft_p50_ms,
-                r.long_ttft_p99_ms,
-            )
-        )
+        configuration = f"{r.executors} executors, {roles} x {r.concurrency} streams{label}"
+        points.append(LoadPoint(configuration, load, **{name: getattr(r, name) for name in MEASURES}))
     return points
 
 
@@ -209,18 +203,13 @@ def plot_points(points: Sequence[LoadPoint], path: Path, title: str = "") -> Non
         ("long-prompt TTFT p99 (ms)", "long_ttft_p99_ms"),
         ("output tokens/s", "output_tokens_per_s"),
     ]
-    width = 0.8 / len(loads)
     title += f" ({', '.join(shared)})" if shared else ""
     with figure(path, 1, len(panels), size=(4 * len(panels), 4.6), title=title) as axes:
         for ax, (label, attr) in zip(axes, panels, strict=True):
-            top = 0.0
-            for k, load in enumerate(loads):
-                xs = [i + (k - (len(loads) - 1) / 2) * width for i in range(len(configurations))]
-                ys = [getattr(by_key.get((c, load)), attr, None) or 0.0 for c in configurations]
-                ax.bar(xs, ys, width, label=load)
-                top = max(top, *ys)
-            ax.set_xticks(range(len(configurations)), names)
-            ax.set_ylim(0, top * 1.5 or 1.0)  # headroom for the legend
+            series = [
+                (load, [getattr(by_key.get((c, load)), attr, None) for c in configurations]) for load in loads
+            ]
+            grouped_bars(ax, names, series, 1.5)
             ax.set_title(label)
             ax.grid(True, axis="y", alpha=0.3)
             ax.tick_params(axis="x", labelsize="small")

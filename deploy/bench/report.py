@@ -3,7 +3,7 @@
 The serving bench (`serving`), the runner bench (`runner`) and the scale bench (`scale`) each
 measure their own things; here is how their numbers become a table on stdout, a JSON file and a
 PNG. Results go where ``--output-json``/``--plot`` say; JSON without a path goes to
-``./bench-results/`` (`output_path`). Plots need matplotlib (``pip install matplotlib``).
+``./bench-results/`` (`save_json`). Plots need matplotlib (``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import contextlib
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from npuserve.deploy.bench.machine import MachineInfo
@@ -35,11 +38,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, interpolated linearly between closest ranks (numpy's default)."""
     if not values:
         raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(values, q))
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,17 +73,18 @@ def ratio(value: float | None, base: float | None) -> float | None:
 # -- files --------------------------------------------------------------------------------------
 
 
-def output_path(given: Path | None, bench: str, suffix: str = ".json") -> Path:
-    """Where a result goes: ``given``, else ``./bench-results/<bench>-<UTC time><suffix>``."""
-    if given is not None:
-        return given
-    return RESULTS_DIR / f"{bench}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}"
+def save_json(given: Path | None, bench: str, payload: Any) -> None:
+    """Writes a bench's results (`write_json`) to ``given``, else to
+    ``./bench-results/<bench>-<UTC time>.json``, and says where on stderr."""
+    path = given or RESULTS_DIR / f"{bench}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    print(f"results: {write_json(path, payload)}", file=sys.stderr)
 
 
 def write_json(path: Path, payload: Any) -> Path:
-    """``payload`` as indented JSON (infinities become null); the folder is made if need be."""
+    """``payload`` as indented JSON (infinities become null, paths strings); the folder is made if
+    need be."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
+    path.write_text(json.dumps(_finite(payload), indent=2, default=str) + "\n")
     return path
 
 
@@ -120,6 +120,21 @@ def figure(
         plt.close(fig)
 
 
+def grouped_bars(
+    ax: Any, names: Sequence[str], series: Sequence[tuple[str, Sequence[float | None]]], headroom: float
+) -> None:
+    """A group of bars per name, in it a bar per series (labelled for a legend; None: no bar);
+    the y axis ``headroom`` times the tallest bar, room for the legend."""
+    width = 0.8 / len(series)
+    top = 0.0
+    for k, (label, values) in enumerate(series):
+        ys = [value or 0.0 for value in values]
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(names))], ys, width, label=label)
+        top = max(top, *ys)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylim(0, top * headroom or 1.0)
+
+
 # -- the serving bench ----------------------------------------------------------------------------
 
 _COUNTS: list[tuple[str, Callable[[BenchSummary], float], str]] = [
@@ -149,16 +164,12 @@ _RATIO_LABELS = [
 
 def compare(summaries: Sequence[BenchSummary]) -> list[dict[str, Any]]:
     """Every variant after the first over the first: output throughput and latency ratios."""
-    if len(summaries) < 2:
-        return []
-    base = summaries[0].row()
+    base = summaries[0].row() if summaries else {}
     out = []
     for summary in summaries[1:]:
         row = summary.row()
-        entry: dict[str, Any] = {"variant": summary.variant, "baseline": summaries[0].variant}
-        for _, key in _RATIO_LABELS:
-            entry[key] = ratio(row[key], base[key])
-        out.append(entry)
+        ratios = {key: ratio(row[key], base[key]) for _, key in _RATIO_LABELS}
+        out.append({"variant": summary.variant, "baseline": summaries[0].variant, **ratios})
     return out
 
 
@@ -251,16 +262,9 @@ def plot_serving(summaries: Sequence[BenchSummary], path: Path, title: str = "")
         axes[0].set_ylabel("output tokens / s")
         axes[0].set_title("throughput")
         stats = ("mean", "p50", "p90", "p99")
-        bar_width = 0.8 / len(stats)
         for ax, (label, attr) in zip(axes[1:], [("TTFT", "ttft_ms"), ("ITL", "itl_ms")], strict=True):
-            top = 0.0
-            for k, stat in enumerate(stats):
-                xs = [i + (k - (len(stats) - 1) / 2) * bar_width for i in range(len(names))]
-                ys = [getattr(getattr(s, attr), stat) or 0.0 for s in summaries]
-                ax.bar(xs, ys, bar_width, label=stat)
-                top = max(top, *ys)
-            ax.set_xticks(range(len(names)), names)
-            ax.set_ylim(0, top * 1.25 or 1.0)  # headroom for the legend
+            series = [(stat, [getattr(getattr(s, attr), stat) for s in summaries]) for stat in stats]
+            grouped_bars(ax, names, series, 1.25)
             ax.set_ylabel("ms")
             ax.set_title(label)
             ax.legend(ncol=len(stats), fontsize="small", loc="upper center")
@@ -290,20 +294,22 @@ def format_runner_table(results: Sequence[CaseResult]) -> str:
         other = theirs.get(key)
         ref_tps = f"{other.decode_tokens_per_s:19.1f}" if other else f"{'-':>19}"
         speedup = f"{mine.decode_tokens_per_s / other.decode_tokens_per_s:8.2f}x" if other else f"{'-':>9}"
-        same = "-"
-        if other:
-            pairs = zip(mine.output_token_ids, other.output_token_ids, strict=True)
-            same = f"{sum(x == y for x, y in pairs)}/{len(mine.output_token_ids)}"
+        same = _same_tokens(mine, other) if other else "-"
         line = f"{key[0]:<9} {key[1]:>5} {mine.decode_tokens_per_s:15.1f} {ref_tps} {speedup} {same:>12}"
         if key in eager:
             base = eager[key]
-            equal = sum(x == y for x, y in zip(mine.output_token_ids, base.output_token_ids, strict=True))
             line += (
                 f" {base.decode_tokens_per_s:12.1f} {mine.decode_tokens_per_s / base.decode_tokens_per_s:7.2f}x"
-                f" {f'{equal}/{len(base.output_token_ids)}':>14}"
+                f" {_same_tokens(mine, base):>14}"
             )
         lines.append(line)
     return "\n".join(lines)
+
+
+def _same_tokens(mine: CaseResult, other: CaseResult) -> str:
+    """How many of the requests both engines gave the same tokens, of how many."""
+    pairs = zip(mine.output_token_ids, other.output_token_ids, strict=True)
+    return f"{sum(x == y for x, y in pairs)}/{len(other.output_token_ids)}"
 
 
 def plot_runner(results: Sequence[CaseResult], path: Path) -> None:
@@ -426,9 +432,8 @@ def plot_scale(results: Sequence[Result], path: Path) -> None:
 
 
 def scale_json(config: Any, results: Sequence[Result], notes: list[str], host: MachineInfo) -> dict[str, Any]:
-    config_row = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
     return {
-        "config": config_row,
+        "config": asdict(config),
         "results": [asdict(r) for r in results],
         "notes": notes,
         "machine": host.row(),

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,8 @@ import structlog
 import torch
 
 from npuserve.deploy.bench import report
+from npuserve.deploy.flag_table import same_named
+from npuserve.deploy.flags import command_error
 from npuserve.executor.config import ConfigError, ExecutorConfig
 from npuserve.executor.model_runner import ModelRunner
 from npuserve.executor.platform import PlatformError
@@ -64,8 +65,11 @@ class CaseResult:
     output_len: int
     prefill_s: float
     decode_s: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float = field(init=False)  # the decode steps' tokens over their time
     output_token_ids: list[list[int]]
+
+    def __post_init__(self) -> None:
+        self.decode_tokens_per_s = self.batch_size * (self.output_len - 1) / self.decode_s
 
     def row(self) -> dict[str, object]:
         row = asdict(self)
@@ -128,17 +132,8 @@ def run_npuserve(
     for out, token in zip(outputs, result.sampled_token_ids, strict=True):
         out.append(token)
     runner.execute(StepPlan(next(step_ids), finished_req_ids=req_ids))
-    decode_s = decoded - prefilled
     return CaseResult(
-        "npuserve",
-        dtype,
-        batch_size,
-        prompt_len,
-        output_len,
-        prefilled - start,
-        decode_s,
-        batch_size * (output_len - 1) / decode_s,
-        outputs,
+        "npuserve", dtype, batch_size, prompt_len, output_len, prefilled - start, decoded - prefilled, outputs
     )
 
 
@@ -162,17 +157,9 @@ def run_transformers(
 
     prefill_s = min(generate(1)[0] for _ in range(2))
     total_s, out = generate(output_len)
-    decode_s = total_s - prefill_s
+    outputs = out[:, prompt_len:].tolist()
     return CaseResult(
-        "transformers",
-        dtype,
-        batch_size,
-        prompt_len,
-        output_len,
-        prefill_s,
-        decode_s,
-        batch_size * (output_len - 1) / decode_s,
-        out[:, prompt_len:].tolist(),
+        "transformers", dtype, batch_size, prompt_len, output_len, prefill_s, total_s - prefill_s, outputs
     )
 
 
@@ -252,27 +239,17 @@ def _load_transformers(model_dir: Path, dtype: str) -> torch.nn.Module:
 
 def run_runner_bench(args: argparse.Namespace) -> int:
     config = BenchmarkConfig(
-        preset=args.preset,
-        model=args.model,
+        **same_named(BenchmarkConfig, args),
         dtypes=args.dtype,
-        batch_sizes=args.batch_sizes,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
         compare_transformers=not args.no_compare,
-        compare_eager=args.compare_eager,
-        seed=args.seed,
         kv_cache_memory_gib=args.kv_cache_memory,
     )
     try:
         results = run_benchmark(config)
     except (ConfigError, PlatformError) as exc:
-        print(f"npuserve bench-runner: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("bench-runner", exc)
     print(report.format_runner_table(results))
-    written = report.write_json(
-        report.output_path(args.output_json, "bench-runner"), [r.row() for r in results]
-    )
-    print(f"results: {written}", file=sys.stderr)
+    report.save_json(args.output_json, "bench-runner", [r.row() for r in results])
     if args.plot:
         report.plot_runner(results, args.plot)
     return 0

@@ -52,20 +52,22 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from npuserve.deploy.bench import machine, report
 from npuserve.deploy.bench.disaggregation_report import plot_points, scale_points
 from npuserve.deploy.bench.scale_config import START_TIMEOUT_S, ScaleConfig
-from npuserve.deploy.bench.scale_measure import Result, run_load
+from npuserve.deploy.bench.scale_measure import Cluster, Result, run_load
 from npuserve.deploy.bench.scale_notes import saturation_notes
 from npuserve.deploy.bench.scale_profile import format_profile
 from npuserve.deploy.bench.targets import CLIENT_CALLS
-from npuserve.deploy.flags import add_logging_flags
+from npuserve.deploy.flag_table import csv, same_named
+from npuserve.deploy.flags import add_logging_flags, command_error
 from npuserve.deploy.launcher import Launcher, LaunchError, python_module
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 
 SIMULATED_FLEET = "npuserve.deploy.bench.simulated_fleet"
+# The scheduler's flags the bench takes, as the `ScaleConfig` fields of the same names.
+SCHEDULER_FIELDS = ("routing", "routing_prefill_weight", *BENCH_FIELDS)
 STOP_GRACE_S = 30.0
 
 # -- processes --------------------------------------------------------------------------------
@@ -94,17 +96,12 @@ def scheduler_command(config: ScaleConfig) -> list[str]:
 
 
 def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
+    passed_on = {name: getattr(config, name) for name in SCHEDULER_FIELDS}
     scheduler = SCHEDULER.default(
         model=str(config.model),
         executors=list(addresses),
-        routing=config.routing,
-        routing_prefill_weight=config.routing_prefill_weight,
-        scheduler_workers=config.scheduler_workers,
-        api_server_count=config.api_server_count,
-        async_scheduling=config.async_scheduling,
-        stream_interval=config.stream_interval,
-        num_scheduler_steps=config.num_scheduler_steps,
         max_local_prefill_length=config.local_prefill,
+        **passed_on,
     )
     return [
         "scheduler",
@@ -119,10 +116,9 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
 @contextmanager
 def started_cluster(
     config: ScaleConfig, num_executors: int, run_dir: Path, num_prefill: int = 0
-) -> Iterator[tuple[Any, ...]]:
+) -> Iterator[Cluster]:
     """The simulated executors (the first ``num_prefill`` prefill, the rest decode; 0: all mixed)
-    and a scheduler over them; yields (scheduler pid, its ready file, executors pid, theirs, their
-    stats file). Stops both after."""
+    and a scheduler over them, until the block ends."""
     launcher = Launcher(run_dir)
     stats_file = run_dir / "executor-stats.json"
     try:
@@ -141,7 +137,11 @@ def started_cluster(
             log_path=run_dir / "scheduler.log",
         )
         (sched_ready,) = launcher.wait_ready([scheduler], START_TIMEOUT_S)
-        yield scheduler.pid, sched_ready, executors.pid, sim_ready, stats_file
+        vocab_size = sim_ready["info"]["vocab_size"]
+        address = str(sched_ready["address"])
+        yield Cluster(
+            address, scheduler.pid, executors.pid, stats_file, vocab_size, num_executors, num_prefill
+        )
     finally:
         launcher.stop(STOP_GRACE_S)
 
@@ -154,43 +154,19 @@ def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
     and long-prompt rate."""
     workdir = config.workdir or Path(tempfile.mkdtemp(prefix="npuserve-scale-"))
     profile_at = config.profile_at or (max(config.executors), max(config.concurrency))
+    first_roles_and_rate = (config.prefill_executors[0], config.long_prompt_rate[0])  # profiled there
     results = []
     clusters = itertools.product(range(1, config.repeat + 1), config.executors, config.prefill_executors)
     for round_number, num_executors, num_prefill in clusters:
         name = f"n{num_executors}-p{num_prefill}" if num_prefill else f"n{num_executors}"
         run_dir = workdir / (f"{name}-round{round_number}" if config.repeat > 1 else name)
         run_dir.mkdir(parents=True, exist_ok=True)
-        with started_cluster(config, num_executors, run_dir, num_prefill) as (
-            sched_pid,
-            sched_ready,
-            sim_pid,
-            sim_ready,
-            stats,
-        ):
+        with started_cluster(config, num_executors, run_dir, num_prefill) as cluster:
             for concurrency, rate in itertools.product(config.concurrency, config.long_prompt_rate):
-                profile_path = None
-                first_load = (round_number, num_prefill, rate) == (
-                    1,
-                    config.prefill_executors[0],
-                    config.long_prompt_rate[0],
-                )
-                if config.profile and (num_executors, concurrency) == profile_at and first_load:
-                    profile_path = run_dir / f"profile-c{concurrency}-r{rate:g}.txt"
-                result = asyncio.run(
-                    run_load(
-                        config,
-                        sched_ready["address"],
-                        num_executors,
-                        concurrency,
-                        (sched_pid, sim_pid),
-                        stats,
-                        sim_ready["info"]["vocab_size"],
-                        profile_path,
-                        num_prefill,
-                        rate,
-                        round_number,
-                    )
-                )
+                first_load = round_number == 1 and (num_prefill, rate) == first_roles_and_rate
+                profiled = config.profile and (num_executors, concurrency) == profile_at and first_load
+                profile_path = run_dir / f"profile-c{concurrency}-r{rate:g}.txt" if profiled else None
+                result = asyncio.run(run_load(config, cluster, concurrency, rate, round_number, profile_path))
                 results.append(result)
                 if progress:
                     print(_progress_line(result), file=sys.stderr, flush=True)
@@ -211,22 +187,8 @@ def _progress_line(r: Result) -> str:
 # -- command line -------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(",") if part)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _range(text: str) -> tuple[int, int]:
-    values = _ints(text.replace("-", ","))
+    values = csv(int)(text.replace("-", ","))
     if len(values) != 2:
         raise argparse.ArgumentTypeError(f"give a range as LOW-HIGH, got {text!r}")
     return values[0], values[1]
@@ -235,8 +197,8 @@ def _range(text: str) -> tuple[int, int]:
 def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     d = ScaleConfig()
     p.description = __doc__
-    p.add_argument("--executors", type=_ints, default=d.executors, help="comma list of executor counts")
-    p.add_argument("--concurrency", type=_ints, default=d.concurrency, help="comma list of stream counts")
+    p.add_argument("--executors", type=csv(int), default=d.executors, help="comma list of executor counts")
+    p.add_argument("--concurrency", type=csv(int), default=d.concurrency, help="comma list of stream counts")
     p.add_argument("--warmup", type=float, default=d.warmup_s, help="seconds before each window")
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds each window lasts")
     p.add_argument("--prompt-len", type=_range, default=d.prompt_len, help="LOW-HIGH tokens")
@@ -250,13 +212,13 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--prefill-executors",
-        type=_ints,
+        type=csv(int),
         default=d.prefill_executors,
         help="comma list: of each executor count, this many prefill and the rest decode (0: all mixed)",
     )
     pd.add_argument(
         "--long-prompt-rate",
-        type=_floats,
+        type=csv(float),
         default=d.long_prompt_rate,
         help="comma list: long prompts per second arriving beside the streams (0: none)",
     )
@@ -284,7 +246,7 @@ def add_scale_bench_flags(p: argparse.ArgumentParser) -> None:
         default=d.executor_nice,
         help="the simulated executors' niceness: they stand in for devices on other hosts (0: as the scheduler)",
     )
-    SCHEDULER.add(p, only=["routing", "routing_prefill_weight", *BENCH_FIELDS])
+    SCHEDULER.add(p, only=SCHEDULER_FIELDS)
     p.add_argument(
         "--client-call",
         default=d.client_call,
@@ -315,55 +277,19 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     """`npuserve bench-scale`: the sweep, its table and notes, the JSON and the plot."""
     try:
         config = ScaleConfig(
-            executors=args.executors,
-            concurrency=args.concurrency,
+            **same_named(ScaleConfig, args),
             warmup_s=args.warmup,
             duration_s=args.duration,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            base_ms=args.base_ms,
-            per_token_ms=args.per_token_ms,
-            per_seq_ms=args.per_seq_ms,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            prefill_executors=args.prefill_executors,
-            long_prompt_rate=args.long_prompt_rate,
-            long_prompt_len=args.long_prompt_len,
-            long_output_len=args.long_output_len,
-            max_local_prefill_length=args.max_local_prefill_length,
-            kv_bytes_per_token=args.kv_bytes_per_token,
-            pull_gb_per_s=args.pull_gb_per_s,
-            repeat=args.repeat,
-            model=args.model,
-            routing=args.routing,
-            routing_prefill_weight=args.routing_prefill_weight,
-            executor_nice=args.executor_nice,
-            scheduler_workers=args.scheduler_workers,
-            api_server_count=args.api_server_count,
-            async_scheduling=args.async_scheduling,
-            stream_interval=args.stream_interval,
-            num_scheduler_steps=args.num_scheduler_steps,
-            client_call=args.client_call,
-            scheduler_log_level=args.scheduler_log_level,
-            seed=args.seed,
-            profile=args.profile,
-            profile_at=args.profile_at,
             profile_s=args.profile_seconds,
-            profile_native=args.profile_native,
-            switch_interval_ms=args.switch_interval_ms,
-            workdir=args.workdir,
         )
     except ValueError as exc:
-        print(f"npuserve bench-scale: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("bench-scale", exc)
     started_at = time.monotonic()
     host = machine.describe()  # NOTE: before the sweep starts its processes
     try:
         results = run_sweep(config)
     except LaunchError as exc:
-        print(f"npuserve bench-scale: error: {exc}", file=sys.stderr)
-        return 1
+        return command_error("bench-scale", exc, 1)
     notes = saturation_notes(results)
     print(report.format_scale_table(results))
     print()
@@ -378,10 +304,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             print()
             print(format_profile(result))
     print(f"\n({time.monotonic() - started_at:.0f} s)")
-    written = report.write_json(
-        report.output_path(args.output_json, "bench-scale"), report.scale_json(config, results, notes, host)
-    )
-    print(f"results: {written}", file=sys.stderr)
+    report.save_json(args.output_json, "bench-scale", report.scale_json(config, results, notes, host))
     if args.plot:
         points = scale_points(results)
         if points:

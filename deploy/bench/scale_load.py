@@ -15,17 +15,15 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from npuserve.deploy.bench.scale_config import STREAMS_PER_CHANNEL, ScaleConfig
+from npuserve.deploy.bench.targets import ApiClients
 from npuserve.deploy.bench.workload import FIRST_TOKEN_ID
 from npuserve.proto import scheduler_pb2 as pb
-from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.api_spread import spread_channels
-from npuserve.proto.generate_many import GenerateFailed, GenerateManyClient
+from npuserve.proto.generate_many import GenerateFailed
 
 
 @dataclass
@@ -70,21 +68,12 @@ class Load:
         self.long_prompt_rate = long_prompt_rate
         self.state = LoadState()
         self._rng = random.Random(f"scale-bench-{config.seed}-{concurrency}")
-        self.channels: list[grpc.aio.Channel] = []
-        self.stubs: list[pb_grpc.SchedulerStub] = []
-        self.generators: list[GenerateManyClient] = []
+        self.clients = ApiClients(config.client_call)
 
     async def connect(self) -> None:
-        """Opens a channel per `STREAMS_PER_CHANNEL` streams, spread evenly over the scheduler's
-        API server processes as the gateway spreads its own (`api_spread`)."""
-        self.channels = await spread_channels(
-            self.address,
-            max(1, -(-self.concurrency // STREAMS_PER_CHANNEL)),
-            [("grpc.max_receive_message_length", 64 << 20)],
-        )
-        self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self.channels]
-        if self.config.client_call == "generate-many":
-            self.generators = [GenerateManyClient(stub) for stub in self.stubs]
+        """Opens a channel per `STREAMS_PER_CHANNEL` streams."""
+        channels = max(1, -(-self.concurrency // STREAMS_PER_CHANNEL))
+        await self.clients.open(self.address, channels, [("grpc.max_receive_message_length", 64 << 20)])
 
     def _request(self, long_prompt: bool = False) -> pb.GenerateRequest:
         rng, c = self._rng, self.config
@@ -94,69 +83,52 @@ class Load:
         sampling = pb.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
-    def _responses(self, index: int, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        if self.generators:
-            return self.generators[index % len(self.generators)].generate(request)
-        return self.stubs[index % len(self.stubs)].Generate(request)
-
     async def _stream(self, index: int, delay_s: float) -> None:
-        state = self.state
+        """One stream: a request after another until the load stops."""
         await asyncio.sleep(delay_s)
-        while not state.stopping:
-            request = self._request()
-            sent = time.perf_counter()
-            first = True
-            last = sent
-            state.awaiting_first_token += 1
-            try:
-                async for response in self._responses(index, request):
-                    now = time.perf_counter()
-                    num_new = sum(len(c.token_ids) for c in response.completions)
-                    if num_new and first:
-                        first = False
-                        state.awaiting_first_token -= 1
-                        state.first_tokens.append((now, now - sent))
-                    elif num_new and state.in_window(now):
-                        state.itls.append(now - last)
-                        state.itls.extend([0.0] * (num_new - 1))
-                    if num_new:
-                        last = now
-                    if state.in_window(now):
-                        state.tokens_in_window += num_new
-                end = time.perf_counter()
-                state.completions.append((end, end - sent))
-            except (grpc.aio.AioRpcError, GenerateFailed) as exc:
-                if state.stopping:
-                    return
-                state.awaiting_first_token -= first
-                state.count_error(exc)
+        while not self.state.stopping:
+            if not await self._generate(index):
                 await asyncio.sleep(0.1)
 
-    async def _long_prompt(self, index: int) -> None:
-        """One long prompt: its first token's time, and its tokens in the window."""
-        state = self.state
-        sent = time.perf_counter()
+    async def _generate(self, index: int, long_prompt: bool = False) -> bool:
+        """One request: its first token's time and its tokens in the window; a stream's also its
+        gaps between tokens in the window and its end. False when its call failed."""
+        state, request = self.state, self._request(long_prompt)
+        sent = last = time.perf_counter()
         first = True
+        state.awaiting_first_token += not long_prompt
         try:
-            async for response in self._responses(index, self._request(long_prompt=True)):
+            async for response in self.clients.generate(index, request):
                 now = time.perf_counter()
                 num_new = sum(len(c.token_ids) for c in response.completions)
                 if num_new and first:
                     first = False
-                    state.long_first_tokens.append((now, now - sent))
+                    state.awaiting_first_token -= not long_prompt
+                    (state.long_first_tokens if long_prompt else state.first_tokens).append((now, now - sent))
+                elif num_new and state.in_window(now) and not long_prompt:
+                    state.itls.append(now - last)
+                    state.itls.extend([0.0] * (num_new - 1))
+                if num_new:
+                    last = now
                 if state.in_window(now):
                     state.tokens_in_window += num_new
         except (grpc.aio.AioRpcError, GenerateFailed) as exc:
+            state.awaiting_first_token -= first and not long_prompt
             if not state.stopping:
                 state.count_error(exc)
+            return False
+        if not long_prompt:
+            end = time.perf_counter()
+            state.completions.append((end, end - sent))
+        return True
 
     async def _long_prompts(self, delay_s: float) -> None:
         """Long prompts at ``long_prompt_rate`` per second, evenly spaced, until the load stops."""
         await asyncio.sleep(delay_s)
-        sending: set[asyncio.Task[None]] = set()
+        sending: set[asyncio.Task[bool]] = set()
         try:
             for index in itertools.count():
-                task = asyncio.create_task(self._long_prompt(index))
+                task = asyncio.create_task(self._generate(index, long_prompt=True))
                 sending.add(task)
                 task.add_done_callback(sending.discard)
                 await asyncio.sleep(1 / self.long_prompt_rate)
@@ -181,7 +153,4 @@ class Load:
         for task in tasks:
             task.cancel()  # cancels the RPC: the scheduler aborts the request
         await asyncio.gather(*tasks, return_exceptions=True)
-        for generator in self.generators:
-            await generator.close()  # cancels its call: the scheduler aborts every request on it
-        for channel in self.channels:
-            await channel.close()
+        await self.clients.close()

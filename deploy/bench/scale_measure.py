@@ -23,6 +23,20 @@ from npuserve.proto import scheduler_pb2 as pb
 from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 
 
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """A started cluster (`scale.started_cluster`): where a window's load goes, whose counters it
+    reads."""
+
+    address: str  # the scheduler's gRPC address
+    scheduler_pid: int
+    executors_pid: int  # the simulated executors' one process
+    stats_file: Path  # their totals, rewritten every 0.25 s
+    vocab_size: int
+    executors: int
+    prefill_executors: int  # of ``executors`` (the rest decode); 0: all mixed
+
+
 @dataclass(slots=True)
 class Snapshot:
     """Counters at one moment: CPU seconds, the scheduler's metrics, the executors' totals."""
@@ -156,9 +170,7 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / CLOCK_TICKS
 
 
-async def take_snapshot(
-    stub: pb_grpc.SchedulerStub, scheduler_pid: int, executors_pid: int, stats_file: Path
-) -> Snapshot:
+async def take_snapshot(stub: pb_grpc.SchedulerStub, cluster: Cluster) -> Snapshot:
     for attempt in range(3):  # NOTE: a saturated server may cancel calls it has not accepted
         try:
             text = (await stub.GetMetrics(pb.GetMetricsRequest(), timeout=30)).text
@@ -166,8 +178,9 @@ async def take_snapshot(
         except grpc.aio.AioRpcError:
             if attempt == 2:
                 raise
-    stats = json.loads(stats_file.read_text())
-    front_cpu, children = proc_cpu_seconds(scheduler_pid), children_cpu_by_name(scheduler_pid)
+    stats = json.loads(cluster.stats_file.read_text())
+    pid = cluster.scheduler_pid
+    front_cpu, children = proc_cpu_seconds(pid), children_cpu_by_name(pid)
     sim: dict[str, float] = {}
     for executor in stats["executors"]:
         for key, value in executor.items():
@@ -178,8 +191,8 @@ async def take_snapshot(
         scheduler_cpu_s=front_cpu + sum(children.values()),
         front_cpu_s=front_cpu,
         children_cpu_s=children,
-        executors_cpu_s=proc_cpu_seconds(executors_pid),
-        executors_nice=proc_nice(executors_pid),
+        executors_cpu_s=proc_cpu_seconds(cluster.executors_pid),
+        executors_nice=proc_nice(cluster.executors_pid),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),
         metrics=metric_values(text),
@@ -209,50 +222,35 @@ async def sample_awaiting(state: LoadState) -> None:
 
 async def run_load(
     config: ScaleConfig,
-    address: str,
-    executors: int,
+    cluster: Cluster,
     concurrency: int,
-    pids: tuple[int, int],
-    stats_file: Path,
-    vocab_size: int,
-    profile_path: Path | None,
-    prefill_executors: int = 0,
     long_prompt_rate: float = 0.0,
     round_number: int = 1,
+    profile_path: Path | None = None,
 ) -> Result:
     """One configuration: warm up, measure one window, stop every stream, wait for the drain."""
-    control = grpc.aio.insecure_channel(address)
+    control = grpc.aio.insecure_channel(cluster.address)
     stub = pb_grpc.SchedulerStub(control)
-    load = Load(config, address, vocab_size, concurrency, long_prompt_rate)
+    load = Load(config, cluster.address, cluster.vocab_size, concurrency, long_prompt_rate)
     await load.connect()
     tasks = load.start(ramp_s=min(2.0, config.warmup_s / 2))
     profile = None
     try:
         await asyncio.sleep(config.warmup_s)
-        before = await take_snapshot(stub, *pids, stats_file)
+        before = await take_snapshot(stub, cluster)
         load.state.window = (before.time, before.time + config.duration_s)
         await sample_awaiting(load.state)
         await asyncio.sleep(0.3)  # the executors' stats file is rewritten every 0.25 s
-        after = await take_snapshot(stub, *pids, stats_file)
+        after = await take_snapshot(stub, cluster)
         load.state.awaiting_at_window_end = load.state.awaiting_first_token
         if profile_path is not None:
             # NOTE: after the window, under the same load: sampling slows the scheduler down.
-            profile = await profile_scheduler(pids[0], config, profile_path)
+            profile = await profile_scheduler(cluster.scheduler_pid, config, profile_path)
     finally:
         await load.close(tasks)
     await wait_idle(stub, DRAIN_TIMEOUT_S)
     await control.close()
-    result = summarize(
-        config,
-        executors,
-        concurrency,
-        before,
-        after,
-        load.state,
-        prefill_executors,
-        long_prompt_rate,
-        round_number,
-    )
+    result = summarize(config, cluster, load, round_number, before, after)
     result.profile = profile
     return result
 
@@ -268,16 +266,10 @@ def _per(amount: float, count: float) -> float:
 
 
 def summarize(
-    config: ScaleConfig,
-    executors: int,
-    concurrency: int,
-    before: Snapshot,
-    after: Snapshot,
-    state: LoadState,
-    prefill_executors: int = 0,
-    long_prompt_rate: float = 0.0,
-    round_number: int = 1,
+    config: ScaleConfig, cluster: Cluster, load: Load, round_number: int, before: Snapshot, after: Snapshot
 ) -> Result:
+    """The window between two snapshots of one load on one cluster."""
+    state, executors = load.state, cluster.executors
     window = state.window[1] - state.window[0]
     elapsed = after.time - before.time  # a little longer: the last snapshot waits for the stats
     steps = after.delta(before, "npuserve:step_seconds_count")
@@ -299,10 +291,10 @@ def summarize(
     tokens_per_s = state.tokens_in_window / window
     return Result(
         executors=executors,
-        concurrency=concurrency,
+        concurrency=load.concurrency,
         window_s=window,
-        prefill_executors=prefill_executors,
-        long_prompt_rate=long_prompt_rate,
+        prefill_executors=cluster.prefill_executors,
+        long_prompt_rate=load.long_prompt_rate,
         round=round_number,
         requests_per_s=len(e2es) / window,
         sustained_requests_per_s=tokens_per_s / (sum(config.output_len) / 2),
@@ -311,11 +303,9 @@ def summarize(
         ideal_steps_per_s=executors / modelled if modelled else 0.0,
         executor_busy=sim["modeled_s"] / (executors * sim_window) if sim_window else 0.0,
         ideal_output_tokens_per_s=executors * sampled_per_step / modelled if modelled else 0.0,
-        scheduler_cpu_ms_per_step=1e3 * scheduler_cpu / steps if steps else math.nan,
-        scheduler_cpu_us_per_token=1e6 * scheduler_cpu / generated if generated else math.nan,
-        front_cpu_us_per_token=1e6 * (after.front_cpu_s - before.front_cpu_s) / generated
-        if generated
-        else math.nan,
+        scheduler_cpu_ms_per_step=_per(1e3 * scheduler_cpu, steps),
+        scheduler_cpu_us_per_token=_per(1e6 * scheduler_cpu, generated),
+        front_cpu_us_per_token=_per(1e6 * (after.front_cpu_s - before.front_cpu_s), generated),
         step_workers_cpu_us_per_token=_per(1e6 * _child_cpu(before, after, STEP_WORKER), generated),
         api_servers_cpu_us_per_token=_per(1e6 * _child_cpu(before, after, API_SERVER), generated),
         step_workers_cpu_us_per_step=_per(1e6 * _child_cpu(before, after, STEP_WORKER), steps),
@@ -342,9 +332,7 @@ def summarize(
         engine_requests=after.metrics.get("vllm:num_requests_running", 0.0)
         + after.metrics.get("vllm:num_requests_waiting", 0.0),
         awaiting_first_token=state.awaiting_at_window_end,
-        awaiting_first_token_mean=sum(state.awaiting_samples) / len(state.awaiting_samples)
-        if state.awaiting_samples
-        else math.nan,
+        awaiting_first_token_mean=_per(sum(state.awaiting_samples), len(state.awaiting_samples)),
         other_cores=max(0.0, machine - sum(cores.values())),
         executors_nice=after.executors_nice,
         num_first_tokens=len(ttfts),

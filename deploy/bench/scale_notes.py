@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Iterator, Sequence
 
 from npuserve.deploy.bench.disaggregation_report import effects, format_change, scale_points
@@ -118,15 +119,10 @@ def cost_model(results: Sequence[Result]) -> tuple[float, float] | None:
         if r.steps_per_s > 0
     ]
     points = [(x, y) for x, y in points if not math.isnan(y)]
-    if len(points) < 2:
+    if len(points) < 2 or max(x for x, _ in points) - min(x for x, _ in points) < 4:
         return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    if max(x for x, _ in points) - min(x for x, _ in points) < 4:
-        return None
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
-    return mean_y - slope * mean_x, 1e3 * slope
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+    return intercept, 1e3 * slope
 
 
 def long_prompt_notes(results: Sequence[Result]) -> list[str]:

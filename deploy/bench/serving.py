@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
-import math
 import sys
 import tempfile
 import time
@@ -33,7 +33,14 @@ from npuserve.deploy.bench.variants import VARIANT_KINDS, Variant, max_local_pre
 from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_workload, warmup_requests
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles
-from npuserve.deploy.flags import add_api_key_flag, add_logging_flags, api_key, logging_flags
+from npuserve.deploy.flag_table import same_named
+from npuserve.deploy.flags import (
+    add_api_key_flag,
+    add_logging_flags,
+    command_error,
+    logging_flags,
+    resolve_api_key,
+)
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.runtime.cpu_priority import control_plane_nice
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
@@ -51,6 +58,20 @@ ENGINE_FLAG_WORDING: dict[str, dict[str, Any]] = {
         "help": "torch threads on the CPU, in process and in the gRPC variants' executors (default: "
         "torch's in process, auto in the executors, as `npuserve serve` gives them)"
     },
+}
+
+# The workload's flags: one per `WorkloadConfig` field, with its default (the long prompts' in a
+# group of their own); their help where the name needs it.
+WORKLOAD_DEFAULTS = WorkloadConfig()
+WORKLOAD_HELP = {
+    "output_len": "tokens per request (EOS ignored)",
+    "shared_prefix_len": "leading tokens every prompt shares",
+    "num_prefixes": "shared prefixes the prompts take in turn (default: 1)",
+    "request_rate": "requests/s, Poisson (default: all at once)",
+    "long_prompts": "how many (default: none)",
+    "long_prompt_len": "tokens each",
+    "long_prompt_rate": "per second, evenly spaced",
+    "long_output_len": "output tokens of each",
 }
 
 
@@ -148,20 +169,13 @@ def launched_server(spec: ServerSpec, timeout_s: float = 600.0) -> Iterator[str]
     """
     launcher = Launcher()
     try:
-        executors = [
-            launcher.start(
-                f"executor-{i}",
-                [
-                    "executor",
-                    *spec.executor_args,
-                    *(["--role", spec.roles[i]] if spec.roles else []),
-                    "--port",
-                    "0",
-                ],
-                device_env(spec.device, i, spec.num_executors),
+        executors = []
+        for i in range(spec.num_executors):
+            role = ["--role", spec.roles[i]] if spec.roles else []
+            args = ["executor", *spec.executor_args, *role, "--port", "0"]
+            executors.append(
+                launcher.start(f"executor-{i}", args, device_env(spec.device, i, spec.num_executors))
             )
-            for i in range(spec.num_executors)
-        ]
         ready = launcher.wait_ready(executors, timeout_s)
         addresses = ",".join(str(r["address"]) for r in ready)
         scheduler_args = ["scheduler", *spec.scheduler_args, "--executors", addresses, "--port", "0"]
@@ -207,26 +221,12 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "--compare", help=f"comma list of variants run on the same workload: {', '.join(VARIANT_KINDS)}"
     )
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--num-requests", type=int, default=64)
-    workload.add_argument("--prompt-len-min", type=int, default=128)
-    workload.add_argument("--prompt-len-max", type=int, default=384)
-    workload.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
-    workload.add_argument(
-        "--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares"
-    )
-    workload.add_argument(
-        "--num-prefixes", type=int, default=1, help="shared prefixes the prompts take in turn (default: 1)"
-    )
-    workload.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)"
-    )
-    workload.add_argument("--temperature", type=float, default=0.0)
-    workload.add_argument("--seed", type=int, default=0)
     mixed = parser.add_argument_group("mixed load: long prompts arriving while the others decode")
-    mixed.add_argument("--long-prompts", type=int, default=0, help="how many (default: none)")
-    mixed.add_argument("--long-prompt-len", type=int, default=1024, help="tokens each")
-    mixed.add_argument("--long-prompt-rate", type=float, default=1.0, help="per second, evenly spaced")
-    mixed.add_argument("--long-output-len", type=int, default=16, help="output tokens of each")
+    for field in dataclasses.fields(WorkloadConfig):
+        default = getattr(WORKLOAD_DEFAULTS, field.name)
+        group = mixed if field.name.startswith("long_") else workload
+        flag = f"--{field.name.replace('_', '-')}"
+        group.add_argument(flag, type=type(default), default=default, help=WORKLOAD_HELP.get(field.name))
     engine = parser.add_argument_group("engine (offline, and the gRPC server when launched)")
     engine.add_argument("--num-executors", type=int, default=1)
     engine.add_argument(
@@ -335,17 +335,16 @@ def _run_variant(
         config = EXECUTOR.from_args(args, model=model, load_format=load_format)
         if variant.kv_host_memory_gib is not None:
             config.kv_host_memory_gib = variant.kv_host_memory_gib
-        target: Target = OfflineTarget(
-            config,
-            args.num_executors,
-            variant.enable_prefix_caching,
-            variant.name,
-        )
-        return measure(target, workload, requests, warmup, progress)
+        offline = OfflineTarget(config, args.num_executors, variant.enable_prefix_caching, variant.name)
+        return measure(offline, workload, requests, warmup, progress)
     if args.address:
         tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
         target = GrpcTarget(
-            args.address, variant.name, api_key=api_key(args), tls_ca=tls_ca, client_call=args.client_call
+            args.address,
+            variant.name,
+            api_key=resolve_api_key(args.api_key),
+            tls_ca=tls_ca,
+            client_call=args.client_call,
         )
         return measure(target, workload, requests, warmup, progress)
     with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
@@ -359,27 +358,12 @@ def run_bench(args: argparse.Namespace) -> int:
     Returns 0, 1 when a variant failed or lost requests, 2 on a usage error.
     """
     try:
-        workload = WorkloadConfig(
-            num_requests=args.num_requests,
-            prompt_len_min=args.prompt_len_min,
-            prompt_len_max=args.prompt_len_max,
-            output_len=args.output_len,
-            shared_prefix_len=args.shared_prefix_len,
-            num_prefixes=args.num_prefixes,
-            request_rate=args.request_rate,
-            seed=args.seed,
-            temperature=args.temperature,
-            long_prompts=args.long_prompts,
-            long_prompt_len=args.long_prompt_len,
-            long_prompt_rate=args.long_prompt_rate,
-            long_output_len=args.long_output_len,
-        )
+        workload = WorkloadConfig(**same_named(WorkloadConfig, args))
         variants = parse_variants(args)
         if args.repeat < 1:
             raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     except ValueError as exc:
-        print(f"npuserve bench: error: {exc}", file=sys.stderr)
-        return 2
+        return command_error("bench", exc)
     rounds: list[list[BenchSummary]] = []
     host = machine.describe()  # NOTE: before any variant starts its processes
     print(f"machine: {host.summary()}", flush=True)
@@ -409,8 +393,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     [_run_variant(v, args, model, load_format, workload, requests) for v in variants]
                 )
         except (BenchError, ValueError) as exc:
-            print(f"npuserve bench: error: {exc}", file=sys.stderr)
-            return 1
+            return command_error("bench", exc, 1)
     summaries = report.median_round(rounds)
     print(report.format_serving_table(summaries))
     if len(rounds) > 1 and len(variants) > 1:
@@ -422,8 +405,7 @@ def run_bench(args: argparse.Namespace) -> int:
     payload = report.serving_json(workload_row, rounds, host)
     if effects:
         payload["long_prompt_effects"] = effects
-    written = report.write_json(report.output_path(args.output_json, "bench"), payload)
-    print(f"results: {written}", file=sys.stderr)
+    report.save_json(args.output_json, "bench", payload)
     if args.plot:
         title = f"{args.preset or Path(model).name}: {workload.num_requests} requests"
         points = disaggregation_report.serving_points_by_round(rounds)

@@ -62,6 +62,14 @@ class RequestRecord:
         return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
 
 
+# A summary row's counts and throughputs, before its latencies.
+ROW_COUNTS = (
+    "variant", "num_requests", "num_failed", "duration_s", "prompt_tokens", "output_tokens",
+    "cached_prompt_tokens", "request_throughput", "output_throughput", "total_token_throughput",
+    "prefix_cache_hit_rate", "num_long_prompts",
+)  # fmt: skip
+
+
 @dataclass(slots=True)
 class BenchSummary:
     variant: str
@@ -99,20 +107,7 @@ class BenchSummary:
 
     def row(self) -> dict[str, Any]:
         """A flat dict for JSON: counts, throughputs, and `<metric>_<stat>_ms` latencies."""
-        row: dict[str, Any] = {
-            "variant": self.variant,
-            "num_requests": self.num_requests,
-            "num_failed": self.num_failed,
-            "duration_s": self.duration_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "request_throughput": self.request_throughput,
-            "output_throughput": self.output_throughput,
-            "total_token_throughput": self.total_token_throughput,
-            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "num_long_prompts": self.num_long_prompts,
-        }
+        row: dict[str, Any] = {name: getattr(self, name) for name in ROW_COUNTS}
         for name in ("ttft", "tpot", "itl", "e2e", "decode_ttft", "decode_itl", "long_prompt_ttft"):
             for stat, value in asdict(getattr(self, f"{name}_ms")).items():
                 row[f"{name}_{stat}_ms"] = value

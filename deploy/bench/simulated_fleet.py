@@ -28,7 +28,8 @@ from typing import Any
 import structlog
 
 from npuserve.deploy.executor_flags import serve_executor_roles
-from npuserve.deploy.flags import add_logging_flags
+from npuserve.deploy.flag_table import csv, same_named
+from npuserve.deploy.flags import add_logging_flags, command_error
 from npuserve.executor.kv_transfer import ReadBlocksClient
 from npuserve.executor.server import STOP_GRACE_S, RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
@@ -101,27 +102,18 @@ def stats_payload(started: list[tuple[RunningExecutor, SimulatedRunner]]) -> dic
     }
 
 
-def serve_simulated(
-    config: SimulatedConfig,
-    host: str,
-    port: int,
-    count: int,
-    ready_file: Path | None,
-    executor_id: str | None = None,
-    stats_file: Path | None = None,
-    stats_interval_s: float = 0.5,
-    num_prefill: int = 0,
-) -> None:
-    """Serves ``count`` simulated executors (the first ``num_prefill`` prefill ones) until
-    SIGTERM/SIGINT (main thread only); rewrites ``stats_file`` every ``stats_interval_s`` seconds
+def serve_simulated(config: SimulatedConfig, args: argparse.Namespace) -> None:
+    """Serves ``--count`` simulated executors (the first ``--prefill-executors`` prefill ones) until
+    SIGTERM/SIGINT (main thread only); rewrites ``--stats-file`` every ``--stats-interval`` seconds
     and once more at the end."""
-    started = start_simulated(config, host, port, count, executor_id, num_prefill)
+    count, num_prefill, stats_file = args.count, args.prefill_executors, args.stats_file
+    started = start_simulated(config, args.host, args.port, count, args.executor_id, num_prefill)
     servers = [running for running, _ in started]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if ready_file is not None:
-            write_ready_file(ready_file, ready_payload(servers))
+        if args.ready_file is not None:
+            write_ready_file(args.ready_file, ready_payload(servers))
         log.info(
             "simulated executors serving",
             count=count,
@@ -130,7 +122,7 @@ def serve_simulated(
             latency=dataclasses.asdict(config.latency),
             num_blocks=config.num_blocks,
         )
-        while not stop.wait(stats_interval_s if stats_file is not None else None):
+        while not stop.wait(args.stats_interval if stats_file is not None else None):
             if stats_file is not None:
                 write_ready_file(stats_file, stats_payload(started))
     finally:
@@ -181,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    p.add_argument("--eos-token-ids", default=",".join(map(str, defaults.eos_token_ids)), help="comma list")
+    p.add_argument("--eos-token-ids", type=csv(int), default=defaults.eos_token_ids, help="comma list")
     p.add_argument("--eos-after", type=int, help="make every request's N-th output token an EOS")
     p.add_argument("--model-name", default=defaults.model)
     p.add_argument("--seed", type=int, default=0)
@@ -192,22 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SimulatedConfig:
-    return SimulatedConfig(
-        latency=LatencyModel(
-            args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3, args.pull_gb_per_s * 1e9
-        ),
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        vocab_size=args.vocab_size,
-        eos_token_ids=tuple(int(t) for t in args.eos_token_ids.split(",") if t),
-        eos_after=args.eos_after,
-        model=args.model_name,
-        seed=args.seed,
-        kv_bytes_per_token=args.kv_bytes_per_token,
+    """The config of the flags named as its fields, the latency flags' model and ``--model-name``."""
+    latency = LatencyModel(
+        args.base_ms / 1e3, args.per_token_ms / 1e3, args.per_seq_ms / 1e3, args.pull_gb_per_s * 1e9
     )
+    return SimulatedConfig(**same_named(SimulatedConfig, args), latency=latency, model=args.model_name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,21 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.count < 1:
             raise ValueError(f"--count must be >= 1, got {args.count}")
-        config = config_from_args(args)
-        serve_simulated(
-            config,
-            args.host,
-            args.port,
-            args.count,
-            args.ready_file,
-            args.executor_id,
-            args.stats_file,
-            args.stats_interval,
-            args.prefill_executors,
-        )
+        serve_simulated(config_from_args(args), args)
     except ValueError as exc:  # ConfigError (a busy port) included
-        print(f"npuserve simulated executor: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(command_error("simulated executor", exc))
 
 
 if __name__ == "__main__":

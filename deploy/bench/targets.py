@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,26 +64,16 @@ class Target(Protocol):
     ) -> AsyncIterator[Chunk]: ...
 
 
-def _sampling(max_tokens: int, temperature: float, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
-
-
+@dataclass
 class OfflineTarget:
     """An engine in this process over ``num_executors`` in-process ModelRunners."""
 
-    def __init__(
-        self,
-        config: ExecutorConfig,
-        num_executors: int = 1,
-        enable_prefix_caching: bool = True,
-        name: str = "offline",
-    ) -> None:
-        self.config = config
-        self.num_executors = num_executors
-        self.enable_prefix_caching = enable_prefix_caching
-        self.name = name
-        self.max_model_len = 0
-        self.engine: Engine | None = None
+    config: ExecutorConfig
+    num_executors: int = 1
+    enable_prefix_caching: bool = True
+    name: str = "offline"
+    max_model_len: int = 0  # the engine's, once open
+    engine: Engine | None = None
 
     async def open(self) -> None:
         from npuserve.executor.model_runner import ModelRunner  # torch: only when measuring in process
@@ -112,7 +102,7 @@ class OfflineTarget:
         self, prompt: list[int], max_tokens: int, temperature: float, seed: int
     ) -> AsyncIterator[Chunk]:
         assert self.engine is not None, "open() the target first"
-        params = _sampling(max_tokens, temperature, seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         async for output in self.engine.generate(PromptInput(token_ids=prompt), params):
             if output.error or any(c.finish_reason in ("error", "abort") for c in output.completions):
                 raise BenchError(output.error or "the request was aborted")
@@ -128,11 +118,46 @@ class OfflineTarget:
 CLIENT_CALLS = ("generate-many", "generate")
 
 
+class ApiClients:
+    """A benchmark's channels to a scheduler's public API, spread over its API server processes
+    as the gateway spreads its own (`api_spread`); a generation goes over one of them, in the
+    channel's `GenerateMany` call or a `Generate` call of its own (``client_call``, one of
+    `CLIENT_CALLS`). ``metadata`` goes with every call."""
+
+    def __init__(self, client_call: str, metadata: tuple[tuple[str, str], ...] | None = None) -> None:
+        self.client_call = client_call
+        self.metadata = metadata
+        self.stubs: list[pb_grpc.SchedulerStub] = []
+        self._channels: list[grpc.aio.Channel] = []
+        self._generators: list[GenerateManyClient] = []
+
+    async def open(
+        self, address: str, count: int, options: Sequence[tuple[str, int]], tls_ca: bytes | None = None
+    ) -> None:
+        """``count`` channels to ``address``."""
+        self._channels = await spread_channels(address, count, options, tls_ca, self.metadata or ())
+        self.stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
+        if self.client_call == "generate-many":
+            self._generators = [GenerateManyClient(stub, self.metadata or ()) for stub in self.stubs]
+
+    def generate(self, index: int, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The responses to ``request``, over channel ``index`` (modulo the channels)."""
+        if self._generators:
+            return self._generators[index % len(self._generators)].generate(request)
+        return self.stubs[index % len(self.stubs)].Generate(request, metadata=self.metadata)
+
+    async def close(self) -> None:
+        generators, self._generators = self._generators, []
+        for generator in generators:
+            await generator.close()  # cancels its call: the scheduler aborts every request on it
+        channels, self._channels, self.stubs = self._channels, [], []
+        for channel in channels:
+            await channel.close()
+
+
 class GrpcTarget:
     """A `grpc.aio` client of a running scheduler's public API, as the gateway is: its
-    generations take turns over `API_SERVERS` channels spread over the API server processes,
-    over one `GenerateMany` call each, or a `Generate` call each (``client_call``, one of
-    `CLIENT_CALLS`)."""
+    generations take turns over `API_SERVERS` channels (`ApiClients`)."""
 
     def __init__(
         self,
@@ -145,14 +170,10 @@ class GrpcTarget:
     ) -> None:
         self.address = address
         self.name = name
-        self.client_call = client_call
         self.connect_timeout_s = connect_timeout_s
         self.max_model_len = 0
-        self._metadata = bearer_metadata(api_key)
         self._tls_ca = tls_ca
-        self._channels: list[grpc.aio.Channel] = []
-        self._stubs: list[Any] = []
-        self._generators: list[GenerateManyClient] = []
+        self._clients = ApiClients(client_call, bearer_metadata(api_key))
         self._turn = itertools.count()
 
     async def open(self) -> None:
@@ -164,27 +185,19 @@ class GrpcTarget:
             await first.close()
             raise BenchError(f"no scheduler answers at {self.address}") from None
         await first.close()
-        self._channels = await spread_channels(
-            self.address, API_SERVERS, options, self._tls_ca, self._metadata or ()
-        )
-        self._stubs = [pb_grpc.SchedulerStub(channel) for channel in self._channels]
+        await self._clients.open(self.address, API_SERVERS, options, self._tls_ca)
         try:
-            models = await self._stubs[0].ListModels(pb.ListModelsRequest(), metadata=self._metadata)
+            models = await self._clients.stubs[0].ListModels(
+                pb.ListModelsRequest(), metadata=self._clients.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise BenchError(
                 f"the scheduler at {self.address} refused: {exc.code().name}: {exc.details()}"
             ) from None
         self.max_model_len = models.models[0].max_model_len
-        if self.client_call == "generate-many":
-            self._generators = [GenerateManyClient(stub, self._metadata or ()) for stub in self._stubs]
 
     async def close(self) -> None:
-        generators, self._generators = self._generators, []
-        for generator in generators:
-            await generator.close()
-        channels, self._channels, self._stubs = self._channels, [], []
-        for channel in channels:
-            await channel.close()
+        await self._clients.close()
 
     async def stream(
         self, prompt: list[int], max_tokens: int, temperature: float, seed: int
@@ -193,14 +206,8 @@ class GrpcTarget:
             max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
         )
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
-        turn = next(self._turn)
-        responses = (
-            self._generators[turn % len(self._generators)].generate(request)
-            if self._generators
-            else self._stubs[turn % len(self._stubs)].Generate(request, metadata=self._metadata)
-        )
         try:
-            async for response in responses:
+            async for response in self._clients.generate(next(self._turn), request):
                 failed = [c for c in response.completions if c.finish_reason in ("error", "abort")]
                 if failed:
                     raise BenchError(failed[0].error_message or f"finish_reason {failed[0].finish_reason}")

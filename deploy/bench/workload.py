@@ -26,8 +26,8 @@ class WorkloadConfig:
     shared_prefix_len: int = 0
     num_prefixes: int = 1  # prompts share one of this many prefixes, in turn
     request_rate: float = math.inf  # requests/s; finite: Poisson arrivals, inf: all at once
-    seed: int = 0
     temperature: float = 0.0
+    seed: int = 0
     long_prompts: int = 0  # long prompts arriving while the others decode (0: none)
     long_prompt_len: int = 1024
     long_prompt_rate: float = 1.0  # long prompts per second, evenly spaced

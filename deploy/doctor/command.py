@@ -9,6 +9,7 @@ from pathlib import Path
 from npuserve.deploy.doctor.facts import AUTOLOAD_ENV, HostFacts, facts_from_environment
 from npuserve.deploy.doctor.host_checks import AscendChecks, autoload_check, python_check, torch_check
 from npuserve.deploy.doctor.report import Check, fail, ok, to_json, to_text, verdict
+from npuserve.deploy.flags import add_logging_flags
 
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,7 @@ def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="of the NPU's memory")
     parser.add_argument("--kv-cache-memory", type=float, help="KV cache size in GiB")
+    add_logging_flags(parser)
 
 
 def _cuda_available() -> bool:
@@ -94,18 +96,9 @@ def diagnose(args: argparse.Namespace, facts: HostFacts) -> tuple[str, list[Chec
     if device == "cuda":
         checks.append(_cuda_check())
     if args.model:
-        from npuserve.deploy.doctor.model_checks import ModelFlags, model_checks
+        from npuserve.deploy.doctor.model_checks import model_checks
 
-        flags = ModelFlags(
-            model=args.model,
-            device=device,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_gib=args.kv_cache_memory,
-        )
-        checks += model_checks(flags, _device_memory(device, ascend))
+        checks += model_checks(args, device, _device_memory(device, ascend))
     return device, checks
 
 

@@ -114,22 +114,19 @@ def _cann_candidates(root: Path, env: Mapping[str, str]) -> list[Path]:
     return found
 
 
-def read_cann(root: Path, env: Mapping[str, str]) -> VersionFile | None:
-    for path in _cann_candidates(root, env):
-        found = read_version_file(path)
-        if found is not None and found.get("version"):
-            return found
-    return None
-
-
-def read_nnal(root: Path, env: Mapping[str, str]) -> VersionFile | None:
+def _nnal_candidates(root: Path, env: Mapping[str, str]) -> list[Path]:
     candidates = [root / "nnal" / "atb" / "latest" / "version.info"]
     atb_home = Path(env.get("ATB_HOME_PATH", ""))  # .../nnal/atb/latest/atb/cxx_abi_1
     if len(atb_home.parents) > 2:
         candidates.insert(0, atb_home.parents[1] / "version.info")
-    for path in candidates:
+    return candidates
+
+
+def _first_naming(paths: list[Path], key: str) -> VersionFile | None:
+    """The first of ``paths`` that is a version file giving ``key``."""
+    for path in paths:
         found = read_version_file(path)
-        if found is not None and found.get("Ascend-cann-atb"):
+        if found is not None and found.get(key):
             return found
     return None
 
@@ -168,8 +165,8 @@ def collect_facts(
         env={name: env[name] for name in (*watched, *NETWORK_ENV) if name in env},
         driver=read_version_file(ascend_root / "driver" / "version.info"),
         firmware=read_version_file(ascend_root / "firmware" / "version.info"),
-        cann=read_cann(ascend_root, env),
-        nnal=read_nnal(ascend_root, env),
+        cann=_first_naming(_cann_candidates(ascend_root, env), "version"),
+        nnal=_first_naming(_nnal_candidates(ascend_root, env), "Ascend-cann-atb"),
         davinci=sorted(p.name for p in dev_root.glob("davinci[0-9]*")),
     )
     output, error = npu_smi_output if npu_smi_output is not None else run_npu_smi()

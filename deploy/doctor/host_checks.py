@@ -42,9 +42,8 @@ def torch_check(facts: HostFacts) -> Check:
 
 
 def autoload_check(facts: HostFacts) -> Check:
-    value = facts.env.get(AUTOLOAD_ENV)
-    shown = f"{AUTOLOAD_ENV}={value}" if value is not None else f"{AUTOLOAD_ENV} is unset"
-    if facts.packages.get("torch_npu") is None or value == "0":
+    shown = _setting(facts, AUTOLOAD_ENV)
+    if facts.packages.get("torch_npu") is None or facts.env.get(AUTOLOAD_ENV) == "0":
         return ok("torch autoload", shown)
     return warn(
         "torch autoload",
@@ -215,12 +214,7 @@ class AscendChecks:
 
     def devices(self) -> Check:
         facts = self.facts
-        visible_env = facts.env.get("ASCEND_RT_VISIBLE_DEVICES")
-        shown = (
-            f"ASCEND_RT_VISIBLE_DEVICES={visible_env}"
-            if visible_env is not None
-            else "ASCEND_RT_VISIBLE_DEVICES is unset"
-        )
+        shown = _setting(facts, "ASCEND_RT_VISIBLE_DEVICES")
         chips = self.visible_chips()
         if not chips or not facts.davinci:
             seen = (
@@ -268,6 +262,12 @@ class AscendChecks:
             )
         shown = ", ".join(f"{k}={v}" for k, v in set_vars.items()) or "none set (one node needs none)"
         return ok("network", shown)
+
+
+def _setting(facts: HostFacts, name: str) -> str:
+    """``NAME=value`` as set, or that it is unset."""
+    value = facts.env.get(name)
+    return f"{name}={value}" if value is not None else f"{name} is unset"
 
 
 def _canns(sets: tuple[VersionSet, ...]) -> str:

@@ -8,12 +8,15 @@ here, so the KV figure is an upper bound.
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
 from npuserve.deploy.doctor.report import Check, fail, ok, warn
+from npuserve.deploy.flag_table import same_named
 from npuserve.executor.config import ConfigError, ExecutorConfig, ModelConfig
 from npuserve.executor.kv_cache import CPU_DEFAULT_KV_CACHE_GIB, GIB, block_bytes, num_blocks_for_budget
 from npuserve.executor.layers import TensorParallel
@@ -35,35 +38,19 @@ class DeviceMemory:
     is_310: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ModelFlags:
-    model: str
-    device: str  # "cpu" | "cuda" | "npu" (auto already resolved)
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gib: float | None = None
-
-
-def model_checks(flags: ModelFlags, memory: DeviceMemory) -> list[Check]:
+def model_checks(args: argparse.Namespace, device: str, memory: DeviceMemory) -> list[Check]:
+    """``--model`` on ``device`` ("cpu", "cuda" or "npu": auto already resolved), as the doctor's
+    flags would serve it."""
     try:
-        config = ExecutorConfig(
-            model=flags.model,
-            device=flags.device,
-            dtype=flags.dtype,
-            block_size=flags.block_size,
-            max_model_len=flags.max_model_len,
-            kv_cache_memory_gib=flags.kv_cache_memory_gib,
-            gpu_memory_utilization=flags.gpu_memory_utilization,
-        )
-        model = ModelConfig.from_pretrained(flags.model)
+        named = same_named(ExecutorConfig, args)  # the executor's flags the doctor takes
+        config = ExecutorConfig(**{**named, "device": device, "kv_cache_memory_gib": args.kv_cache_memory})
+        model = ModelConfig.from_pretrained(config.model)
         max_model_len = config.resolve_max_model_len(model)
     except ConfigError as exc:
         return [fail("model", str(exc), _fix_of(str(exc)))]
     checks = [ok("model", f"{model.architecture}, {model.num_layers} layers, max_model_len {max_model_len}")]
-    checks.append(_head_dim_check(model, flags.device))
-    dtype_check, dtype_name = _dtype_check(model, flags, memory.is_310)
+    checks.append(_head_dim_check(model, device))
+    dtype_check, dtype_name = _dtype_check(model, config, memory.is_310)
     checks.append(dtype_check)
     if dtype_name is None:
         return checks
@@ -71,9 +58,7 @@ def model_checks(flags: ModelFlags, memory: DeviceMemory) -> list[Check]:
     weights = _weight_check(model, itemsize, memory)
     checks.append(weights[0])
     if weights[1] is not None:
-        checks.append(
-            _kv_check(model, config, flags.device, max_model_len, DTYPE_NAMES[dtype_name], weights[1], memory)
-        )
+        checks.append(_kv_check(model, config, max_model_len, DTYPE_NAMES[dtype_name], weights[1], memory))
     return checks
 
 
@@ -104,9 +89,9 @@ def _head_dim_check(model: ModelConfig, device: str) -> Check:
     return ok("head_dim", detail)
 
 
-def _dtype_check(model: ModelConfig, flags: ModelFlags, is_310: bool) -> tuple[Check, str | None]:
+def _dtype_check(model: ModelConfig, config: ExecutorConfig, is_310: bool) -> tuple[Check, str | None]:
     checkpoint = (model.torch_dtype or "float32").removeprefix("torch.")
-    choice = flags.dtype.strip().lower().removeprefix("torch.")
+    choice = config.dtype.strip().lower().removeprefix("torch.")
     name = checkpoint if choice == "auto" else choice
     if name not in DTYPE_NAMES:
         return fail(
@@ -116,13 +101,13 @@ def _dtype_check(model: ModelConfig, flags: ModelFlags, is_310: bool) -> tuple[C
         ), None
     name = str(DTYPE_NAMES[name]).removeprefix("torch.")
     half = "float16" if is_310 else "bfloat16"
-    if flags.device == "npu" and name == "float32":
+    if config.device == "npu" and name == "float32":
         if choice == "auto":
             return ok("dtype", f"checkpoint float32, served as {half} on the NPU"), half
         return fail("dtype", "float32 does not run on the NPU kernels", f"--dtype {half}"), None
-    if flags.device == "npu" and is_310 and name == "bfloat16":
+    if config.device == "npu" and is_310 and name == "bfloat16":
         return fail("dtype", "Ascend 310P has no bfloat16", "--dtype float16"), None
-    if flags.device == "cpu" and name == "float16" and choice == "auto":
+    if config.device == "cpu" and name == "float16" and choice == "auto":
         return ok("dtype", "checkpoint float16, served as bfloat16 on the CPU"), "bfloat16"
     return ok("dtype", f"{name} (checkpoint {checkpoint})"), name
 
@@ -133,10 +118,7 @@ def checkpoint_numel(model_dir: Path) -> int:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                numel = 1
-                for size in handle.get_slice(name).get_shape():
-                    numel *= size
-                total += numel
+                total += math.prod(handle.get_slice(name).get_shape())
     return total
 
 
@@ -163,12 +145,12 @@ def _weight_check(model: ModelConfig, itemsize: int, memory: DeviceMemory) -> tu
 def _kv_check(
     model: ModelConfig,
     config: ExecutorConfig,
-    device: str,
     max_model_len: int,
     dtype: object,
     weights: int,
     memory: DeviceMemory,
 ) -> Check:
+    device = config.device
     block_size = config.block_size or (NPU_BLOCK_SIZE if device == "npu" else 16)
     per_block = block_bytes(model, block_size, dtype, TensorParallel())  # type: ignore[arg-type]
     if config.kv_cache_memory_gib is not None:

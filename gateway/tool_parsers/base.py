@@ -19,7 +19,7 @@ import string
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from npuserve.gateway.tool_parsers.json_scan import WHITESPACE, ObjectScanner
+from npuserve.gateway.tool_parsers.json_scan import WHITESPACE, Member, ObjectScanner
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # llama3_json writes `parameters`
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -95,11 +95,13 @@ class _CallTracker:
             return None
         return name if isinstance(name, str) else None
 
-    def _arguments_member(self) -> tuple[str, int, int | None] | None:
+    def _streamed_arguments(self, buffer: str) -> Member | None:
+        """The arguments member when it is an object, which streams as it is written; arguments
+        as a JSON string (or missing) are sent whole, on close."""
         for key in ARGUMENT_KEYS:
             member = self.scanner.members.get(key)
             if member is not None:
-                return key, member.start, member.end
+                return member if buffer[member.start] == "{" else None
         return None
 
     def _stream(self, buffer: str, out: Parsed) -> None:
@@ -109,12 +111,11 @@ class _CallTracker:
                 return
             out.calls.append(ToolCallDelta(self.index, "", self.id, name))
             self.header_sent = True
-        found = self._arguments_member()
-        if found is None or buffer[found[1]] != "{":
-            return  # arguments as a JSON string (or missing) are sent whole, on close
-        _, start, end = found
-        upto = len(buffer) if end is None else end
-        begin = max(start, self.sent_to)
+        member = self._streamed_arguments(buffer)
+        if member is None:
+            return
+        upto = len(buffer) if member.end is None else member.end
+        begin = max(member.start, self.sent_to)
         if upto > begin:
             out.calls.append(ToolCallDelta(self.index, buffer[begin:upto]))
             self.sent_to = upto
@@ -131,8 +132,7 @@ class _CallTracker:
         if not self.streaming:
             out.calls.append(ToolCallDelta(self.index, arguments, self.id, name))
             return True
-        found = self._arguments_member()
-        if found is None or buffer[found[1]] != "{":
+        if self._streamed_arguments(buffer) is None:
             out.calls.append(ToolCallDelta(self.index, arguments))
         return True
 

@@ -149,14 +149,6 @@ class _DecodeBatch:
     context_slots: torch.Tensor  # [B, S] cache slot of every key position
     mask: torch.Tensor  # [B, S] key j is in request b's context
 
-    @property
-    def num_reqs(self) -> int:
-        return self.mask.shape[0]
-
-    @property
-    def max_s(self) -> int:
-        return self.mask.shape[1]
-
 
 def _key_slots(block_table: torch.Tensor, key_pos: torch.Tensor, block_size: int) -> torch.Tensor:
     """block_table: [..., NB], key_pos: [S] -> [..., S], the cache slot of each key position."""
@@ -245,7 +237,7 @@ def _attend(
     """query: [B, H, D], the batch's query rows -> [B, H, D]."""
     num_heads, head_size = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
-    num_reqs, max_s = batch.num_reqs, batch.max_s
+    num_reqs, max_s = batch.mask.shape
     # [B, Hkv, G, D]: the G query heads of one KV head are its query rows, so keys and values
     # are never repeated.
     q = query.view(num_reqs, num_kv_heads, group, head_size)

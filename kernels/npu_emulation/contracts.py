@@ -162,22 +162,30 @@ def check_causal_mask(atten_mask: torch.Tensor | None, op: str) -> None:
 
 
 def check_fused_infer_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [num_blocks, block_size, Hkv * D]
     value: torch.Tensor,
     *,
-    atten_mask: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    input_layout: str,
-    block_size: int,
-    actual_seq_lengths: object,
-    actual_seq_lengths_kv: object,
-    num_heads: int,
-    num_key_value_heads: int,
-    sparse_mode: int,
+    atten_mask: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    input_layout: str = "BSH",
+    block_size: int = 0,
+    actual_seq_lengths: object = None,
+    actual_seq_lengths_kv: object = None,
+    num_key_value_heads: int = 0,
+    num_heads: int = 1,
+    scale: float = 1.0,  # any scale is valid
+    sparse_mode: int = 0,
+    **unsupported: object,
 ) -> tuple[list[int], list[int]]:
-    """Returns (cumulative query ends, per-request kv lengths)."""
+    """The checks of ``npu_fused_infer_attention_score``, with the operator's defaults; returns
+    (cumulative query ends, per-request kv lengths)."""
     op = "npu_fused_infer_attention_score"
+    require(
+        all(v is None or v in (0, False) for v in unsupported.values()),
+        op,
+        f"emulation does not cover {sorted(k for k, v in unsupported.items() if v not in (None, 0, False))}",
+    )
     require(input_layout == "TND", op, f"emulated for input_layout 'TND' only, got {input_layout!r}")
     require(
         sparse_mode == SPARSE_MODE_RIGHT_DOWN_CAUSAL,
@@ -323,8 +331,14 @@ def check_swiglu(x: torch.Tensor, dim: int) -> None:
 
 
 def check_rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int, table: torch.Tensor
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    table: torch.Tensor,
+    is_neox_style: bool = True,  # either style is valid
 ) -> None:
+    """The checks of ``_npu_rotary_embedding``, with its arguments (what a graph capture runs)."""
     op = "_npu_rotary_embedding"
     # ATB-ROPE test: query/key [T, N * D] in float16; positions one per token; table [P, D]
     # as cat(cos, sin) in float32 (the table's dtype may differ from the query's).

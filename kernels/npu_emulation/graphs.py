@@ -27,7 +27,6 @@ as a device's capture leaves its outputs unwritten, so nothing may read them bef
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -50,7 +49,6 @@ ALLOCATIONS = {aten.empty.memory_format, aten.empty_like.default, aten.empty_str
 _SCALAR_RESULTS = ("bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool")
 
 _local = threading.local()
-_pool_ids = itertools.count(1)
 _pools: weakref.WeakSet[PoolHandle] = weakref.WeakSet()
 
 
@@ -140,7 +138,6 @@ class TaskGroupHandle:
 class PoolHandle:
     """A graph memory pool (``graph_pool_handle()``): graphs captured into one may share memory."""
 
-    id: int = field(default_factory=lambda: next(_pool_ids))
     bytes: int = 0  # what graphs captured into it allocated
 
 
@@ -396,7 +393,7 @@ def reserved_bytes() -> int:
 
 class NPUGraph:
     """``torch.npu.NPUGraph``: ``capture_begin``/``capture_end`` (or ``torch.npu.graph``),
-    ``replay``, ``reset``, ``pool``."""
+    ``replay``, ``reset``."""
 
     def __init__(self) -> None:
         self._tasks: list[Any] = []
@@ -411,9 +408,7 @@ class NPUGraph:
         if capturing():
             raise GraphCaptureError("capture_begin while another graph captures on this thread")
         if pool is not None and not isinstance(pool, PoolHandle):
-            raise GraphCaptureError(
-                f"pool {pool!r} is no graph pool: pass graph_pool_handle() or another graph's pool()"
-            )
+            raise GraphCaptureError(f"pool {pool!r} is no graph pool: pass graph_pool_handle()")
         self._pool = pool or graph_pool_handle()
         self._capture = _Capture(self)
         _local.capture = self._capture
@@ -459,31 +454,20 @@ class NPUGraph:
             _local.capture = None
         return capture
 
-    def pool(self) -> PoolHandle:
-        if self._pool is None:
-            raise GraphCaptureError("pool() of a graph that never captured")
-        return self._pool
 
-
-class graph:
+@contextmanager
+def graph(
+    npu_graph: NPUGraph,
+    pool: PoolHandle | None = None,
+    stream: object = None,
+    capture_error_mode: str = "global",
+) -> Iterator[None]:
     """``torch.npu.graph(npu_graph, pool=None, stream=None, capture_error_mode="global")``."""
-
-    def __init__(
-        self,
-        npu_graph: NPUGraph,
-        pool: PoolHandle | None = None,
-        stream: object = None,
-        capture_error_mode: str = "global",
-    ) -> None:
-        self.npu_graph = npu_graph
-        self.pool = pool
-        self.capture_error_mode = capture_error_mode
-
-    def __enter__(self) -> None:
-        self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None and self.npu_graph._stop_capture() is not None:
-            self.npu_graph.reset()  # the error propagates; the graph holds nothing
-            return
-        self.npu_graph.capture_end()
+    npu_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+    try:
+        yield
+    except BaseException:
+        if npu_graph._stop_capture() is not None:
+            npu_graph.reset()  # the error propagates; the graph holds nothing
+        raise
+    npu_graph.capture_end()

@@ -33,83 +33,32 @@ def reshape_and_cache(
         value_cache[block, offset] = value[token]
 
 
-def check_fused_infer_attention_score(
-    query: torch.Tensor,  # [T, H, D]
-    key: torch.Tensor,  # [num_blocks, block_size, Hkv * D]
-    value: torch.Tensor,
-    *,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    input_layout: str = "BSH",
-    block_size: int = 0,
-    actual_seq_lengths: object = None,
-    actual_seq_lengths_kv: object = None,
-    num_key_value_heads: int = 0,
-    num_heads: int = 1,
-    scale: float = 1.0,  # any scale is valid
-    sparse_mode: int = 0,
-    **unsupported: object,
-) -> tuple[list[int], list[int]]:
-    """The checks of `fused_infer_attention_score`, with the operator's defaults; returns
-    (cumulative query ends, per-request kv lengths)."""
-    contracts.require(
-        all(v is None or v in (0, False) for v in unsupported.values()),
-        "npu_fused_infer_attention_score",
-        f"emulation does not cover {sorted(k for k, v in unsupported.items() if v not in (None, 0, False))}",
-    )
-    return contracts.check_fused_infer_attention(
-        query,
-        key,
-        value,
-        atten_mask=atten_mask,
-        block_table=block_table,
-        input_layout=input_layout,
-        block_size=block_size,
-        actual_seq_lengths=actual_seq_lengths,
-        actual_seq_lengths_kv=actual_seq_lengths_kv,
-        num_heads=num_heads,
-        num_key_value_heads=num_key_value_heads,
-        sparse_mode=sparse_mode,
-    )
-
-
 def fused_infer_attention_score(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [num_blocks, block_size, Hkv * D]
     value: torch.Tensor,
-    *,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    input_layout: str = "BSH",
-    block_size: int = 0,
-    actual_seq_lengths: object = None,
-    actual_seq_lengths_kv: object = None,
-    num_key_value_heads: int = 0,
-    num_heads: int = 1,
-    scale: float = 1.0,
-    sparse_mode: int = 0,
-    **unsupported: Any,  # refused by the checks unless unset
+    **kwargs: Any,  # the operator's, with its defaults: `contracts.check_fused_infer_attention`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(attention_out [T, H, D], softmax_lse)``; softmax_lse is the (1,) zero tensor the
     operator returns without ``softmax_lse_flag`` (FIA "返回值说明")."""
-    query_ends, kv_lens = check_fused_infer_attention_score(
-        query,
-        key,
-        value,
-        atten_mask=atten_mask,
-        block_table=block_table,
-        input_layout=input_layout,
-        block_size=block_size,
-        actual_seq_lengths=actual_seq_lengths,
-        actual_seq_lengths_kv=actual_seq_lengths_kv,
-        num_key_value_heads=num_key_value_heads,
-        num_heads=num_heads,
-        sparse_mode=sparse_mode,
-        **unsupported,
-    )
-    assert block_table is not None
-    head_size = query.shape[2]
-    kv_heads = num_key_value_heads or num_heads
+    query_ends, kv_lens = contracts.check_fused_infer_attention(query, key, value, **kwargs)
+    block_table, scale = kwargs["block_table"], kwargs.get("scale", 1.0)
+    out = _paged_attention(query, key, value, block_table, scale, query_ends, kv_lens)
+    return out, torch.zeros(1, dtype=query.dtype)
+
+
+def _paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [num_blocks, block_size, Hkv * D], checked
+    value: torch.Tensor,
+    block_table: torch.Tensor,  # [B, max_blocks_per_seq]
+    scale: float,
+    query_ends: list[int],
+    kv_lens: list[int],
+) -> torch.Tensor:  # [T, H, D]
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size = key.shape[1]
+    kv_heads = key.shape[2] // head_size
     group = num_heads // kv_heads
     out = torch.empty_like(query)
     starts = [0, *query_ends[:-1]]
@@ -133,26 +82,23 @@ def fused_infer_attention_score(
         scores = scores.masked_fill(masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)  # [q_len, H, D]
-    return out, torch.zeros(1, dtype=query.dtype)
+    return out
 
 
 def fused_infer_attention_score_out(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,
     value: torch.Tensor,
-    *,
-    workspace: torch.Tensor | None = None,
-    out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
-    **kwargs: Any,
+    **kwargs: Any,  # the operator's, ``workspace`` and ``out``
 ) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
     """``npu_fused_infer_attention_score.out``: the same call, written into ``out =
     [attention_out, softmax_lse]``, with the scratch memory of a workspace query (VA
     ``full_graph_fia``). Returns ``out``."""
-    _check_out_and_workspace(query, workspace, out, kwargs)
-    attention_out, softmax_lse = out
-    result, lse = fused_infer_attention_score(query, key, value, **kwargs)
-    attention_out.copy_(result)
-    softmax_lse.view(-1)[:1].copy_(lse.view(-1)[:1])
+    query_ends, kv_lens = check_fused_infer_attention_score_out(query, key, value, **kwargs)
+    attention_out, softmax_lse = out = kwargs["out"]
+    block_table, scale = kwargs["block_table"], kwargs.get("scale", 1.0)
+    attention_out.copy_(_paged_attention(query, key, value, block_table, scale, query_ends, kv_lens))
+    softmax_lse.view(-1)[:1].zero_()  # what the operator returns without softmax_lse_flag
     return out
 
 
@@ -164,20 +110,9 @@ def check_fused_infer_attention_score_out(
     workspace: torch.Tensor | None = None,
     out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
     **kwargs: Any,
-) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
-    """The checks of `fused_infer_attention_score_out`, without computing; returns ``out``."""
-    _check_out_and_workspace(query, workspace, out, kwargs)
-    check_fused_infer_attention_score(query, key, value, **kwargs)
-    return out
-
-
-def _check_out_and_workspace(
-    query: torch.Tensor,
-    workspace: torch.Tensor | None,
-    out: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
-    kwargs: dict[str, Any],
-) -> None:
-    """What the ``.out`` form checks beyond the operator's own checks."""
+) -> tuple[list[int], list[int]]:
+    """The checks of `fused_infer_attention_score_out`: the operator's, and what the ``.out``
+    form checks beyond them; returns (cumulative query ends, per-request kv lengths)."""
     op = "npu_fused_infer_attention_score.out"
     contracts.require(len(out) == 2, op, "out must be [attention_out, softmax_lse]")
     attention_out = out[0]
@@ -194,6 +129,7 @@ def _check_out_and_workspace(
             f"workspace of {workspace.numel()} bytes, {needed} needed: query it with "
             "_npu_fused_infer_attention_score_get_max_workspace for the longest lengths",
         )
+    return contracts.check_fused_infer_attention(query, key, value, **kwargs)
 
 
 def fused_infer_attention_score_max_workspace(
@@ -201,7 +137,7 @@ def fused_infer_attention_score_max_workspace(
 ) -> torch.Tensor:
     """``_npu_fused_infer_attention_score_get_max_workspace``: [bytes] uint8, enough for every
     call like this one whose kv lengths fit its block table (VA ``full_graph_fia``)."""
-    check_fused_infer_attention_score(query, key, value, **kwargs)
+    contracts.check_fused_infer_attention(query, key, value, **kwargs)
     block_table = kwargs["block_table"]
     capacity = block_table.shape[1] * kwargs["block_size"]
     longest = dict(kwargs, actual_seq_lengths_kv=[capacity] * len(kwargs["actual_seq_lengths_kv"]))
@@ -282,23 +218,6 @@ class RotaryEmbedding:
             heads = tensor.view(tensor.shape[0], -1, head_size)
             rotated = _rotate(heads.float(), cos_t.unsqueeze(1), sin_t.unsqueeze(1), is_neox_style)
             heads.copy_(rotated.to(tensor.dtype))
-
-    def check(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        head_size: int,
-        cos_sin_cache: torch.Tensor,
-        is_neox_style: bool,
-    ) -> None:
-        """The call's checks, without rotating (what a graph capture runs)."""
-        contracts.check_rotary_embedding(positions, query, key, head_size, cos_sin_cache)
-
-    def reset(self) -> None:
-        """Forgets the table, as a new process would (tests only)."""
-        with self._lock:
-            self._cos_sin = None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

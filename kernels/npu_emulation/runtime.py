@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -44,12 +45,14 @@ class EmulatedMachine:
     def from_env(cls) -> EmulatedMachine:
         env = os.environ
         default = cls()
+        # The torch_npu release of the installed torch's line, as pip would pair them.
+        matching_torch_npu = torch.__version__.split("+")[0] + ".post2"
         return cls(
             count=int(env.get("NPUSERVE_EMULATE_NPU_COUNT", default.count)),
             soc_version=int(env.get("NPUSERVE_EMULATE_NPU_SOC", default.soc_version)),
             memory_gib=float(env.get("NPUSERVE_EMULATE_NPU_MEMORY_GIB", default.memory_gib)),
             cann_version=env.get("NPUSERVE_EMULATE_CANN_VERSION", default.cann_version),
-            torch_npu_version=env.get("NPUSERVE_EMULATE_TORCH_NPU_VERSION", _matching_torch_npu()),
+            torch_npu_version=env.get("NPUSERVE_EMULATE_TORCH_NPU_VERSION", matching_torch_npu),
             nnal_installed=env.get("NPUSERVE_EMULATE_NNAL", "1") != "0",
         )
 
@@ -60,12 +63,6 @@ class EmulatedMachine:
         if 250 <= self.soc_version <= 255:
             return "Ascend910_9392"
         return f"Ascend910B{max(1, self.soc_version - 220)}"
-
-
-def _matching_torch_npu() -> str:
-    """The torch_npu release of the installed torch's line, as pip would pair them."""
-    release = torch.__version__.split("+")[0]
-    return f"{release}.post2"
 
 
 def _visible_ids(count: int) -> list[int]:
@@ -88,44 +85,8 @@ def _resident_bytes() -> int:
 class _Stream:
     """A stream on an emulated NPU: work runs on the CPU at once, so there is nothing to wait for."""
 
-    def __init__(self, device: object = None, priority: int = 0) -> None:
-        self.device = device
-        self.priority = priority
-
     def synchronize(self) -> None:
         graphs.refuse_host_sync("Stream.synchronize()")
-
-    def wait_stream(self, stream: _Stream) -> None:
-        pass
-
-
-class _Event:
-    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
-        self.enable_timing = enable_timing
-
-    def record(self, stream: _Stream | None = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        graphs.refuse_host_sync("Event.synchronize()")
-
-    def query(self) -> bool:
-        return True
-
-
-class _StreamContext:
-    """``torch.npu.stream(s)``: makes ``s`` the current stream inside the block."""
-
-    def __init__(self, stream: _Stream | None, state: dict[str, Any]) -> None:
-        self.stream, self.state = stream, state
-
-    def __enter__(self) -> None:
-        self.previous = self.state["stream"]
-        if self.stream is not None:
-            self.state["stream"] = self.stream
-
-    def __exit__(self, *exc: object) -> None:
-        self.state["stream"] = self.previous
 
 
 class _OperatorWithOut:
@@ -155,14 +116,15 @@ def _fused_attention_out_at_capture(*args: Any, **kwargs: Any) -> Any:
             "npu_fused_infer_attention_score.out captured without a workspace: the operator would "
             "allocate one at replay, outside the graph's pool"
         )
-    return ops.check_fused_infer_attention_score_out(*args, **kwargs)
+    ops.check_fused_infer_attention_score_out(*args, **kwargs)
+    return kwargs["out"]
 
 
 def build_npu_module(machine: EmulatedMachine) -> ModuleType:
     """The ``torch.npu`` stand-in: the calls npuserve makes, with torch.cuda's signatures."""
     npu = ModuleType("torch_npu.npu")
     default_stream = _Stream()
-    state: dict[str, Any] = {"device": 0, "peak": 0, "stream": default_stream}
+    state: dict[str, Any] = {"device": 0, "stream": default_stream}
 
     def memory_reserved(device: object = None) -> int:
         """What graph pools hold: the only device memory the emulation reserves."""
@@ -170,6 +132,16 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
 
     def synchronize(device: object = None) -> None:
         graphs.refuse_host_sync("torch.npu.synchronize()")
+
+    @contextmanager
+    def stream(stream: _Stream | None) -> Iterator[None]:
+        """``torch.npu.stream(s)``: makes ``s`` the current stream inside the block."""
+        previous = state["stream"]
+        state["stream"] = stream or previous
+        try:
+            yield
+        finally:
+            state["stream"] = previous
 
     def device_count() -> int:
         return len(_visible_ids(machine.count))
@@ -191,14 +163,7 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
         total = int(machine.memory_gib * GIB)
         return max(0, total - _resident_bytes()), total
 
-    def reset_peak_memory_stats(device: object = None) -> None:
-        state["peak"] = 0
-
-    def memory_stats(device: object = None) -> dict[str, int]:
-        return {"allocated_bytes.all.peak": state["peak"], "allocated_bytes.all.current": 0}
-
-    _install(
-        npu,
+    vars(npu).update(
         {
             "is_available": lambda: device_count() > 0,
             "device_count": device_count,
@@ -207,18 +172,15 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
             "get_device_name": lambda device=None: machine.device_name,
             "get_soc_version": lambda: machine.soc_version,
             "mem_get_info": mem_get_info,
-            "reset_peak_memory_stats": reset_peak_memory_stats,
-            "memory_stats": memory_stats,
-            "max_memory_allocated": lambda device=None: state["peak"],
-            "memory_allocated": lambda device=None: 0,
+            # NOTE: tensors live in host memory, where the emulation tracks no allocations.
+            "reset_peak_memory_stats": lambda device=None: None,
+            "max_memory_allocated": lambda device=None: 0,
             "memory_reserved": memory_reserved,
             "synchronize": synchronize,
             "empty_cache": lambda: None,
-            "manual_seed": lambda seed: None,
             "Stream": _Stream,
-            "Event": _Event,
             "current_stream": lambda device=None: state["stream"],
-            "stream": lambda stream: _StreamContext(stream, state),
+            "stream": stream,
             "NPUGraph": graphs.NPUGraph,
             "graph": graphs.graph,
             "graph_pool_handle": graphs.graph_pool_handle,
@@ -227,7 +189,6 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
             "graph_task_group_end": graph_api.graph_task_group_end,
             "graph_task_update_begin": graph_api.graph_task_update_begin,
             "graph_task_update_end": graph_api.graph_task_update_end,
-            "emulated_machine": machine,
             # NOTE: not in torch_npu: the emulation's model of pinned host memory and of copies
             # to the device, which torch cannot see on an emulated device (`host_memory`).
             "emulated_host_memory": EmulatedHostMemory(),
@@ -239,13 +200,12 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
 def _operators() -> dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]]:
     """The torch_npu operators by name, each with what a graph capture runs of it: None for
     the operator itself (it returns new tensors), or its checks (it writes only its arguments)."""
-    rope = ops.RotaryEmbedding()
     return {
         "_npu_reshape_and_cache": (ops.reshape_and_cache, contracts.check_reshape_and_cache),
         "npu_rms_norm": (ops.rms_norm, None),
         "npu_add_rms_norm": (ops.add_rms_norm, None),
         "npu_swiglu": (ops.swiglu, None),
-        "_npu_rotary_embedding": (rope, rope.check),
+        "_npu_rotary_embedding": (ops.RotaryEmbedding(), contracts.check_rotary_embedding),
     }
 
 
@@ -262,14 +222,8 @@ def _atb_ops_module(machine: EmulatedMachine) -> ModuleType:
                 "Please run 'source set_env.sh' in the NNAL installation path.",
             )
 
-    _install(module, {"_register_atb_extensions": _register_atb_extensions})
+    vars(module).update({"_register_atb_extensions": _register_atb_extensions})
     return module
-
-
-def _install(module: ModuleType, attributes: dict[str, Any]) -> None:
-    """Sets a stand-in module's attributes (modules built at run time have no declared ones)."""
-    for name, value in attributes.items():
-        setattr(module, name, value)
 
 
 def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
@@ -281,8 +235,7 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
     op_plugin = ModuleType("torch_npu.op_plugin")
     atb = ModuleType("torch_npu.op_plugin.atb")
     atb_ops = _atb_ops_module(machine)
-    _install(
-        torch_npu,
+    vars(torch_npu).update(
         {
             "__version__": machine.torch_npu_version,
             "__npuserve_emulated__": True,
@@ -302,17 +255,9 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
             "op_plugin": op_plugin,
         },
     )
-    _install(op_plugin, {"atb": atb})
-    _install(atb, {"_atb_ops": atb_ops})
-    modules = {
-        "torch_npu": torch_npu,
-        "torch_npu.npu": npu,
-        "torch_npu.op_plugin": op_plugin,
-        "torch_npu.op_plugin.atb": atb,
-        "torch_npu.op_plugin.atb._atb_ops": atb_ops,
-    }
-    assert tuple(modules) == MODULE_NAMES
-    return modules
+    vars(op_plugin).update({"atb": atb})
+    vars(atb).update({"_atb_ops": atb_ops})
+    return dict(zip(MODULE_NAMES, (torch_npu, npu, op_plugin, atb, atb_ops), strict=True))
 
 
 def install(machine: EmulatedMachine) -> ModuleType:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from npuserve.gateway.chat_output import ChoiceOutput, OutputShape, whole_message
+from npuserve.gateway.chat_output import ChoiceOutput, OutputShape, finish_reason, whole_message
 from npuserve.gateway.reasoning import Qwen3ReasoningParser, Split
 from npuserve.gateway.tool_calls import ToolPlan
 from npuserve.gateway.tool_parsers import TOOL_PARSERS, JsonCallsParser, ToolParser, merge_calls
@@ -149,10 +149,9 @@ REASONING_CASES = [
 def test_qwen3_reasoning_whole_and_streamed(text: str, reasoning: str, content: str) -> None:
     assert Qwen3ReasoningParser.parse(text) == Split(reasoning, content)
     for size in range(1, len(text) + 1):
-        p, got = Qwen3ReasoningParser(), Split()
-        for i in range(0, len(text), size):
-            got.extend(p.feed(text[i : i + size]))
-        got.extend(p.finish())
+        p = Qwen3ReasoningParser()
+        splits = [p.feed(text[i : i + size]) for i in range(0, len(text), size)] + [p.feed("", final=True)]
+        got = Split("".join(s.reasoning for s in splits), "".join(s.content for s in splits))
         assert got == Split(reasoning, content), size
 
 
@@ -192,8 +191,8 @@ def test_streamed_deltas_in_openai_shape() -> None:
     assert head["function"] == {"name": "weather", "arguments": ""}
     assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in pieces[1:])
     assert "".join(p["function"]["arguments"] for p in pieces) == '{"city": "Oslo"}'
-    assert output.finish_reason("stop") == "tool_calls"
-    assert output.finish_reason("length") == "length"
+    assert finish_reason("stop", output.called) == "tool_calls"
+    assert finish_reason("length", output.called) == "length"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:

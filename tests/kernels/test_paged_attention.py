@@ -474,5 +474,5 @@ def test_a_mixed_step_pads_its_decodes_apart_from_its_chunks() -> None:
     )
     metadata = step_metadata(decode_only)
     backend.prepare(metadata)
-    assert [b.num_reqs for b in metadata.backend_state["batches"]] == [6]
+    assert [b.mask.shape[0] for b in metadata.backend_state["batches"]] == [6]
     assert metadata.backend_state["chunks"] == []
