@@ -12,11 +12,12 @@ stops at once), the block pools' integrity is checked and logged, and the proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import structlog
@@ -25,16 +26,13 @@ from npuserve.deploy.demo_model import default_served_name
 from npuserve.deploy.runtime.gc_heap import settle_heap_for_serving
 from npuserve.deploy.runtime.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Shutdown
 from npuserve.proto import scheduler_pb2 as pb
-from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.auth import API_KEY, AioTokenInterceptor
-from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.proto.ready_file import write_ready_file
 from npuserve.scheduler.api import api_codec
 from npuserve.scheduler.api.api_process import ApiProcessSettings
 from npuserve.scheduler.api.api_relay import ApiProcessPool
-from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api.api_servers import serve_public_api, stop_api_servers
 from npuserve.scheduler.api.api_servicer import PublicApiServicer
-from npuserve.scheduler.api.api_status import guard
+from npuserve.scheduler.api.api_status import guarded
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
 from npuserve.scheduler.engine.membership import StaticMembership, wait_for_executors
@@ -51,7 +49,6 @@ from npuserve.scheduler.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
 SERVER_STOP_GRACE_S = 1.0  # after the drain: for the answers of calls other than Generate
 INTEGRITY_SETTLE_S = 5.0
 
@@ -59,19 +56,12 @@ INTEGRITY_SETTLE_S = 5.0
 class SchedulerServicer(PublicApiServicer):
     """The public API served by the engine's own process (every call answered here)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        model_root: str,
-        known_executors: Callable[[], int] | None = None,
-        stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
-    ) -> None:
-        super().__init__(engine, engine.prompts, stream_stall_timeout_s=stream_stall_timeout_s)
+    def __init__(self, engine: Engine, config: ServiceConfig, known_executors: Callable[[], int]) -> None:
+        super().__init__(engine, engine.prompts, stream_stall_timeout_s=config.stream_stall_timeout_s)
         self.engine = engine
-        self.model_root = model_root
+        self.model_root = config.model
         self.created = int(time.time())
-        # How many executors the scheduler knows of, ready or not (default: its lanes).
-        self.known_executors = known_executors or (lambda: len(engine.lanes))
+        self.known_executors = known_executors  # how many executors the scheduler knows of, ready or not
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
@@ -119,24 +109,20 @@ class SchedulerServicer(PublicApiServicer):
             ok=True, executors=[api_codec.pool_state_to_proto(s) for s in states]
         )
 
+    @guarded
     async def StartProfile(
         self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartProfileResponse:
-        async def run() -> pb.StartProfileResponse:
-            return pb.StartProfileResponse(executor_ids=await self.engine.start_profile())
+        return pb.StartProfileResponse(executor_ids=await self.engine.start_profile())
 
-        return await guard(context, run)
-
+    @guarded
     async def StopProfile(
         self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StopProfileResponse:
-        async def run() -> pb.StopProfileResponse:
-            traces = await self.engine.stop_profile()
-            return pb.StopProfileResponse(
-                executors=[pb.ExecutorProfile(executor_id=e, trace_files=f) for e, f in traces.items()]
-            )
-
-        return await guard(context, run)
+        traces = await self.engine.stop_profile()
+        return pb.StopProfileResponse(
+            executors=[pb.ExecutorProfile(executor_id=e, trace_files=f) for e, f in traces.items()]
+        )
 
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
@@ -156,10 +142,7 @@ async def serve_scheduler(
 ) -> None:
     tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
     spec = ClientSpec(config.step_timeout_s, config.cluster_token, config.tls_ca)
-
-    def make_client(address: str) -> AioExecutorClient:
-        return AioExecutorClient.from_spec(spec, address)
-
+    make_client = functools.partial(AioExecutorClient.from_spec, spec)
     membership: StaticMembership | RedisMembership
     if config.registry:
         membership = RedisMembership(make_client, config.registry, config.registry_prefix)
@@ -173,60 +156,22 @@ async def serve_scheduler(
         default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
     )
     step_workers = StepWorkerPool(num_workers, spec, log_level, json_logs) if num_workers > 0 else None
-    engine = Engine(
-        EngineConfig(
-            served_model_name=config.served_model_name or default_served_name(config.model),
-            enable_prefix_caching=config.enable_prefix_caching,
-            routing=config.routing,
-            routing_prefill_weight=config.routing_prefill_weight,
-            max_queued_requests=config.max_queued_requests,
-            max_local_prefill_length=config.max_local_prefill_length,
-            trust_request_chat_template=config.trust_request_chat_template,
-            async_scheduling=config.async_scheduling,
-            stream_interval=config.stream_interval,
-            num_scheduler_steps=config.num_scheduler_steps,
-        ),
-        tokenizer,
-        executors,
-        step_workers,
-    )
+    # NOTE: each field of the engine's config is the service config's field of the same name.
+    engine_fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(EngineConfig)}
+    engine_fields["served_model_name"] = config.served_model_name or default_served_name(config.model)
+    engine = Engine(EngineConfig(**engine_fields), tokenizer, executors, step_workers)
     num_api = default_api_server_count() if config.api_server_count is None else config.api_server_count
     engine.start(serve_prompts=num_api == 1)
     watcher = asyncio.create_task(membership.run(engine))
-    servicer = SchedulerServicer(engine, config.model, membership.num_known, config.stream_stall_timeout_s)
+    servicer = SchedulerServicer(engine, config, membership.num_known)
     api_processes: ApiProcessPool | None = None
     servers: list[grpc.aio.Server] = []
     if num_api > 1:
-
-        def settings_for(index: int, bind_port: int) -> ApiProcessSettings:
-            return ApiProcessSettings(
-                index,
-                num_api,
-                config.model,
-                config.chat_template,
-                engine.limits,
-                config.trust_request_chat_template,
-                engine.config.stream_interval,
-                config.stream_stall_timeout_s,
-                host,
-                bind_port,
-                config.tls,
-                config.api_key,
-                log_level,
-                json_logs,
-            )
-
-        api_processes = ApiProcessPool(num_api, engine, servicer, settings_for)
+        settings = ApiProcessSettings(0, num_api, config, engine.limits, host, port, log_level, json_logs)
+        api_processes = ApiProcessPool(engine, servicer, settings)
         bound = await api_processes.start(port)
     else:
-        interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
-        servers, bound = await start_api_servers(
-            lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
-            interceptors,
-            host,
-            port,
-            config.tls,
-        )
+        servers, bound = await serve_public_api(servicer, config, host, port)
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
     await engine.wait_started()
     settle_heap_for_serving()

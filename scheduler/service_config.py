@@ -7,8 +7,7 @@ scheduler as a process of its own) does not import the engine.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.core.router import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_PREFILL_WEIGHT
@@ -53,7 +52,6 @@ class ServiceConfig:
     tls_ca: bytes | None = None  # PEM roots: talk TLS to executors and verify them against these
     api_key: str | None = None  # clients of the public API present it (Health stays open)
     tls: tuple[bytes, bytes] | None = None  # (private key, certificate chain) in PEM: serve TLS
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stream_stall_timeout_s >= 0:

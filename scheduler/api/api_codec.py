@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import TYPE_CHECKING, Any
@@ -235,12 +236,4 @@ def _anchor(tokenizer: Tokenizer) -> list[int]:
 
 
 def pool_state_to_proto(state: PoolState) -> pb.ExecutorPoolState:
-    return pb.ExecutorPoolState(
-        executor_id=state.executor_id,
-        num_blocks=state.num_blocks,
-        num_free_blocks=state.num_free_blocks,
-        num_cached_blocks=state.num_cached_blocks,
-        num_requests=state.num_requests,
-        prefix_cache_queries=state.prefix_cache_queries,
-        prefix_cache_hits=state.prefix_cache_hits,
-    )
+    return pb.ExecutorPoolState(**dataclasses.asdict(state))  # NOTE: the same fields, by name

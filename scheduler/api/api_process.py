@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,37 +35,15 @@ from google.protobuf.message import Message
 
 from npuserve.deploy.runtime.gc_heap import IdleHeapRelease, settle_heap_for_serving
 from npuserve.deploy.runtime.unknown_message import unknown_message
-from npuserve.proto import scheduler_pb2_grpc as pb_grpc
-from npuserve.proto.auth import API_KEY, AioTokenInterceptor
-from npuserve.scheduler.api.api_messages import (
-    ApiReady,
-    ApiToCore,
-    CallAnswer,
-    CoreToApi,
-    DeliveredTokens,
-    DrainApi,
-    EndStream,
-    ExitApi,
-    ForwardCall,
-    PackedUpdate,
-    QueryDelivered,
-    RefuseStream,
-    RelayedStatus,
-    RelayedUpdates,
-    StopStringFound,
-    StreamClosed,
-    StreamUpdates,
-    SubmitStream,
-    UpdatesApplied,
-)
-from npuserve.scheduler.api.api_servers import start_api_servers, stop_api_servers
+from npuserve.scheduler.api import api_messages as msg
+from npuserve.scheduler.api.api_servers import serve_public_api, stop_api_servers
 from npuserve.scheduler.api.api_servicer import PublicApiServicer
-from npuserve.scheduler.api.api_status import RelayedError
 from npuserve.scheduler.core.request import SamplingParams
 from npuserve.scheduler.engine.continuation import Continuation, resume_stream
 from npuserve.scheduler.engine.engine_config import new_request_id
 from npuserve.scheduler.engine.outputs import OpenStream, RequestStream, SequenceUpdate
 from npuserve.scheduler.lanes.pipe_link import PipeLink
+from npuserve.scheduler.service_config import ServiceConfig
 from npuserve.scheduler.text.prompts import ModelLimits, PromptInput, PromptProcessor
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
@@ -77,16 +56,11 @@ STOP_GRACE_S = 1.0  # for the answers of calls in flight when the core says exit
 class ApiProcessSettings:
     index: int
     count: int  # API server processes in all
-    model: str  # the tokenizer's model directory
-    chat_template: str | None
+    # The scheduler's: the model (tokenizer, chat template), the streams' settings, TLS, API key.
+    config: ServiceConfig
     limits: ModelLimits
-    trust_request_chat_template: bool
-    stream_interval: int  # tokens per streamed delta after a sequence's first (`RequestStream`)
-    stream_stall_timeout_s: float  # how long a client may leave a stream unread (`stall_watch`)
     host: str
     port: int  # 0: any free port (the first process); the others take the port it got
-    tls: tuple[bytes, bytes] | None
-    api_key: str | None
     log_level: str
     json_logs: bool
 
@@ -104,67 +78,64 @@ FORWARDED_CALLS = (
 
 
 class CoreLink:
-    """The API process's side of its pipe to the core (on the event loop)."""
+    """The API process's side of its pipe to the core (on the event loop), and the front of its
+    requests: checks and tokenizes them here, streams what the core relays."""
 
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        loop: asyncio.AbstractEventLoop,
+        prompts: PromptProcessor,
+        stream_interval: int,
+    ) -> None:
         self.loop = loop
+        self.prompts = prompts
+        self.stream_interval = stream_interval
         self.streams: dict[int, RequestStream] = {}
         self._handles = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
-        self.draining = asyncio.Event()
+        self.on_drain: Callable[[], None] = lambda: None  # the scheduler drains (the servicer's)
         self.gone = asyncio.Event()  # the core said exit, or is no more
         self.heap = IdleHeapRelease(lambda: not self.streams)
-        self.pipe: PipeLink[ApiToCore, CoreToApi] = PipeLink(conn, self._apply, self.gone.set, loop)
+        self.pipe: PipeLink[msg.ApiToCore, msg.CoreToApi] = PipeLink(conn, self._apply, self.gone.set, loop)
 
-    def start(self) -> None:
-        self.pipe.start()
-
-    def _apply(self, batch: list[CoreToApi]) -> None:
+    def _apply(self, batch: list[msg.CoreToApi]) -> None:
         applied = 0  # the stream updates of the batch, acknowledged once it is applied
         for message in batch:
             match message:
-                case StreamUpdates(items=items):
+                case msg.StreamUpdates(items=items):
                     applied += len(items)
                     for item in items:  # NOTE: once per token
                         self._add(item)
-                case RelayedUpdates(payload=payload):  # a worker's, passed on by the core as it was
+                case msg.RelayedUpdates(payload=payload):  # a worker's, passed on by the core as it was
                     items = pickle.loads(payload)
                     applied += len(items)
                     for item in items:  # NOTE: once per token
                         self._add(item)
-                case EndStream(handle=handle, update=update):
+                case msg.EndStream(handle=handle, update=update):
                     applied += 1
                     if (stream := self.streams.get(handle)) is not None:
                         stream.end(update)
-                case RefuseStream(handle=handle, error=error):
+                case msg.RefuseStream(handle=handle, error=error):
                     applied += 1
                     if (stream := self.streams.get(handle)) is not None and not stream.started:
                         stream.refuse(error)
-                case QueryDelivered(query_id=query_id, sequences=sequences):
+                case msg.QueryDelivered(query_id=query_id, sequences=sequences):
                     outputs = [self._delivered(*sequence) for sequence in sequences]
-                    self.pipe.send(DeliveredTokens(query_id, outputs))
-                case CallAnswer(call_id=call_id, answer=answer):
+                    self.pipe.send(msg.DeliveredTokens(query_id, outputs))
+                case msg.CallAnswer(call_id=call_id, answer=answer):
                     future = self._calls.pop(call_id, None)
                     if future is not None and not future.done():
                         future.set_result(answer)
-                case DrainApi():
-                    self.draining.set()
-                case ExitApi():
+                case msg.DrainApi():
+                    self.on_drain()
+                case msg.ExitApi():
                     self.gone.set()
                 case _:
                     unknown_message("an API server process", message)
         if applied:
-            self.pipe.send(UpdatesApplied(applied))
-
-    def _add(self, item: PackedUpdate) -> None:
-        handle = item[0]
-        stream = self.streams.get(handle)
-        if stream is not None:
-            update = SequenceUpdate._make(item[1:])
-            stop = stream.add(update)
-            if stop is not None:
-                self.pipe.send(StopStringFound(handle, update.choice, stop))
+            self.pipe.send(msg.UpdatesApplied(applied))
 
     def _delivered(self, handle: int, choice: int) -> list[int] | None:
         """A sequence's tokens as this process received them (its worker died: it resumes from
@@ -172,35 +143,14 @@ class CoreLink:
         stream = self.streams.get(handle)
         return None if stream is None else stream.sequences[choice].token_ids
 
-    def open(self, stream: RequestStream, params: SamplingParams, continuation: Continuation | None) -> int:
-        handle = next(self._handles)
-        self.streams[handle] = stream
-        self.pipe.send(SubmitStream(handle, stream.request_id, stream.prompt_token_ids, params, continuation))
-        return handle
-
-    def close(self, handle: int) -> None:
-        """The client's stream is over: the core aborts what is left of the request."""
-        stream = self.streams.pop(handle)
-        self.pipe.send(StreamClosed(handle, not stream.finished))
-        self.heap.work_ended()
-
-    async def call(self, method: str, request: Message) -> Any:
-        if self.gone.is_set():
-            raise RelayedError("UNAVAILABLE", "the scheduler is restarting; retry")
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = self.loop.create_future()
-        self._calls[call_id] = future
-        self.pipe.send(ForwardCall(call_id, method, request))
-        return await future
-
-
-class ApiFront:
-    """Requests over the core: checks and tokenizes here, streams what the core relays."""
-
-    def __init__(self, link: CoreLink, prompts: PromptProcessor, stream_interval: int) -> None:
-        self.link = link
-        self.prompts = prompts
-        self.stream_interval = stream_interval
+    def _add(self, item: msg.PackedUpdate) -> None:
+        handle = item[0]
+        stream = self.streams.get(handle)
+        if stream is not None:
+            update = SequenceUpdate._make(item[1:])
+            stop = stream.add(update)
+            if stop is not None:
+                self.pipe.send(msg.StopStringFound(handle, update.choice, stop))
 
     async def open(
         self,
@@ -211,7 +161,7 @@ class ApiFront:
         continuation: Continuation | None = None,
     ) -> OpenStream:
         prompts = self.prompts
-        with self.link.heap.working():
+        with self.heap.working():
             prompts.check_request(model, params)
             prompt_ids = await prompts.prompt_token_ids(prompt)
             prompts.check_lengths(prompt_ids, params)
@@ -219,31 +169,46 @@ class ApiFront:
                 request_id or new_request_id(), prompts.tokenizer, params, prompt_ids, self.stream_interval
             )
             resume_stream(stream, continuation, params, prompts.limits)
-            handle = self.link.open(stream, params, continuation)
-        return OpenStream(stream, lambda: self.link.close(handle))
+            handle = next(self._handles)
+            self.streams[handle] = stream
+            self.pipe.send(msg.SubmitStream(handle, stream.request_id, prompt_ids, params, continuation))
+        return OpenStream(stream, lambda: self.close(handle))
+
+    def close(self, handle: int) -> None:
+        """The client's stream is over: the core aborts what is left of the request."""
+        stream = self.streams.pop(handle)
+        self.pipe.send(msg.StreamClosed(handle, not stream.finished))
+        self.heap.work_ended()
+
+    async def call(self, method: str, request: Message) -> Any:
+        """The core's answer to a forwarded call: its response, or the status it ended with."""
+        if self.gone.is_set():
+            return msg.RelayedStatus("UNAVAILABLE", "the scheduler is restarting; retry")
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self.loop.create_future()
+        self._calls[call_id] = future
+        self.pipe.send(msg.ForwardCall(call_id, method, request))
+        return await future
 
 
 class ApiProcessServicer(PublicApiServicer):
     """Generate, Tokenize, Detokenize here; every other call answered by the core."""
 
-    def __init__(self, link: CoreLink, prompts: PromptProcessor, settings: ApiProcessSettings) -> None:
-        front = ApiFront(link, prompts, settings.stream_interval)
-        super().__init__(front, prompts, (settings.index, settings.count), settings.stream_stall_timeout_s)
+    def __init__(self, link: CoreLink, settings: ApiProcessSettings) -> None:
+        stall_timeout_s = settings.config.stream_stall_timeout_s
+        super().__init__(link, link.prompts, (settings.index, settings.count), stall_timeout_s)
         self.link = link
-
-    async def _forward(self, method: str, request: Message, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            answer = await self.link.call(method, request)
-        except RelayedError as exc:
-            answer = RelayedStatus(exc.code, exc.message)
-        if isinstance(answer, RelayedStatus):
-            await context.abort(grpc.StatusCode[answer.code], answer.details, answer.trailing_metadata)
-        return answer
+        link.on_drain = self.drain
 
 
 def _forwarding(method: str) -> Any:
+    """The servicer's ``method``: the core answers it, and its answer (or status) is replayed."""
+
     async def forward(self: ApiProcessServicer, request: Message, context: grpc.aio.ServicerContext) -> Any:
-        return await self._forward(method, request, context)
+        answer = await self.link.call(method, request)
+        if isinstance(answer, msg.RelayedStatus):
+            await context.abort(grpc.StatusCode[answer.code], answer.details, answer.trailing_metadata)
+        return answer
 
     forward.__name__ = method
     return forward
@@ -254,33 +219,19 @@ for _method in FORWARDED_CALLS:
 
 
 async def serve_api_process(conn: Connection, settings: ApiProcessSettings) -> None:
-    loop = asyncio.get_running_loop()
-    tokenizer = Tokenizer.from_pretrained(settings.model, chat_template=settings.chat_template)
-    prompts = PromptProcessor(tokenizer, settings.limits, settings.trust_request_chat_template)
+    config = settings.config
+    tokenizer = Tokenizer.from_pretrained(config.model, chat_template=config.chat_template)
+    prompts = PromptProcessor(tokenizer, settings.limits, config.trust_request_chat_template)
     prompts.start()
-    link = CoreLink(conn, loop)
-    servicer = ApiProcessServicer(link, prompts, settings)
-    interceptors = [AioTokenInterceptor(API_KEY, settings.api_key)] if settings.api_key else []
-    servers, port = await start_api_servers(
-        lambda server: pb_grpc.add_SchedulerServicer_to_server(servicer, server),
-        interceptors,
-        settings.host,
-        settings.port,
-        settings.tls,
-    )
-    link.start()
+    link = CoreLink(conn, asyncio.get_running_loop(), prompts, config.stream_interval)
+    servicer = ApiProcessServicer(link, settings)
+    servers, port = await serve_public_api(servicer, config, settings.host, settings.port)
+    link.pipe.start()
     await prompts.wait_started()  # NOTE: their imports would take the CPU of the first requests' steps
     settle_heap_for_serving()
-    link.pipe.send(ApiReady(port))
+    link.pipe.send(msg.ApiReady(port))
     log.info("api server process serving", index=settings.index, pid=os.getpid(), port=port)
-
-    async def drain_on_request() -> None:
-        await link.draining.wait()
-        servicer.drain()
-
-    drain = loop.create_task(drain_on_request())
     await link.gone.wait()
-    drain.cancel()
     await stop_api_servers(servers, STOP_GRACE_S)
     link.pipe.close()
     prompts.close()

@@ -13,7 +13,7 @@ import asyncio
 import atexit
 import itertools
 import multiprocessing
-from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -23,27 +23,8 @@ from google.protobuf.message import Message
 
 from npuserve.deploy.runtime.restart_policy import RestartHistory
 from npuserve.deploy.runtime.unknown_message import unknown_message
-from npuserve.scheduler.api.api_messages import (
-    ApiReady,
-    ApiToCore,
-    CallAnswer,
-    CoreToApi,
-    DeliveredTokens,
-    DrainApi,
-    EndStream,
-    ExitApi,
-    ForwardCall,
-    PackedUpdate,
-    QueryDelivered,
-    RefuseStream,
-    RelayedStatus,
-    RelayedUpdates,
-    StopStringFound,
-    StreamClosed,
-    StreamUpdates,
-    SubmitStream,
-    UpdatesApplied,
-)
+from npuserve.scheduler.api import api_messages as msg
+from npuserve.scheduler.api.api_messages import StreamUpdates  # NOTE: by name: looked up per token
 from npuserve.scheduler.api.api_process import ApiProcessSettings, run_api_process
 from npuserve.scheduler.api.api_status import relayed
 from npuserve.scheduler.core.request import Request, StreamRelay
@@ -54,6 +35,8 @@ from npuserve.scheduler.lanes.pipe_link import PipeLink, join_or_kill
 from npuserve.scheduler.lanes.step_frames import RelayedPack
 
 log = structlog.get_logger(__name__)
+
+CorePipe = PipeLink[msg.CoreToApi, msg.ApiToCore]  # the core's end of an API process's pipe
 
 START_TIMEOUT_S = 120.0
 # Items (a token each, or a `--stream-interval` group) relayed to one API process and not yet
@@ -77,10 +60,10 @@ class Relay:
     acknowledgements), so a slow API process slows the steps down instead of letting tokens pile
     up between the processes."""
 
-    def __init__(self, pipe: PipeLink[CoreToApi, ApiToCore], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pipe: CorePipe, loop: asyncio.AbstractEventLoop) -> None:
         self.pipe = pipe
         self.loop = loop
-        self.pending: list[CoreToApi] = []
+        self.pending: list[msg.CoreToApi] = []
         self.pending_count = 0
         self.unacked = 0
 
@@ -88,14 +71,14 @@ class Relay:
     def behind(self) -> bool:
         return self.unacked >= MAX_UNACKED_ITEMS
 
-    def put(self, message: CoreToApi, count: int = 1) -> None:
+    def put(self, message: msg.CoreToApi, count: int = 1) -> None:
         """``count``: the items ``message`` stands for (a worker's pack: `put_pack`)."""
         if not self.pending:
             self.loop.call_soon(self._flush)
         self.pending.append(message)
         self.pending_count += count
 
-    def put_update(self, item: PackedUpdate) -> None:
+    def put_update(self, item: msg.PackedUpdate) -> None:
         """One update of a stream: it joins the core's updates put just before it."""
         pending = self.pending
         if pending and isinstance(last := pending[-1], StreamUpdates):
@@ -106,7 +89,7 @@ class Relay:
 
     def put_pack(self, pack: RelayedPack) -> None:
         count, payload = pack
-        self.put(RelayedUpdates(payload), count)
+        self.put(msg.RelayedUpdates(payload), count)
 
     def _flush(self) -> None:
         items, self.pending = self.pending, []
@@ -131,21 +114,21 @@ class RelayedOutputs:
         return None  # NOTE: the API process finds stop strings and reports them (`stopped_by_string`)
 
     def end(self, update: SequenceUpdate) -> None:
-        self.relay.put(EndStream(self.handle, update))
+        self.relay.put(msg.EndStream(self.handle, update))
 
     def refuse(self, refusal: Exception) -> None:
-        self.relay.put(RefuseStream(self.handle, relayed(refusal)))
+        self.relay.put(msg.RefuseStream(self.handle, relayed(refusal)))
 
 
 class CallContext:
     """What a forwarded call sees as its gRPC context: an abort becomes a `RelayedStatus`."""
 
     class Aborted(Exception):
-        def __init__(self, status: RelayedStatus) -> None:
+        def __init__(self, status: msg.RelayedStatus) -> None:
             self.status = status
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        raise CallContext.Aborted(RelayedStatus(code.name, details, tuple(trailing_metadata or ())))
+        raise CallContext.Aborted(msg.RelayedStatus(code.name, details, tuple(trailing_metadata or ())))
 
 
 class ApiProcessHandle:
@@ -153,7 +136,7 @@ class ApiProcessHandle:
         self.index = index
         self.pool = pool
         self.process: BaseProcess | None = None
-        self.pipe: PipeLink[CoreToApi, ApiToCore] | None = None
+        self.pipe: CorePipe | None = None
         self.relay: Relay | None = None
         self.requests: dict[int, str] = {}  # stream handle -> request id
         self.incarnation = 0  # counts its starts: a stream handle means nothing in another one
@@ -168,7 +151,7 @@ class ApiProcessHandle:
         loop = self.pool.loop
         ctx = multiprocessing.get_context("spawn")
         core_end, api_end = ctx.Pipe(duplex=True)
-        settings = self.pool.settings_for(self.index, port)
+        settings = replace(self.pool.settings, index=self.index, port=port)
         # NOTE: not a daemon, so it can start its render processes; it exits once this end of
         # its pipe closes (the core stopped or died).
         process = ctx.Process(
@@ -176,7 +159,7 @@ class ApiProcessHandle:
         )
         process.start()
         api_end.close()
-        pipe: PipeLink[CoreToApi, ApiToCore] = PipeLink(
+        pipe: CorePipe = PipeLink(
             core_end, lambda batch: self._apply(pipe, batch), lambda: self._lost(pipe), loop
         )
         self.process, self.pipe, self.requests = process, pipe, {}
@@ -187,43 +170,43 @@ class ApiProcessHandle:
         log.info("api server process started", index=self.index, pid=process.pid)
         return self.ready
 
-    def send(self, message: CoreToApi) -> None:
+    def send(self, message: msg.CoreToApi) -> None:
         if self.pipe is not None:
             self.pipe.send(message)
 
-    def _apply(self, pipe: PipeLink[CoreToApi, ApiToCore], batch: list[ApiToCore]) -> None:
+    def _apply(self, pipe: CorePipe, batch: list[msg.ApiToCore]) -> None:
         if pipe is not self.pipe:
             return  # an earlier incarnation's
         engine = self.pool.engine
         for message in batch:
             match message:
-                case UpdatesApplied(count=count):
+                case msg.UpdatesApplied(count=count):
                     if self.relay is not None:
                         self.relay.acked(count)
                         self.pool.check_caught_up()
-                case SubmitStream():
+                case msg.SubmitStream():
                     self.requests[message.handle] = message.request_id
-                    self.pool.spawn(self._submit(message))
-                case StopStringFound(handle=handle, choice=choice, stop=stop):
+                    self.pool.background.spawn(self._submit(message))
+                case msg.StopStringFound(handle=handle, choice=choice, stop=stop):
                     if (request_id := self.requests.get(handle)) is not None:
                         engine.stopped_by_string(request_id, choice, stop)
-                case StreamClosed(handle=handle, aborted=aborted):
+                case msg.StreamClosed(handle=handle, aborted=aborted):
                     request_id = self.requests.pop(handle, None)
                     if request_id is not None and aborted:
                         engine.drop(request_id)
-                case ForwardCall(call_id=call_id, method=method, request=request):
-                    self.pool.spawn(self._call(pipe, call_id, method, request))
-                case DeliveredTokens(query_id=query_id, outputs=outputs):
+                case msg.ForwardCall():
+                    self.pool.background.spawn(self._call(pipe, message))
+                case msg.DeliveredTokens(query_id=query_id, outputs=outputs):
                     future = self._queries.pop(query_id, None)
                     if future is not None and not future.done():
                         future.set_result(outputs)
-                case ApiReady(port=port):
+                case msg.ApiReady(port=port):
                     if self.ready is not None and not self.ready.done():
                         self.ready.set_result(port)
                 case _:
                     unknown_message("the scheduler core", message)
 
-    async def _submit(self, submitted: SubmitStream) -> None:
+    async def _submit(self, submitted: msg.SubmitStream) -> None:
         relay = self.relay
         assert relay is not None
         handle, request_id = submitted.handle, submitted.request_id
@@ -253,7 +236,7 @@ class ApiProcessHandle:
         query_id = next(self._query_ids)
         future: asyncio.Future[list[list[int] | None]] = self.pool.loop.create_future()
         self._queries[query_id] = future
-        self.pipe.send(QueryDelivered(query_id, sequences))
+        self.pipe.send(msg.QueryDelivered(query_id, sequences))
         try:
             answer = await asyncio.wait_for(future, DELIVERED_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -261,21 +244,18 @@ class ApiProcessHandle:
             answer = []
         return answer if len(answer) == len(sequences) else [None] * len(sequences)
 
-    async def _call(
-        self, pipe: PipeLink[CoreToApi, ApiToCore], call_id: int, method: str, request: Message
-    ) -> None:
+    async def _call(self, pipe: CorePipe, call: msg.ForwardCall) -> None:
+        servicer_method = getattr(self.pool.servicer, call.method)
         try:
-            answer: Message | RelayedStatus = await getattr(self.pool.servicer, method)(
-                request, CallContext()
-            )
+            answer: Message | msg.RelayedStatus = await servicer_method(call.request, CallContext())
         except CallContext.Aborted as aborted:
             answer = aborted.status
         except Exception as exc:
-            log.exception("forwarded call failed", method=method)
-            answer = RelayedStatus("INTERNAL", str(exc))
-        pipe.send(CallAnswer(call_id, answer))
+            log.exception("forwarded call failed", method=call.method)
+            answer = msg.RelayedStatus("INTERNAL", str(exc))
+        pipe.send(msg.CallAnswer(call.call_id, answer))
 
-    def _lost(self, pipe: PipeLink[CoreToApi, ApiToCore]) -> None:
+    def _lost(self, pipe: CorePipe) -> None:
         if pipe is not self.pipe or self.closing:
             return
         self.pipe = None
@@ -292,11 +272,11 @@ class ApiProcessHandle:
         self.pool.check_caught_up()
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(RuntimeError(f"api server process {self.index} exited before serving"))
-        self.pool.spawn(self.pool.restart(self))
+        self.pool.background.spawn(self.pool.restart(self))
 
     def close(self) -> None:
         self.closing = True
-        self.send(ExitApi())
+        self.send(msg.ExitApi())
         if self.pipe is not None:
             self.pipe.close()
         join_or_kill(self.process, EXIT_TIMEOUT_S)
@@ -305,21 +285,16 @@ class ApiProcessHandle:
 class ApiProcessPool:
     """The N API server processes serving the public API for one engine (event loop thread)."""
 
-    def __init__(
-        self,
-        count: int,
-        engine: Engine,
-        servicer: Any,
-        settings_for: Callable[[int, int], ApiProcessSettings],
-    ) -> None:
-        if count < 1:
-            raise ValueError(f"an API process pool needs at least one process, got {count}")
+    def __init__(self, engine: Engine, servicer: Any, settings: ApiProcessSettings) -> None:
+        """``settings``: every process's (each with its own index and port)."""
+        if settings.count < 1:
+            raise ValueError(f"an API process pool needs at least one process, got {settings.count}")
         self.engine = engine
         self.servicer = servicer  # the core's own servicer answers the forwarded calls
-        self.settings_for = settings_for
-        self.processes = [ApiProcessHandle(i, self) for i in range(count)]
+        self.settings = settings
+        self.processes = [ApiProcessHandle(i, self) for i in range(settings.count)]
         self.port = 0
-        self._background = BackgroundTasks()
+        self.background = BackgroundTasks()  # restarts, submissions, forwarded calls
         self.loop = asyncio.get_event_loop()
         engine.stream_processes = self
         # NOTE: the processes are not daemons: if this one exits without `close` (a crash),
@@ -365,9 +340,6 @@ class ApiProcessPool:
         if not self.behind():
             self.engine.streams_caught_up()
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        self._background.spawn(work)
-
     async def start(self, port: int) -> int:
         """Starts every process; returns the port they share (the first binds ``port``, 0: any)."""
         self.loop = asyncio.get_running_loop()
@@ -394,7 +366,7 @@ class ApiProcessPool:
 
     def drain(self) -> None:
         for handle in self.processes:
-            handle.send(DrainApi())
+            handle.send(msg.DrainApi())
 
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(handle.close) for handle in self.processes))

@@ -11,11 +11,15 @@ where npuserve refuses load (RESOURCE_EXHAUSTED), not the transport.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from npuserve.proto import scheduler_pb2_grpc as pb_grpc
+from npuserve.proto.auth import API_KEY, AioTokenInterceptor
 from npuserve.proto.channel import API_SERVERS, MAX_API_MESSAGE_BYTES, bind_target, message_size_options
+from npuserve.scheduler.service_config import ServiceConfig
 
 MAX_PENDING_CALLS = 1 << 16  # calls gRPC may hold before the application takes them
 MAX_UNREQUESTED_S = 600  # and how long (the client's deadline still applies)
@@ -34,13 +38,12 @@ async def start_api_servers(
     host: str,
     port: int,
     tls: tuple[bytes, bytes] | None,
-    count: int = API_SERVERS,
 ) -> tuple[list[grpc.aio.Server], int]:
-    """`count` started servers of one servicer on ``host:port`` (0: a free port); returns them
+    """`API_SERVERS` started servers of one servicer on ``host:port`` (0: a free port); returns them
     and the bound port."""
     servers: list[grpc.aio.Server] = []
     bound = port
-    for _ in range(count):
+    for _ in range(API_SERVERS):
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         add_servicer(server)
         target = bind_target(host, bound)
@@ -51,6 +54,15 @@ async def start_api_servers(
         await server.start()
         servers.append(server)
     return servers, bound
+
+
+async def serve_public_api(
+    servicer: pb_grpc.SchedulerServicer, config: ServiceConfig, host: str, port: int
+) -> tuple[list[grpc.aio.Server], int]:
+    """`start_api_servers` of ``servicer``, behind the config's API key and TLS."""
+    interceptors = [AioTokenInterceptor(API_KEY, config.api_key)] if config.api_key else []
+    add = functools.partial(pb_grpc.add_SchedulerServicer_to_server, servicer)
+    return await start_api_servers(add, interceptors, host, port, config.tls)
 
 
 async def stop_api_servers(servers: Sequence[grpc.aio.Server], grace_s: float | None) -> None:

@@ -19,7 +19,7 @@ from npuserve.proto import scheduler_pb2_grpc as pb_grpc
 from npuserve.proto.api_spread import ApiServer, api_server_metadata
 from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
 from npuserve.scheduler.api import api_codec
-from npuserve.scheduler.api.api_status import ShuttingDown, abort_with, guard
+from npuserve.scheduler.api.api_status import ShuttingDown, abort_with, guarded
 from npuserve.scheduler.api.generate_many import GenerateManyCall
 from npuserve.scheduler.api.stall_watch import StreamStalled, WriteWatch
 from npuserve.scheduler.core.request import SamplingParams
@@ -117,29 +117,25 @@ class PublicApiServicer(pb_grpc.SchedulerServicer):
         finally:
             self._many_calls.discard(call)
 
+    @guarded
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        async def run() -> pb.TokenizeResponse:
-            prompts = self.prompts
-            prompts.check_model(request.model or None)
-            ids = await prompts.prompt_token_ids(api_codec.prompt_from_proto(request))
-            response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=prompts.max_model_len)
-            if request.return_token_strs:
-                tokenizer = prompts.tokenizer
-                response.token_strs.extend(
-                    await prompts.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids))
-                )
-            return response
+        prompts = self.prompts
+        prompts.check_model(request.model or None)
+        ids = await prompts.prompt_token_ids(api_codec.prompt_from_proto(request))
+        response = pb.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=prompts.limits.max_model_len
+        )
+        if request.return_token_strs:
+            tokenizer = prompts.tokenizer
+            response.token_strs.extend(await prompts.off_loop(lambda: tokenizer.convert_ids_to_tokens(ids)))
+        return response
 
-        return await guard(context, run)
-
+    @guarded
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
-        async def run() -> pb.DetokenizeResponse:
-            self.prompts.check_model(request.model or None)
-            text = await self.prompts.decode(list(request.token_ids), skip_special_tokens=False)
-            return pb.DetokenizeResponse(text=text)
-
-        return await guard(context, run)
+        self.prompts.check_model(request.model or None)
+        text = await self.prompts.decode(list(request.token_ids), skip_special_tokens=False)
+        return pb.DetokenizeResponse(text=text)

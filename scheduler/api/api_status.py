@@ -3,8 +3,9 @@ client error names, and errors carried between the scheduler's processes with th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
@@ -22,7 +23,7 @@ from npuserve.scheduler.text.tokenizer import TokenizerError
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
+Method = TypeVar("Method", bound=Callable[..., Awaitable[Any]])
 
 
 class ShuttingDown(RuntimeError):
@@ -71,9 +72,7 @@ def status_of(exc: Exception) -> grpc.StatusCode:
 
 def field_of(exc: Exception) -> str | None:
     """The request field a client error names (scheduler.proto lists the names), if any."""
-    if isinstance(exc, RelayedError):
-        return exc.field
-    return exc.field if isinstance(exc, (FieldValueError, TokenizerError)) else None
+    return exc.field if isinstance(exc, (RelayedError, FieldValueError, TokenizerError)) else None
 
 
 def relayed(exc: Exception) -> RelayedError:
@@ -99,9 +98,15 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         await context.abort(status.code, status.details, status.trailing_metadata)
 
 
-async def guard(context: grpc.aio.ServicerContext, run: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return await run()
-    except Exception as exc:
-        await abort_with(context, exc)
-        raise  # unreachable: abort raises
+def guarded(method: Method) -> Method:
+    """A unary call's servicer method whose errors end the call with their status (`abort_with`)."""
+
+    @functools.wraps(method)
+    async def guarded_method(self: object, request: object, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise  # unreachable: abort raises
+
+    return cast(Method, guarded_method)

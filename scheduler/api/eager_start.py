@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import types
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -38,17 +39,11 @@ def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     return context.run(asyncio.create_task, _go_on(coro, yielded))
 
 
-class _Wait:
+@types.coroutine
+def _wait(yielded: object) -> Generator[object, object, object]:
     """Awaited, it hands the task what the coroutine yielded (the future it waits for, or None
     for a bare turn of the loop) and gives back what the task sends on."""
-
-    __slots__ = ("yielded",)
-
-    def __init__(self, yielded: object) -> None:
-        self.yielded = yielded
-
-    def __await__(self) -> Generator[object, object, object]:
-        return (yield self.yielded)
+    return (yield yielded)
 
 
 async def _go_on(coro: Coroutine[Any, Any, None], yielded: object) -> None:
@@ -56,7 +51,7 @@ async def _go_on(coro: Coroutine[Any, Any, None], yielded: object) -> None:
     from its start: what the task sends (or throws: a cancellation) goes into ``coro``."""
     while True:
         try:
-            sent = await _Wait(yielded)
+            sent = await _wait(yielded)
         except BaseException as exc:  # NOTE: the task is cancelled: so is the coroutine's wait
             try:
                 yielded = coro.throw(exc)

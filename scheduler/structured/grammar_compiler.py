@@ -53,7 +53,7 @@ from npuserve.scheduler.text.sandbox_pool import SandboxPool
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GrammarCompiler", "GrammarSettings", "GrammarTimeout", "check_bounds"]
+__all__ = ["GrammarCompiler", "GrammarSettings", "check_bounds"]
 
 COMPILE_TIMEOUT_S = 5.0
 COMPILE_THREADS = 2
@@ -71,10 +71,6 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator"
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type": "object"}'
 _OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-
-
-class GrammarTimeout(InvalidRequestError):
-    """A constraint that did not compile within the time limit."""
 
 
 def check_bounds(constraint: StructuredOutputs, max_rules: int = MAX_GRAMMAR_RULES) -> None:
@@ -109,7 +105,6 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: Iterable[int],
         timeout_s: float = COMPILE_TIMEOUT_S,
-        cache_size: int = CACHE_SIZE,
         max_rules: int = MAX_GRAMMAR_RULES,
     ) -> None:
         self._tokenizer_json = tokenizer_json
@@ -122,12 +117,10 @@ class GrammarCompiler:
         )
         self._started = False
         self._cache: OrderedDict[tuple[object, ...], Grammar | InvalidRequestError] = OrderedDict()
-        self._cache_size = cache_size
         self._inflight: dict[tuple[object, ...], asyncio.Future[Grammar]] = {}
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="npuserve-grammar")
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._tokenizer_lock = threading.Lock()
-        self._vocab: ByteVocab | None = None
+        self._vocab: tuple[llguidance.LLTokenizer, ByteVocab] | None = None  # `_grammar_vocab`
+        self._vocab_lock = threading.Lock()
         self.live = LiveCount()
         self.hits = 0
         self.misses = 0
@@ -209,7 +202,7 @@ class GrammarCompiler:
         """Caches a compile's outcome as the newest entry, dropping the oldest beyond the size."""
         self._cache[key] = value
         self._cache.move_to_end(key)
-        while len(self._cache) > self._cache_size:
+        while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
 
     def compile_now(self, constraint: StructuredOutputs) -> Grammar:
@@ -220,13 +213,13 @@ class GrammarCompiler:
             max_lexer_states=_MAX_LEXER_STATES,
             initial_lexer_fuel=_INITIAL_LEXER_FUEL,
         )
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0, limits=limits)
+        tokenizer, vocab = self._grammar_vocab()
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
         if matcher.is_error():
             raise InvalidRequestError(
                 f"structured_outputs: the {constraint.kind} constraint is invalid: {matcher.get_error()}",
                 FIELD,
             )
-        vocab = self._byte_vocab()
         bounds = ClosingBounds.of(matcher, vocab)
         grammar = Grammar(constraint, matcher, self.vocab_size, self.live, vocab, bounds)
         probe = grammar.new_state()  # NOTE: a constraint no token can start is refused up front
@@ -236,22 +229,16 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{error}: no token of this model can start it", FIELD)
         return grammar
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._tokenizer_lock:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    grammar_tokenizer_json(self._tokenizer_json),
-                    n_vocab=self.vocab_size,
-                    eos_token=self._eos,
-                )
-            return self._tokenizer
-
-    def _byte_vocab(self) -> ByteVocab:
-        tokenizer = self._llg_tokenizer()
-        with self._tokenizer_lock:
+    def _grammar_vocab(self) -> tuple[llguidance.LLTokenizer, ByteVocab]:
+        """The grammar engine's tokenizer and the bytes of its tokens, built on first use."""
+        with self._vocab_lock:
             if self._vocab is None:
+                tokenizer_json = grammar_tokenizer_json(self._tokenizer_json)
+                tokenizer = llguidance.LLTokenizer(
+                    tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
+                )
                 words = bitmask_words(self.vocab_size)
-                self._vocab = ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos), words)
+                self._vocab = tokenizer, ByteVocab.of(tokenizer, self.vocab_size, tuple(self._eos), words)
             return self._vocab
 
 
@@ -259,7 +246,7 @@ def grammar_worker(settings: GrammarSettings) -> Callable[[StructuredOutputs], J
     """A grammar worker's job handler (`sandbox_pool`): compiles a constraint, answers whether
     it compiled. The worker builds the grammar tokenizer once, here."""
     compiler = GrammarCompiler(*settings)
-    compiler._byte_vocab()
+    compiler._grammar_vocab()
 
     def vet(constraint: StructuredOutputs) -> JobAnswer:
         try:
@@ -285,7 +272,7 @@ def _refusal(constraint: StructuredOutputs, outcome: Outcome, timeout_s: float) 
         case JobRefused(message=message, field=field):
             return InvalidRequestError(message, field or FIELD)
         case JobTimedOut():
-            return GrammarTimeout(
+            return InvalidRequestError(
                 f"structured_outputs: the {kind} constraint did not compile within {timeout_s:g} s; simplify it",
                 FIELD,
             )

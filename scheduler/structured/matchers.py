@@ -91,10 +91,6 @@ class GrammarState:
         grammar.live.add(1)
         _fill_masks([self])
 
-    @property
-    def released(self) -> bool:
-        return self.matcher is None
-
     def release(self) -> None:
         """Drops the matcher (idempotent): the request has finished."""
         if self.matcher is not None:

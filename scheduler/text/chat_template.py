@@ -10,7 +10,6 @@ running renders in worker processes (`sandbox_pool`, with `render_worker` as the
 from __future__ import annotations
 
 import json
-import operator
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -120,18 +119,14 @@ def _collect(chunks: Any, job: ChatRender) -> str:
     return "".join(parts)
 
 
-def _size_limit() -> int | None:
-    limits = _limits.get()
-    return None if limits is None else limits.max_chars
-
-
 class _LimitedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, refusing `*` and `**` results larger than the render's limit."""
 
     intercepted_binops = frozenset({"*", "**"})
 
     def call_binop(self, context: jinja2.runtime.Context, op: str, left: Any, right: Any) -> Any:
-        limit = _size_limit()
+        limits = _limits.get()
+        limit = None if limits is None else limits.max_chars
         if op == "*" and limit is not None:
             for seq, times in ((left, right), (right, left)):
                 size = (
@@ -142,7 +137,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         is_power = op == "**" and isinstance(left, int) and isinstance(right, int)
         if is_power and abs(left) > 1 and right > MAX_POWER_EXPONENT:
             raise SecurityError(f"exponents above {MAX_POWER_EXPONENT} are not allowed")
-        return {"*": operator.mul, "**": operator.pow}[op](left, right)
+        return super().call_binop(context, op, left, right)
 
 
 def _raise_exception(message: str) -> None:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from npuserve.scheduler.text.stream_pieces import StreamPieces
+from npuserve.scheduler.text.stream_pieces import REPLACEMENT_CHAR, StreamPieces
 from npuserve.scheduler.text.tokenizer import Tokenizer
 
-REPLACEMENT_CHAR = "\ufffd"
 # Prompt ids decoded before the first generated token so its leading space comes out right.
 INITIAL_CONTEXT_TOKENS = 6
 # The longest UTF-8 character is 4 bytes: a prompt ending mid-character holds at most 3 of them.
@@ -92,23 +91,14 @@ class IncrementalDetokenizer:
         self._run: bytearray | None = None
         self._run_exact = False
         self._run_valid = False  # the run is a valid start of UTF-8 text: it may still decode
-        self._stop_str: str | None = None
-        self._finished = False
+        self.stop_str: str | None = None  # the stop string that ended the output, once found
+        # True after a stop string was found or `flush` was called; later updates add nothing.
+        self.finished = False
         self._prime(prompt_token_ids)
-
-    @property
-    def stop_str(self) -> str | None:
-        """The stop string that ended the output, once found."""
-        return self._stop_str
-
-    @property
-    def finished(self) -> bool:
-        """True after a stop string was found or `flush` was called; later updates add nothing."""
-        return self._finished
 
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Adds generated ids; returns the text that may be streamed now."""
-        if self._finished:
+        if self.finished:
             return NO_UPDATE
         if self.stop:
             for i, token_id in enumerate(new_token_ids):
@@ -120,14 +110,16 @@ class IncrementalDetokenizer:
         else:
             text = self._next_texts(new_token_ids)
         if self._prefix_offset >= COMPACT_AFTER_TOKENS:
-            self._compact()
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
         return DetokenizerUpdate(text, None, len(new_token_ids))
 
     def flush(self) -> str:
         """Ends the output (eos, length limit, abort) and returns every character still held back."""
-        if self._finished:
+        if self.finished:
             return ""
-        self._finished = True
+        self.finished = True
         # NOTE: with every id emitted the window's text is the emitted text: nothing to add.
         unread = self._read_offset < len(self._ids)
         stopped = unread and self._add_text(self._decode_step(force=True))
@@ -302,11 +294,6 @@ class IncrementalDetokenizer:
             self._steady = _ends_whole(prefix_text)
         return delta
 
-    def _compact(self) -> None:
-        del self._ids[: self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
-
     # -- stop strings -------------------------------------------------------------------------
 
     def _add_text(self, delta: str) -> bool:
@@ -326,12 +313,12 @@ class IncrementalDetokenizer:
             return False
         end = index + len(stop_str) if self.include_stop_str_in_output else index
         self._pending = pending[:end]
-        self._stop_str = stop_str
+        self.stop_str = stop_str
         return True
 
     def _stopped(self, num_tokens_kept: int) -> DetokenizerUpdate:
-        self._finished = True
-        return DetokenizerUpdate(self._release(0), self._stop_str, num_tokens_kept)
+        self.finished = True
+        return DetokenizerUpdate(self._release(0), self.stop_str, num_tokens_kept)
 
     def _release(self, keep: int) -> str:
         """Takes the unsent text except its last `keep` characters."""

@@ -39,12 +39,10 @@ class PromptSizeBound:
     chars_per_token: int
     uncounted: str = ""
 
-    def counted_chars(self, text: str) -> int:
-        return len(text) - sum(text.count(c) for c in self.uncounted)
-
     def min_tokens(self, text: str) -> int:
         """The fewest tokens `text` encodes to (special tokens aside)."""
-        return math.ceil(self.counted_chars(text) / self.chars_per_token)
+        counted = len(text) - sum(text.count(c) for c in self.uncounted)
+        return math.ceil(counted / self.chars_per_token)
 
     def max_counted_chars(self, max_tokens: int) -> int:
         """The most counted characters a text of at most `max_tokens` tokens can hold."""

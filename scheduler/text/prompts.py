@@ -74,12 +74,8 @@ class PromptProcessor:
             else None
         )
 
-    @property
-    def max_model_len(self) -> int:
-        return self.limits.max_model_len
-
     def start(self) -> None:
-        if self.tokenizer.has_chat_template:
+        if self.tokenizer.chat_template is not None:
             self._model_renders.start()
         if self._request_renders is not None:
             self._request_renders.start()
@@ -175,11 +171,8 @@ class PromptProcessor:
                 )
             pool = self._request_renders
         bound = self.tokenizer.size_bound
-        limits = RenderLimits(
-            max_chars=MAX_RENDERED_CHARS,
-            max_counted_chars=None if bound is None else bound.max_counted_chars(self.max_model_len - 1),
-            uncounted="" if bound is None else bound.uncounted,
-        )
+        max_counted = None if bound is None else bound.max_counted_chars(self.limits.max_model_len - 1)
+        limits = RenderLimits(MAX_RENDERED_CHARS, max_counted, "" if bound is None else bound.uncounted)
         job = self.tokenizer.chat_render(
             prompt.messages, prompt.add_generation_prompt, prompt.chat_template, limits, prompt.tools
         )

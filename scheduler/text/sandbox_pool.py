@@ -75,14 +75,11 @@ def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str,
 
 
 def _limit_address_space(memory_bytes: int) -> None:
-    status = Path("/proc/self/status")
-    if not status.is_file():
+    statm = Path("/proc/self/statm")  # its first field: the address space's size, in pages
+    if not statm.is_file():
         return
-    size_kb = next(
-        int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmSize:")
-    )
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    soft = size_kb * 1024 + memory_bytes
+    soft = int(statm.read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
     resource.setrlimit(
         resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
     )
@@ -154,8 +151,7 @@ class SandboxPool:
         self._background = BackgroundTasks()
         self._closed = False
         self._start_error: str | None = None  # why the last worker to start failed, until one starts
-        self._first_starts_left = size  # workers whose first start has not succeeded or failed yet
-        self._first_starts_done: asyncio.Event | None = None  # from `start` on
+        self._first_tries: list[asyncio.Future[None]] = []  # done once `start`'s workers tried once
 
     @property
     def worker_pids(self) -> set[int]:
@@ -165,17 +161,14 @@ class SandboxPool:
     def start(self) -> None:
         """Starts the workers in the background (a spawned interpreter takes a moment)."""
         self._idle = asyncio.Queue()
-        self._first_starts_done = asyncio.Event()
-        for _ in range(self.size):
-            self._background.spawn(self._add_worker(first=True))
-        if not self.size:
-            self._first_starts_done.set()
+        self._first_tries = [asyncio.get_running_loop().create_future() for _ in range(self.size)]
+        for first_try in self._first_tries:
+            self._background.spawn(self._add_worker(first_try))
 
     async def wait_started(self) -> None:
         """Returns once each of `start`'s workers has started, or failed to (and is retried);
         at once for a pool that was not started."""
-        if self._first_starts_done is not None:
-            await self._first_starts_done.wait()
+        await asyncio.gather(*self._first_tries)
 
     def close(self) -> None:
         """Kills the workers (a worker still starting is killed once it has started)."""
@@ -187,13 +180,6 @@ class SandboxPool:
     async def run(self, job: object) -> Outcome:
         """The job's outcome (see the module's doc); SandboxUnavailable while no worker runs and
         none can start."""
-        worker = await self._free_worker()
-        # NOTE: the call runs to its end even when its caller is cancelled meanwhile: the worker
-        # must finish (or be killed) before another job may use it.
-        return await asyncio.shield(self._call(worker, job))
-
-    async def _free_worker(self) -> _Worker:
-        """The next free worker; SandboxUnavailable while none runs and none can start."""
         assert self._idle is not None, "SandboxPool.start() was not called"
         while True:
             if self._idle.empty() and not self._workers and self._start_error is not None:
@@ -201,9 +187,13 @@ class SandboxPool:
                     f"no {self.role} worker can start ({self._start_error}); retry later"
                 )
             try:
-                return await asyncio.wait_for(self._idle.get(), WORKER_START_RETRY_S)
+                worker = await asyncio.wait_for(self._idle.get(), WORKER_START_RETRY_S)
+                break
             except asyncio.TimeoutError:  # NOTE: not the builtin before Python 3.11
                 continue  # NOTE: a timed-out `get` took no worker (it takes one only once woken)
+        # NOTE: the call runs to its end even when its caller is cancelled meanwhile: the worker
+        # must finish (or be killed) before another job may use it.
+        return await asyncio.shield(self._call(worker, job))
 
     async def _call(self, worker: _Worker, job: object) -> Outcome:
         outcome = await asyncio.to_thread(worker.call, job, self.timeout_s)
@@ -217,30 +207,24 @@ class SandboxPool:
             self._release(worker)
         return outcome
 
-    async def _add_worker(self, first: bool = False) -> None:
+    async def _add_worker(self, first_try: asyncio.Future[None] | None = None) -> None:
+        """Starts a worker, trying until one starts; ``first_try`` is done once the first try ended."""
         while not self._closed:
             try:
                 worker = await asyncio.to_thread(_Worker, self.setup, self.role, self.memory_bytes)
             except (RuntimeError, OSError) as exc:
                 log.error("a worker did not start; retrying", role=self.role, pool=self.name, error=str(exc))
                 self._start_error = str(exc)
-                if first:
-                    self._first_start_ended()
-                    first = False
+                if first_try is not None and not first_try.done():
+                    first_try.set_result(None)
                 await asyncio.sleep(WORKER_START_RETRY_S)
                 continue
             self._start_error = None
             self._workers.add(worker)
             self._release(worker)
-            if first:
-                self._first_start_ended()
-            return
-
-    def _first_start_ended(self) -> None:
-        """One of `start`'s workers started, or failed its first try."""
-        self._first_starts_left -= 1
-        if not self._first_starts_left and self._first_starts_done is not None:
-            self._first_starts_done.set()
+            break
+        if first_try is not None and not first_try.done():
+            first_try.set_result(None)
 
     def _release(self, worker: _Worker) -> None:
         if self._closed:

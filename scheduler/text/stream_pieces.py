@@ -22,8 +22,10 @@ text, or into one U+FFFD per byte when the run is not valid UTF-8.
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
 
 # (piece: the text the token adds after non-empty text, alone: decode([token]), which never ends
 # in U+FFFD)
@@ -48,8 +50,7 @@ def has_fixed_pieces(decoder: dict[str, Any] | None) -> bool:
         if kind in ("Fuse", "ByteLevel") and not joined:
             joined = True
         elif kind == "Replace":
-            pattern = step.get("pattern") or {}
-            if joined and len(pattern.get("String") or "") != 1:
+            if joined and len(_pattern(step) or "") != 1:
                 return False
         elif kind == "Strip":
             if joined and step.get("stop") != 0:
@@ -112,30 +113,33 @@ class StreamPieces(dict[int, "StreamPiece | int | None"]):
     Shared by every request of a process: a lookup is one dict access.
     """
 
-    def __init__(
-        self,
-        decode: Callable[[list[int]], str],
-        token_of: Callable[[int], str | None],
-        added_ids: set[int],
-        anchor: int,
-        known_bytes: bool = False,
-        id_of: Callable[[str], int | None] | None = None,
-    ) -> None:
+    def __init__(self, backend: BackendTokenizer, anchor: int, known_bytes: bool) -> None:
         super().__init__()
-        self._decode = decode
-        self._token_of = token_of
-        self._added_ids = added_ids
+        self._decode = backend.decode
+        self._token_of = backend.id_to_token
+        self._added_ids = set(backend.get_added_tokens_decoder())
         self._anchor = anchor
-        self._anchor_text = decode([anchor])
+        self._anchor_text = backend.decode([anchor])
         self._known_bytes = known_bytes
         # With `known_bytes`: the ids of the ASCII byte tokens ('<0x41>'), whose pieces are plain
         # text but whose bytes join a run of byte tokens around them. Empty otherwise.
         self.ascii_bytes: dict[int, int] = {}
-        if known_bytes and id_of is not None:
+        if known_bytes:
             for value in range(0x80):
-                token_id = id_of(f"<0x{value:02X}>")
-                if token_id is not None and byte_value(token_of(token_id) or "") == value:
+                token_id = backend.token_to_id(f"<0x{value:02X}>")
+                if token_id is not None and byte_value(backend.id_to_token(token_id) or "") == value:
                     self.ascii_bytes[token_id] = value
+
+    @classmethod
+    def of(cls, backend: BackendTokenizer, decoder: dict[str, Any] | None) -> StreamPieces | None:
+        """The pieces of a tokenizer whose `decoder` (tokenizer.json's) gives them fixed ones; None
+        for any other."""
+        if not has_fixed_pieces(decoder):
+            return None
+        anchor = backend.encode("a", add_special_tokens=False).ids[-1:]
+        if not anchor or not backend.decode(anchor):
+            return None
+        return cls(backend, anchor[0], has_known_bytes(decoder))
 
     def __missing__(self, token_id: int) -> StreamPiece | int | None:
         piece = self._piece(token_id)

@@ -18,11 +18,11 @@ from typing import Any
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from npuserve.scheduler.text.chat_template import ChatRender, ChatTemplateError, RenderLimits, render
+from npuserve.scheduler.text.chat_template import ChatRender, RenderLimits
 from npuserve.scheduler.text.prompt_bound import PromptSizeBound, prompt_size_bound
-from npuserve.scheduler.text.stream_pieces import StreamPieces, has_fixed_pieces, has_known_bytes
+from npuserve.scheduler.text.stream_pieces import StreamPieces
 
-# The named special tokens, in the order transformers lists them in `all_special_ids`.
+# The named special tokens, in transformers' order.
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -57,7 +57,6 @@ class Tokenizer:
         *,
         name: str,
         special_tokens: dict[str, str],
-        extra_special_tokens: Sequence[str] = (),
         generation_eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
         clean_up_tokenization_spaces: bool = False,
@@ -65,7 +64,6 @@ class Tokenizer:
         self._backend = backend
         self.name = name
         self.special_tokens = dict(special_tokens)
-        self._extra_special_tokens = tuple(extra_special_tokens)
         self._generation_eos_ids = tuple(generation_eos_ids)
         self.chat_template = chat_template
         # NOTE: like transformers 5, the cleanup (" ." -> ".") is never applied to BPE models:
@@ -75,8 +73,11 @@ class Tokenizer:
         data = json.loads(backend.to_str())
         # None: this tokenizer may turn any length of text into one token (see prompt_bound).
         self.size_bound: PromptSizeBound | None = prompt_size_bound(data)
-        # None: a token's text in a stream is known only by decoding it in context.
-        self.stream_pieces: StreamPieces | None = self._stream_pieces(data.get("decoder"))
+        # None: a token's text in a stream is known only by decoding it in context (always so
+        # with the cleanup, " ." -> ".", which reaches across tokens).
+        self.stream_pieces: StreamPieces | None = (
+            None if self._clean_up else StreamPieces.of(backend, data.get("decoder"))
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -100,7 +101,6 @@ class Tokenizer:
             raise TokenizerError(f"{tokenizer_file} cannot be read ({exc}); re-download it") from exc
         config = _read_json(model_dir / "tokenizer_config.json")
         special_tokens = _special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
-        extra = [t for t in map(_token_content, config.get("additional_special_tokens") or []) if t]
         generation = _read_json(model_dir / "generation_config.json")
         _ensure_post_processor(backend, config, special_tokens)
         template = (
@@ -112,7 +112,6 @@ class Tokenizer:
             backend,
             name=str(model_dir),
             special_tokens=special_tokens,
-            extra_special_tokens=extra,
             generation_eos_ids=_as_id_list(generation.get("eos_token_id")),
             chat_template=template,
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
@@ -144,22 +143,6 @@ class Tokenizer:
             text = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 
-    def _stream_pieces(self, decoder: dict[str, Any] | None) -> StreamPieces | None:
-        if self._clean_up or not has_fixed_pieces(decoder):
-            return None  # NOTE: the cleanup (" ." -> ".") reaches across tokens
-        anchor = self._backend.encode("a", add_special_tokens=False).ids[-1:]
-        if not anchor or not self._backend.decode(anchor):
-            return None
-        added = set(self._backend.get_added_tokens_decoder())
-        return StreamPieces(
-            self._backend.decode,
-            self._backend.id_to_token,
-            added,
-            anchor[0],
-            has_known_bytes(decoder),
-            self._backend.token_to_id,
-        )
-
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings of `ids` (e.g. '▁the', '<0xE4>')."""
         tokens = []
@@ -180,13 +163,10 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def bos_token_id(self) -> int | None:
-        return self._token_id(self.special_tokens.get("bos_token"))
-
-    @property
     def eos_token_id(self) -> int | None:
         """The tokenizer's eos id, else the first eos id of generation_config.json."""
-        eos = self._token_id(self.special_tokens.get("eos_token"))
+        token = self.special_tokens.get("eos_token")
+        eos = None if token is None else self._backend.token_to_id(token)
         if eos is None and self._generation_eos_ids:
             return self._generation_eos_ids[0]
         return eos
@@ -197,39 +177,7 @@ class Tokenizer:
         ids = [] if self.eos_token_id is None else [self.eos_token_id]
         return tuple(dict.fromkeys([*ids, *self._generation_eos_ids]))
 
-    @property
-    def all_special_ids(self) -> list[int]:
-        """Ids of the named special tokens, the additional ones, then every added token marked special."""
-        names = [*self.special_tokens.values(), *self._extra_special_tokens]
-        ids = [self._token_id(name) for name in names]
-        added = self._backend.get_added_tokens_decoder()
-        ids += [i for i, token in sorted(added.items()) if token.special]
-        return list(dict.fromkeys(i for i in ids if i is not None))
-
-    def _token_id(self, token: str | None) -> int | None:
-        return None if token is None else self._backend.token_to_id(token)
-
     # -- chat -----------------------------------------------------------------------------------
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self.chat_template is not None
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
-        limits: RenderLimits | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        """Renders `messages` into a prompt string with the model's (or the given) chat template,
-        in this process (the scheduler renders in worker processes: `sandbox_pool`)."""
-        job = self.chat_render(messages, add_generation_prompt, chat_template, limits, tools)
-        try:
-            return render(job)
-        except ChatTemplateError as exc:
-            raise TokenizerError(str(exc), exc.field) from exc
 
     def chat_render(
         self,
@@ -317,22 +265,21 @@ def _ensure_post_processor(
         return
     wanted = {"bos_token": config.get("add_bos_token"), "eos_token": config.get("add_eos_token")}
     present = {
-        name: (special[name], backend.token_to_id(special[name]))
+        name: special[name]
         for name, flag in wanted.items()
         if flag and name in special and backend.token_to_id(special[name]) is not None
     }
     if not present:
         return
 
-    def template(sequence: str, type_id: int) -> list[str]:
-        bos = [f"{present['bos_token'][0]}:{type_id}"] if "bos_token" in present else []
-        eos = [f"{present['eos_token'][0]}:{type_id}"] if "eos_token" in present else []
-        return [*bos, f"{sequence}:{type_id}", *eos]
+    def template(sequence: str, type_id: int) -> str:
+        pieces = (present.get("bos_token"), sequence, present.get("eos_token"))
+        return " ".join(f"{piece}:{type_id}" for piece in pieces if piece is not None)
 
     backend.post_processor = processors.TemplateProcessing(
-        single=" ".join(template("$A", 0)),
-        pair=" ".join(template("$A", 0) + template("$B", 1)),
-        special_tokens=list(present.values()),
+        single=template("$A", 0),
+        pair=f"{template('$A', 0)} {template('$B', 1)}",
+        special_tokens=[(token, backend.token_to_id(token)) for token in present.values()],
     )
 
 

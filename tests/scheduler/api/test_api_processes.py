@@ -140,7 +140,7 @@ def test_a_message_of_no_class_a_side_handles_is_refused_by_name() -> None:
     ours, theirs = multiprocessing.Pipe()
     loop = asyncio.new_event_loop()
     try:
-        link = CoreLink(ours, loop)
+        link = CoreLink(ours, loop, None, 1)  # type: ignore[arg-type]
         with pytest.raises(
             UnknownMessage, match=r"an API server process has no handler for tuple: \('drain',\)"
         ):

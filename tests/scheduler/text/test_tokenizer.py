@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from npuserve.scheduler.text.chat_template import ChatTemplateError, render
 from npuserve.scheduler.text.tokenizer import Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
@@ -126,7 +127,7 @@ def test_encode_matches_transformers(tok: Tokenizer, hf: Any, add_special_tokens
 
 
 def test_encode_adds_bos_once(tok: Tokenizer) -> None:
-    assert tok.encode("Hello")[0] == tok.bos_token_id == 1
+    assert tok.encode("Hello")[0] == 1  # <s>
     assert tok.encode("Hello", add_special_tokens=False)[0] != 1
     assert tok.encode("") == [1]
 
@@ -156,8 +157,7 @@ def test_decode_skips_special_tokens_by_default(tok: Tokenizer) -> None:
 
 def test_vocabulary_facts_match_transformers(tok: Tokenizer, hf: Any) -> None:
     assert tok.vocab_size == len(hf) == 512
-    assert (tok.bos_token_id, tok.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
-    assert sorted(tok.all_special_ids) == sorted(hf.all_special_ids) == [0, 1, 2]
+    assert tok.eos_token_id == hf.eos_token_id == 2
     assert tok.eos_token_ids == (2,)
     ids = list(range(0, 512, 7))
     assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
@@ -248,9 +248,9 @@ def test_chat_template_matches_transformers(
         [*MESSAGES, {"role": "tool", "content": "ignored"}] if template == MULTILINE_TEMPLATE else MESSAGES
     )
     expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert tok.has_chat_template
-    assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
-    assert tok.apply_chat_template(messages[1:2]) == hf.apply_chat_template(
+    assert tok.chat_template is not None
+    assert render(tok.chat_render(messages, add_generation_prompt=add_generation_prompt)) == expected
+    assert render(tok.chat_render(messages[1:2])) == hf.apply_chat_template(
         messages[1:2], tokenize=False, add_generation_prompt=True
     )
 
@@ -260,12 +260,12 @@ def test_demo_model_template_writes_one_story(tok: Tokenizer, hf: Any, add_gener
     """The bundled stories260K template (chat_template.jinja): user and assistant turns joined into
     one story, system messages left out; transformers renders it the same."""
     story = "<s>Tell me a story about Lily 😀. Once upon a time, 中文 Lily found a ball. And then?"
-    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)
+    rendered = render(tok.chat_render(MESSAGES, add_generation_prompt=add_generation_prompt))
     assert rendered == story
     assert rendered == hf.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-    once = tok.apply_chat_template([{"role": "user", "content": "Once upon a time"}])
+    once = render(tok.chat_render([{"role": "user", "content": "Once upon a time"}]))
     assert (
         tok.encode(once, add_special_tokens=False)
         == tok.encode("Once upon a time")
@@ -279,7 +279,7 @@ def test_list_form_template_takes_default(stories_dir: Path, tmp_path: Path) -> 
         {"name": "default", "template": CHATML_TEMPLATE},
     ]
     tok = Tokenizer.from_pretrained(make_model_dir(stories_dir, tmp_path / "m", chat_template=templates))
-    assert tok.apply_chat_template(MESSAGES[1:2]) == (
+    assert render(tok.chat_render(MESSAGES[1:2])) == (
         "<|im_start|>user\nTell me a story about Lily 😀.<|im_end|>\n<|im_start|>assistant\n"
     )
 
@@ -289,7 +289,7 @@ def test_jinja_file_template_wins_over_config(stories_dir: Path, tmp_path: Path)
     (model_dir / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     tok = Tokenizer.from_pretrained(model_dir)
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)
-    assert tok.apply_chat_template(MESSAGES) == hf.apply_chat_template(
+    assert render(tok.chat_render(MESSAGES)) == hf.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True
     )
 
@@ -301,16 +301,16 @@ def test_override_template_string_and_file(stories_dir: Path, tmp_path: Path) ->
     messages = MESSAGES[1:2]
     llama2 = "<s>[INST] Tell me a story about Lily 😀. [/INST]"
     assert (
-        Tokenizer.from_pretrained(model_dir, chat_template=LLAMA2_TEMPLATE).apply_chat_template(messages)
+        render(Tokenizer.from_pretrained(model_dir, chat_template=LLAMA2_TEMPLATE).chat_render(messages))
         == llama2
     )
     assert (
-        Tokenizer.from_pretrained(model_dir, chat_template=str(template_file)).apply_chat_template(messages)
+        render(Tokenizer.from_pretrained(model_dir, chat_template=str(template_file)).chat_render(messages))
         == llama2
     )
     tok = Tokenizer.from_pretrained(model_dir)
-    assert tok.apply_chat_template(messages, chat_template=LLAMA2_TEMPLATE) == llama2
-    assert tok.apply_chat_template(messages).startswith("<|im_start|>user")
+    assert render(tok.chat_render(messages, chat_template=LLAMA2_TEMPLATE)) == llama2
+    assert render(tok.chat_render(messages)).startswith("<|im_start|>user")
 
 
 def test_request_template_is_never_read_as_a_file(stories_dir: Path, tmp_path: Path) -> None:
@@ -320,7 +320,7 @@ def test_request_template_is_never_read_as_a_file(stories_dir: Path, tmp_path: P
     tok = Tokenizer.from_pretrained(
         make_model_dir(stories_dir, tmp_path / "m", chat_template=CHATML_TEMPLATE)
     )
-    rendered = tok.apply_chat_template(MESSAGES[1:2], chat_template=str(secret))
+    rendered = render(tok.chat_render(MESSAGES[1:2], chat_template=str(secret)))
     assert "top secret" not in rendered and rendered == str(secret)
 
 
@@ -328,8 +328,8 @@ def test_override_gives_a_template_to_a_model_without_one(stories_dir: Path, tmp
     tok = Tokenizer.from_pretrained(
         make_model_dir(stories_dir, tmp_path / "m"), chat_template=CHATML_TEMPLATE
     )
-    assert tok.has_chat_template
-    prompt = tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=False)
+    assert tok.chat_template is not None
+    prompt = render(tok.chat_render(MESSAGES[1:2], add_generation_prompt=False))
     assert prompt == "<|im_start|>user\nTell me a story about Lily 😀.<|im_end|>\n"
 
 
@@ -338,7 +338,7 @@ def test_text_parts_are_joined(stories_dir: Path) -> None:
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     messages = [{"role": "user", "content": parts, "name": "lily"}]
     assert (
-        tok.apply_chat_template(messages)
+        render(tok.chat_render(messages))
         == "<|im_start|>user\nfirst\nsecond<|im_end|>\n<|im_start|>assistant\n"
     )
     assert messages[0]["content"] is parts  # the caller's messages are left alone
@@ -346,7 +346,7 @@ def test_text_parts_are_joined(stories_dir: Path) -> None:
 
 def test_strftime_now_is_available(stories_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(stories_dir, chat_template="{{ strftime_now('%Y') }}")
-    assert tok.apply_chat_template(MESSAGES).isdigit()
+    assert render(tok.chat_render(MESSAGES)).isdigit()
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -374,30 +374,30 @@ def test_malformed_config_names_file(stories_dir: Path, tmp_path: Path) -> None:
 def test_no_chat_template(stories_dir: Path, tmp_path: Path) -> None:
     model_dir = make_model_dir(stories_dir, tmp_path / "m")
     tok = Tokenizer.from_pretrained(model_dir)
-    assert not tok.has_chat_template
+    assert tok.chat_template is None
     with pytest.raises(TokenizerError, match=r"has no chat template; pass --chat-template") as info:
-        tok.apply_chat_template(MESSAGES)
+        render(tok.chat_render(MESSAGES))
     assert str(model_dir) in str(info.value)
 
 
 def test_template_exception_carries_its_message(stories_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(stories_dir, chat_template=LLAMA2_TEMPLATE)
     bad_order = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-    with pytest.raises(TokenizerError, match="Conversation roles must alternate user/assistant"):
-        tok.apply_chat_template(bad_order)
+    with pytest.raises(ChatTemplateError, match="Conversation roles must alternate user/assistant"):
+        render(tok.chat_render(bad_order))
 
 
 def test_template_syntax_error(stories_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(stories_dir, chat_template="{% for m in messages %}{{ m }")
-    with pytest.raises(TokenizerError, match="not valid jinja"):
-        tok.apply_chat_template(MESSAGES)
+    with pytest.raises(ChatTemplateError, match="not valid jinja"):
+        render(tok.chat_render(MESSAGES))
 
 
 def test_template_sandbox_blocks_escape(stories_dir: Path) -> None:
     template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     tok = Tokenizer.from_pretrained(stories_dir, chat_template=template)
-    with pytest.raises(TokenizerError, match="failed"):
-        tok.apply_chat_template(MESSAGES)
+    with pytest.raises(ChatTemplateError, match="failed"):
+        render(tok.chat_render(MESSAGES))
 
 
 def test_override_that_is_neither_file_nor_template(stories_dir: Path, tmp_path: Path) -> None:
@@ -434,7 +434,7 @@ def test_override_that_is_neither_file_nor_template(stories_dir: Path, tmp_path:
 def test_invalid_messages_name_the_field(stories_dir: Path, messages: Any, field: str) -> None:
     tok = Tokenizer.from_pretrained(stories_dir, chat_template=CHATML_TEMPLATE)
     with pytest.raises(TokenizerError, match=field):
-        tok.apply_chat_template(messages)
+        render(tok.chat_render(messages))
 
 
 def test_tokenizer_error_is_a_value_error() -> None:
