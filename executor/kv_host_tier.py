@@ -86,7 +86,7 @@ class HostKvTier:
                         self._spill(cache, host, device_index, host_ids)
                     else:
                         self._load(cache, host, device_index, host_ids)
-        self.tally.num_bytes += len(copies) * self.block_bytes
+        self.tally.add(len(copies) * self.block_bytes)
 
     def _spill(
         self, cache: torch.Tensor, host: torch.Tensor, device_index: torch.Tensor, host_ids: list[int]

@@ -2,10 +2,12 @@
 
 The contract: a pull names a source executor (its address and instance id) and pairs of block
 ids, the source's and this executor's; the scheduler chooses every id, and holds the source's
-blocks unchanged until the pulling step is answered. The pulling step runs its pulls after its
-`block_copies` and before its forward pass, each block whole, every layer; its timings report
-them as a `KvTransfer` of kind "executor". A pull that fails fails its request only
-(`ModelRunner._run_pulls`, `StepResult.failed_pull_req_ids`).
+blocks unchanged until the pull has landed. The step that carries a pull starts it after its
+`block_copies`; it runs beside that step and the next ones, each block whole, every layer
+(`pulls_beside_steps`; a tensor-parallel group runs it inside the step), and the first result
+after it names it landed or failed (`StepResult.landed_pull_req_ids`, `failed_pull_req_ids`),
+its bytes and seconds in that result's timings as a `KvTransfer` of kind "executor". A pull that
+fails fails its request only (`ModelRunner._pull`).
 
 Transport: host-staged over gRPC, which works on every device. The pulling executor calls the
 source's `ReadBlocks`, a server stream, presenting its own cluster token (`ReadBlocksClient`;
@@ -19,7 +21,7 @@ shape and dtype: equal model, dtype, block size and tensor-parallel size on both
 
 Reads beside steps: the source reads the blocks while its steps go on, taking no step lock. No
 step writes a block a pull names: the source's step that computed them has answered, and the
-scheduler holds them, out of every later plan, until the pulling step is answered. So a pull never
+scheduler holds them, out of every later plan, until the pull has landed. So a pull never
 waits for the source's step in flight (a long prefill), and two executors pulling from each other
 cannot wait on each other. On a device the read's copies queue on the device's stream behind the
 work already queued there (a side stream would let them overlap it). A tensor-parallel group's
@@ -38,8 +40,8 @@ spread over nodes works as its steps do. The cost: every shard but rank 0's cros
 host link once more on each side, and the two rank 0s carry all of them, one chunk at a time.
 (Every rank serving its own shard would spread the network load over the ranks, but needs a gRPC
 port per rank, published to the pullers, and the cluster's credentials on every rank.) The
-pulling step's `KvTransfer` counts every rank's bytes, and its seconds last until every rank has
-written its shard.
+pull's `KvTransfer` counts every rank's bytes, and its seconds last until every rank has written
+its shard.
 
 On Ascend a device-to-device path would skip the host. vllm-ascend's disaggregated prefill
 (docs.vllm.ai/projects/ascend, "Disaggregated-prefill" design document) has the decode instance
@@ -204,7 +206,7 @@ class KvPuller:
         kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
         with self.tally.timed():
             for pull in pulls:
-                self.tally.num_bytes += write_chunks(kv_caches, pull, self.client.read(pull))
+                self.tally.add(write_chunks(kv_caches, pull, self.client.read(pull)))
 
 
 def write_chunks(kv_caches: list[torch.Tensor], pull: KvPull, chunks: Iterator[pb.BlockChunk]) -> int:

@@ -81,7 +81,7 @@ class GroupKvPuller(KvPuller):
             pull_shards = self._lead if self.group.rank == 0 else self._follow
             error, num_bytes = pull_shards(pulls, kv_caches)
             outcomes: list[tuple[str | None, int]] = self.group.all_gather((error, num_bytes))
-            self.tally.num_bytes += sum(moved for _, moved in outcomes)
+            self.tally.add(sum(moved for _, moved in outcomes))
         failures = [
             reason if rank == 0 else f"tensor-parallel rank {rank}: {reason}"
             for rank, (reason, _) in enumerate(outcomes)

@@ -8,9 +8,11 @@ passes over its multi-step requests, each feeding back the tokens the one before
 order of a step's passes, with the steps that join them and the early answers, is `PassLoop`'s.
 On npu and cuda a pure-decode pass replays a captured graph (`graph_runner`) unless
 ``enforce_eager``; a step's inputs reach the device through pinned staging buffers (`HostStaging`).
-Before anything else a step runs its KV block copies: to and from the host-memory tier
-(`kv_host_tier`), then the pulls from other executors' caches (`kv_transfer`), whose source
-side is `read_blocks`.
+Before anything else a step runs its KV block copies to and from the host-memory tier
+(`kv_host_tier`), then starts its pulls from other executors' caches (`kv_transfer`, whose
+source side is `read_blocks`): one thread runs them beside the steps, and each final result
+names those that landed or failed (`pulls_beside_steps`; a tensor-parallel group runs them
+inside the step, and names them in its result).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from npuserve.executor.model_loader import load_model
 from npuserve.executor.pass_loop import PassLoop, StepPass
 from npuserve.executor.platform import resolve_target
 from npuserve.executor.profiling import profile_kv_budget
+from npuserve.executor.pulls_beside_steps import BackgroundPulls, PullOutcomes
 from npuserve.executor.rpc_status import KvPullFailed
 from npuserve.executor.sampler import (
     AllowedTokens,
@@ -125,7 +128,10 @@ class ModelRunner:
         )
         # Pulls from other executors; `serve_executor` gives it the cluster token.
         self.kv_puller = KvPuller()
-        self._failed_pulls: list[str] = []  # of the step running: the requests whose pull failed
+        # What the pulls came to, told in the step results. A tensor-parallel group runs its pulls
+        # inside the step (its ranks' collectives must not interleave with the step's).
+        self.pull_outcomes = PullOutcomes()
+        self._pulls = BackgroundPulls(self._pull, self.pull_outcomes) if self.tp.size == 1 else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
         self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
         self.host_kv = (
@@ -246,7 +252,9 @@ class ModelRunner:
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
 
     def begin_step(self, plan: StepPlan, started: float) -> None:
-        self._failed_pulls = []
+        if plan.reset and self._pulls is not None:
+            self._pulls.cancel()
+        self.pull_outcomes.acknowledge(plan)
         self._update_states(plan)
 
     def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
@@ -262,8 +270,6 @@ class ModelRunner:
         sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         allowed = None
         if step_pass.index == 0:
-            # NOTE: before the early answer is taken from it: it names them with their tokens.
-            result.failed_pull_req_ids, self._failed_pulls = self._failed_pulls, []
             if plan.num_steps:
                 self._check_num_steps(plan, inputs)
             # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
@@ -281,6 +287,9 @@ class ModelRunner:
     def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
         if plan.num_scheduled_tokens:  # NOTE: a step that ran no pass reports no time
             result.timings.total_s = self.step_clock() - started
+        elif self._pulls is not None:  # NOTE: one with nothing to run waits a little for a pull
+            self._pulls.wait_for_outcome(plan)
+        self.pull_outcomes.report(result)
         # NOTE: its joiners' copies too: they ran in its passes.
         tallies = (
             [self.kv_puller.tally] if self.host_kv is None else [self.host_kv.tally, self.kv_puller.tally]
@@ -370,12 +379,15 @@ class ModelRunner:
     def _update_states(self, plan: StepPlan) -> None:
         if plan.kv_pulls:
             check_kv_pulls(plan.kv_pulls, self.num_blocks)  # NOTE: before the block copies run
+        # NOTE: no step names a block a pull writes, but a failed step's pull may outlive it.
+        if self._pulls is not None and self._pulls.busy:
+            self._pulls.wait_for_blocks(plan)
         if plan.block_copies:
             if self.host_kv is None:
                 raise PlanError("block copies to a host tier this executor does not have (--kv-host-memory)")
             self.host_kv.run(plan.block_copies, self.kv_caches, self.num_blocks)
         if plan.kv_pulls:
-            self._failed_pulls = self._run_pulls(plan.kv_pulls)
+            self._run_pulls(plan)
         batch = self.batch
         if plan.reset:
             for req_id in list(batch.row_of):
@@ -395,20 +407,29 @@ class ModelRunner:
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
 
-    def _run_pulls(self, pulls: list[KvPull]) -> list[str]:
-        """Runs each pull on its own; returns the requests whose pull failed (`KvPullFailed`: the
-        source is gone, refused or too slow). Their blocks hold part of the KV at most: the step
-        runs as planned, and its answer names them (`StepResult.failed_pull_req_ids`), so the
-        scheduler drops their token and computes their prompt here instead. A tensor-parallel
-        group's ranks agree on each pull's outcome (`GroupKvPuller`)."""
-        failed = []
-        for pull in pulls:
-            try:
-                self.kv_puller.run([pull], self.kv_caches)
-            except KvPullFailed as exc:
-                log.warning("kv pull failed", request_id=pull.req_id, error=str(exc))
-                failed.append(pull.req_id)
-        return failed
+    def _run_pulls(self, plan: StepPlan) -> None:
+        """Starts the plan's pulls beside the steps, in order after those before them (a plan
+        that also runs their requests' tokens waits for them); a tensor-parallel group runs them
+        now, each on its own (its ranks agree on each pull's outcome: `GroupKvPuller`). Either
+        way the results name each one's outcome (`pull_outcomes`)."""
+        if self._pulls is not None:
+            self._pulls.start(plan.kv_pulls)
+            self._pulls.wait_for_blocks(plan)
+            return
+        for pull in plan.kv_pulls:
+            self.pull_outcomes.settle(pull.req_id, self._pull(pull))
+
+    @torch.inference_mode()
+    def _pull(self, pull: KvPull) -> bool:
+        """Runs one pull; False when it failed (`KvPullFailed`: the source is gone, refused or
+        too slow). Its blocks then hold part of the KV at most, and the scheduler computes the
+        request's prompt here instead."""
+        try:
+            self.kv_puller.run([pull], self.kv_caches)
+        except KvPullFailed as exc:
+            log.warning("kv pull failed", request_id=pull.req_id, error=str(exc))
+            return False
+        return True
 
     def _allowed_tokens(
         self, bitmask: TokenBitmask | None, sampled_req_ids: list[str]

@@ -117,10 +117,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
-        """The blocks another executor's step pulls (`kv_transfer`), chunk by chunk, read beside
-        this executor's steps: no step writes the blocks a pull names (the scheduler holds them
-        until the pulling step is answered), so a read waits for no step, and the pulling
-        executor's step does not wait for this one's. A draining executor still serves reads (its
+        """The blocks another executor pulls (`kv_transfer`), chunk by chunk, read beside this
+        executor's steps: no step writes the blocks a pull names (the scheduler holds them until
+        the pull has landed), so a read waits for no step, and the pulling executor's steps do
+        not wait for this one's. A draining executor still serves reads (its
         blocks may be what another executor's requests continue from)."""
         if request.instance_id and request.instance_id != self.instance_id:
             raise ExecutorRestarted("this executor restarted and holds none of the blocks asked for")

@@ -7,12 +7,15 @@ reach its known tokens with one token. The token is a hash of the request id and
 so runs are reproducible (`simulated_token`), and never an EOS unless `eos_after` asks for one.
 A plan's KV block copies are checked and counted; they move nothing and take no modelled time.
 
-Pulls from other executors (`StepPlan.kv_pulls`) run as a real executor runs them, without the
-bytes: given a ``block_reader`` (`simulated_fleet` gives it `kv_transfer.ReadBlocksClient.read`),
-the step calls the source's `ReadBlocks` and checks the chunks it gets (`simulated_kv`; a pull
-that fails fails its request only). The pulls then take their modelled time, their bytes over
-`LatencyModel.pull_bytes_per_s`, before the step's first pass; the source serves `ReadBlocks`
-(`read_blocks`) between its steps, as a real executor does.
+Pulls from other executors (`StepPlan.kv_pulls`) run as a real executor runs them, beside its
+steps, without the bytes: given a ``block_reader`` (`simulated_fleet` gives it
+`kv_transfer.ReadBlocksClient.read`), the step that carries a pull calls the source's
+`ReadBlocks` and checks the chunks it gets (`simulated_kv`; a pull that fails fails its request
+only, named in that step's result). A pull carried at time t then lands at t plus its bytes over
+`LatencyModel.pull_bytes_per_s` (an executor's pulls one after another), and the first step
+result that ends after that names it (`PullOutcomes`); no step's modelled time includes it, and
+a step that runs no token waits for the next landing, a little (`POLL_WAIT_S`). The source
+serves `ReadBlocks` (`read_blocks`) between its steps, as a real executor does.
 
 Each step takes as long as a latency model says a real NPU step would (`LatencyModel`); the
 bookkeeping runs inside that time, and a step whose bookkeeping alone overruns it is counted.
@@ -22,6 +25,7 @@ executor; `npuserve.deploy.bench.simulated_fleet` serves many in one process.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Iterator
@@ -31,7 +35,8 @@ import numpy as np
 
 from npuserve.executor import simulated_kv
 from npuserve.executor.pass_loop import PassLoop, StepPass
-from npuserve.executor.simulated_kv import BlockReader
+from npuserve.executor.pulls_beside_steps import POLL_WAIT_S, PullOutcomes, is_poll
+from npuserve.executor.simulated_kv import BlockReader, ModelledPulls
 from npuserve.executor.token_bitmask import bitmask_matrix, bitmask_rows
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.plan_checks import (
@@ -44,12 +49,9 @@ from npuserve.proto.plan_checks import (
 )
 from npuserve.proto.step_plan import (
     EXECUTOR_ROLE_MIXED,
-    KV_TRANSFER_EXECUTOR,
     ExecutorInfo,
     FirstPassAnswer,
     JoiningSteps,
-    KvPull,
-    KvTransfer,
     NewRequest,
     StepPlan,
     StepResult,
@@ -62,8 +64,8 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass(slots=True)
 class LatencyModel:
-    """Seconds one step takes: ``base_s + per_token_s * tokens + per_seq_s * sequences``, and
-    before its first pass, its pulls' bytes over ``pull_bytes_per_s``.
+    """Seconds one step takes: ``base_s + per_token_s * tokens + per_seq_s * sequences``; and
+    beside the steps, a pull's bytes over ``pull_bytes_per_s``.
 
     The step terms resemble a decode step of a mid-size model on one Ascend 910B; the pull rate is
     a setting of the link between executors (10 GB/s by default).
@@ -88,7 +90,7 @@ class LatencyModel:
         return self.per_token_s * num_tokens + self.per_seq_s * num_seqs
 
     def pull_seconds(self, num_bytes: int) -> float:
-        """What pulling ``num_bytes`` of KV from another executor adds to a step."""
+        """How long pulling ``num_bytes`` of KV from another executor takes, beside the steps."""
         return num_bytes / self.pull_bytes_per_s
 
 
@@ -140,9 +142,10 @@ class SimulatedConfig:
 
 @dataclass(slots=True)
 class SimulatedStats:
-    """Totals since start; `modeled_s` is the time the latency model charged (`pull_s` of it for
-    pulls), `busy_s` the wall time steps took (sleep included), `num_overruns` the steps whose
-    bookkeeping (a pull's `ReadBlocks` included) took longer."""
+    """Totals since start; `modeled_s` is the time the latency model charged the steps (`pull_s`
+    the pulls that landed, beside them), `busy_s` the wall time steps took (sleep included, a
+    step's wait for a landing not), `num_overruns` the steps whose bookkeeping (a pull's
+    `ReadBlocks` included) took longer."""
 
     num_steps: int = 0
     num_tokens: int = 0
@@ -162,7 +165,6 @@ class _ModelledStep:
     start: float  # time.perf_counter()
     modeled_s: float = 0.0
     num_tokens: int = 0
-    pulled: KvTransfer | None = None  # its pulls' bytes and modelled seconds
 
 
 @dataclass(slots=True)
@@ -208,11 +210,18 @@ class SimulatedRunner:
         self.block_reader = block_reader
         self.stats = SimulatedStats()
         self.num_block_copies = 0  # block copies of the host tier run so far (checked, not modelled)
-        self.num_pulled_blocks = 0  # blocks pulled from other executors so far (no bytes moved)
-        self._failed_pulls: list[str] = []  # of the step running: the requests whose pull failed
+        self.pull_outcomes = PullOutcomes()
+        self._pulls = ModelledPulls(
+            block_reader, self.pull_outcomes, self.config.latency.pull_seconds, self.config.block_bytes
+        )
         self._requests: dict[str, _RequestState] = {}
         self._passes = PassLoop(self, self.config.max_num_batched_tokens)
         self._step = _ModelledStep(0.0)
+
+    @property
+    def num_pulled_blocks(self) -> int:
+        """Blocks pulled from other executors so far (landed; no bytes moved)."""
+        return self._pulls.num_blocks
 
     @property
     def num_requests(self) -> int:
@@ -262,14 +271,13 @@ class SimulatedRunner:
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
 
     def begin_step(self, plan: StepPlan, started: float) -> None:
-        self._failed_pulls = []
+        if plan.reset:  # NOTE: a new scheduler: no pull of the one before lands for it
+            self._pulls.clear()
+        self.pull_outcomes.acknowledge(plan)
         self._update_states(plan)
-        if plan.kv_pulls:  # NOTE: the passes' modelled time starts once the sources have answered
-            pulled = self._pull(plan.kv_pulls)
-            reported = pulled if pulled.num_bytes else None  # NOTE: as the real runner reports them
-            self._step = _ModelledStep(time.perf_counter(), modeled_s=pulled.seconds, pulled=reported)
-        else:
-            self._step = _ModelledStep(started)
+        if plan.kv_pulls:
+            self._pulls.start(plan.kv_pulls, started)
+        self._step = _ModelledStep(self._pulls.begins_at(plan, started))
 
     def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
         """The pass's tokens, then the joiners' (each sampled alone, as if it ran on its own);
@@ -277,7 +285,6 @@ class SimulatedRunner:
         latency, step, stats = self.config.latency, self._step, self.stats
         num_sampled = len(result.sampled_req_ids)
         if step_pass.index == 0:
-            result.failed_pull_req_ids, self._failed_pulls = self._failed_pulls, []
             self._run_scheduled(plan, result)
         else:
             self._run_later_pass(step_pass.tokens, result)
@@ -307,18 +314,25 @@ class SimulatedRunner:
 
     def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
         """Sleeps what the step's bookkeeping left of its modelled time (an overrun where it left
-        none), and counts the step."""
+        none), and counts the step; one that ran no token then waits for the next pull to land,
+        a little. Its result names the pulls that landed by then."""
         step = self._step
         num_seqs = len(plan.num_scheduled_tokens)
         done = time.perf_counter()
         if not self._sleep_until(step.start + step.modeled_s, done) and num_seqs:
             self.stats.num_overruns += 1
         end = time.perf_counter()
+        lands_at = self._pulls.next_landing
+        if not num_seqs and not self.pull_outcomes.fresh and (lands_at is not None or is_poll(plan)):
+            self._sleep_until(min(math.inf if lands_at is None else lands_at, end + POLL_WAIT_S), end)
+        landed = self._pulls.land(time.perf_counter())
+        self.stats.pull_s += landed.seconds
+        self.pull_outcomes.report(result)
         result.timings = StepTimings(
             prepare_s=done - started,
             forward_s=end - done,
             total_s=end - started,
-            kv_transfers=[step.pulled] if step.pulled is not None else [],
+            kv_transfers=[landed] if landed.num_bytes else [],
         )
         s = self.stats
         s.num_steps += 1
@@ -332,24 +346,6 @@ class SimulatedRunner:
         serves it: a `PlanError` at once for an id outside 1..num_blocks-1."""
         c = self.config
         return simulated_kv.read_blocks(block_ids, c.num_blocks, c.block_size, c.block_bytes)
-
-    def _pull(self, pulls: list[KvPull]) -> KvTransfer:
-        """Runs a step's pulls (checked: `_update_states`), each on its own through the block
-        reader (`simulated_kv.run_pull`); one that fails names its request in the first pass's
-        answer (`StepResult.failed_pull_req_ids`), as the real runner's. Returns the bytes and
-        modelled seconds of those that succeeded."""
-        c = self.config
-        num_blocks = 0
-        for pull in pulls:
-            if self.block_reader is None or simulated_kv.run_pull(self.block_reader, pull):
-                num_blocks += len(pull.dst_block_ids)
-            else:
-                self._failed_pulls.append(pull.req_id)
-        self.num_pulled_blocks += num_blocks
-        num_bytes = num_blocks * c.block_bytes
-        pull_s = c.latency.pull_seconds(num_bytes)
-        self.stats.pull_s += pull_s
-        return KvTransfer(KV_TRANSFER_EXECUTOR, num_bytes, pull_s)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

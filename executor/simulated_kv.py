@@ -1,19 +1,24 @@
-"""A simulated executor's KV pulls without bytes: the `ReadBlocks` chunks its source serves, and
-its puller's read and check of them (`npuserve.executor.simulated`).
+"""A simulated executor's KV pulls without bytes: the `ReadBlocks` chunks its source serves, its
+puller's read and check of them, and their modelled time beside its steps
+(`npuserve.executor.simulated`).
 
 A source serves the chunks a real cache of the same blocks would be sent as (`kv_transfer`: one
 per `KV_CHUNK_BYTES` of KV), each empty, so a pull sends as many messages as for a real cache, read
-beside the source's steps as there. This module loads no torch.
+beside the source's steps as there. The puller reads them as the step that carries the pull
+begins; the pull then lands in modelled time (`ModelledPulls`). This module loads no torch.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
+from npuserve.executor.pulls_beside_steps import PullOutcomes, named_blocks
 from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.channel import KV_CHUNK_BYTES
 from npuserve.proto.plan_checks import check_read_block_ids
-from npuserve.proto.step_plan import KvPull
+from npuserve.proto.step_plan import KV_TRANSFER_EXECUTOR, KvPull, KvTransfer, StepPlan
 
 # A source executor's `ReadBlocks` of a pull's blocks (`kv_transfer.ReadBlocksClient.read`).
 BlockReader = Callable[[KvPull], Iterator[pb.BlockChunk]]
@@ -65,3 +70,69 @@ def run_pull(reader: BlockReader, pull: KvPull) -> bool:
     except KvPullFailed:
         return False
     return True
+
+
+class _ModelledPull(NamedTuple):
+    lands_at: float  # time.perf_counter()
+    req_id: str
+    dst_block_ids: list[int]
+    seconds: float
+
+
+class ModelledPulls:
+    """One simulated executor's pulls beside its steps: each read at once through ``reader``
+    (None: none is read), then landing its modelled seconds (``seconds_of`` its bytes) after
+    the one before it, or after the step that carried it began; their outcomes go to
+    ``outcomes`` (a failed read's at once, a landing's once `land` sees its time has come)."""
+
+    def __init__(
+        self,
+        reader: BlockReader | None,
+        outcomes: PullOutcomes,
+        seconds_of: Callable[[int], float],
+        block_bytes: int,
+    ) -> None:
+        self.reader = reader
+        self.outcomes = outcomes
+        self.seconds_of = seconds_of
+        self.block_bytes = block_bytes
+        self.num_blocks = 0  # blocks landed so far
+        self._running: deque[_ModelledPull] = deque()  # in order of landing
+
+    @property
+    def next_landing(self) -> float | None:
+        return self._running[0].lands_at if self._running else None
+
+    def start(self, pulls: list[KvPull], started: float) -> None:
+        """A step that began at ``started`` carries ``pulls`` (checked: `check_kv_pulls`)."""
+        running = self._running
+        for pull in pulls:
+            if self.reader is not None and not run_pull(self.reader, pull):
+                self.outcomes.settle(pull.req_id, landed=False)
+                continue
+            seconds = self.seconds_of(len(pull.dst_block_ids) * self.block_bytes)
+            after = max(started, running[-1].lands_at) if running else started
+            running.append(_ModelledPull(after + seconds, pull.req_id, pull.dst_block_ids, seconds))
+
+    def begins_at(self, plan: StepPlan, started: float) -> float:
+        """When a step that began at ``started`` begins in modelled time: once every pull that
+        writes a block it names has landed (the scheduler plans none such; as the real runner)."""
+        if not self._running:
+            return started
+        blocks = set(named_blocks(plan))
+        return max([started, *(p.lands_at for p in self._running if not blocks.isdisjoint(p.dst_block_ids))])
+
+    def land(self, now: float) -> KvTransfer:
+        """Settles the pulls that have landed by ``now``: their bytes and modelled seconds."""
+        running, num_blocks, seconds = self._running, 0, 0.0
+        while running and running[0].lands_at <= now:
+            pull = running.popleft()
+            self.outcomes.settle(pull.req_id, landed=True)
+            num_blocks += len(pull.dst_block_ids)
+            seconds += pull.seconds
+        self.num_blocks += num_blocks
+        return KvTransfer(KV_TRANSFER_EXECUTOR, num_blocks * self.block_bytes, seconds)
+
+    def clear(self) -> None:
+        """Forgets the running pulls (a new scheduler: none lands for it)."""
+        self._running.clear()

@@ -237,7 +237,7 @@ class KvTransfer(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial", "failed_pull_req_ids")
+    __slots__ = ("step_id", "sampled_req_ids", "sampled_token_ids", "logprobs", "timings", "draining", "partial", "failed_pull_req_ids", "landed_pull_req_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class StepResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     FAILED_PULL_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LANDED_PULL_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -254,7 +255,8 @@ class StepResponse(_message.Message):
     draining: bool
     partial: bool
     failed_pull_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., partial: _Optional[bool] = ..., failed_pull_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    landed_pull_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[SampledLogprobs, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., partial: _Optional[bool] = ..., failed_pull_req_ids: _Optional[_Iterable[str]] = ..., landed_pull_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

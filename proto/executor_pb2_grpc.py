@@ -110,7 +110,7 @@ class ExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadBlocks(self, request, context):
-        """Blocks of this executor's KV cache, for another executor's step that pulls them (KvPull):
+        """Blocks of this executor's KV cache, for another executor's pull of them (KvPull):
         streamed layer by layer, a few blocks per message. Each message is read between this
         executor's steps, never during one. Needs the cluster token like every call but Health. A
         block id outside 1..num_blocks-1 is INVALID_ARGUMENT; a request for another instance_id

@@ -232,6 +232,7 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
         draining=result.draining,
         partial=result.partial,
         failed_pull_req_ids=result.failed_pull_req_ids,
+        landed_pull_req_ids=result.landed_pull_req_ids,
     )
     asked = [(i, lp) for i, lp in enumerate(result.logprobs) if lp is not None]
     if asked:  # NOTE: only the tokens whose request asked for logprobs travel
@@ -273,6 +274,7 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
         draining=msg.draining,
         partial=msg.partial,
         failed_pull_req_ids=msg.failed_pull_req_ids[:],
+        landed_pull_req_ids=msg.landed_pull_req_ids[:],
     )
 
 

@@ -93,8 +93,10 @@ class BlockCopy(NamedTuple):
 class KvPull:
     """KV blocks of another executor (the source) copied whole, every layer, into this one's:
     ``src_block_ids[i]`` of the source into ``dst_block_ids[i]`` here (`executor.kv_transfer`),
-    for request ``req_id``. The scheduler holds the source's blocks, unchanged, until the pulling
-    step is answered. A pull that fails fails its request only (`StepResult.failed_pull_req_ids`)."""
+    for request ``req_id``, beside the steps: a later result says it landed or failed
+    (`StepResult.landed_pull_req_ids`, `failed_pull_req_ids`). Until then no step touches the
+    blocks here, and the scheduler holds the source's unchanged. A pull that fails fails its
+    request only."""
 
     address: str  # host:port of the source executor, as the scheduler reaches it
     instance_id: str  # its `ExecutorInfo.instance_id` (empty: any): a restarted source refuses
@@ -134,9 +136,11 @@ class StepPlan:
     # of the step: spills of the prefix-cache blocks the step's allocations evict, and loads of
     # its host prefix hits into device blocks (`scheduler.core.host_tier`).
     block_copies: list[BlockCopy] = field(default_factory=list)
-    # Blocks copied from other executors' KV caches into this one's, after `block_copies` and
-    # before the step's forward: a request whose prompt another executor computed continues
-    # here (its `NewRequest.num_computed_tokens` counts the pulled tokens).
+    # Blocks copied from other executors' KV caches into this one's: they start after
+    # `block_copies`, and run beside this step and the next ones, in order. The step schedules
+    # no token of their requests: a request whose prompt another executor computed continues
+    # here once a result has said its pull landed (its `NewRequest.num_computed_tokens` counts
+    # the pulled tokens then).
     kv_pulls: list[KvPull] = field(default_factory=list)
 
     @property
@@ -206,9 +210,12 @@ class StepResult:
     # The first pass's tokens of the requests that run only that pass, answered before the
     # step's final result (`take_first_pass_only`); the final result does not name them.
     partial: bool = False
-    # Requests whose `KvPull` failed: the token sampled for them here is not to be used (their
-    # blocks hold part of their KV at most). Named in the result that holds their token.
+    # The requests whose `KvPull` (of this step or an earlier one) failed (their blocks hold
+    # part of their KV at most), or landed (all of it). Named in every final result, never an
+    # early one, from the first that ends after the outcome until a plan names the request again
+    # (new, scheduled, dropped or pulled) or resets: a result lost on the way costs no outcome.
     failed_pull_req_ids: list[str] = field(default_factory=list)
+    landed_pull_req_ids: list[str] = field(default_factory=list)
 
 
 def named_req_ids(*plans: StepPlan) -> list[str]:
@@ -283,11 +290,6 @@ def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepR
         kept.sampled_token_ids,
         kept.logprobs,
     )
-    if result.failed_pull_req_ids:  # NOTE: named with their tokens (a pulled request runs one pass)
-        early_ids = set(early.sampled_req_ids)
-        failed = result.failed_pull_req_ids
-        early.failed_pull_req_ids = [r for r in failed if r in early_ids]
-        result.failed_pull_req_ids = [r for r in failed if r not in early_ids]
     return early
 
 

@@ -1,7 +1,8 @@
 """Request-level view of one executor's block pool: prefix hits, slot allocation, freeing.
 
 `allocate_slots` answers with the new blocks or None; what to do on None (preempt, wait) is the
-scheduler's policy, not this module's.
+scheduler's policy, not this module's. The blocks of a request that ended while another
+executor's KV is still pulled into them are parked (`park`) until that pull is over.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, num_host_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
+        # Blocks of ended requests that a pull may still write, by request id (`park`).
+        self.parked: dict[str, list[KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -144,10 +147,24 @@ class KVCacheManager:
             self.pool.forget(blocks)
         self.pool.free_blocks(reversed(blocks))
 
+    def park(self, req_id: str) -> None:
+        """A request ended while a pull may still write its blocks: they stay taken, no longer its
+        (the same id may be placed here again meanwhile), until `free_parked`."""
+        self.parked[req_id] = self.req_blocks.pop(req_id, [])
+        self.num_cached_blocks.pop(req_id, None)
+
+    def free_parked(self, req_id: str, valid: bool = True) -> None:
+        """Returns the blocks parked for ``req_id`` (its pull is over), as `free` does."""
+        blocks = self.parked.pop(req_id, [])
+        if not valid:
+            self.pool.forget(blocks)
+        self.pool.free_blocks(reversed(blocks))
+
     def check_integrity(self, expect_idle: bool = False) -> None:
         self.pool.check_integrity(expect_idle)
-        held = sum(len(blocks) for blocks in self.req_blocks.values())
+        held = sum(len(blocks) for blocks in (*self.req_blocks.values(), *self.parked.values()))
         referenced = sum(b.ref_cnt for b in self.pool.blocks[1:])
         assert held == referenced, f"requests hold {held} block references, the pool counts {referenced}"
         if expect_idle:
             assert not self.req_blocks, f"requests still hold blocks: {list(self.req_blocks)[:8]}"
+            assert not self.parked, f"blocks parked for pulls: {list(self.parked)[:8]}"

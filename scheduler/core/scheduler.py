@@ -61,9 +61,7 @@ class Scheduler(KvHandOff):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}  # `kv_handoff`
-        self.awaiting: dict[str, Request] = {}
-        self.ready: deque[Request] = deque()
+        self._init_hand_off()  # `kv_handoff`: held blocks, requests reserved for their KV, pulls
         # Requests the executor must drop before the next step (finished, aborted, preempted).
         self._to_drop: list[str] = []
         # NOTE: a random base, so a restarted scheduler never repeats the step id an executor
@@ -79,11 +77,12 @@ class Scheduler(KvHandOff):
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.awaiting) + len(self.ready)
+        return len(self.waiting) + len(self.running) + self.num_reserved
 
     def has_work(self) -> bool:
-        """A step to send: requests to run, or finished ones the executor must still drop."""
-        return bool(self.waiting or self.running or self._to_drop or self.ready)
+        """A step to send: requests to run, finished ones the executor must still drop, or pulls
+        to start or that run (`kv_handoff`)."""
+        return bool(self.waiting or self.running or self._to_drop) or self._hand_off_work()
 
     def waits_on_others(self) -> bool:
         """No step to send for them, but not done: blocks held for another executor's pull, or
@@ -115,8 +114,7 @@ class Scheduler(KvHandOff):
         if status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            if self.awaiting.pop(request.req_id, None) is None:
-                self.ready.remove(request)
+            self._take_out_reserved(request)
         else:
             self.waiting.remove(request)
 
@@ -129,14 +127,15 @@ class Scheduler(KvHandOff):
             num_tokens = request.num_computed_tokens
             request.pull = PrefilledBlocks("", "", self.kv.get_block_ids(req_id), num_tokens)
             self.held[req_id] = request
-        else:
-            self.kv.free(request, valid=valid)
+        elif self._free_blocks(request, valid):  # NOTE: parked; dropped once its pull is over
+            del self.requests[req_id]
+            return
         del self.requests[req_id]
         self._to_drop.append(req_id)
 
     # -- one step ----------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[StepPlan, StepStats]:
+    def schedule(self, may_poll: bool = True) -> tuple[StepPlan, StepStats]:
         plan = StepPlan(
             step_id=next(self._step_ids),
             finished_req_ids=self._to_drop,
@@ -180,7 +179,7 @@ class Scheduler(KvHandOff):
             self._grant(request, num_new, num_steps, plan, stats, scheduled, sampling)
             budget -= num_new
 
-        # NOTE: the requests whose KV is known hold their blocks already.
+        # NOTE: the requests reserved for their KV hold their blocks already.
         budget = self._start_pulled(plan, stats, budget, scheduled, sampling)
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
         if not stats.num_preemptions:
@@ -188,7 +187,7 @@ class Scheduler(KvHandOff):
 
         stats.requests = scheduled
         plan.bitmask = step_bitmask(sampling)
-        if plan.num_scheduled_tokens or plan.finished_req_ids:
+        if self.worth_sending(plan, may_poll):
             # NOTE: only a plan that is sent; else the copies (of blocks reserved for a pull, say)
             # and the reset go with the next one.
             plan.block_copies = self.kv.pool.take_copies()
@@ -230,33 +229,24 @@ class Scheduler(KvHandOff):
             if self._num_admitted >= max_num_seqs:
                 break
             request = self.waiting[0]
-            if joining and request.grammar is not None:
-                break
-            pull = request.pull
-            awaits_kv = request.remote_prefill and pull is None
-            if joining and (pull is not None or awaits_kv):
-                break  # NOTE: a joining step pulls nothing
+            if joining and (request.grammar is not None or request.remote_prefill):
+                break  # NOTE: a joining step reserves nothing for a pull
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            if awaits_kv:
+            if request.remote_prefill:  # NOTE: its KV comes from elsewhere (`kv_handoff`)
                 if not self._reserve(request, hits, num_hit_tokens):
                     break
                 continue
-            # Tokens computed before this step: the cached prefix, or the pulled tokens.
-            num_computed = num_hit_tokens if pull is None else max(num_hit_tokens, pull.num_tokens)
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
             if joining and num_new < request.num_tokens - num_hit_tokens:
                 break
-            num_slots = num_computed - num_hit_tokens + num_new
-            if self.kv.allocate_slots(request, num_slots, hits, cache_new=pull is None) is None:
+            if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
+            request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            if pull is not None:
-                self._pull(request, pull, len(hits), plan)
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self._send_whole(request, plan)
@@ -265,7 +255,7 @@ class Scheduler(KvHandOff):
 
     def _send_whole(self, request: Request, plan: StepPlan) -> None:
         """The plan sends a request that starts on the executor whole (its computed tokens
-        before this step: prefix hits, or pulled)."""
+        before this step: prefix hits, and pulled ones)."""
         plan.new_requests.append(
             NewRequest(
                 req_id=request.req_id,
@@ -301,9 +291,8 @@ class Scheduler(KvHandOff):
     @staticmethod
     def _may_run_ahead(request: Request) -> bool:
         """Whether a request whose last step is still in flight may be scheduled again now: not
-        when it may sample no further token, nor when its grammar must see that token first, nor
-        while its pull has not landed (it may fail: `kv_handoff`)."""
-        if request.grammar is not None or request.prefill_only or request.pull is not None:
+        when it may sample no further token, nor when its grammar must see that token first."""
+        if request.grammar is not None or request.prefill_only:
             return False
         return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
 
@@ -384,8 +373,8 @@ class Scheduler(KvHandOff):
         passes sampled after a stop are dropped (a constrained request runs one pass)."""
         updates: list[RequestUpdate] = []
         requests, running = self.requests, RequestStatus.RUNNING
-        if plan.kv_pulls:  # NOTE: first: a request whose pull failed drops its token
-            self._pulls_landed(plan, result)
+        if result.landed_pull_req_ids or result.failed_pull_req_ids:
+            self._pulls_settled(result)
         if plan.num_steps:
             # NOTE: each request's tokens first, then its stop rules over them at once.
             by_request: dict[str, RequestUpdate] = {}
@@ -448,13 +437,14 @@ class Scheduler(KvHandOff):
         prefix cache: their contents were never confirmed) and run again, from their prompt and
         the tokens they have, at the head of the queue; one that has run again
         `MAX_STEP_RETRIES` times already ends with an error instead (a request that fails every
-        step it is in cannot fail its neighbours' steps forever). A request that pulled in it
-        computes its prompt when it runs again. Returns (ended, retried)."""
+        step it is in cannot fail its neighbours' steps forever). A request whose pull it carried
+        computes its prompt here instead (`kv_handoff`). Returns (ended, retried)."""
         failed: list[Request] = []
         retried: list[Request] = []
         # NOTE: the executor may never have seen this plan; its drops go out again (idempotent).
         self._to_drop.extend(plan.finished_req_ids)
         self.kv.pool.undo_copies(plan.block_copies)
+        self._pulls_failed_with(plan)
         for req_id in list(plan.num_scheduled_tokens):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -475,11 +465,9 @@ class Scheduler(KvHandOff):
     def evacuate(self) -> list[Request]:
         """Takes every unfinished request out (its executor is gone), reset to be recomputed
         elsewhere from its prompt and the tokens it has generated so far."""
-        evacuated = [*self.running, *self.waiting, *self.awaiting.values(), *self.ready]
+        evacuated = [*self.running, *self.waiting, *self._take_reserved()]
         self.running.clear()
         self.waiting.clear()
-        self.awaiting.clear()
-        self.ready.clear()
         for request in evacuated:
             self.kv.free(request, valid=False)
             del self.requests[request.req_id]
@@ -495,4 +483,4 @@ class Scheduler(KvHandOff):
         if expect_idle:
             assert not self.requests, f"requests still tracked: {list(self.requests)[:8]}"
             assert not self.held, f"prefilled blocks still held: {list(self.held)[:8]}"
-            assert not (self.awaiting or self.ready), f"requests await their KV: {list(self.awaiting)[:8]}"
+            self._check_hand_off_idle()

@@ -52,16 +52,17 @@ class ClientEntryPoints:
 
         def drop(self, request_id: str) -> None: ...
 
-    async def add_request(
+    async def open(
         self,
         prompt: PromptInput,
         params: SamplingParams,
         request_id: str | None = None,
         model: str | None = None,
         continuation: Continuation | None = None,
-    ) -> RequestStream:
-        """Validates, tokenizes and queues a request (``continuation``: a resumed generation's);
-        errors are raised before anything is queued."""
+    ) -> OpenStream:
+        """Validates, tokenizes and queues a request for a client (``continuation``: a resumed
+        generation's); errors are raised before anything is queued. Closing the stream aborts
+        what is left."""
         with self._heap.working():
             self.prompts.check_request(model, params)
             grammar = await self._compile_grammar(params)
@@ -73,7 +74,12 @@ class ClientEntryPoints:
             )
             resume_stream(stream, continuation, params, self.prompts.limits)
             self.queue_request(request_id, prompt_ids, params, grammar, stream, continuation=continuation)
-        return stream
+
+        def leave() -> None:
+            if not stream.finished:
+                self.drop(stream.request_id)
+
+        return OpenStream(stream, leave)
 
     async def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
         so = params.structured_outputs
@@ -108,20 +114,3 @@ class ClientEntryPoints:
         async with aclosing(client_outputs(opened)) as outputs:
             async for output in outputs:
                 yield output
-
-    async def open(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str | None = None,
-        model: str | None = None,
-        continuation: Continuation | None = None,
-    ) -> OpenStream:
-        """Queues a request for a client (`add_request`); closing it aborts what is left."""
-        stream = await self.add_request(prompt, params, request_id, model, continuation)
-
-        def leave() -> None:
-            if not stream.finished:
-                self.drop(stream.request_id)
-
-        return OpenStream(stream, leave)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from npuserve.proto.step_plan import TokenLogprobs
 from npuserve.scheduler.core.request import Request, RequestStatus
 from npuserve.scheduler.engine.outputs import OutputSink, SequenceUpdate
@@ -14,15 +12,11 @@ class ClientRequest:
     turns their tokens into the client's stream (a `RequestStream`, or a relay to the API server
     process that serves the stream)."""
 
-    def __init__(
-        self, request_id: str, children: list[Request], prompt_token_ids: list[int], sink: OutputSink
-    ) -> None:
+    def __init__(self, request_id: str, children: list[Request], sink: OutputSink) -> None:
         self.request_id = request_id
         self.children = children
         self.index_of = {child.req_id: index for index, child in enumerate(children)}
-        self.prompt_token_ids = prompt_token_ids
         self.sink = sink
-        self.arrival_time = time.monotonic()
         self.started = False  # the client has been sent something
         self._finished = [False] * len(children)
         self._num_unfinished = len(children)
@@ -31,14 +25,8 @@ class ClientRequest:
     def finished(self) -> bool:
         return self._num_unfinished == 0
 
-    def request(self, req_id: str) -> Request:
-        return self.children[self.index_of[req_id]]
-
     def is_finished(self, req_id: str) -> bool:
         return self._finished[self.index_of[req_id]]
-
-    def is_finished_at(self, index: int) -> bool:
-        return self._finished[index]
 
     def mark_finished(self, req_id: str) -> bool:
         """Marks a sequence finished; False if it was already."""

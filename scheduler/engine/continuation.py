@@ -27,10 +27,6 @@ class Continuation:
 
     token_ids: tuple[list[int], ...]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.token_ids)
-
     def check(self, params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
         """Raises InvalidRequestError (naming `continuations`) unless there is one entry per
         choice, of vocabulary ids, each leaving its choice room for more tokens."""
@@ -59,7 +55,7 @@ class Continuation:
                 raise InvalidRequestError(f"{FIELD}[{index}] ends at a stop string: it is complete", FIELD)
             state.token_ids = list(ids)
             state.num_output_tokens = len(ids)
-        stream.resumed_tokens = self.num_tokens
+        stream.resumed_tokens = sum(len(ids) for ids in self.token_ids)
 
     def resume(self, requests: Sequence[Request]) -> None:
         """Gives each sequence of a request, before it is placed, its choice's tokens, as a

@@ -8,10 +8,11 @@ scheduler reserves its blocks at once (its own prefix hits among them) and a seq
 schedules nothing for it (`scheduler.core.kv_handoff`). At the same time its twin
 (`Request.prefill_twin`) prefills on a prefill lane, chosen prefix-aware among them: it samples
 the first token and ends PREFILLED, its blocks held there (`Scheduler.held`). The front then
-tells the decode lane where they are (`Lane.start_decode`): its next step pulls them into the
-blocks it reserved, and the request decodes. Once the decode lane reports the request again (its
-next token, its end or its evacuation), the prefill lane frees the held blocks, which stay in its
-prefix cache. A decode lane that cannot reserve the blocks yet keeps the request in its queue
+tells the decode lane where they are (`Lane.start_decode`): its next step starts pulling them
+into the blocks it reserved, beside that step and the next ones (which decode the lane's other
+requests on), and the request decodes from the step after the result that says the pull landed.
+Once the decode lane reports the request again (its next token, its end or its evacuation), the
+prefill lane frees the held blocks, which stay in its prefix cache. A decode lane that cannot reserve the blocks yet keeps the request in its queue
 like any other; the prefill goes on, and its blocks wait for the pull.
 
 The pull comes once the prefill is over, not layer by layer while it runs: the decode lane

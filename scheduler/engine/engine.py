@@ -285,7 +285,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             every = 1 if params.stop else self.config.stream_interval
             for choice, child in enumerate(children):
                 child.relay = StreamRelay(*stream_at, choice, every)
-        client = ClientRequest(request_id, children, prompt_ids, sink)
+        client = ClientRequest(request_id, children, sink)
         self._clients[request_id] = client
         for child in children:
             self._client_of_seq[child.req_id] = client

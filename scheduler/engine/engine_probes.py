@@ -40,11 +40,11 @@ class PoolState:
     prefix_cache_hits: int
 
 
-def _checked_state(scheduler: Scheduler, expect_idle: bool = False) -> PoolState:
+def _checked_state(executor_id: str, scheduler: Scheduler, expect_idle: bool = False) -> PoolState:
     scheduler.check_integrity(expect_idle)
     pool = scheduler.kv.pool
     return PoolState(
-        executor_id="",
+        executor_id=executor_id,
         num_blocks=pool.num_blocks - 1,
         num_free_blocks=pool.num_free_blocks,
         num_cached_blocks=len(pool.cached_blocks),
@@ -65,9 +65,8 @@ async def check_integrity(
     steps); raises AssertionError naming the first violation. Returns each pool's state."""
     states = []
     for lane in lanes:
-        state = await asyncio.wrap_future(lane.call(partial(_checked_state, expect_idle=expect_idle)))
-        state.executor_id = lane.executor_id
-        states.append(state)
+        checked = partial(_checked_state, lane.executor_id, expect_idle=expect_idle)
+        states.append(await asyncio.wrap_future(lane.call(checked)))
     live = grammars.num_live_states
     assert not (expect_idle and live), f"{live} grammar states of finished requests are still held"
     return states
@@ -75,32 +74,27 @@ async def check_integrity(
 
 async def prefix_cache_stats(lanes: list[Lane]) -> dict[str, tuple[int, int]]:
     """Per executor: (prompt tokens looked up, tokens found in the cache)."""
-    result = {}
-    for lane in lanes:
-        stats = await asyncio.wrap_future(lane.call(_prefix_stats))
-        result[lane.executor_id] = stats
-    return result
-
-
-def _profiled(lanes: list[Lane]) -> list[Lane]:
-    if not lanes:
-        raise NoExecutorError("no executor is available to profile")
-    return lanes
+    return {lane.executor_id: await asyncio.wrap_future(lane.call(_prefix_stats)) for lane in lanes}
 
 
 async def start_profile(lanes: list[Lane]) -> list[str]:
     """Starts profiling on each of the live ``lanes``' executors; returns their ids. A failure
     (profiling off, or already running) raises the executor's error, named by its id."""
-    lanes = _profiled(lanes)
-    await asyncio.gather(*(_on_executor(lane, "start_profile") for lane in lanes))
+    await _on_executors(lanes, "start_profile")
     return [lane.executor_id for lane in lanes]
 
 
 async def stop_profile(lanes: list[Lane]) -> dict[str, list[str]]:
     """Ends the profile of each of the live ``lanes``' executors; returns the trace files each wrote."""
-    lanes = _profiled(lanes)
-    files = await asyncio.gather(*(_on_executor(lane, "stop_profile") for lane in lanes))
+    files = await _on_executors(lanes, "stop_profile")
     return {lane.executor_id: list(f) for lane, f in zip(lanes, files, strict=True)}
+
+
+async def _on_executors(lanes: list[Lane], method: str) -> list[Any]:
+    """Calls ``method`` of every lane's client at once (none: NoExecutorError)."""
+    if not lanes:
+        raise NoExecutorError("no executor is available to profile")
+    return await asyncio.gather(*(_on_executor(lane, method) for lane in lanes))
 
 
 async def _on_executor(lane: Lane, method: str) -> Any:

@@ -58,16 +58,14 @@ class FailOver:
         if requests and not self.live_lanes and self._workers_restarting:
             self._parked.extend(requests)
             return
-        by_parent: dict[str, list[Request]] = {}
+        by_client: dict[ClientRequest, list[Request]] = {}
         for request in requests:
             client = self._client_of_seq.get(request.req_id)
-            parent = None if client is None else client.request_id
-            if parent is not None and parent in self._clients:  # else: aborted meanwhile
-                by_parent.setdefault(parent, []).append(request)
+            if client is not None and client.request_id in self._clients:  # else: aborted meanwhile
+                by_client.setdefault(client, []).append(request)
             elif request.grammar is not None:
                 request.grammar.release()
-        for parent, siblings in by_parent.items():
-            client = self._clients[parent]
+        for client, siblings in by_client.items():
             if count:
                 for request in siblings:
                     request.num_failovers += 1
@@ -86,7 +84,9 @@ class FailOver:
                 self._forget_if_finished(client)
                 continue
             lane = self._place(siblings)
-            log.info("requests moved", request_id=parent, to_executor=lane.executor_id, reason=reason)
+            log.info(
+                "requests moved", request_id=client.request_id, to_executor=lane.executor_id, reason=reason
+            )
 
     def _place_parked(self, reason: str) -> None:
         """Places the requests parked while a scheduler worker restarted (a lane is up again)."""

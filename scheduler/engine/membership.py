@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 ClientFactory = Callable[[str], AioExecutorClient]
+Joined = tuple[str, AioExecutorClient, ExecutorInfo]  # an executor's id, its client, its handshake
+PROBE_TIMEOUT_S = 2.0  # a handshake with an executor that may be down
+RECONNECT_INTERVAL_S = 1.0  # between attempts to reconnect the `--executors` that are down
 
 
-async def handshake(
-    make_client: ClientFactory, address: str, probe_timeout_s: float | None = None
-) -> tuple[str, AioExecutorClient, ExecutorInfo]:
+async def handshake(make_client: ClientFactory, address: str, probe_timeout_s: float | None = None) -> Joined:
     """Connects and runs the capacity handshake.
 
     ``probe_timeout_s`` bounds this handshake only (probing a down executor must not wait for
@@ -45,7 +46,7 @@ async def handshake(
 
 async def wait_for_executors(
     make_client: ClientFactory, addresses: list[str], timeout_s: float
-) -> list[tuple[str, AioExecutorClient, ExecutorInfo]]:
+) -> list[Joined]:
     """The handshake with every address, retried while they start (up to ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     joined = []
@@ -65,12 +66,9 @@ async def wait_for_executors(
 
 
 class StaticMembership:
-    def __init__(
-        self, make_client: ClientFactory, addresses: list[str], retry_interval_s: float = 1.0
-    ) -> None:
+    def __init__(self, make_client: ClientFactory, addresses: list[str]) -> None:
         self.make_client = make_client
         self.addresses = addresses
-        self.retry_interval_s = retry_interval_s
         self.executor_of: dict[str, str] = {}  # address -> executor id, once connected
 
     def num_known(self) -> int:
@@ -83,12 +81,12 @@ class StaticMembership:
     async def run(self, engine: Engine) -> None:
         """Reconnects executors that went down; runs until cancelled."""
         while True:
-            await asyncio.sleep(self.retry_interval_s)
+            await asyncio.sleep(RECONNECT_INTERVAL_S)
             for address in self.addresses:
                 if self.executor_of.get(address) in engine.lanes:
                     continue
                 try:
-                    executor_id, client, info = await handshake(self.make_client, address, 2.0)
+                    executor_id, client, info = await handshake(self.make_client, address, PROBE_TIMEOUT_S)
                 except ExecutorError:
                     continue
                 try:

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, EXECUTOR_ROLES, KV_TRANSFER_KINDS, StepTimings
+from npuserve.proto.step_plan import EXECUTOR_ROLE_MIXED, KV_TRANSFER_KINDS, StepTimings
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -138,21 +138,22 @@ class ExecutorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        # NOTE: an info series (always 1), as Prometheus exporters give constant labels: joined on
-        # an executor's other series by `executor`.
-        self.executor_info = Gauge(
-            "npuserve:executor_info",
+        # NOTE: an info series (`npuserve:executor_info`, always 1), as Prometheus exporters give
+        # constant labels: joined on an executor's other series by `executor`.
+        self.executor_info = Info(
+            "npuserve:executor",
             "1 for each executor the scheduler knows (its series go with its others), with its role "
             "(--role): prefill, decode or mixed.",
-            [*labels, "role"],
+            labels,
             registry=registry,
         )
-        self._labelled_by_kind: dict[Counter | Histogram | Gauge, tuple[str, ...]] = {self.steps: PASS_MODES, self.kv_transfer_bytes: KV_TRANSFER_KINDS,
-                                  self.kv_transfer_seconds: KV_TRANSFER_KINDS, self.executor_info: EXECUTOR_ROLES}  # fmt: skip
+        self._labelled_by_kind: dict[Counter | Histogram, tuple[str, ...]] = {self.steps: PASS_MODES, self.kv_transfer_bytes: KV_TRANSFER_KINDS,
+                                  self.kv_transfer_seconds: KV_TRANSFER_KINDS}  # fmt: skip
         self._gauges = (self.up, self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting,
                         self.scheduler_steps)  # fmt: skip
         self._series = (*self._gauges, self.step_seconds, self.prefix_cache_queries, self.prefix_cache_hits,
-                        self.prompt_tokens, self.generation_tokens, self.restarts, self.failed_steps, self.joined_steps)  # fmt: skip
+                        self.prompt_tokens, self.generation_tokens, self.restarts, self.failed_steps, self.joined_steps,
+                        self.executor_info)  # fmt: skip
         self._executors: dict[str, _Executor] = {}  # those with series
         self._seen: set[str] = set()  # every executor id and address that ever joined
 
@@ -175,9 +176,7 @@ class ExecutorMetrics:
             self.generation_tokens.labels(*labels),
         )
         self.up.labels(*labels).set(1)
-        for other in EXECUTOR_ROLES:  # NOTE: it may have come back in another role
-            self.executor_info.remove(*labels, other)
-        self.executor_info.labels(*labels, role).set(1)
+        self.executor_info.labels(*labels).info({"role": role})  # NOTE: replaces a role it had before
         if rejoined:
             self.restarts.labels(self.model_name, executor_id).inc()
 
@@ -360,18 +359,14 @@ class SchedulerMetrics:
             )
         counter.inc()
 
-    def step(
-        self, executor_id: str, seconds: float, num_tokens: int, num_sequences: int | None = None
-    ) -> None:
-        """One step of an executor, in which ``num_sequences`` sequences (default: one per token)
-        sampled ``num_tokens`` tokens: with multi-step decoding several each, so a token's share
-        of the step, its inter-token latency, is the step over the tokens per sequence. Gathered
-        without a lock (the step path runs this per step) and added to the series when they are
-        read (`render`)."""
+    def step(self, executor_id: str, seconds: float, num_tokens: int, num_sequences: int) -> None:
+        """One step of an executor, in which ``num_sequences`` sequences sampled ``num_tokens``
+        tokens: with multi-step decoding several each, so a token's share of the step, its
+        inter-token latency, is the step over the tokens per sequence. Gathered without a lock
+        (the step path runs this per step) and added to the series when they are read (`render`)."""
         self._steps.add(seconds)
         if num_tokens:
-            per_token = seconds if num_sequences is None else seconds * num_sequences / num_tokens
-            self._inter_token.add(per_token, num_tokens)
+            self._inter_token.add(seconds * num_sequences / num_tokens, num_tokens)
         self._generated += num_tokens
         self.executors.step(executor_id, seconds)
 

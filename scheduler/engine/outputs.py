@@ -69,10 +69,9 @@ class SequenceUpdate(NamedTuple):
     num_cached_tokens: int
 
 
-class TextListener(Protocol):
-    """Takes one sequence's new text and token ids, when that is all an output would say."""
-
-    def __call__(self, choice: int, text: str, token_ids: list[int]) -> None: ...
+# Takes one sequence's new text and token ids (choice, text, token_ids), when that is all an
+# output would say.
+TextListener = Callable[[int, str, list[int]], None]
 
 
 class OutputSink(Protocol):
@@ -143,7 +142,7 @@ class RequestStream:
             for _ in range(params.n)
         ]
         self.finish_reasons: list[str | None] = [None] * params.n
-        self._sent_prompt = False
+        self.started = False  # the client has been sent something (the prompt comes with the first output)
         self.resumed_tokens = 0  # the output it resumed from (`continuation`), over all choices
         self.error: str | None = None
         self._num_unfinished = params.n
@@ -191,7 +190,7 @@ class RequestStream:
             update.finished is None
             and result.stop_str is None
             and self._on_text is not None
-            and self._sent_prompt
+            and self.started
             and (self.stream_interval == 1 or (state.held is None and len(token_ids) >= self.stream_interval))
             and not any(update.logprobs)
         ):
@@ -230,11 +229,6 @@ class RequestStream:
         self.error = self.error or update.error
         self._emit(CompletionDelta(update.choice, "", [], finish_reason=reason))
 
-    @property
-    def started(self) -> bool:
-        """Whether the client has been sent anything (the prompt comes with the first output)."""
-        return self._sent_prompt
-
     def refuse(self, refusal: Exception) -> None:
         """Ends a request that has sent nothing yet as if it had been refused on arrival: its
         stream raises ``refusal`` (a status for the client, e.g. UNAVAILABLE, not a broken stream)."""
@@ -253,8 +247,8 @@ class RequestStream:
                 return
             state.streamed = True
         output = GenerateOutput(self.request_id, [delta])
-        if not self._sent_prompt:
-            output.prompt_token_ids, self._sent_prompt = self.prompt_token_ids, True
+        if not self.started:
+            output.prompt_token_ids, self.started = self.prompt_token_ids, True
             output.resumed_tokens = self.resumed_tokens
         if not self._num_unfinished:
             output.finished, output.error = True, self.error

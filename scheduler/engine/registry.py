@@ -24,9 +24,7 @@ import redis
 import structlog
 
 from npuserve.proto.registry_record import parse_record, redis_client, registry_pattern
-from npuserve.proto.step_plan import ExecutorInfo
-from npuserve.scheduler.engine.membership import ClientFactory, handshake
-from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
+from npuserve.scheduler.engine.membership import PROBE_TIMEOUT_S, ClientFactory, Joined, handshake
 from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 if TYPE_CHECKING:
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-Joined = tuple[str, AioExecutorClient, ExecutorInfo]
+PROBE_BACKOFF_S = 1.0  # after an instance's first failed handshake; doubled after each next one
 MAX_PROBE_BACKOFF_S = 10.0
 
 
@@ -43,7 +41,6 @@ class Member:
     """A registration the engine serves on."""
 
     instance_id: str
-    address: str
     ttl_s: float
 
 
@@ -63,20 +60,11 @@ class RedisMembership:
     """
 
     def __init__(
-        self,
-        make_client: ClientFactory,
-        url: str,
-        prefix: str = "npuserve",
-        poll_interval_s: float = 0.5,
-        probe_timeout_s: float = 2.0,
-        retry_interval_s: float = 1.0,
+        self, make_client: ClientFactory, url: str, prefix: str = "npuserve", poll_interval_s: float = 0.5
     ) -> None:
         self.make_client = make_client
-        self.url = url
         self.prefix = prefix
         self.poll_interval_s = poll_interval_s
-        self.probe_timeout_s = probe_timeout_s
-        self.retry_interval_s = retry_interval_s
         self.members: dict[str, Member] = {}  # executor id -> the registration served
         self._redis = redis_client(url)
         self._latest: dict[str, dict[str, Any]] = {}  # the last registry read
@@ -138,7 +126,7 @@ class RedisMembership:
         """Connects to a registered executor; None (and a backoff) when it does not answer."""
         address = record["address"]
         try:
-            seen_id, client, info = await handshake(self.make_client, address, self.probe_timeout_s)
+            seen_id, client, info = await handshake(self.make_client, address, PROBE_TIMEOUT_S)
         except ExecutorError as exc:
             self._failed(executor_id, record, f"no handshake at {address}: {exc}")
             return None
@@ -154,7 +142,7 @@ class RedisMembership:
         if probe is None or probe.instance_id != record["instance_id"]:
             probe = self._probes[executor_id] = _Probe(record["instance_id"])
         probe.failures += 1
-        backoff = min(self.retry_interval_s * 2 ** (probe.failures - 1), MAX_PROBE_BACKOFF_S)
+        backoff = min(PROBE_BACKOFF_S * 2 ** (probe.failures - 1), MAX_PROBE_BACKOFF_S)
         probe.next_at = time.monotonic() + backoff
         # NOTE: the first failure of an instance is worth a warning; its retries are not.
         level = log.warning if probe.failures == 1 else log.debug
@@ -163,7 +151,7 @@ class RedisMembership:
     def _remember(self, executor_id: str, record: dict[str, Any]) -> None:
         ttl_s = record.get("ttl_s")
         ttl_s = float(ttl_s) if isinstance(ttl_s, (int, float)) and ttl_s > 0 else 10.0
-        self.members[executor_id] = Member(record["instance_id"], record["address"], ttl_s)
+        self.members[executor_id] = Member(record["instance_id"], ttl_s)
 
     async def wait_for_executors(self, timeout_s: float) -> list[Joined]:
         """The executors registered and answering, once there is at least one (the engine needs
@@ -232,8 +220,7 @@ class RedisMembership:
             probe = self._probes.get(executor_id)
             if probe is not None and probe.instance_id == record["instance_id"] and now < probe.next_at:
                 continue
-            task = asyncio.create_task(self._admit(engine, executor_id, record))
-            self._joining[executor_id] = task
+            self._joining[executor_id] = asyncio.create_task(self._admit(engine, executor_id, record))
 
     async def _admit(self, engine: Engine, executor_id: str, record: dict[str, Any]) -> None:
         """Handshakes a new, restarted or lost executor and serves on it."""

@@ -252,7 +252,7 @@ class ExecutorLane:
         """Queued requests, and those reserved here while another executor computes their prompt
         (vLLM counts its WAITING_FOR_REMOTE_KVS requests as waiting too)."""
         scheduler = self.scheduler
-        return len(scheduler.waiting) + len(scheduler.awaiting) + len(scheduler.ready)
+        return len(scheduler.waiting) + scheduler.num_reserved
 
     @property
     def num_running(self) -> int:
@@ -378,9 +378,11 @@ class ExecutorLane:
             await asyncio.wait({landing}, timeout=timeout_s)
 
     async def _launch(self) -> bool:
-        """Schedules and sends the next step; False when it would carry nothing."""
-        plan, stats = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+        """Schedules and sends the next step; False when it would carry nothing. A step that
+        only waits for pulls to land (`Scheduler.worth_sending`) goes while no other is in flight."""
+        may_poll = not self._in_flight
+        plan, stats = self.scheduler.schedule(may_poll)
+        if not self.scheduler.worth_sending(plan, may_poll):
             return False
         await self._send(plan, stats)
         return True

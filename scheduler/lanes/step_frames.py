@@ -60,7 +60,7 @@ class LaneLoad:
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
-    has_work: bool = False  # a step to send, drops of finished requests included
+    has_work: bool = False  # a step to send (drops of finished requests, pulls that run included)
     num_scheduler_steps: int = 1  # the passes its steps run now
 
     def __reduce__(self) -> tuple[type[LaneLoad], tuple[object, ...]]:

@@ -14,6 +14,7 @@ from harness.step_driver import OneJoiningStep
 
 from npuserve.executor import simulated
 from npuserve.executor.input_batch import PlanError
+from npuserve.executor.pulls_beside_steps import POLL_WAIT_S
 from npuserve.executor.server import start_executor_server
 from npuserve.executor.simulated import (
     LatencyModel,
@@ -23,7 +24,10 @@ from npuserve.executor.simulated import (
     simulated_token,
 )
 from npuserve.proto.step_plan import (
+    KV_TRANSFER_EXECUTOR,
     CachedRequest,
+    KvPull,
+    KvTransfer,
     NewRequest,
     SamplingOptions,
     StepPlan,
@@ -419,3 +423,42 @@ def test_a_step_older_than_one_of_its_scheduler_that_ran_is_refused_and_changes_
     assert client.step(StepPlan(51, num_scheduled_tokens={"a": 1}, session=7)).sampled_req_ids == ["a"]
     other = StepPlan(3, new_requests=[new("b", [3, 4])], num_scheduled_tokens={"b": 5}, session=8)
     assert client.step(other).sampled_req_ids == ["b"]  # another scheduler on the same executor
+
+
+def test_pulls_land_beside_the_steps_in_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull carried at time t lands at t plus its bytes over the pull rate, after the pulls
+    before it; the first result that ends after that names it, and no step's modelled time holds
+    it. A step with nothing to run waits for the next landing, but no longer than `POLL_WAIT_S`.
+    (A clock of its own: time passes only as the runner sleeps.)"""
+    clock = [100.0]
+    monkeypatch.setattr(simulated.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(simulated.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    block_bytes = SMALL.block_size * SMALL.kv_bytes_per_token
+    latency = LatencyModel(base_s=0.01, per_token_s=0.0, per_seq_s=0.0, pull_bytes_per_s=block_bytes / 0.0125)
+    runner = SimulatedRunner(dataclasses.replace(SMALL, latency=latency))
+
+    def pull(req_id: str, dst: list[int]) -> KvPull:
+        return KvPull("source:1", "", [b + 20 for b in dst], dst, req_id)
+
+    results = [
+        runner.execute(
+            StepPlan(1, [new("b", [1, 2])], num_scheduled_tokens={"b": 5}, kv_pulls=[pull("a", [10, 11])])
+        )
+    ]
+    results += [runner.execute(StepPlan(step, num_scheduled_tokens={"b": 1})) for step in (2, 3)]
+    assert [r.landed_pull_req_ids for r in results] == [[], [], ["a"]]  # at 100.025; steps end every 10 ms
+    assert [r.timings.kv_transfers for r in results] == [
+        [],
+        [],
+        [KvTransfer(KV_TRANSFER_EXECUTOR, 2 * block_bytes, pytest.approx(0.025))],
+    ]
+    assert runner.stats.modeled_s == pytest.approx(3 * latency.step_seconds(1, 1))
+    assert runner.num_pulled_blocks == 2
+
+    # With nothing to run, a step waits for the landing; the plan that dropped "a" took its outcome.
+    polled = runner.execute(StepPlan(4, finished_req_ids=["a"], kv_pulls=[pull("c", [12])]))
+    assert polled.landed_pull_req_ids == ["c"] and clock[0] == pytest.approx(100.03 + 0.0125)
+    assert polled.timings.total_s == 0.0 and runner.stats.busy_s == pytest.approx(0.03)
+    long = runner.execute(StepPlan(5, finished_req_ids=["c"], kv_pulls=[pull("d", list(range(20, 36)))]))
+    assert not long.landed_pull_req_ids and clock[0] == pytest.approx(100.0425 + POLL_WAIT_S)
+    assert runner.stats.pull_s == pytest.approx(0.025 + 0.0125)

@@ -72,7 +72,8 @@ class ControlledExecutor(InProcessClient):
         self.simulated = runner
         self.role = role
         # The executors its steps pull from, by address: a pull from one that is gone, or whose
-        # reads fail (``refuses_reads``), fails that pull's request only, as `ModelRunner` does.
+        # reads fail (``refuses_reads``), fails that pull's request only, as `ModelRunner` does
+        # (its step's result names it).
         self.peers: dict[str, ControlledExecutor] = {}
         self.refuses_reads = False
         self.pause_at, self.fail_at, self.code = pause_at, fail_at, code
@@ -109,26 +110,13 @@ class ControlledExecutor(InProcessClient):
             for pull in plan.kv_pulls
             if not (source := self.peers[pull.address]).answers_health or source.refuses_reads
         ]
-        if failed:  # NOTE: the step runs on; the answer holding their tokens names them
+        if failed:  # NOTE: the step runs on; its result names them
             plan = replace(plan, kv_pulls=[pull for pull in plan.kv_pulls if pull.req_id not in failed])
-            on_first_pass = _naming_failed_pulls(on_first_pass, failed)
+            for req_id in failed:
+                self.simulated.pull_outcomes.settle(req_id, landed=False)
         result = self.simulated.execute(plan, on_first_pass, joining)
-        result.failed_pull_req_ids = [r for r in failed if r in result.sampled_req_ids]
         result.draining = self.draining
         return result
-
-
-def _naming_failed_pulls(on_first_pass: FirstPassAnswer | None, failed: list[str]) -> FirstPassAnswer | None:
-    """``on_first_pass``, whose early answers name the requests of ``failed`` they hold."""
-    if on_first_pass is None:
-        return None
-    answer = on_first_pass
-
-    def named(early: StepResult) -> None:
-        early.failed_pull_req_ids = [r for r in failed if r in early.sampled_req_ids]
-        answer(early)
-
-    return named
 
 
 @dataclass

@@ -91,7 +91,7 @@ def test_empty_plan_and_empty_result_round_trip() -> None:
 def test_block_copies_and_pulls_travel_in_order() -> None:
     """A plan's copies to and from the host tier, and its pulls from other executors (one
     source unnamed by instance), each for its request, in order; a result's KV transfers by
-    kind, and the requests whose pull failed."""
+    kind, and the requests whose pull failed or landed since the result before."""
     plan = dataclasses.replace(
         _mixed_plan(),
         block_copies=[BlockCopy(True, 5, 0), BlockCopy(False, 3, 9)],
@@ -108,6 +108,7 @@ def test_block_copies_and_pulls_travel_in_order() -> None:
         step_id=3, sampled_req_ids=["a"], sampled_token_ids=[5], logprobs=[None], timings=timings
     )
     result.failed_pull_req_ids = ["a"]
+    result.landed_pull_req_ids = ["b", "c"]
     assert _wire_result(result) == result
 
 
@@ -138,12 +139,13 @@ def test_the_first_pass_only_requests_are_taken_out_of_a_result() -> None:
     assert not StepPlan(1, num_scheduled_tokens={"a": 1, "new": 5}).has_first_pass_only
     asked = TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[7], top_logprobs=[-0.5])
     result = StepResult(1, ["a", "new", "b", "other"], [8, 7, 9, 3], [None, asked, None, None])
-    result.failed_pull_req_ids = ["new"]  # a pulled request runs the first pass only
+    # NOTE: the pulls' outcomes stay for the final result: an early answer names none.
+    result.failed_pull_req_ids, result.landed_pull_req_ids = ["p"], ["q"]
     early = take_first_pass_only(result, plan.num_steps)
-    assert early == StepResult(
-        1, ["new", "other"], [7, 3], [asked, None], partial=True, failed_pull_req_ids=["new"]
+    assert early == StepResult(1, ["new", "other"], [7, 3], [asked, None], partial=True)
+    assert result == StepResult(
+        1, ["a", "b"], [8, 9], [None, None], failed_pull_req_ids=["p"], landed_pull_req_ids=["q"]
     )
-    assert result == StepResult(1, ["a", "b"], [8, 9], [None, None])
 
 
 def test_result_without_logprobs_sends_none() -> None:

@@ -9,13 +9,17 @@ preemption must reproduce a plain run.
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
 from harness.step_driver import OneJoiningStep
 
+from npuserve.executor.rpc_status import KvPullFailed
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
+from npuserve.proto import executor_pb2 as pb
 from npuserve.proto.step_plan import KvPull, NewRequest, StepPlan, StepResult, admits_only
 from npuserve.proto.structured_outputs import StructuredOutputs
 from npuserve.scheduler.core.request import (
@@ -45,11 +49,14 @@ class _Sent:
 @dataclass
 class CheckedExecutor:
     """A `SimulatedRunner` for the scheduler's executor; every plan is first checked for what
-    the executor was sent so far (`sent`) agreeing with the scheduler's state."""
+    the executor was sent so far (`sent`) agreeing with the scheduler's state, and for touching
+    no block a pull still writes (`pulling`: until a result names its outcome)."""
 
     scheduler: Scheduler
     runner: SimulatedRunner
     sent: dict[str, _Sent] = field(default_factory=dict)
+    pulling: dict[str, KvPull] = field(default_factory=dict)
+    pulled: dict[str, KvPull] = field(default_factory=dict)  # landed, until sent whole
     sent_whole: list[tuple[int, NewRequest]] = field(default_factory=list)  # (step_id, request)
     plans: list[StepPlan] = field(default_factory=list)
     last_step_id: int | None = None
@@ -76,6 +83,10 @@ class CheckedExecutor:
             self.sent[req_id].num_computed_tokens += num + plan.num_steps.get(req_id, 1) - 1
         for req_id, token in zip(result.sampled_req_ids, result.sampled_token_ids, strict=True):
             self.sent[req_id].token_ids.append(token)
+        for req_id in [*result.landed_pull_req_ids, *result.failed_pull_req_ids]:
+            pull = self.pulling.pop(req_id, None)
+            if pull is not None and req_id in result.landed_pull_req_ids:
+                self.pulled[req_id] = pull
         assert self.runner.num_requests == len(self.sent) and all(map(self.runner.holds, self.sent))
 
     def check(self, plan: StepPlan) -> None:
@@ -86,13 +97,15 @@ class CheckedExecutor:
         self.plans.append(plan)
         for req_id in plan.finished_req_ids:
             self.sent.pop(req_id, None)  # a request aborted while waiting was never sent
+        pulled_blocks = {b for pull in self.pulling.values() for b in pull.dst_block_ids}
         for new in plan.new_requests:
             assert new.req_id not in self.sent, f"{new.req_id} sent whole while the executor holds it"
-            pulled = [pull for pull in plan.kv_pulls if set(pull.dst_block_ids) <= set(new.block_ids)]
-            if not pulled:
+            assert new.req_id not in self.pulling, f"{new.req_id} sent whole while its pull runs"
+            assert pulled_blocks.isdisjoint(new.block_ids), "a step names a block a pull writes"
+            pull = self.pulled.pop(new.req_id, None)
+            if pull is None:
                 assert new.num_computed_tokens % bs == 0, "a prefix hit covers whole blocks"
             else:  # NOTE: pulled blocks are its computed ones past its prefix hits, the last maybe partial
-                (pull,) = pulled
                 num_blocks = -(-new.num_computed_tokens // bs)
                 assert new.block_ids[num_blocks - len(pull.dst_block_ids) : num_blocks] == pull.dst_block_ids
             self.sent[new.req_id] = _Sent(
@@ -102,9 +115,14 @@ class CheckedExecutor:
         for cached in plan.cached_requests:
             assert cached.req_id in self.sent, f"{cached.req_id} not sent whole since its last drop"
             assert cached.new_block_ids, "a delta without new blocks is not sent"
+            assert pulled_blocks.isdisjoint(cached.new_block_ids), "a step names a block a pull writes"
             self.sent[cached.req_id].block_ids += cached.new_block_ids
         sent = {n.req_id for n in plan.new_requests} | {c.req_id for c in plan.cached_requests}
         assert sent <= set(plan.num_scheduled_tokens), "a request sent but not scheduled"
+        for pull in plan.kv_pulls:  # NOTE: its request runs once a result says it landed
+            assert pull.req_id not in plan.num_scheduled_tokens, "a step runs a request it pulls"
+            assert pulled_blocks.isdisjoint(pull.dst_block_ids), "two pulls write one block"
+            self.pulling[pull.req_id] = pull
 
         written: dict[int, str] = {}
         for req_id, num_scheduled in plan.num_scheduled_tokens.items():
@@ -199,7 +217,8 @@ def new_run(eos_after: int | None = None, **config: int | bool) -> Run:
     c = sched.config
     runner = SimulatedRunner(
         SimulatedConfig(
-            latency=LatencyModel(0.0, 0.0, 0.0),
+            # NOTE: a pull lands as it starts: the result of the step that carries it says so.
+            latency=LatencyModel(0.0, 0.0, 0.0, pull_bytes_per_s=math.inf),
             num_blocks=c.num_blocks,
             block_size=c.block_size,
             max_model_len=c.max_model_len,
@@ -922,8 +941,9 @@ def test_a_prefilled_request_decodes_on_another_scheduler_that_reserved_its_bloc
     takes the request at once (its blocks, its own prefix hits among them, and a sequence slot)
     but schedules nothing for it; the prefill side, its twin, samples the first token and holds
     its blocks (PREFILLED) until released. Told where the KV is, the decode side pulls the blocks
-    its hits lack, into the blocks it reserved, and the outputs are those of a request that ran
-    on one side alone."""
+    its hits lack, into the blocks it reserved, beside a step that runs none of its tokens; the
+    step after the result that says the pull landed runs it, and the outputs are those of a
+    request that ran on one side alone."""
     prompt = prompt_of(14)
     decode = new_run(num_blocks=32, max_num_seqs=2)
     decode.scheduler.add_request(make_request("c", [*prompt[:8], 99], max_tokens=1))
@@ -956,24 +976,32 @@ def test_a_prefilled_request_decodes_on_another_scheduler_that_reserved_its_bloc
     pull = replace(twin.pull, address="prefill:1", instance_id="i")
     decode.scheduler.start_decode(Prefilled("a", pull, twin.output_token_ids, twin.output_logprobs, 0))
     plan = decode.step()
+    assert plan.kv_pulls == [KvPull("prefill:1", "i", [3, 4], reserved[2:4], "a")]
+    assert set(plan.num_scheduled_tokens) == {"d"} and not plan.new_requests
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert decode.executor.runner.num_pulled_blocks == 2  # and its result said it landed
+    plan = decode.step()
     new = next(n for n in plan.new_requests if n.req_id == "a")
     assert new.num_computed_tokens == 14 and plan.num_scheduled_tokens["a"] == 1
-    assert new.block_ids == reserved
-    assert plan.kv_pulls == [KvPull("prefill:1", "i", [3, 4], reserved[2:4], "a")]
-    assert decode.executor.runner.num_pulled_blocks == 2
+    assert new.block_ids == reserved and not plan.kv_pulls
     prefill.scheduler.release_held(["a"])
     prefill.scheduler.check_integrity(expect_idle=True)
     decode.until_done()
     assert decode.outputs["a"] == [output_token(k, "a", 14) for k in range(1, 5)]
-    # The pulled blocks joined the prefix cache once their step landed.
+    # The pulled blocks joined the prefix cache once the pull landed.
     assert decode.scheduler.kv.get_computed_blocks(make_request("f", prompt))[1] == 12
 
 
 def test_a_failed_pull_fails_its_request_only_which_computes_its_prompt() -> None:
-    """The step runs on; the request whose pull failed drops the token sampled over its blocks,
-    gives them back (none was registered in the prefix cache) and computes its prompt from the
-    head of the queue; the other request of the step keeps its token."""
+    """The step runs on; the request whose pull failed, as its result says, gives its blocks
+    back (none was registered in the prefix cache) and computes its prompt from the head of the
+    queue; the other request of the step keeps its token."""
     run = new_run(num_blocks=32)
+
+    def refusing(pull: KvPull) -> Iterator[pb.BlockChunk]:
+        raise KvPullFailed(f"kv pull from {pull.address}: refused")
+
+    run.executor.runner = SimulatedRunner(run.executor.runner.config, block_reader=refusing)
     pulled = make_request("a", prompt_of(14), max_tokens=4)
     pulled.remote_prefill = True
     run.scheduler.add_request(pulled)
@@ -982,19 +1010,13 @@ def test_a_failed_pull_fails_its_request_only_which_computes_its_prompt() -> Non
     source = PrefilledBlocks("prefill:1", "", [1, 2, 3, 4], 14)
     run.scheduler.start_decode(Prefilled("a", source, [first], [None], 0))
     run.scheduler.add_request(make_request("b", prompt_of(6, seed=1), max_tokens=4))
-    plan, _ = run.scheduler.schedule()
-    assert [p.req_id for p in plan.kv_pulls] == ["a"] and set(plan.num_scheduled_tokens) == {"a", "b"}
-    run.executor.check(plan)
-    result = run.executor.runner.execute(plan)
-    result.failed_pull_req_ids = ["a"]
-    run.executor._sent_after(plan, result)
-    updates = run.scheduler.update_from_output(plan, result)
-    assert [u.request.req_id for u in updates] == ["b"]
+    plan = run.step()
+    assert [p.req_id for p in plan.kv_pulls] == ["a"] and set(plan.num_scheduled_tokens) == {"b"}
+    assert [u.request.req_id for u in run.updates[-1]] == ["b"]
     assert pulled.status is RequestStatus.WAITING and pulled.pull is None and not pulled.remote_prefill
     assert pulled.output_token_ids == [first] and run.scheduler.waiting[0] is pulled
     assert run.scheduler.kv.get_computed_blocks(make_request("c", prompt_of(14)))[1] == 0
     plan = run.step()
-    assert plan.finished_req_ids == ["a"] and not plan.kv_pulls
-    assert plan.num_scheduled_tokens == {"b": 1, "a": 15}
+    assert not plan.kv_pulls and plan.num_scheduled_tokens == {"b": 1, "a": 15}
     run.until_done()
     assert run.outputs["a"] == [first, *(output_token(k, "a", 14) for k in range(2, 5))]

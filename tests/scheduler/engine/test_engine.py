@@ -178,7 +178,7 @@ def test_bad_requests_are_refused_before_anything_is_queued(tokenizer: Tokenizer
 
             async def refused(prompt: list[int], field: str, **params: object) -> str:
                 with pytest.raises(InvalidRequestError) as error:
-                    await engine.add_request(PromptInput(token_ids=prompt), SamplingParams(**params))  # type: ignore[arg-type]
+                    await engine.open(PromptInput(token_ids=prompt), SamplingParams(**params))  # type: ignore[arg-type]
                 assert error.value.field == field
                 return str(error.value)
 
@@ -190,15 +190,13 @@ def test_bad_requests_are_refused_before_anything_is_queued(tokenizer: Tokenizer
                 prompt_of(120), "max_tokens", max_tokens=9
             )
             with pytest.raises(ModelNotFoundError, match="`other`"):
-                await engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), model="other")
+                await engine.open(PromptInput(token_ids=[3]), SamplingParams(), model="other")
             with pytest.raises(InvalidRequestError, match="exactly one"):
-                await engine.add_request(PromptInput(text="x", token_ids=[3]), SamplingParams())
+                await engine.open(PromptInput(text="x", token_ids=[3]), SamplingParams())
 
-            await engine.add_request(
-                PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup"
-            )
+            await engine.open(PromptInput(token_ids=prompt_of(8)), SamplingParams(max_tokens=50), "dup")
             with pytest.raises(InvalidRequestError) as duplicate:
-                await engine.add_request(PromptInput(token_ids=[3]), SamplingParams(), "dup")
+                await engine.open(PromptInput(token_ids=[3]), SamplingParams(), "dup")
             assert duplicate.value.field == "request_id"
             assert engine.abort("dup")
             await sim.wait_idle()
@@ -210,7 +208,7 @@ def test_a_full_queue_refuses_new_requests(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with simulated_engine(tokenizer, num_executors=1, max_queued_requests=0) as sim:
             with pytest.raises(QueueFullError, match="--max-queued-requests=0"):
-                await sim.engine.add_request(PromptInput(token_ids=[3, 4]), SamplingParams())
+                await sim.engine.open(PromptInput(token_ids=[3, 4]), SamplingParams())
             assert sim.engine.num_active_requests == 0
 
     asyncio.run(scenario())
@@ -334,7 +332,7 @@ async def _only_the_drained_request_runs_there(sim: SimulatedEngine, x: MidRun, 
     assert list(engine.lanes) == [other]
     engine.drain_executor(other, "its registration is marked draining")
     with pytest.raises(NoExecutorError):
-        await engine.add_request(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
+        await engine.open(PromptInput(token_ids=prompt_of(4)), SamplingParams(max_tokens=2))
 
 
 def test_a_failed_step_ends_its_requests_with_the_error(tokenizer: Tokenizer) -> None:
@@ -355,7 +353,7 @@ def test_losing_the_last_executor_fails_requests_and_refuses_new_ones(tokenizer:
             assert result.finish_reasons == {0: "error"}
             assert result.last.error is not None and "no executor is available" in result.last.error
             with pytest.raises(NoExecutorError):
-                await sim.engine.add_request(PromptInput(token_ids=[3]), SamplingParams())
+                await sim.engine.open(PromptInput(token_ids=[3]), SamplingParams())
             assert not sim.engine.lanes
 
     asyncio.run(scenario())

@@ -34,8 +34,8 @@ def test_steps_show_in_the_series_once_they_are_read() -> None:
     metrics = SchedulerMetrics("m")
     metrics.executors.joined("e0")
     for _ in range(3):
-        metrics.step("e0", 0.02, 4)
-    metrics.step("gone", 0.02, 1)  # an executor without series: counted in the totals only
+        metrics.step("e0", 0.02, 4, 4)
+    metrics.step("gone", 0.02, 1, 1)  # an executor without series: counted in the totals only
     text = metrics.render()
     assert 'vllm:generation_tokens_total{model_name="m"} 13.0' in text
     assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 13.0' in text
