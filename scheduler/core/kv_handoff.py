@@ -15,6 +15,17 @@ its steps: that step and the later ones schedule none of its tokens, and the oth
 decode on), ``landed`` (a result said the pull landed, `StepResult.landed_pull_req_ids`: its
 pulled blocks join the prefix cache, and its next step admits it with its remaining tokens, its
 first token, like any request). A pull whose blocks its prefix hits here cover all lands at once.
+A request that cannot get its blocks yet waits in the queue like any other, and is reserved (or,
+told its source meanwhile, pulls) once they are free.
+
+A request told its source while still in the queue (`ready_queued`) comes before reservations
+whose prefill is not over (`_make_way`): when it cannot get its blocks or a sequence slot, it
+moves to the head of the queue, and the newest ``awaiting`` reservations go back to the queue
+behind it, their blocks freed, until it fits (their prefills go on; nothing was pulled into their
+blocks yet). Else the prefill executor's pool could fill with blocks held for requests queued
+here while this pool is full of reservations whose prefills wait there for blocks, and neither
+would free any. A ready request runs to its end, freeing what it holds on both sides, and a
+reservation is given up only for one: none is released over and over while nothing progresses.
 
 Only the results of the step that carried a pull, or of later ones, say how it went (a result
 repeats an outcome until a plan names the request again: a result lost on the way costs none).
@@ -25,8 +36,7 @@ are parked (`KVCacheManager.park`) until the executor says the pull landed or fa
 step must not reuse blocks the pull still writes), and only then is the executor told to drop
 it. While pulls run and no step has tokens to run, the lane still sends a step now and then,
 one at a time (`worth_sending`): the executor answers it once a pull lands, or after a short
-wait. A request that cannot get its blocks yet waits in the queue like any other, and is
-reserved (or, told its source meanwhile, pulls) once they are free.
+wait.
 
 A mixin of `Scheduler`, which provides what is declared here.
 """
@@ -71,6 +81,8 @@ class KvHandOff:
     # says which), each in order.
     awaiting: dict[str, Request]
     ready: deque[Request]
+    # Requests still in the queue (no blocks here yet) that were told their source, in order.
+    ready_queued: dict[str, Request]
     pulling: dict[str, PullInFlight]
     landed: deque[Request]
     # The pulls still running for requests that ended meanwhile, by request id: the step that
@@ -100,6 +112,7 @@ class KvHandOff:
         self.held = {}
         self.awaiting = {}
         self.ready = deque()
+        self.ready_queued = {}
         self.pulling = {}
         self.landed = deque()
         self.orphaned = {}
@@ -129,6 +142,8 @@ class KvHandOff:
             if reserved:
                 del self.awaiting[request.req_id]
                 self.ready.append(request)
+            else:
+                self.ready_queued[request.req_id] = request
             return
         request.remote_prefill = False
         if reserved:  # NOTE: admitted again as any request, from its prefix hits
@@ -204,7 +219,8 @@ class KvHandOff:
         return True
 
     def _take_reserved(self) -> list[Request]:
-        """Every reserved request, out (its executor is gone), and the parked blocks freed."""
+        """Every reserved request, out (its executor is gone), and the parked blocks freed (the
+        queue, `ready_queued` in it, is the caller's)."""
         reserved = [
             *self.awaiting.values(),
             *self.ready,
@@ -213,12 +229,13 @@ class KvHandOff:
         ]
         for req_id in self.orphaned:
             self.kv.free_parked(req_id, valid=False)
-        for stage in (self.awaiting, self.ready, self.pulling, self.landed, self.orphaned):
+        stages = (self.awaiting, self.ready, self.ready_queued, self.pulling, self.landed, self.orphaned)
+        for stage in stages:
             stage.clear()
         return reserved
 
     def _check_hand_off_idle(self) -> None:
-        assert not (self.awaiting or self.ready or self.landed), (
+        assert not (self.awaiting or self.ready or self.landed or self.ready_queued), (
             f"requests await their KV: {[*self.awaiting, *(r.req_id for r in self.ready)][:8]}"
         )
         assert not (self.pulling or self.orphaned), f"pulls still run: {[*self.pulling, *self.orphaned][:8]}"
@@ -239,9 +256,32 @@ class KvHandOff:
         if request.pull is None:
             self.awaiting[request.req_id] = request
         else:
+            self.ready_queued.pop(request.req_id, None)
             self.ready.append(request)
         if self.config.enable_prefix_caching:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        return True
+
+    def _make_way(self) -> bool:
+        """The first waiting request cannot be admitted now (no blocks, or no sequence slot):
+        a queued request whose source is known goes before reservations that still await a
+        prefill. It moves to the head of the queue; once it is there, the newest awaiting
+        reservation goes back to the queue, behind it, its blocks freed (its prefill goes on
+        elsewhere; its KV is pulled once it is reserved again). True when either was done (the
+        caller tries again), False when neither can be."""
+        if not (self.awaiting and self.ready_queued):
+            return False
+        waiting = self.waiting
+        if waiting[0].req_id not in self.ready_queued:
+            ready = next(iter(self.ready_queued.values()))
+            waiting.remove(ready)
+            waiting.appendleft(ready)
+            return True
+        _, released = self.awaiting.popitem()
+        self.kv.free(released)  # NOTE: its prefix hits stay cached; nothing was written in the rest
+        released.num_computed_tokens = 0
+        released.status = RequestStatus.WAITING
+        waiting.insert(1, released)
         return True
 
     def _start_pulled(

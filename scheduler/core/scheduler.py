@@ -117,6 +117,7 @@ class Scheduler(KvHandOff):
             self._take_out_reserved(request)
         else:
             self.waiting.remove(request)
+            self.ready_queued.pop(request.req_id, None)
 
     def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None:
         request.status = status
@@ -220,27 +221,31 @@ class Scheduler(KvHandOff):
         joining: bool = False,
     ) -> None:
         """Starts waiting requests, in order, within ``budget`` tokens and the free sequence
-        slots and blocks; ``joining`` (`schedule_joining`): prompts whole only, and none that
-        is constrained."""
+        slots and blocks (a request whose KV is ready elsewhere first: `_make_way`); ``joining``
+        (`schedule_joining`): prompts whole only, and none that is constrained."""
         # NOTE: a joining step carries no drops: requests that ended since the last step still
         # hold a sequence slot on the executor until the next one drops them.
         max_num_seqs = self.config.max_num_seqs - (len(self._to_drop) if joining else 0)
         while self.waiting and budget > 0:
             if self._num_admitted >= max_num_seqs:
-                break
+                if joining or not self._make_way():
+                    break
+                continue
             request = self.waiting[0]
             if joining and (request.grammar is not None or request.remote_prefill):
                 break  # NOTE: a joining step reserves nothing for a pull
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.remote_prefill:  # NOTE: its KV comes from elsewhere (`kv_handoff`)
-                if not self._reserve(request, hits, num_hit_tokens):
+                if not self._reserve(request, hits, num_hit_tokens) and not self._make_way():
                     break
                 continue
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if joining and num_new < request.num_tokens - num_hit_tokens:
                 break
             if self.kv.allocate_slots(request, num_new, hits) is None:
-                break
+                if joining or not self._make_way():
+                    break
+                continue
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

@@ -12,8 +12,10 @@ tells the decode lane where they are (`Lane.start_decode`): its next step starts
 into the blocks it reserved, beside that step and the next ones (which decode the lane's other
 requests on), and the request decodes from the step after the result that says the pull landed.
 Once the decode lane reports the request again (its next token, its end or its evacuation), the
-prefill lane frees the held blocks, which stay in its prefix cache. A decode lane that cannot reserve the blocks yet keeps the request in its queue
-like any other; the prefill goes on, and its blocks wait for the pull.
+prefill lane frees the held blocks, which stay in its prefix cache. A decode lane that cannot
+reserve the blocks yet keeps the request in its queue like any other; the prefill goes on, and its
+blocks wait for the pull (once its prefill is over, the request goes before that lane's
+reservations that still await theirs: `scheduler.core.kv_handoff`).
 
 The pull comes once the prefill is over, not layer by layer while it runs: the decode lane
 cannot start before the first token, which is sampled at the end of the prefill anyway, so a

@@ -138,7 +138,10 @@ def test_a_killed_scheduler_worker_of_the_prefill_executor_costs_no_stream(
     expected = transformers_greedy(stories_dir, prompt_ids, NUM_NEW)
     with processes(tmp_path) as procs:
         roles = {"e0": "prefill", "e1": "decode"}
-        addresses = start_executors(procs, stories_dir, ["e0", "e1"], roles)
+        # NOTE: a prefill step of at most 64 tokens takes one or two prompts, so the 32 prefills
+        # take many steps and the kill finds prompts still to prefill there.
+        small_steps = {"e0": ("--max-num-batched-tokens", "64")}
+        addresses = start_executors(procs, stories_dir, ["e0", "e1"], roles, small_steps)
         flags = ("--scheduler-workers", "2", "--max-local-prefill-length", "0")
         scheduler = start_scheduler(procs, stories_dir, addresses, *flags)
         address = scheduler.wait_ready()["address"]

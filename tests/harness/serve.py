@@ -366,15 +366,19 @@ def complete_over(
 
 
 def start_executors(
-    procs: Processes, model: Path, names: Sequence[str], roles: dict[str, str] | None = None
+    procs: Processes,
+    model: Path,
+    names: Sequence[str],
+    roles: dict[str, str] | None = None,
+    flags: dict[str, Sequence[str]] | None = None,
 ) -> str:
-    """Small-cache executors of ``model``, one per name (of its role in ``roles``, else mixed);
-    their addresses, comma-separated."""
-    roles = roles or {}
+    """Small-cache executors of ``model``, one per name (of its role in ``roles``, else mixed,
+    with its ``flags`` added); their addresses, comma-separated."""
+    roles, flags = roles or {}, flags or {}
     executors = [
         procs.start(name, "executor", "--model", str(model), "--port", "0",
                     "--kv-cache-memory", "0.02", "--executor-id", name,
-                    *(("--role", roles[name]) if name in roles else ()))
+                    *(("--role", roles[name]) if name in roles else ()), *flags.get(name, ()))
         for name in names
     ]  # fmt: skip
     return ",".join(e.wait_ready()["address"] for e in executors)

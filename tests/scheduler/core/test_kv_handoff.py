@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
+
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
 from npuserve.proto.step_plan import KvPull, StepPlan, StepResult
 from npuserve.scheduler.core.request import (
@@ -265,3 +267,56 @@ def test_prefix_hits_that_cover_the_pull_leave_nothing_to_pull() -> None:
     assert not plan.kv_pulls and plan.num_scheduled_tokens == {"a": LONG + 1 - 12}
     decode.until_idle()
     assert decode.outputs["a"] == decode.expected("a", LONG, 2)[1:]
+
+
+def pull_until_idle(decode: Decode) -> None:
+    """Steps until nothing is left, each pull landing in the step after the one that carried it."""
+    for _ in range(200):
+        for req_id in list(decode.held_back):
+            decode.land(req_id)
+        if not decode.scheduler.has_work():
+            break
+        decode.step()
+    decode.scheduler.check_integrity(expect_idle=True)
+
+
+@pytest.mark.parametrize(("num_blocks", "max_num_seqs"), [(9, 4), (32, 2)], ids=["blocks", "slots"])
+def test_a_queued_request_whose_kv_is_ready_takes_the_newest_reservation_still_awaiting_a_prefill(
+    num_blocks: int, max_num_seqs: int
+) -> None:
+    """The pool (8 usable blocks: two reservations of 4) or the sequence slots are taken by
+    reservations whose prompts still prefill elsewhere ("s1", "s2"); "x" and "q" wait in the
+    queue. Until a queued request's KV is ready nothing changes; once "q"'s is, it goes first:
+    the newest reservation, "s2", gives its blocks back (its prefix hits among them) and waits
+    in the queue again, behind "q" and before "x", and "q" pulls. Everyone ends with its tokens."""
+    decode = decode_side(num_blocks, max_num_seqs)
+    scheduler = decode.scheduler
+    scheduler.add_request(make_request("c", 13, max_tokens=1, seed=2))  # "s2"'s first 3 blocks
+    decode.until_idle()
+    for req_id, seed in (("s1", 1), ("s2", 2), ("x", 3), ("q", 4)):
+        decode.reserve(make_request(req_id, LONG, max_tokens=3, seed=seed))
+    for _ in range(3):
+        decode.step()
+        assert list(scheduler.awaiting) == ["s1", "s2"]
+        assert [r.req_id for r in scheduler.waiting] == ["x", "q"]
+    hits = scheduler.kv.req_blocks["s2"][:3]
+    assert all(block.block_hash is not None for block in hits)  # "c"'s, cached
+    decode.prefilled("q")
+    assert list(scheduler.ready_queued) == ["q"]
+    decode.step()
+    assert list(scheduler.awaiting) == ["s1"] and list(scheduler.ready) == [scheduler.requests["q"]]
+    assert not scheduler.ready_queued
+    assert [r.req_id for r in scheduler.waiting] == ["s2", "x"]
+    released = scheduler.requests["s2"]
+    assert released.status is RequestStatus.WAITING and released.num_computed_tokens == 0
+    assert "s2" not in scheduler.kv.req_blocks and released.remote_prefill and released.pull is None
+    # Its prefix hits are cached still, unless "q" took their blocks (all 8 of the pool's).
+    assert scheduler.kv.get_computed_blocks(released)[1] == (0 if num_blocks == 9 else 12)
+    assert scheduler.num_unfinished == 4 and len(scheduler.waiting) + scheduler.num_reserved == 4
+    plan, _ = decode.step()
+    assert [pull.req_id for pull in plan.kv_pulls] == ["q"]
+    for req_id in ("s1", "s2", "x"):
+        decode.prefilled(req_id)
+    pull_until_idle(decode)
+    for req_id in ("s1", "s2", "x", "q"):
+        assert decode.outputs[req_id] == decode.expected(req_id, LONG, 3)[1:], req_id

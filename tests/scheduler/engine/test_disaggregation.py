@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from harness.simulated_engine import Collected, SimulatedEngine, generate, simulated_engine
+from harness.simulated_engine import SMALL, Collected, SimulatedEngine, generate, simulated_engine
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve.proto.step_plan import EXECUTOR_ROLE_DECODE, EXECUTOR_ROLE_PREFILL
@@ -346,6 +347,44 @@ def test_requests_wait_for_the_decode_executors_blocks_while_their_prompts_prefi
         async with disaggregated(tokenizer, ONE_EACH) as sim:
             await run_all(sim, [(LONG, 8)] * 14)  # 14 x 6 blocks reserved: 84 of 64
             assert sim.sampled_by()["e0"] == 14
+            await sim.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_full_pools_on_both_sides_of_the_hand_off_do_not_deadlock(tokenizer: Tokenizer) -> None:
+    """Pools that hold one long prompt each. r0 and r1 are reserved on the two decode executors
+    while the prefill executor computes r0; r0's decode executor goes, and r0 waits, told its
+    source, behind r1's reservation on the other one, whose pool it cannot get into, while the
+    prefill executor's pool holds r0's blocks, so r1's prompt cannot start there. r0, whose KV is
+    ready, takes r1's reservation (r1 waits in the queue again); r0 pulls and decodes, which frees
+    the prefill executor's blocks, and r1 goes on."""
+    one_long_prompt = replace(SMALL, num_blocks=10)  # 9 usable blocks; a long prompt takes 6
+
+    async def scenario() -> None:
+        async with disaggregated(tokenizer, ROLES, config=one_long_prompt) as sim:
+            sim.executors["e0"].pause_at = 0
+            runs = [start(sim, LONG, 4, "r0")]
+            assert await sim.wait_paused() == "e0"
+            runs.append(start(sim, LONG, 4, "r1"))
+            lane_of = sim.engine._lane_of
+            await until(lambda: "r1" in lane_of)
+            lost, other = lane_of["r0"], lane_of["r1"]
+            assert lost is not other
+            await until(
+                lambda: "r0" in lost.scheduler.awaiting and "r1" in other.scheduler.awaiting  # type: ignore[attr-defined]
+            )
+            sim.engine.remove_executor(lost.executor_id, "lost")
+            await until(lambda: lane_of["r0"] is other)
+            sim.resume()
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*runs), timeout=10)
+            except TimeoutError:
+                raise AssertionError("deadlock: no request finished before the deadline") from None
+            for req_id, result in zip(("r0", "r1"), results, strict=True):
+                assert result.tokens == {0: sim.expected_tokens(req_id, LONG, 4)}, req_id
+            assert sim.sampled_by()["e0"] == 2  # each prompt prefilled once
+            assert sim.executors[other.executor_id].simulated.num_pulled_blocks == 2 * LONG_BLOCKS
             await sim.wait_idle()
 
     asyncio.run(scenario())
