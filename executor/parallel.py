@@ -46,11 +46,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import structlog
 import torch
@@ -256,9 +257,9 @@ class GroupLeader:
             raise SystemExit(f"npuserve executor: error: tensor-parallel group lost: {self.lost}")
 
 
-def run_follower(runner: TensorParallelRunner) -> None:
+def run_follower(runner: TensorParallelRunner) -> NoReturn:
     """Ranks >= 1: run every step rank 0 sends, and give it this rank's part of every KV read,
-    until it says stop; SystemExit(1) if it is lost."""
+    until it says stop, then end the process (status 0); SystemExit(1) if it is lost."""
     group = runner.group
     settle_heap_for_serving()
     while True:
@@ -295,6 +296,12 @@ def run_follower(runner: TensorParallelRunner) -> None:
                 pass
     group.close()
     log.info("tensor-parallel rank stopped", rank=group.rank)
+    # NOTE: ended here, not by the interpreter's teardown: tearing down the distributed runtime
+    # can find one of its threads still running and abort ("terminate called without an active
+    # exception", status -6), which the rank's launcher would take for a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _settings(config: ExecutorConfig, model: ModelConfig) -> str:
@@ -305,9 +312,9 @@ def _settings(config: ExecutorConfig, model: ModelConfig) -> str:
 
 def start_tensor_parallel(
     config: ExecutorConfig, parallel: ParallelConfig, start_ranks: StartRanks | None
-) -> GroupLeader | None:
+) -> GroupLeader:
     """Builds this process's rank. Rank 0 returns the `GroupLeader` to serve (call `close()`
-    when done); ranks >= 1 run the group's steps here until rank 0 stops them, and return None.
+    when done); ranks >= 1 run the group's steps here until rank 0 stops them, and end the process.
     Rank 0 of a single-node group (`ParallelConfig.starts_ranks`) starts the others with
     ``start_ranks``.
 
@@ -341,5 +348,4 @@ def start_tensor_parallel(
         raise
     if rank > 0:
         run_follower(runner)
-        return None
     return GroupLeader(runner, ranks)

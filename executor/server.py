@@ -240,9 +240,7 @@ def serve_executor(
     if parallel is not None and parallel.size > 1:
         from npuserve.executor.parallel import start_tensor_parallel  # NOTE: only a group loads it
 
-        leader = start_tensor_parallel(config, parallel, start_ranks)
-        if leader is None:  # a rank >= 1: it ran the group's steps until rank 0 stopped it
-            return
+        leader = start_tensor_parallel(config, parallel, start_ranks)  # NOTE: ranks >= 1 end in it
     model_runner = leader.runner if leader is not None else ModelRunner(config)
     # NOTE: the chain's certificates are the roots it trusts: its peers serve the same certificate.
     model_runner.kv_puller.client = ReadBlocksClient(cluster_token, tls[1] if tls is not None else None)
