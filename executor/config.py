@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS, NPU_BLOCK_SIZE
 from npuserve.kernels.rope import RopeScaling
@@ -74,8 +75,13 @@ class ModelConfig:
                 f"model directory {str(path)!r} does not exist; pass --model with a local "
                 "Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
             )
-        raw = _read_json(path / "config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
+        raw = _read_json(path / "config.json")
+        if raw is None:
+            raise ConfigError(
+                f"{path / 'config.json'} is missing: the model directory must be in Hugging Face layout "
+                "(config.json, *.safetensors, tokenizer.json)"
+            )
+        generation = _read_json(path / "generation_config.json")
         return cls.from_dict(raw, path, generation)
 
     @classmethod
@@ -84,10 +90,10 @@ class ModelConfig:
     ) -> ModelConfig:
         architecture = _architecture(raw, model_dir)
         spec = ARCHITECTURES[architecture]
-        get = _FieldReader(raw, model_dir)
-        hidden_size = get.int("hidden_size")
-        num_heads = get.int("num_attention_heads")
-        num_kv_heads = get.int("num_key_value_heads", default=num_heads)
+        get = partial(_positive_int, raw, model_dir)
+        hidden_size = get("hidden_size")
+        num_heads = get("num_attention_heads")
+        num_kv_heads = get("num_key_value_heads", default=num_heads)
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         if num_heads % num_kv_heads:
             raise ConfigError(
@@ -107,17 +113,17 @@ class ModelConfig:
         return cls(
             model_dir=model_dir,
             architecture=architecture,
-            vocab_size=get.int("vocab_size"),
+            vocab_size=get("vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=get.int("intermediate_size"),
-            num_layers=get.int("num_hidden_layers"),
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=get.int("max_position_embeddings"),
+            max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -131,17 +137,9 @@ class ModelConfig:
         )
 
 
-@overload
-def _read_json(path: Path, required: Literal[True]) -> dict[str, Any]: ...
-@overload
-def _read_json(path: Path, required: bool) -> dict[str, Any] | None: ...
-def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is no such file."""
     if not path.is_file():
-        if required:
-            raise ConfigError(
-                f"{path} is missing: the model directory must be in Hugging Face layout "
-                "(config.json, *.safetensors, tokenizer.json)"
-            )
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -187,20 +185,15 @@ def _token_ids(values: list[Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-class _FieldReader:
-    def __init__(self, raw: dict[str, Any], model_dir: Path) -> None:
-        self.raw = raw
-        self.model_dir = model_dir
-
-    def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw.get(name)
-        if value is None:  # absent, or an explicit null
-            value = default
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(
-                f"{self.model_dir}/config.json: field {name!r} must be a positive integer, got {value!r}"
-            )
-        return value
+def _positive_int(raw: dict[str, Any], model_dir: Path, name: str, default: int | None = None) -> int:
+    value = raw.get(name)
+    if value is None:  # absent, or an explicit null
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(
+            f"{model_dir}/config.json: field {name!r} must be a positive integer, got {value!r}"
+        )
+    return value
 
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

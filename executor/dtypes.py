@@ -67,34 +67,28 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device | Ta
     return dtype
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16", as `ExecutorInfo.dtype` and `BlockChunk.dtype` say it."""
     return str(dtype).removeprefix("torch.")
 
 
 def _dtype_fix(device: torch.device | Target, dtype: torch.dtype) -> str:
-    if device.type == "cpu":
-        return "--dtype float32"
-    if device.type == "npu":
-        return "--dtype float16" if dtype == torch.bfloat16 else "--dtype bfloat16"
-    return "--dtype float16" if dtype == torch.bfloat16 else "--dtype float32"
-
-
-def _check_npu_dtype(device: torch.device | Target, dtype: torch.dtype) -> None:
-    if dtype == torch.float32:
-        raise PlatformError(
-            "float32 does not run on npu: the Ascend attention, cache and rope kernels take "
-            "float16 or bfloat16. Use --dtype bfloat16 (or --dtype float16)."
-        )
-    if dtype == torch.bfloat16 and is_ascend_310p(device):
-        raise PlatformError(
-            "bfloat16 does not run on npu: Ascend 310P has no bfloat16 support. Use --dtype float16."
-        )
+    if dtype == torch.bfloat16 and device.type != "cpu":
+        return "--dtype float16"
+    return "--dtype bfloat16" if device.type == "npu" else "--dtype float32"
 
 
 def check_dtype_supported(device: torch.device | Target, dtype: torch.dtype) -> None:
     """Runs a tiny matmul + softmax in ``dtype`` on ``device``; raises PlatformError if it fails."""
-    if device.type == "npu":
-        _check_npu_dtype(device, dtype)
+    if device.type == "npu" and dtype == torch.float32:
+        raise PlatformError(
+            "float32 does not run on npu: the Ascend attention, cache and rope kernels take "
+            "float16 or bfloat16. Use --dtype bfloat16 (or --dtype float16)."
+        )
+    if device.type == "npu" and dtype == torch.bfloat16 and is_ascend_310p(device):
+        raise PlatformError(
+            "bfloat16 does not run on npu: Ascend 310P has no bfloat16 support. Use --dtype float16."
+        )
     try:
         a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(torch_device(device), dtype)
         probs = torch.softmax(a @ a.T, dim=-1)
@@ -102,9 +96,9 @@ def check_dtype_supported(device: torch.device | Target, dtype: torch.dtype) -> 
         ok = bool(torch.isfinite(probs.float()).all())
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         raise PlatformError(
-            f"{_dtype_name(dtype)} does not run on {device}: {exc}. Use {_dtype_fix(device, dtype)}."
+            f"{dtype_name(dtype)} does not run on {device}: {exc}. Use {_dtype_fix(device, dtype)}."
         ) from exc
     if not ok:
         raise PlatformError(
-            f"{_dtype_name(dtype)} gives non-finite results on {device}. Use {_dtype_fix(device, dtype)}."
+            f"{dtype_name(dtype)} gives non-finite results on {device}. Use {_dtype_fix(device, dtype)}."
         )

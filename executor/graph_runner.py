@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import structlog
@@ -133,10 +133,10 @@ class DecodeGraphs:
         assert sizes, "no size to capture"
         start = time.perf_counter()
         reserved_before = device.memory_reserved()
-        static = StaticInputs.allocate(max(sizes), max_blocks_per_req, tensor_device)
+        largest = max(sizes)
+        static = StaticInputs.allocate(largest, max_blocks_per_req, tensor_device)
         graphs = cls([], static, backend, staging, scratch_block, block_size)
         pool = device.pool_handle()
-        largest = max(sizes)
         graphs.load_padding(largest)
         # NOTE: one eager run first, of the largest size, pays what is paid once (operator
         # selection, workspaces, the rotary table, the causal mask) outside any graph. It gets
@@ -210,18 +210,9 @@ class DecodeGraphs:
 
     def load_padding(self, size: int) -> None:
         """Every one of the first ``size`` rows a padded one (for warm-up and capture)."""
-        empty = StepInputs(
-            rows=np.zeros(0, dtype=np.int64),
-            query_lens=np.zeros(0, dtype=np.int32),
-            seq_lens=np.zeros(0, dtype=np.int32),
-            input_ids=np.zeros(0, dtype=np.int32),
-            positions=np.zeros(0, dtype=np.int64),
-            slot_mapping=np.zeros(0, dtype=np.int32),
-            block_table=np.zeros((0, self.static.block_table.shape[1]), dtype=np.int32),
-            sample_mask=np.zeros(0, dtype=bool),
-            logits_indices=np.zeros(0, dtype=np.int64),
-        )
-        self._load(size, empty)
+        empty = {field.name: np.zeros(0, dtype=np.int64) for field in fields(StepInputs)}
+        empty["block_table"] = np.zeros((0, self.static.block_table.shape[1]), dtype=np.int32)
+        self._load(size, StepInputs(**empty))
 
     def step_tensors(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [size], positions [size]): fresh views of the static inputs."""
@@ -253,8 +244,6 @@ def pool_estimate_bytes(config: ModelConfig, sizes: list[int], dtype: torch.dtyp
     one layer's decode at the largest size (the pool's graphs share its memory), plus every
     graph's output and a fused-attention workspace per graph. A start-up log line gives the
     pool's measured size."""
-    if not sizes:
-        return 0
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_heads * head_dim // tp_size
     kv_size = max(1, config.num_kv_heads // tp_size) * head_dim

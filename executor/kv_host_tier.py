@@ -30,8 +30,6 @@ from npuserve.kernels.staging import HostStaging
 from npuserve.proto.plan_checks import check_block_copies
 from npuserve.proto.step_plan import KV_TRANSFER_HOST_TIER, BlockCopy
 
-GIB = 1 << 30
-
 
 def consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
     """(position in ``block_ids``, first id, length) of each run of consecutive ids."""
@@ -56,13 +54,6 @@ class HostKvTier:
             )  # [H, 2, bs, Hkv, D]
             for cache in kv_caches
         ]
-
-    @classmethod
-    def for_budget(
-        cls, budget_gib: float, kv_caches: list[torch.Tensor], block_bytes: int, staging: HostStaging
-    ) -> HostKvTier:
-        """As many host blocks as ``budget_gib`` holds (``block_bytes``: one block, every layer)."""
-        return cls(kv_caches, max(1, int(budget_gib * GIB) // block_bytes), staging)
 
     def _host_blocks(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         transfers = self.staging.transfers

@@ -64,6 +64,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
+from npuserve.executor.dtypes import dtype_name
 from npuserve.executor.rpc_status import KvPullFailed
 from npuserve.executor.transfer_tally import TransferTally
 from npuserve.proto import executor_pb2 as pb
@@ -87,16 +88,6 @@ _CHANNEL_OPTIONS = message_size_options(MAX_STEP_MESSAGE_BYTES)
 assert KV_CHUNK_BYTES < MAX_STEP_MESSAGE_BYTES // 2
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> "bfloat16", as `ExecutorInfo.dtype` and `BlockChunk.dtype` say it."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _blocks_per_chunk(cache: torch.Tensor) -> int:
-    """cache: [2, num_blocks, block_size, Hkv, D]."""
-    return max(1, KV_CHUNK_BYTES // (cache[:, 0].numel() * cache.element_size()))
-
-
 # -- the source ------------------------------------------------------------------------------
 
 
@@ -108,14 +99,17 @@ def read_blocks(
 
     kv_caches: [2, num_device_blocks, block_size, Hkv, D] per layer."""
     check_read_block_ids(block_ids, num_blocks)
-    return _chunks(kv_caches, block_ids)
+    return (
+        block_chunk(layer, first, host_blocks(kv_caches[layer], ids))
+        for layer, first, ids in chunk_spans(kv_caches, block_ids)
+    )
 
 
 def chunk_spans(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
     """(layer, first, ids): the blocks of each chunk of a read, in `read_blocks`' order (the same
     on every rank of a group: its ranks' caches have one shape)."""
-    for layer, cache in enumerate(kv_caches):
-        per_chunk = _blocks_per_chunk(cache)
+    for layer, cache in enumerate(kv_caches):  # cache: [2, num_blocks, block_size, Hkv, D]
+        per_chunk = max(1, KV_CHUNK_BYTES // (cache[:, 0].numel() * cache.element_size()))
         for first in range(0, len(block_ids), per_chunk):
             yield layer, first, block_ids[first : first + per_chunk]
 
@@ -137,11 +131,6 @@ def block_chunk(layer: int, first: int, blocks: torch.Tensor, shard: int = 0) ->
         data=blocks.reshape(-1).view(torch.uint8).numpy().tobytes(),
         shard=shard,
     )
-
-
-def _chunks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterator[pb.BlockChunk]:
-    for layer, first, ids in chunk_spans(kv_caches, block_ids):
-        yield block_chunk(layer, first, host_blocks(kv_caches[layer], ids))
 
 
 # -- the pulling executor --------------------------------------------------------------------

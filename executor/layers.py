@@ -128,7 +128,6 @@ class ColumnParallelLinear(nn.Module):
         local_parts: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
         if local_parts is None:
             sizes = [tp.shard(size, "output size") for size in output_sizes]
             local_parts = [(tp.rank * size, size) for size in sizes]
@@ -214,11 +213,9 @@ class VocabEmbedding(nn.Module):
     fills them in; the LM head computes its rows' logits and all-gathers the full vocabulary.
     """
 
-    def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel | None = None
-    ) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.tp = tp or TensorParallel()
+        self.tp = tp
         self.vocab_size = vocab_size
         self.local_vocab_size = -(-vocab_size // self.tp.size)  # Vr
         self.vocab_start = self.tp.rank * self.local_vocab_size

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from npuserve.executor.config import ConfigError, ModelConfig
+from npuserve.executor.dtypes import dtype_name
 from npuserve.executor.kv_cache import GIB
 from npuserve.executor.layers import LoadedWeight, TensorParallel
 from npuserve.executor.models.llama import FUSED_PARAMETERS, CausalLM
@@ -69,9 +70,9 @@ class SafetensorsSlice:
         return self._slice[tuple(index)]
 
 
-def iterate_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, LoadedWeight]]:
-    """Yields every (name, tensor) of the files, with a progress bar over tensors; with ``lazy``
-    the tensors are `SafetensorsSlice`s, read by the weight loaders."""
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, LoadedWeight]]:
+    """Yields every (name, tensor) of the files, with a progress bar over tensors: each a
+    `SafetensorsSlice`, read by the weight loaders."""
     handles = []
     total = 0
     for path in files:
@@ -86,7 +87,7 @@ def iterate_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as progress:
         for handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
+                yield name, SafetensorsSlice(handle, name)
                 progress.update(1)
 
 
@@ -108,7 +109,7 @@ def load_model(
     else:
         try:
             files = safetensors_files(config.model_dir)
-            loaded = model.load_weights(iterate_safetensors(files, lazy=True))
+            loaded = model.load_weights(iterate_safetensors(files))
         except ValueError as exc:  # a tensor without a place, or of the wrong shape
             if isinstance(exc, ConfigError):
                 raise
@@ -128,7 +129,7 @@ def load_model(
         "model loaded",
         model=str(config.model_dir),
         architecture=config.architecture,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name(dtype),
         device=str(device),
         load_format=load_format,
         tp_rank=model.tp.rank,

@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from npuserve.executor.config import ExecutorConfig, ModelConfig, check_npu_model
-from npuserve.executor.dtypes import resolve_dtype
+from npuserve.executor.dtypes import dtype_name, resolve_dtype
 from npuserve.executor.graph_device import GraphDevice
 from npuserve.executor.graph_runner import DecodeGraphs, pool_estimate_bytes
 from npuserve.executor.graph_sizes import capture_sizes
@@ -50,7 +50,6 @@ from npuserve.executor.sampler import (
     AllowedTokens,
     Sampler,
     SamplerOutput,
-    SamplingMetadata,
     build_allowed_tokens,
     build_sampling_metadata,
 )
@@ -70,7 +69,6 @@ from npuserve.proto.step_plan import (
     StepPlan,
     StepResult,
     StepTimings,
-    TokenBitmask,
     TokenLogprobs,
 )
 
@@ -134,16 +132,11 @@ class ModelRunner:
         self._pulls = BackgroundPulls(self._pull, self.pull_outcomes) if self.tp.size == 1 else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks)
         self.staging = HostStaging(self.backend.host_transfers(self.device), self.device)
-        self.host_kv = (
-            HostKvTier.for_budget(
-                config.kv_host_memory_gib,
-                self.kv_caches,
-                block_bytes(self.model_config, self.block_size, self.dtype, self.tp),
-                self.staging,
-            )
-            if config.kv_host_memory_gib
-            else None
-        )
+        self.host_kv: HostKvTier | None = None
+        if config.kv_host_memory_gib:  # NOTE: as many host blocks as the budget holds
+            per_block = block_bytes(self.model_config, self.block_size, self.dtype, self.tp)
+            num_host_blocks = max(1, int(config.kv_host_memory_gib * GIB) // per_block)
+            self.host_kv = HostKvTier(self.kv_caches, num_host_blocks, self.staging)
         self.sampler = Sampler()
         self._seed_source = np.random.default_rng(config.seed)
         self._passes = PassLoop(self, config.max_num_batched_tokens)
@@ -163,7 +156,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs | None:
-        def capture() -> DecodeGraphs:
+        try:
             return DecodeGraphs.capture(
                 GraphDevice(self.target.kind),
                 self.model,
@@ -176,14 +169,11 @@ class ModelRunner:
                 scratch_block=self.num_blocks,
                 tensor_device=self.device,
             )
-
-        if self.target.kind == "npu":
-            return capture()
-        # NOTE: the CUDA path has not run on a GPU in npuserve's tests: a capture that fails
-        # leaves the executor eager rather than down.
-        try:
-            return capture()
         except RuntimeError as exc:
+            if self.target.kind == "npu":
+                raise
+            # NOTE: the CUDA path has not run on a GPU in npuserve's tests: a capture that fails
+            # leaves the executor eager rather than down.
             log.warning("decode graph capture failed; every step runs eagerly", error=str(exc))
             return None
 
@@ -222,7 +212,7 @@ class ModelRunner:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.dtype),
             device=EMULATED_NPU_DEVICE if self.target.emulated else str(self.device),
             tensor_parallel_size=self.tp.size,
             # NOTE: a tensor-parallel group's other ranks run the steps its leader sends them,
@@ -272,14 +262,15 @@ class ModelRunner:
         if step_pass.index == 0:
             if plan.num_steps:
                 self._check_num_steps(plan, inputs)
-            # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV.
-            allowed = self._allowed_tokens(plan.bitmask, sampled_req_ids)
-        if not step_pass.joiners:
-            self._run_pass(inputs, sampled_req_ids, allowed, result, result.timings, step_pass.started)
-            return []
-        mixed = StepResult(step_id=result.step_id)
+            # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV:
+            # PlanError for a row of a request that does not sample this step, or of the wrong width.
+            bitmask = plan.bitmask
+            if bitmask is not None:
+                rows = bitmask_rows(bitmask.req_ids, sampled_req_ids)
+                allowed = build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
+        mixed = StepResult(step_id=result.step_id) if step_pass.joiners else result
         self._run_pass(inputs, sampled_req_ids, allowed, mixed, result.timings, step_pass.started)
-        return _split_joined(mixed, step_pass.joiners, result, step_pass.started)
+        return _split_joined(mixed, step_pass.joiners, result, step_pass.started) if step_pass.joiners else []
 
     def await_pass_end(self) -> None:
         """A pass has ended once `run_pass` returns."""
@@ -346,15 +337,22 @@ class ModelRunner:
             indices = self.staging.to_device("logits_indices", inputs.logits_indices, torch.int64)
             logits = self.model.compute_logits(hidden.index_select(0, indices))  # [S, V]
             forwarded = self.step_clock()
-            sampling = self._sampling_metadata(inputs)
+            batch, rows = self.batch, inputs.rows[inputs.sample_mask]  # [S]: the rows sampled
+            num_tokens = batch.num_tokens[rows]
+            sampling = build_sampling_metadata(
+                batch.sampling.gather(rows),
+                token_ids=batch.token_ids[rows, : int(num_tokens.max())],
+                num_prompt_tokens=batch.num_prompt_tokens[rows],
+                num_tokens=num_tokens,
+                vocab_size=self.model_config.vocab_size,
+                device=self.device,
+            )
             sampling.allowed_tokens = allowed
             output = self.sampler(logits, sampling)
             sampled_ids = output.token_ids.cpu().numpy().astype(np.int32)  # [S]
             result.sampled_req_ids += sampled_req_ids
             result.sampled_token_ids += sampled_ids.tolist()
-            result.logprobs += _logprobs_lists(
-                output, self.batch.sampling.columns["num_logprobs"][inputs.rows[inputs.sample_mask]]
-            )
+            result.logprobs += _logprobs_lists(output, batch.sampling.columns["num_logprobs"][rows])
             sampled = self.step_clock()
         self.batch.commit(inputs, sampled_ids)
         timings.prepare_s += prepared - start
@@ -430,30 +428,6 @@ class ModelRunner:
             log.warning("kv pull failed", request_id=pull.req_id, error=str(exc))
             return False
         return True
-
-    def _allowed_tokens(
-        self, bitmask: TokenBitmask | None, sampled_req_ids: list[str]
-    ) -> AllowedTokens | None:
-        """The plan's bitmask on the device, its rows placed among the sampled ones; PlanError
-        for a row of a request that does not sample this step, or of the wrong width."""
-        if bitmask is None:
-            return None
-        rows = bitmask_rows(bitmask.req_ids, sampled_req_ids)
-        return build_allowed_tokens(rows, bitmask.words, self.model_config.vocab_size, self.device)
-
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        """The sampler's inputs for the rows sampled this step."""
-        rows = inputs.rows[inputs.sample_mask]
-        batch = self.batch
-        num_tokens = batch.num_tokens[rows]
-        return build_sampling_metadata(
-            batch.sampling.gather(rows),
-            token_ids=batch.token_ids[rows, : int(num_tokens.max())],
-            num_prompt_tokens=batch.num_prompt_tokens[rows],
-            num_tokens=num_tokens,
-            vocab_size=self.model_config.vocab_size,
-            device=self.device,
-        )
 
 
 def _split_joined(

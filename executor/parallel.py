@@ -14,16 +14,11 @@ interface of the gloo group), HCCL_CONNECT_TIMEOUT (seconds HCCL waits for its p
 HCCL_BUFFSIZE (MB of HCCL's buffer per communicator), ASCEND_RT_VISIBLE_DEVICES (the NPUs a
 process sees: give each rank of a multi-node group its own).
 
-Rendezvous (`RankGroup`, in `rank_group`). Rank 0 hosts a TCPStore at the master address; every
-rank announces itself there and waits for the others for ``--tp-connect-timeout`` seconds
-(default 120): a rank that does not come fails the group with an error naming it. Then
-`torch.distributed` starts on the rank's device (the index of ``--device npu:N``) with the
-device's backend (hccl on NPU, nccl on CUDA, gloo on CPU) and a gloo group carries host
-metadata. A collective waits up to ``--distributed-timeout-seconds`` (default 1800, vLLM's
-name). Ranks wait for each other after loading their weights (a barrier through the store), so
-ranks that finish loading minutes apart meet before the first all-reduce, the memory profile's.
-Start-up results (the KV block count: the minimum over ranks) and start-up failures travel
-through the store.
+Rendezvous (`RankGroup`, in `rank_group`: the store, the process groups and their backends).
+Ranks wait for each other for ``--tp-connect-timeout`` seconds (default 120), a collective up to
+``--distributed-timeout-seconds`` (default 1800, vLLM's name). They meet again after loading their
+weights, so that ranks done minutes apart meet before the first all-reduce (the memory
+profile's), and agree on the KV block count (the minimum over ranks).
 
 Steps (`GroupLeader`). Rank 0 broadcasts each plan over the gloo group (pickled) and every rank
 runs the same step. NOTE: the LM head all-gathers the logits, so every rank samples the same
@@ -266,10 +261,7 @@ def run_follower(runner: TensorParallelRunner) -> NoReturn:
         try:
             message = group.receive()
         except Exception as exc:
-            group.close()
-            raise SystemExit(
-                f"npuserve executor: error: tensor-parallel rank {group.rank} lost rank 0: {exc}"
-            ) from None
+            _leave(group, f"lost rank 0: {exc}")
         match message:
             case StopRanks():
                 break
@@ -277,10 +269,7 @@ def run_follower(runner: TensorParallelRunner) -> NoReturn:
                 try:
                     gather_shards(group, runner.kv_caches, layer, block_ids)
                 except Exception as exc:
-                    group.close()
-                    raise SystemExit(
-                        f"npuserve executor: error: tensor-parallel rank {group.rank} failed a KV read: {exc}"
-                    ) from None
+                    _leave(group, f"failed a KV read: {exc}")
             case RunStep(plan):
                 try:
                     runner.execute(plan)
@@ -288,10 +277,7 @@ def run_follower(runner: TensorParallelRunner) -> NoReturn:
                     pass  # rank 0 refused the same plan, or failed the same pulls, and answered so
                 except Exception as exc:
                     log.exception("tensor-parallel step failed", rank=group.rank, step_id=plan.step_id)
-                    group.close()
-                    raise SystemExit(
-                        f"npuserve executor: error: tensor-parallel rank {group.rank} failed a step: {exc}"
-                    ) from None
+                    _leave(group, f"failed a step: {exc}")
             case Heartbeat():
                 pass
     group.close()
@@ -302,6 +288,12 @@ def run_follower(runner: TensorParallelRunner) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _leave(group: RankGroup, why: str) -> NoReturn:
+    """Ranks >= 1: leave the group and end the process with status 1, saying ``why``."""
+    group.close()
+    raise SystemExit(f"npuserve executor: error: tensor-parallel rank {group.rank} {why}") from None
 
 
 def _settings(config: ExecutorConfig, model: ModelConfig) -> str:

@@ -72,9 +72,6 @@ class PullOutcomes:
         # An outcome settled since the last report (`BackgroundPulls.wait_for_outcome`).
         self.fresh = False
 
-    def __bool__(self) -> bool:
-        return bool(self._landed)
-
     def settle(self, req_id: str, landed: bool) -> None:
         with self._lock:
             self._landed[req_id] = landed
@@ -138,7 +135,7 @@ class BackgroundPulls:
         blocks = set(named_blocks(plan))
         with self._cond:
             self._cond.wait_for(
-                lambda: not any(not blocks.isdisjoint(p.dst_block_ids) for p in self._pending())
+                lambda: all(blocks.isdisjoint(p.dst_block_ids) for p in [self._running, *self._queued] if p)
             )
 
     def wait_for_outcome(self, plan: StepPlan, timeout_s: float = POLL_WAIT_S) -> None:
@@ -155,10 +152,6 @@ class BackgroundPulls:
         with self._cond:
             self._queued.clear()
             self._cond.wait_for(lambda: self._running is None)
-
-    def _pending(self) -> list[KvPull]:
-        running = [] if self._running is None else [self._running]
-        return [*running, *self._queued]
 
     def _work(self) -> None:
         while True:

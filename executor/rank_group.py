@@ -60,8 +60,7 @@ class RankGroup:
         self.store = store
         self.probe = probe
         self.timeout = timedelta(seconds=parallel.collective_timeout_s)
-        store.set(f"npuserve/joined/{self.rank}", socket.gethostname())
-        self.wait_for("npuserve/joined", parallel.connect_timeout_s, "join the group")
+        self.share("joined", socket.gethostname(), parallel.connect_timeout_s, "join the group")
         backend = BACKENDS[device.type]
         select_device(device)
         try:
@@ -105,9 +104,11 @@ class RankGroup:
                 "--master-addr and --master-port are the same on every rank and reachable from this node"
             ) from exc
 
-    def wait_for(self, prefix: str, timeout_s: float, what: str) -> list[str]:
-        """Waits until every rank has set ``prefix/RANK``; returns their values in rank order."""
-        keys = [f"{prefix}/{rank}" for rank in range(self.size)]
+    def share(self, name: str, value: str, timeout_s: float, what: str) -> list[str]:
+        """Sets this rank's ``value`` of ``name`` and waits until every rank has set its own;
+        returns their values in rank order."""
+        self.store.set(f"npuserve/{name}/{self.rank}", value)
+        keys = [f"npuserve/{name}/{rank}" for rank in range(self.size)]
         deadline = time.monotonic() + timeout_s
         try:
             while not self.store.check(keys):
@@ -137,8 +138,7 @@ class RankGroup:
 
     def check_same(self, name: str, value: str) -> None:
         """TensorParallelError unless every rank reports the same ``value`` as rank 0."""
-        self.store.set(f"npuserve/{name}/{self.rank}", value)
-        values = self.wait_for(f"npuserve/{name}", self.parallel.connect_timeout_s, f"report {name}")
+        values = self.share(name, value, self.parallel.connect_timeout_s, f"report {name}")
         differ = [rank for rank, other in enumerate(values) if other != values[0]]
         if differ:
             raise TensorParallelError(
@@ -149,13 +149,11 @@ class RankGroup:
     def barrier(self, name: str, what: str) -> None:
         """Waits until every rank has reached ``name`` (start-up only: it waits through the store,
         up to the start-up timeout, and a rank that failed meanwhile is named)."""
-        self.store.set(f"npuserve/{name}/{self.rank}", "done")
-        self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, what)
+        self.share(name, "done", STARTUP_TIMEOUT_S, what)
 
     def agree_min(self, name: str, value: int) -> int:
         """The smallest ``value`` over the ranks (start-up only: it waits through the store)."""
-        self.store.set(f"npuserve/{name}/{self.rank}", str(value))
-        return min(int(v) for v in self.wait_for(f"npuserve/{name}", STARTUP_TIMEOUT_S, f"report {name}"))
+        return min(int(v) for v in self.share(name, str(value), STARTUP_TIMEOUT_S, f"report {name}"))
 
     def send(self, message: RankMessage) -> None:
         """Rank 0: one message to every other rank."""
@@ -207,6 +205,6 @@ def select_device(device: torch.device) -> None:
 
 
 def post_failure(store: dist.TCPStore, rank: int, message: str) -> None:
-    """Tells the other ranks, waiting in `RankGroup.wait_for`, why this rank cannot start."""
+    """Tells the other ranks, waiting in `RankGroup.share`, why this rank cannot start."""
     with contextlib.suppress(Exception):
         store.set(_FAILED_KEY, f"rank {rank}: {message}")

@@ -23,9 +23,6 @@ from npuserve.proto.step_codec import CodecError
 
 log = structlog.get_logger(__name__)
 
-# Exceptions that mean "the plan is wrong", not "the executor is broken".
-INVALID_PLAN_ERRORS = (PlanError, CodecError)
-
 
 class ExecutorStopping(RuntimeError):
     """A step that arrived after shutdown began (UNAVAILABLE: the executor state is unchanged)."""
@@ -53,12 +50,8 @@ class NoKvBlocks(RuntimeError):
 
 
 class StatusInterceptor(grpc.ServerInterceptor):
-    """Wraps every handler so an exception becomes a status code instead of a dead stream/process.
-
-    `PlanError`/`CodecError` -> INVALID_ARGUMENT with the message (the runner has already dropped
-    the plan's requests); `ExecutorStopping` -> UNAVAILABLE; anything else -> INTERNAL with the
-    exception's type and text.
-    """
+    """Wraps every handler so an exception becomes a status code (`_STATUSES`, else INTERNAL with
+    the exception's type and text) instead of a dead stream/process."""
 
     def intercept_service(
         self,
@@ -104,22 +97,25 @@ def _guard_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator], met
     return guarded
 
 
+# The exceptions that end an RPC with another status than INTERNAL, first match first, with their
+# message, and the warning each logs (None: none). A refused plan means "the plan is wrong", not
+# "the executor is broken" (the runner has already dropped the plan's requests).
+_STATUSES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], grpc.StatusCode, str | None], ...] = (
+    ((PlanError, CodecError), grpc.StatusCode.INVALID_ARGUMENT, "plan refused"),
+    (ExecutorStopping, grpc.StatusCode.UNAVAILABLE, None),
+    ((ProfilingDisabled, NoKvBlocks), grpc.StatusCode.UNIMPLEMENTED, None),
+    (KvPullFailed, grpc.StatusCode.ABORTED, "kv pull failed"),
+    ((ProfilerStateError, StaleStep), grpc.StatusCode.FAILED_PRECONDITION, None),
+)
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> NoReturn:
     """Ends the RPC with the status for `exc` (`context.abort` raises)."""
-    if isinstance(exc, INVALID_PLAN_ERRORS):
-        log.warning("plan refused", method=method, error=str(exc))
-        code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    elif isinstance(exc, ExecutorStopping):
-        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
-    elif isinstance(exc, (ProfilingDisabled, NoKvBlocks)):
-        code, details = grpc.StatusCode.UNIMPLEMENTED, str(exc)
-    elif isinstance(exc, KvPullFailed):
-        log.warning("kv pull failed", method=method, error=str(exc))
-        code, details = grpc.StatusCode.ABORTED, str(exc)
-    elif isinstance(exc, (ProfilerStateError, StaleStep)):
-        code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    else:
-        log.error("rpc failed", method=method, exc_info=exc)
-        code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-    context.abort(code, details)
+    for kinds, code, warning in _STATUSES:
+        if isinstance(exc, kinds):
+            if warning is not None:
+                log.warning(warning, method=method, error=str(exc))
+            context.abort(code, str(exc))
+    log.error("rpc failed", method=method, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     raise AssertionError("unreachable: context.abort raises")

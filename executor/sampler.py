@@ -119,38 +119,22 @@ def build_sampling_metadata(
         uniforms=on_device(hash_uniform(options["seed"], num_tokens), torch.float32),
         all_greedy=bool((temperature == 0).all()),
         max_num_logprobs=int(num_logprobs[wants_logprobs].max()) if wants_logprobs.any() else None,
-        penalties=_build_penalties(
-            options["presence_penalty"],
-            options["frequency_penalty"],
-            options["repetition_penalty"],
-            token_ids,
-            num_prompt_tokens,
-            num_tokens,
-            vocab_size,
-            device,
-        ),
-        min_tokens_block=_build_min_tokens_block(
-            options["min_tokens"],
-            options["stop_token_ids"],
-            num_prompt_tokens,
-            num_tokens,
-            vocab_size,
-            device,
-        ),
+        penalties=_build_penalties(options, token_ids, num_prompt_tokens, num_tokens, vocab_size, device),
+        min_tokens_block=_build_min_tokens_block(options, num_prompt_tokens, num_tokens, vocab_size, device),
         max_top_k=int(top_k.max()) if uses_top_k else 0,
     )
 
 
 def _build_penalties(
-    presence: np.ndarray,  # [B] float32
-    frequency: np.ndarray,  # [B] float32
-    repetition: np.ndarray,  # [B] float32
+    options: Mapping[str, np.ndarray],  # as `build_sampling_metadata`'s
     token_ids: np.ndarray,  # [B, L] int32
     num_prompt_tokens: np.ndarray,  # [B] int32
     num_tokens: np.ndarray,  # [B] int32
     vocab_size: int,
     device: torch.device,
 ) -> PenaltyMetadata | None:
+    presence, frequency = options["presence_penalty"], options["frequency_penalty"]  # [B] float32
+    repetition = options["repetition_penalty"]  # [B] float32
     if not ((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()):
         return None
     batch_size, max_len = token_ids.shape
@@ -176,13 +160,14 @@ def _build_penalties(
 
 
 def _build_min_tokens_block(
-    min_tokens: np.ndarray,  # [B] int32
-    stop_token_ids: np.ndarray,  # [B, K] int32, padded with -1
+    options: Mapping[str, np.ndarray],  # as `build_sampling_metadata`'s
     num_prompt_tokens: np.ndarray,  # [B] int32
     num_tokens: np.ndarray,  # [B] int32
     vocab_size: int,
     device: torch.device,
 ) -> MinTokensBlock | None:
+    min_tokens = options["min_tokens"]  # [B] int32
+    stop_token_ids = options["stop_token_ids"]  # [B, K] int32, padded with -1
     below = (num_tokens - num_prompt_tokens) < min_tokens  # [B]
     blocked = below[:, None] & (stop_token_ids >= 0) & (stop_token_ids < vocab_size)  # [B, K]
     if not blocked.any():

@@ -1,11 +1,9 @@
 """The executor's gRPC server: one ModelRunner behind the `npuserve.executor.v1.Executor` service.
 
-Each RPC decodes its message, calls the runner and encodes the answer (`ExecutorServicer`, in
-`servicer`); a `StepStream` does so as a pipeline (`step_stream`), so that a step sent while the
-one before it ran starts as that one ends. A single lock keeps steps from overlapping, whichever
-stream brings them. One interceptor (`StatusInterceptor`, in
-`rpc_status`) turns exceptions into status codes: a plan the runner refuses is INVALID_ARGUMENT,
-anything else INTERNAL, and the process keeps serving either way.
+`ExecutorServicer` (in `servicer`) serves each RPC: it decodes the message, calls the runner
+and encodes the answer, running a `StepStream`'s steps as a pipeline under one lock. One
+interceptor (`StatusInterceptor`, in `rpc_status`) turns exceptions into status codes: a plan the
+runner refuses is INVALID_ARGUMENT, anything else INTERNAL, and the process keeps serving either way.
 With a cluster token, `TokenInterceptor` (`npuserve.proto.auth`) runs first and ends every call but
 `Health` that does not present the token as UNAUTHENTICATED (`ReadBlocks`, another executor's
 pull of KV blocks, included); with ``--tls-cert``/``--tls-key`` the port is TLS. The executor's
@@ -144,9 +142,7 @@ def start_executor_server(
     return RunningExecutor(server, servicer, bound, _connect_address(host, bound), executor_id, version, info)
 
 
-def _bind(
-    server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
-) -> int:
+def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     target = bind_target(host, port)
     cause: RuntimeError | None = None
     try:
@@ -248,12 +244,8 @@ def serve_executor(
     if config.warmup:
         warm_up(runner)
     # NOTE: a tensor-parallel group's ranks would each time their share alone: it keeps torch's.
-    if (
-        config.cpu_threads == AUTO_CPU_THREADS
-        and isinstance(runner, ModelRunner)
-        and runner.device.type == "cpu"
-    ):
-        choose_cpu_threads(runner)
+    if leader is None and config.cpu_threads == AUTO_CPU_THREADS and model_runner.device.type == "cpu":
+        choose_cpu_threads(model_runner)
     running = start_executor_server(
         runner,
         host,

@@ -55,13 +55,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     own (torch's profiler records the thread that starts it); otherwise on the RPC's thread.
     """
 
-    def __init__(
-        self,
-        runner: StepRunner,
-        executor_id: str,
-        version: str,
-        profiler: StepProfiler | None = None,
-    ) -> None:
+    def __init__(self, runner: StepRunner, executor_id: str, version: str, profiler: StepProfiler) -> None:
         self._runner = runner
         self.instance_id = uuid.uuid4().hex
         self._info = step_codec.info_to_proto(runner.info(), executor_id, version)
@@ -70,7 +64,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._last_step_id: int | None = None
         self._last_session = 0  # the scheduler that sent that step (`StepPlan.session`)
         self._streams: set[grpc.ServicerContext] = set()  # open StepStream calls
-        self._profiler = profiler or StepProfiler(None, "cpu", executor_id)  # off
+        self._profiler = profiler
         self._step_thread = (
             futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
             if self._profiler.enabled

@@ -360,8 +360,9 @@ class SimulatedRunner:
         return remaining > 0
 
     def _update_states(self, plan: StepPlan) -> None:
-        check_kv_pulls(plan.kv_pulls, self.config.num_blocks)
-        check_block_copies(plan.block_copies, self.config.num_blocks, self.config.num_host_blocks)
+        c = self.config
+        check_kv_pulls(plan.kv_pulls, c.num_blocks)
+        check_block_copies(plan.block_copies, c.num_blocks, c.num_host_blocks)
         self.num_block_copies += len(plan.block_copies)
         requests = self._requests
         if plan.reset:
@@ -374,7 +375,9 @@ class SimulatedRunner:
             state = requests.get(cached.req_id)
             if state is None:
                 raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
-            self._check_blocks(cached.req_id, cached.new_block_ids, state.num_blocks)
+            check_block_ids(
+                cached.req_id, cached.new_block_ids, state.num_blocks, c.num_blocks, c.max_blocks_per_req
+            )
             state.num_blocks += len(cached.new_block_ids)
 
     def _run_scheduled(self, plan: StepPlan, result: StepResult) -> None:
@@ -408,11 +411,7 @@ class SimulatedRunner:
         for req_id, state, seq_len in scheduled:
             state.num_computed_tokens = seq_len
             if seq_len == state.num_tokens:
-                token = self._sample(state, masks.get(req_id))
-                result.sampled_req_ids.append(req_id)
-                result.sampled_token_ids.append(token)
-                result.logprobs.append(self._logprobs(state, token))
-                state.num_tokens += 1
+                self._sample_into(result, req_id, state, masks.get(req_id))
 
     def _run_later_pass(self, tokens: dict[str, int], result: StepResult) -> None:
         """Multi-step decoding: a pass after the first feeds back, for each request that runs it
@@ -421,11 +420,7 @@ class SimulatedRunner:
         for req_id in tokens:
             state = requests[req_id]
             state.num_computed_tokens = state.num_tokens
-            token = self._sample(state)
-            result.sampled_req_ids.append(req_id)
-            result.sampled_token_ids.append(token)
-            result.logprobs.append(self._logprobs(state, token))
-            state.num_tokens += 1
+            self._sample_into(result, req_id, state)
 
     def _add(self, req: NewRequest) -> None:
         c = self.config
@@ -444,10 +439,6 @@ class SimulatedRunner:
             num_logprobs=req.sampling.num_logprobs,
         )
 
-    def _check_blocks(self, req_id: str, block_ids: list[int], num_held: int) -> None:
-        c = self.config
-        check_block_ids(req_id, block_ids, num_held, c.num_blocks, c.max_blocks_per_req)
-
     def _masks(
         self, plan: StepPlan, scheduled: list[tuple[str, _RequestState, int]]
     ) -> dict[str, np.ndarray]:
@@ -461,18 +452,25 @@ class SimulatedRunner:
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [M, 32 W]
         return {req_id: np.flatnonzero(row) for req_id, row in zip(req_ids, bits, strict=True)}
 
-    def _sample(self, state: _RequestState, allowed: np.ndarray | None = None) -> int:
-        """The simulated token; under a bitmask, that token if allowed, else an allowed one
-        picked by the same hash (so still a function of the request and the position)."""
+    def _sample_into(
+        self, result: StepResult, req_id: str, state: _RequestState, allowed: np.ndarray | None = None
+    ) -> None:
+        """Appends the request's next token to it and to ``result``: the simulated token; under a
+        bitmask, that token if allowed, else an allowed one picked by the same hash (so still a
+        function of the request and the position)."""
         c = self.config
         output_index = state.num_tokens - state.num_prompt_tokens + 1  # 1-based
         eos_allowed = allowed is None or bool(np.isin(c.eos_token_ids[:1], allowed).all())
         if c.eos_after is not None and output_index == c.eos_after and eos_allowed:
-            return c.eos_token_ids[0]
-        token = simulated_token(state.key, state.num_tokens, c.vocab_size, c.eos_token_ids)
-        if allowed is None or token in allowed or not len(allowed):
-            return token
-        return int(allowed[simulated_token(state.key, state.num_tokens, len(allowed))])
+            token = c.eos_token_ids[0]
+        else:
+            token = simulated_token(state.key, state.num_tokens, c.vocab_size, c.eos_token_ids)
+            if allowed is not None and token not in allowed and len(allowed):
+                token = int(allowed[simulated_token(state.key, state.num_tokens, len(allowed))])
+        result.sampled_req_ids.append(req_id)
+        result.sampled_token_ids.append(token)
+        result.logprobs.append(self._logprobs(state, token))
+        state.num_tokens += 1
 
     def _logprobs(self, state: _RequestState, token: int) -> TokenLogprobs | None:
         """A certain token (logprob 0, rank 1) and made-up runners-up, when the request asks."""

@@ -31,45 +31,32 @@ def read_blocks(
     data; a `PlanError` at once for an id outside 1..num_blocks-1 (``block_bytes``: the modelled
     KV of one block)."""
     check_read_block_ids(block_ids, num_blocks)
-    return _chunks(len(block_ids), block_size, max(1, KV_CHUNK_BYTES // block_bytes))
-
-
-def _chunks(count: int, block_size: int, per_chunk: int) -> Iterator[pb.BlockChunk]:
-    for first in range(0, count, per_chunk):
-        shape = [2, min(per_chunk, count - first), block_size, 0, 0]
-        yield pb.BlockChunk(layer=0, first=first, shape=shape, dtype="bfloat16")
-
-
-def check_chunks(pull: KvPull, chunks: Iterator[pb.BlockChunk]) -> None:
-    """Reads a source's chunks of ``pull``: consecutive blocks from the first, every one once, as
-    `read_blocks` sends them; else `KvPullFailed`, as a real executor's pull fails."""
-    covered = 0
-    for chunk in chunks:
-        count = chunk.shape[1] if len(chunk.shape) == 5 else 0
-        if chunk.first != covered or not 0 < count <= len(pull.dst_block_ids) - covered:
-            covered = -1
-            break
-        covered += count
-    if covered != len(pull.dst_block_ids):
-        from npuserve.executor.rpc_status import KvPullFailed  # NOTE: loads torch, as the reader has
-
-        raise KvPullFailed(
-            f"kv pull from {pull.address}: its chunks do not cover the {len(pull.dst_block_ids)} "
-            "blocks asked for in order (the source must be a simulated executor)"
+    count, per_chunk = len(block_ids), max(1, KV_CHUNK_BYTES // block_bytes)
+    return (
+        pb.BlockChunk(
+            layer=0, first=first, shape=[2, min(per_chunk, count - first), block_size, 0, 0], dtype="bfloat16"
         )
+        for first in range(0, count, per_chunk)
+    )
 
 
 def run_pull(reader: BlockReader, pull: KvPull) -> bool:
-    """Reads and checks the source's chunks of ``pull``; False where the pull failed
-    (`KvPullFailed`: the source is gone, refused, or sent chunks that do not cover the blocks),
-    which fails its request only, as a real executor's pull does."""
+    """Reads the source's chunks of ``pull``; False where the pull failed: the source is gone or
+    refused (`KvPullFailed`), or its chunks are not the consecutive blocks from the first, every
+    one once, as `read_blocks` sends them. That fails its request only, as a real executor's pull
+    does."""
     from npuserve.executor.rpc_status import KvPullFailed  # NOTE: loads torch, as the reader has
 
+    covered = 0
     try:
-        check_chunks(pull, reader(pull))
+        for chunk in reader(pull):
+            count = chunk.shape[1] if len(chunk.shape) == 5 else 0
+            if chunk.first != covered or not 0 < count <= len(pull.dst_block_ids) - covered:
+                return False
+            covered += count
     except KvPullFailed:
         return False
-    return True
+    return covered == len(pull.dst_block_ids)
 
 
 class _ModelledPull(NamedTuple):

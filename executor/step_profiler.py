@@ -41,35 +41,31 @@ class ProfilerStateError(RuntimeError):
     """Start while a profile runs, or stop while none does (gRPC FAILED_PRECONDITION)."""
 
 
-def _npu_profiler(profile_dir: Path, worker_name: str) -> Any:
-    import torch_npu
+def _profiler(profile_dir: Path, worker_name: str, device_type: str) -> Any:
+    """torch_npu's profiler on an NPU, torch's elsewhere (the module's docstring says what each records)."""
+    extra: dict[str, Any] = {}
+    if device_type == "npu":
+        import torch_npu
 
-    npu_profiler = torch_npu.profiler
-    experimental = npu_profiler._ExperimentalConfig(
-        export_type=npu_profiler.ExportType.Text,
-        profiler_level=npu_profiler.ProfilerLevel.Level1,
-        aic_metrics=npu_profiler.AiCMetrics.AiCoreNone,
-    )
-    return npu_profiler.profile(
-        activities=[npu_profiler.ProfilerActivity.CPU, npu_profiler.ProfilerActivity.NPU],
-        record_shapes=True,
-        profile_memory=True,
-        with_stack=False,
-        experimental_config=experimental,
-        on_trace_ready=npu_profiler.tensorboard_trace_handler(str(profile_dir), worker_name=worker_name),
-    )
-
-
-def _torch_profiler(profile_dir: Path, worker_name: str, device_type: str) -> Any:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device_type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
+        profiler: Any = torch_npu.profiler
+        activities = [profiler.ProfilerActivity.CPU, profiler.ProfilerActivity.NPU]
+        extra["experimental_config"] = profiler._ExperimentalConfig(
+            export_type=profiler.ExportType.Text,
+            profiler_level=profiler.ProfilerLevel.Level1,
+            aic_metrics=profiler.AiCMetrics.AiCoreNone,
+        )
+    else:
+        profiler = torch.profiler
+        activities = [profiler.ProfilerActivity.CPU]
+        if device_type == "cuda":
+            activities.append(profiler.ProfilerActivity.CUDA)
+    return profiler.profile(
         activities=activities,
         record_shapes=True,
         profile_memory=True,
         with_stack=False,
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(profile_dir), worker_name=worker_name),
+        on_trace_ready=profiler.tensorboard_trace_handler(str(profile_dir), worker_name=worker_name),
+        **extra,
     )
 
 
@@ -121,10 +117,7 @@ class StepProfiler:
         if self._profile is not None:
             raise ProfilerStateError("a profile is already running; stop it first (POST /stop_profile)")
         profile_dir.mkdir(parents=True, exist_ok=True)
-        if self.device_type == "npu":
-            profile = _npu_profiler(profile_dir, self.worker_name)
-        else:
-            profile = _torch_profiler(profile_dir, self.worker_name, self.device_type)
+        profile = _profiler(profile_dir, self.worker_name, self.device_type)
         profile.start()
         self._profile = profile
         if self.clock is not None:

@@ -47,11 +47,9 @@ class _Channel(Generic[T]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = _NONE  # looked at by `take_if` and not taken: `get` gives it first
 
-    def put(self, item: T) -> None:
+    def put(self, item: T | BaseException) -> None:
+        """An item, or a failure that `get` raises in its place."""
         self._queue.put(item)
-
-    def fail(self, exc: BaseException) -> None:
-        self._queue.put(exc)
 
     def end(self) -> None:
         self._queue.put(_END)
@@ -135,7 +133,7 @@ class StepStreamPipeline:
                 if self._closed:
                     return
         except BaseException as exc:  # NOTE: a plan that cannot be read, or the stream broke
-            self._steps.fail(exc)
+            self._steps.put(exc)
         else:
             self._steps.end()
 
@@ -147,6 +145,6 @@ class StepStreamPipeline:
                 plan, early_results = step
                 results.put(self._run(plan, results.put if early_results else None, joining))
         except BaseException as exc:
-            results.fail(exc)
+            results.put(exc)
         else:
             results.end()

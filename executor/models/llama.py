@@ -197,7 +197,6 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         )
-        self.max_positions = config.max_position_embeddings
         self.register_buffer("cos_sin_cache", torch.empty(0, dtype=dtype), persistent=False)
 
     def init_rotary_cache(self, max_positions: int) -> None:

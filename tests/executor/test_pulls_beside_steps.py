@@ -80,7 +80,7 @@ def test_pulls_run_in_order_on_their_thread_and_a_step_waits_for_those_that_writ
     assert pulls.busy
     gates["b"].set()  # "b" still waits for "a", which runs first
     pulls.wait_for_outcome(StepPlan(0), timeout_s=0.01)
-    assert not outcomes and ran == []
+    assert not outcomes.fresh and ran == []
     named = StepPlan(
         1,
         new_requests=[NewRequest("c", [1, 2], 2, GREEDY, [8], 0)],
