@@ -61,10 +61,9 @@ async def probe_api_server(
     )
     try:
         # NOTE: the call ends OK at once (it carries no generation), its trailers with it.
-        placed = parse_api_server(await call.trailing_metadata())
+        return parse_api_server(await call.trailing_metadata())
     except grpc.aio.AioRpcError:
         return None
-    return placed
 
 
 async def spread_channels(

@@ -78,15 +78,17 @@ def presented_secret(metadata: Any, extra_header: str | None = None) -> str | No
 
 
 class _Check:
-    """The refusal reason for a call's metadata, logged at most once per interval."""
+    """The refusal reason for a call's metadata, logged at most once per interval (the base of
+    both server interceptors)."""
 
     def __init__(self, credential: Credential, secret: str) -> None:
         self.credential = credential
         self._secret = secret.encode()
         self._last_logged = 0.0
 
-    def problem(self, method: str, metadata: Any) -> str | None:
+    def problem(self, details: grpc.HandlerCallDetails) -> str | None:
         """None when the call may run: an open method, or the right secret presented."""
+        method, metadata = details.method, details.invocation_metadata
         if method.rsplit("/", 1)[-1] in OPEN_METHODS:
             return None
         c = self.credential
@@ -104,12 +106,9 @@ class _Check:
         return problem
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+class TokenInterceptor(_Check, grpc.ServerInterceptor):
     """For a `grpc.server`: any call but `Health` without the secret ends UNAUTHENTICATED before
     its handler runs."""
-
-    def __init__(self, credential: Credential, secret: str) -> None:
-        self._check = _Check(credential, secret)
 
     def intercept_service(
         self,
@@ -119,15 +118,12 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        problem = self._check.problem(handler_call_details.method, handler_call_details.invocation_metadata)
+        problem = self.problem(handler_call_details)
         return handler if problem is None else _refusing(handler, problem)
 
 
-class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+class AioTokenInterceptor(_Check, grpc.aio.ServerInterceptor):
     """`TokenInterceptor` for a `grpc.aio.server`."""
-
-    def __init__(self, credential: Credential, secret: str) -> None:
-        self._check = _Check(credential, secret)
 
     async def intercept_service(
         self,
@@ -137,7 +133,7 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        problem = self._check.problem(handler_call_details.method, handler_call_details.invocation_metadata)
+        problem = self.problem(handler_call_details)
         return handler if problem is None else _refusing_async(handler, problem)
 
 
@@ -201,16 +197,10 @@ class _BearerClientInterceptor(
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        """Every kind of call: ``request`` is the request, or the iterator of them."""
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
 
 
 @dataclass(frozen=True, slots=True)

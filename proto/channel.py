@@ -41,9 +41,8 @@ def client_channel(address: str, options: list[tuple[str, int]], tls_ca: bytes |
     """A blocking channel to ``address``: TLS verified against ``tls_ca`` (PEM roots) when given."""
     if tls_ca is None:
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(
-        address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options
-    )
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def aio_client_channel(

@@ -78,10 +78,7 @@ def parse_record(text: str | bytes) -> dict[str, Any] | None:
         record = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(record, dict):
-        return None
-    if not all(
-        isinstance(record.get(k), str) and record[k] for k in ("address", "executor_id", "instance_id")
-    ):
-        return None
-    return record
+    required = ("address", "executor_id", "instance_id")
+    if isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k] for k in required):
+        return record
+    return None

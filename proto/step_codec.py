@@ -188,8 +188,8 @@ _SAMPLING_FIELDS = tuple(
 def _sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
     # NOTE: every field is written, so proto3's zero defaults never stand in for ours (top_p 1.0);
     # None (an unset optional) is the one value left out.
-    values = {name: getattr(s, name) for name, _, _ in _SAMPLING_FIELDS}
-    return pb.SamplingOptions(**{name: value for name, value in values.items() if value is not None})
+    values = {name: value for name, _, _ in _SAMPLING_FIELDS if (value := getattr(s, name)) is not None}
+    return pb.SamplingOptions(**values)
 
 
 def _sampling_from_proto(req_id: str, msg: pb.SamplingOptions) -> SamplingOptions:
@@ -304,44 +304,18 @@ def _logprobs_from_proto(msg: pb.StepResponse, num_sampled: int) -> list[TokenLo
 # --------------------------------------------------------------------------------------------
 
 
+# Every ExecutorInfo field travels under its own name (`executor_id`, `version`: the message's own).
+_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ExecutorInfo))
+
+
 def info_to_proto(info: ExecutorInfo, executor_id: str = "", version: str = "") -> pb.ExecutorInfo:
-    return pb.ExecutorInfo(
-        model=info.model,
-        architecture=info.architecture,
-        block_size=info.block_size,
-        num_blocks=info.num_blocks,
-        max_model_len=info.max_model_len,
-        max_num_seqs=info.max_num_seqs,
-        max_num_batched_tokens=info.max_num_batched_tokens,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        dtype=info.dtype,
-        device=info.device,
-        tensor_parallel_size=info.tensor_parallel_size,
-        joins_steps=info.joins_steps,
-        num_host_blocks=info.num_host_blocks,
-        role=info.role,
-        executor_id=executor_id,
-        version=version,
-    )
+    fields = {name: getattr(info, name) for name in _INFO_FIELDS}
+    return pb.ExecutorInfo(executor_id=executor_id, version=version, **fields)
 
 
 def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
     """The capacity fields; `executor_id` and `version` are read from the message directly."""
-    return ExecutorInfo(
-        model=msg.model,
-        architecture=msg.architecture,
-        block_size=msg.block_size,
-        num_blocks=msg.num_blocks,
-        max_model_len=msg.max_model_len,
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
-        vocab_size=msg.vocab_size,
-        eos_token_ids=msg.eos_token_ids[:],
-        dtype=msg.dtype,
-        device=msg.device,
-        tensor_parallel_size=msg.tensor_parallel_size,
-        joins_steps=msg.joins_steps,
-        num_host_blocks=msg.num_host_blocks,
-        role=msg.role or EXECUTOR_ROLE_MIXED,
-    )
+    fields = {name: getattr(msg, name) for name in _INFO_FIELDS}
+    fields["eos_token_ids"] = msg.eos_token_ids[:]
+    fields["role"] = msg.role or EXECUTOR_ROLE_MIXED
+    return ExecutorInfo(**fields)

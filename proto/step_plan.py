@@ -252,11 +252,9 @@ class JoiningSteps(Protocol):
         """The next step, if it has come, joins the running one and schedules no more than
         ``max_tokens`` tokens (None: none has; or the next does not join, and runs after the
         running step, as usual; or it does not fit, and waits for a later pass)."""
-        ...
 
     def answer(self, result: StepResult) -> None:
         """Sends a joined step's result, after the pass it joined."""
-        ...
 
 
 class PlanRunner(Protocol):
@@ -285,11 +283,9 @@ def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepR
         into.sampled_req_ids.append(req_id)
         into.sampled_token_ids.append(token_id)
         into.logprobs.append(logprobs)
-    result.sampled_req_ids, result.sampled_token_ids, result.logprobs = (
-        kept.sampled_req_ids,
-        kept.sampled_token_ids,
-        kept.logprobs,
-    )
+    result.sampled_req_ids = kept.sampled_req_ids
+    result.sampled_token_ids = kept.sampled_token_ids
+    result.logprobs = kept.logprobs
     return early
 
 

@@ -35,6 +35,7 @@ from npuserve.scheduler.api.api_servicer import PublicApiServicer
 from npuserve.scheduler.api.api_status import guarded
 from npuserve.scheduler.engine.engine import Engine
 from npuserve.scheduler.engine.engine_config import EngineConfig
+from npuserve.scheduler.engine.engine_probes import start_profile, stop_profile
 from npuserve.scheduler.engine.membership import StaticMembership, wait_for_executors
 from npuserve.scheduler.engine.registry import RedisMembership
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
@@ -113,13 +114,13 @@ class SchedulerServicer(PublicApiServicer):
     async def StartProfile(
         self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartProfileResponse:
-        return pb.StartProfileResponse(executor_ids=await self.engine.start_profile())
+        return pb.StartProfileResponse(executor_ids=await start_profile(self.engine.live_lanes))
 
     @guarded
     async def StopProfile(
         self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StopProfileResponse:
-        traces = await self.engine.stop_profile()
+        traces = await stop_profile(self.engine.live_lanes)
         return pb.StopProfileResponse(
             executors=[pb.ExecutorProfile(executor_id=e, trace_files=f) for e, f in traces.items()]
         )
@@ -149,9 +150,7 @@ async def serve_scheduler(
         executors = await membership.wait_for_executors(config.connect_timeout_s)
     else:
         executors = await wait_for_executors(make_client, config.executors, config.connect_timeout_s)
-        membership = StaticMembership(make_client, config.executors)
-        for address, (executor_id, _, _) in zip(config.executors, executors, strict=True):
-            membership.joined(address, executor_id)
+        membership = StaticMembership(make_client, config.executors, executors)
     num_workers = (
         default_scheduler_workers() if config.scheduler_workers is None else config.scheduler_workers
     )

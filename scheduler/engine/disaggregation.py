@@ -97,6 +97,13 @@ class Disaggregation:
         lanes = self.routable_lanes
         return [lane for lane in lanes if lane.role != EXECUTOR_ROLE_PREFILL] or lanes
 
+    def _choose_lane(self, lanes: list[Lane], request: Request, num_blocks: int) -> Lane:
+        """The lane of ``lanes`` for ``request`` (its prompt's ``num_blocks``), by --routing."""
+        config = self.config
+        return choose_lane(
+            lanes, request.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
+        )
+
     def _prefill_lanes(self, excluded: Lane | None = None) -> list[Lane]:
         return [
             lane
@@ -124,29 +131,17 @@ class Disaggregation:
                 first.remote_prefill = True
                 return True
             self._cancel_prefill(first.req_id)
-        prefill = self._prefill_lane_for(siblings, decode, num_blocks)
-        if prefill is None:
-            return False
-        self._start_prefill(first, decode, prefill, num_blocks)
-        first.remote_prefill = True
-        return True
-
-    def _prefill_lane_for(self, siblings: list[Request], decode: Lane, num_blocks: int) -> Lane | None:
-        """The prefill lane for requests whose decode lane is ``decode``, or None: they prefill
-        there."""
-        first = siblings[0]
         if len(siblings) > 1 or decode.role == EXECUTOR_ROLE_PREFILL:
-            return None
+            return False
         lanes = self._prefill_lanes()
         if not lanes:
-            return None
+            return False
         num_uncached = first.num_tokens - cached_prefix(decode, first.block_hashes)[0] * self.block_size
         if num_uncached <= self.config.max_local_prefill_length:
-            return None
-        config = self.config
-        return choose_lane(
-            lanes, first.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
-        )
+            return False
+        self._start_prefill(first, decode, self._choose_lane(lanes, first, num_blocks), num_blocks)
+        first.remote_prefill = True
+        return True
 
     def _start_prefill(self, request: Request, decode: Lane, prefill: Lane, num_blocks: int) -> None:
         """The request's twin prefills on ``prefill``, counted as queued there until it is over."""
@@ -231,10 +226,8 @@ class Disaggregation:
         lanes = self._prefill_lanes(failed) if elsewhere else []
         to = remote.decode
         if lanes:
-            config, num_blocks = self.config, len(sequence.block_hashes) + 1
-            to = choose_lane(
-                lanes, sequence.block_hashes, num_blocks, config.routing, config.routing_prefill_weight
-            )
+            num_blocks = len(sequence.block_hashes) + 1
+            to = self._choose_lane(lanes, sequence, num_blocks)
             self._start_prefill(sequence, remote.decode, to, num_blocks)
         else:
             self._start_decode(remote.decode, sequence, None)

@@ -24,7 +24,7 @@ from npuserve.scheduler.core.request import (
     SamplingParams,
     StreamRelay,
 )
-from npuserve.scheduler.core.router import choose_lane, uncached_blocks
+from npuserve.scheduler.core.router import uncached_blocks
 from npuserve.scheduler.engine import engine_probes
 from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
@@ -328,14 +328,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         (`disaggregation`)."""
         first = siblings[0]
         num_blocks = len(first.block_hashes) + 1
-        config = self.config
-        lane = choose_lane(
-            self._decode_lanes(),
-            first.block_hashes,
-            num_blocks,
-            config.routing,
-            config.routing_prefill_weight,
-        )
+        lane = self._choose_lane(self._decode_lanes(), first, num_blocks)
         # NOTE: siblings share the prompt's blocks: one prefill, counted with the first.
         elsewhere = self._prefill_elsewhere(siblings, lane, num_blocks)
         prefill = 0 if elsewhere else uncached_blocks(lane, first.block_hashes, num_blocks)
@@ -482,14 +475,6 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
     async def check_integrity(self, expect_idle: bool = False) -> list[engine_probes.PoolState]:
         """Each lane's pool state, checked between its steps (AssertionError: the first violation)."""
         return await engine_probes.check_integrity(list(self.lanes.values()), self.grammars, expect_idle)
-
-    async def start_profile(self) -> list[str]:
-        """Starts profiling on every live executor; returns their ids (a failure raises, named)."""
-        return await engine_probes.start_profile(self.live_lanes)
-
-    async def stop_profile(self) -> dict[str, list[str]]:
-        """Ends every live executor's profile; returns the trace files each wrote."""
-        return await engine_probes.stop_profile(self.live_lanes)
 
     async def prefix_cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per executor: (prompt tokens looked up, tokens found in the cache)."""

@@ -66,17 +66,16 @@ async def wait_for_executors(
 
 
 class StaticMembership:
-    def __init__(self, make_client: ClientFactory, addresses: list[str]) -> None:
+    def __init__(self, make_client: ClientFactory, addresses: list[str], joined: list[Joined]) -> None:
+        """``joined``: the executors of ``addresses`` connected at start (`wait_for_executors`)."""
         self.make_client = make_client
         self.addresses = addresses
-        self.executor_of: dict[str, str] = {}  # address -> executor id, once connected
+        # address -> executor id, once connected
+        self.executor_of = {address: j[0] for address, j in zip(addresses, joined, strict=True)}
 
     def num_known(self) -> int:
         """The executors this scheduler serves on when all are up."""
         return len(self.addresses)
-
-    def joined(self, address: str, executor_id: str) -> None:
-        self.executor_of[address] = executor_id
 
     async def run(self, engine: Engine) -> None:
         """Reconnects executors that went down; runs until cancelled."""

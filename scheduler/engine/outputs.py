@@ -80,15 +80,12 @@ class OutputSink(Protocol):
     def add(self, update: SequenceUpdate) -> str | None:
         """New tokens (and perhaps the end) of one sequence; returns the stop string that ended
         it here, if one did (the engine then stops computing it)."""
-        ...
 
     def end(self, update: SequenceUpdate) -> None:
         """A sequence ended outside a step (aborted, or its executor failed)."""
-        ...
 
     def refuse(self, refusal: Exception) -> None:
         """The request ends before anything was sent: its stream raises ``refusal``."""
-        ...
 
 
 @dataclass(slots=True)
