@@ -48,9 +48,6 @@ class FreeBlockQueue:
         for block in blocks:
             self.append(block)
 
-    def __len__(self) -> int:
-        return self.num_free_blocks
-
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
         if block is None or block is self._tail:
@@ -86,7 +83,6 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # KV events, when someone mirrors this pool's prefix cache (a scheduler worker reports
@@ -99,15 +95,12 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now, cached-but-unused ones included."""
-        return len(self.free_queue)
+        return self.free_queue.num_free_blocks
 
     @property
     def usage(self) -> float:
         """Fraction of the usable blocks held by requests."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
-
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
 
     def tier_of(self, block_hash: BlockHash) -> int:
         """`ON_DEVICE`, `ON_HOST` (only there) or `NOT_CACHED`."""

@@ -27,9 +27,6 @@ class HostTier:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._blocks
 
-    def __len__(self) -> int:
-        return len(self._blocks)
-
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The host block holding ``block_hash``, now the most recently used; None: not here."""
         block_id = self._blocks.get(block_hash)

@@ -25,10 +25,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of them found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     def __init__(
@@ -43,10 +39,6 @@ class KVCacheManager:
         self.parked: dict[str, list[KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
 
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
 
@@ -60,7 +52,7 @@ class KVCacheManager:
         pool = self.pool
         hits: list[PrefixHit] = []
         for block_hash in request.block_hashes[:max_blocks]:
-            block = pool.get_cached_block(block_hash)
+            block = pool.cached_blocks.get(block_hash)
             if block is not None:
                 hits.append(block)
             elif pool.in_host_tier(block_hash):

@@ -104,7 +104,6 @@ class KvHandOff:
             num_steps: int,
             plan: StepPlan,
             stats: StepStats,
-            scheduled: list[Request],
             sampling: list[Request],
         ) -> None: ...
 
@@ -229,8 +228,7 @@ class KvHandOff:
         ]
         for req_id in self.orphaned:
             self.kv.free_parked(req_id, valid=False)
-        stages = (self.awaiting, self.ready, self.ready_queued, self.pulling, self.landed, self.orphaned)
-        for stage in stages:
+        for stage in (self.awaiting, self.ready, self.ready_queued, self.pulling, self.landed, self.orphaned):
             stage.clear()
         return reserved
 
@@ -284,14 +282,7 @@ class KvHandOff:
         waiting.insert(1, released)
         return True
 
-    def _start_pulled(
-        self,
-        plan: StepPlan,
-        stats: StepStats,
-        budget: int,
-        scheduled: list[Request],
-        sampling: list[Request],
-    ) -> int:
+    def _start_pulled(self, plan: StepPlan, stats: StepStats, budget: int, sampling: list[Request]) -> int:
         """The plan starts the pulls of the reserved requests whose source is known
         (`_plan_pulls`), and runs those whose pull landed, in order, within ``budget`` tokens:
         their remaining tokens (the first token), as any request admitted with its prompt
@@ -309,7 +300,7 @@ class KvHandOff:
             request.status = RequestStatus.RUNNING
             request.pull, request.remote_prefill = None, False
             self._send_whole(request, plan)
-            self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
+            self._grant(request, num_new, 1, plan, stats, sampling)
             budget -= num_new
         return budget
 

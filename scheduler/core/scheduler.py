@@ -15,15 +15,9 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from npuserve.proto.step_plan import (
-    CachedRequest,
-    NewRequest,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-)
+from npuserve.proto.step_plan import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
 from npuserve.scheduler.core.kv_cache_manager import KVCacheManager
 from npuserve.scheduler.core.kv_handoff import KvHandOff
 from npuserve.scheduler.core.request import PrefilledBlocks, Request, RequestStatus
@@ -49,7 +43,6 @@ class StepStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_prompt_tokens: int = 0  # of them, tokens of prompts (prefill work)
-    requests: list[Request] = field(default_factory=list)
 
 
 class Scheduler(KvHandOff):
@@ -146,7 +139,6 @@ class Scheduler(KvHandOff):
         self._to_drop = []
         stats = StepStats()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
         sampling: list[Request] = []
 
         running, kv = RequestStatus.RUNNING, self.kv
@@ -177,16 +169,15 @@ class Scheduler(KvHandOff):
                     continue  # the request itself was preempted
                 if new_blocks:
                     plan.cached_requests.append(CachedRequest(request.req_id, new_blocks))
-            self._grant(request, num_new, num_steps, plan, stats, scheduled, sampling)
+            self._grant(request, num_new, num_steps, plan, stats, sampling)
             budget -= num_new
 
         # NOTE: the requests reserved for their KV hold their blocks already.
-        budget = self._start_pulled(plan, stats, budget, scheduled, sampling)
+        budget = self._start_pulled(plan, stats, budget, sampling)
         # NOTE: after a preemption the pool is short; admitting more would only thrash.
         if not stats.num_preemptions:
-            self._admit(plan, stats, budget, scheduled, sampling)
+            self._admit(plan, stats, budget, sampling)
 
-        stats.requests = scheduled
         plan.bitmask = step_bitmask(sampling)
         if self.worth_sending(plan, may_poll):
             # NOTE: only a plan that is sent; else the copies (of blocks reserved for a pull, say)
@@ -202,23 +193,15 @@ class Scheduler(KvHandOff):
         takes no bitmask), none of the running ones. None when no request can start now."""
         plan = StepPlan(step_id=0, session=self.session, joins_running=True)
         stats = StepStats()
-        scheduled: list[Request] = []
-        self._admit(plan, stats, budget, scheduled, [], joining=True)
-        if not scheduled:
+        self._admit(plan, stats, budget, [], joining=True)
+        if not plan.num_scheduled_tokens:
             return None
         plan.step_id = next(self._step_ids)  # NOTE: only now: a step that is not sent takes no id
         plan.block_copies = self.kv.pool.take_copies()
-        stats.requests = scheduled
         return plan, stats
 
     def _admit(
-        self,
-        plan: StepPlan,
-        stats: StepStats,
-        budget: int,
-        scheduled: list[Request],
-        sampling: list[Request],
-        joining: bool = False,
+        self, plan: StepPlan, stats: StepStats, budget: int, sampling: list[Request], joining: bool = False
     ) -> None:
         """Starts waiting requests, in order, within ``budget`` tokens and the free sequence
         slots and blocks (a request whose KV is ready elsewhere first: `_make_way`); ``joining``
@@ -255,7 +238,7 @@ class Scheduler(KvHandOff):
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self._send_whole(request, plan)
-            self._grant(request, num_new, 1, plan, stats, scheduled, sampling)
+            self._grant(request, num_new, 1, plan, stats, sampling)
             budget -= num_new
 
     def _send_whole(self, request: Request, plan: StepPlan) -> None:
@@ -322,7 +305,6 @@ class Scheduler(KvHandOff):
         num_steps: int,
         plan: StepPlan,
         stats: StepStats,
-        scheduled: list[Request],
         sampling: list[Request],
     ) -> None:
         """Puts ``num_new`` tokens of a request in the plan, and ``num_steps - 1`` passes after
@@ -333,7 +315,6 @@ class Scheduler(KvHandOff):
         num_prompt = len(request.prompt_token_ids)
         if num_computed < num_prompt:
             stats.num_prompt_tokens += min(num_prompt - num_computed, num_new)
-        scheduled.append(request)
         request.num_computed_tokens = num_computed = num_computed + num_new
         if num_computed >= num_prompt + len(request.output_token_ids) + request.num_pending_tokens:
             # NOTE: this step samples the request's next token (its value comes with the result).

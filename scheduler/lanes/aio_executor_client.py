@@ -34,22 +34,6 @@ PROFILE_EXPORT_TIMEOUT_S = 600.0
 HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
-def serves_as(health: pb.HealthResponse, instance_id: str) -> bool:
-    """Whether a health answer comes from the executor process ``instance_id`` (empty: any)
-    and it serves: a restart on the same address is another process, which holds none of the
-    requests the first one did."""
-    same = not instance_id or not health.instance_id or health.instance_id == instance_id
-    return health.serving and same
-
-
-def addressed_step(plan: StepPlan, instance_id: str) -> pb.StepRequest:
-    """The plan, addressed to the executor instance a client handshook with (a restarted
-    process refuses it)."""
-    request = step_codec.plan_to_proto(plan)
-    request.executor_instance_id = instance_id
-    return request
-
-
 def _late(timeout_s: float | None) -> ExecutorError:
     return ExecutorError("DEADLINE_EXCEEDED", f"no step response within {timeout_s} s")
 
@@ -57,7 +41,7 @@ def _late(timeout_s: float | None) -> ExecutorError:
 def _closed_under(client: AioExecutorClient, stream: Any, exc: asyncio.CancelledError) -> ExecutorError:
     """A stream this client cancelled (a step before failed) cancels what waits on it; a wait
     on the open stream was the task's own cancellation, which goes on."""
-    if stream is client.open_stream:
+    if stream is client._stream:
         raise exc
     return ExecutorError("CANCELLED", "the step stream was closed after a failed step")
 
@@ -65,9 +49,8 @@ def _closed_under(client: AioExecutorClient, stream: Any, exc: asyncio.Cancelled
 class AioPendingStep:
     """A step sent whose result has not been read yet."""
 
-    def __init__(self, client: AioExecutorClient, request: pb.StepRequest, stream: Any) -> None:
+    def __init__(self, client: AioExecutorClient, stream: Any) -> None:
         self.client = client
-        self.request = request
         self.stream = stream  # the StepStream call it went on
 
     async def result(self) -> StepResult:
@@ -132,16 +115,13 @@ class AioExecutorClient:
         """The client ``spec`` describes (the one the front's processes share), for one instance."""
         return cls(address, instance_id, spec.timeout_s, spec.token, spec.tls_ca)
 
-    @property
-    def open_stream(self) -> Any | None:
-        return self._stream
-
     async def submit(self, plan: StepPlan, early_results: bool = False) -> AioPendingStep:
         """Sends a step now; read its result with ``.result()``, in order.
 
         ``early_results``: a multi-step plan's first-pass-only requests come in an answer of their
         own before its result (read both with ``.result()``)."""
-        request = addressed_step(plan, self.instance_id)
+        request = step_codec.plan_to_proto(plan)
+        request.executor_instance_id = self.instance_id  # NOTE: a restarted process refuses it
         request.early_results = early_results and plan.has_first_pass_only
         if self._stream is None:
             self._stream = self.stub.StepStream(metadata=self.metadata)
@@ -156,7 +136,7 @@ class AioExecutorClient:
             raise ExecutorError("UNAVAILABLE", "the executor closed the step stream") from None
         except asyncio.CancelledError as exc:
             raise _closed_under(self, stream, exc) from None
-        return AioPendingStep(self, request, stream)
+        return AioPendingStep(self, stream)
 
     async def step(self, plan: StepPlan) -> StepResult:
         return await (await self.submit(plan)).result()
@@ -194,14 +174,14 @@ class AioExecutorClient:
     async def health(self) -> bool:
         """True when the executor answers and serves, as the process the front handshook with;
         False when it is unreachable, stopping, or another process (asked after a failed step:
-        was that the executor's answer, or was it gone? `serves_as`)."""
+        was that the executor's answer, or was it gone?). A restart on the same address is another
+        process, which holds none of the requests the first one did."""
         try:
-            response = await self.stub.Health(
-                pb.HealthRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, metadata=self.metadata
-            )
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # the second: a closed channel
+            response = await self._call(self.stub.Health, pb.HealthRequest(), HEALTH_CHECK_TIMEOUT_S)
+        except (ExecutorError, grpc.aio.UsageError):  # the second: a closed channel
             return False
-        return serves_as(response, self.instance_id)
+        ours, theirs = self.instance_id, response.instance_id  # NOTE: empty on either side: any process
+        return response.serving and (not ours or not theirs or theirs == ours)
 
     def close_stream(self, stream: Any) -> None:
         """Ends ``stream`` if it is still the open one: the next step opens another."""

@@ -229,11 +229,6 @@ class ExecutorLane:
     # -- what the engine and the router read ------------------------------------------------------
 
     @property
-    def joins_steps(self) -> bool:
-        """Whether the requests that come during a multi-pass step join its next pass."""
-        return self.joining is not None
-
-    @property
     def load(self) -> int:
         """Requests this lane holds."""
         return self.scheduler.num_unfinished
@@ -269,7 +264,7 @@ class ExecutorLane:
 
     @property
     def kv_usage(self) -> float:
-        return self.scheduler.kv.usage
+        return self.scheduler.kv.pool.usage
 
     @property
     def prefix_stats(self) -> tuple[int, int]:
@@ -404,12 +399,6 @@ class ExecutorLane:
 
     async def _land(self) -> None:
         step = self._landing = self._in_flight.popleft()
-        try:
-            await self._land_step(step)
-        finally:
-            self._landing = None
-
-    async def _land_step(self, step: InFlightStep) -> None:
         pending = step.pending
         try:
             result = await pending.result()
@@ -417,8 +406,9 @@ class ExecutorLane:
                 if result.step_id != step.plan.step_id:  # a step that joined this one's passes
                     self._landed(take_joined(self._in_flight, result.step_id), result, joined=True)
                     self._wakeup.wake()  # NOTE: the requests that came meanwhile may join the next pass
-                else:  # the first tokens of the requests it admitted, say
-                    self._answered_early(step, result)
+                else:  # the first tokens of the requests it admitted, say: reported now, no step counted
+                    updates = self.scheduler.update_from_output(step.plan, result)
+                    self.on_event(self, LaneEvent(updates=updates))
                 result = await pending.result()
         except Exception as exc:
             answers = not executor_is_down(exc) and await self.client.health()
@@ -427,14 +417,10 @@ class ExecutorLane:
                 with contextlib.suppress(Exception):
                     await after.pending.result()
             self._fail_steps([step, *later], exc)
-            return
-        self._landed(step, result)
-
-    def _answered_early(self, step: InFlightStep, result: StepResult) -> None:
-        """The tokens of the requests that ran only the step's first pass, before its result:
-        reported now, with no step counted."""
-        updates = self.scheduler.update_from_output(step.plan, result)
-        self.on_event(self, LaneEvent(updates=updates))
+        else:
+            self._landed(step, result)
+        finally:
+            self._landing = None
 
     def _failed(self, exc: Exception, down: str | None) -> list[InFlightStep]:
         """A step failed: the steps sent after it (to drain before `_fail_steps`), or none
@@ -467,10 +453,8 @@ class ExecutorLane:
             requests_run_again=len(retried),
             requests_failed=len(failed),
         )
-        self.on_event(
-            self,
-            LaneEvent(ended=failed, error=f"executor {self.executor_id} failed: {exc}", failed_step=True),
-        )
+        error = f"executor {self.executor_id} failed: {exc}"
+        self.on_event(self, LaneEvent(ended=failed, error=error, failed_step=True))
 
     def _landed(self, step: InFlightStep, result: StepResult, joined: bool = False) -> None:
         """A step's result: its tokens, and its time; ``joined``: it ran inside another's pass."""
@@ -478,22 +462,13 @@ class ExecutorLane:
         self.num_steps += 1
         now = time.perf_counter()
         seconds = self.pacing.elapsed_s(step.sent_at, now)
-        if step.plan.joins_running:  # ran in another's pass, or alone: timings of no step of its own
-            event = LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds, joined_step=joined)
-            self.on_event(self, event)
-            return
-        passes = self.pacing.landed(
-            step.plan.num_passes, result.timings.total_s, seconds, now, self.scheduler.has_work()
-        )
-        if passes is not None:
-            log.debug("passes per step", executor=self.executor_id, passes=passes)
-        self.on_event(
-            self,
-            LaneEvent(
-                updates=updates,
-                stats=step.stats,
-                step_seconds=seconds,
-                executor_draining=result.draining,
-                timings=result.timings,
-            ),
-        )
+        event = LaneEvent(updates=updates, stats=step.stats, step_seconds=seconds, joined_step=joined)
+        # NOTE: a step that joins another ran in that one's pass, or alone: no timings of its own
+        if not step.plan.joins_running:
+            passes = self.pacing.landed(
+                step.plan.num_passes, result.timings.total_s, seconds, now, self.scheduler.has_work()
+            )
+            if passes is not None:
+                log.debug("passes per step", executor=self.executor_id, passes=passes)
+            event.executor_draining, event.timings = result.draining, result.timings
+        self.on_event(self, event)

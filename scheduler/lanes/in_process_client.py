@@ -19,11 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from npuserve.proto.step_plan import (
-    PlanRunner,
-    StepPlan,
-    StepResult,
-)
+from npuserve.proto.step_plan import PlanRunner, StepPlan, StepResult
 from npuserve.scheduler.lanes.executor_client import ExecutorError
 
 
@@ -111,13 +107,6 @@ class _PendingStep:
         return answer
 
 
-def _as_executor_error(exc: Exception) -> ExecutorError:
-    """A runner's failure as the executor's servicer reports it (anything unexpected: INTERNAL)."""
-    if isinstance(exc, ExecutorError):
-        return exc
-    return ExecutorError("INTERNAL", f"{type(exc).__name__}: {exc}")
-
-
 class InProcessClient:
     """Steps to ``runner``, run in order on a thread of the client's (see the module)."""
 
@@ -169,8 +158,11 @@ class InProcessClient:
                 result = self.runner.execute(
                     step.plan, stream.answer if step.early_results else None, joining
                 )
-            except Exception as exc:
+            except ExecutorError as exc:
                 stream.failed = True
-                stream.answer(_as_executor_error(exc))
+                stream.answer(exc)
+            except Exception as exc:  # as the executor's servicer reports anything unexpected
+                stream.failed = True
+                stream.answer(ExecutorError("INTERNAL", f"{type(exc).__name__}: {exc}"))
             else:
                 stream.answer(result)

@@ -26,7 +26,6 @@ T = TypeVar("T")
 # of the executor: `down_reason`.
 EXECUTOR_DOWN_CODES = frozenset({"DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "UNAUTHENTICATED"})
 
-
 # A lane's step in flight may take this long to end when the lane closes.
 LANE_CLOSE_TIMEOUT_S = 5.0
 

@@ -85,9 +85,8 @@ class LaneReport:
     stats: tuple[int, int, int] | None = None  # (preemptions, scheduled tokens, prompt tokens)
     step_seconds: float = 0.0
     load: LaneLoad = field(default_factory=LaneLoad)
-    kv_events: list[tuple[int, BlockHash]] = field(
-        default_factory=list
-    )  # (`BlockPool.tier_of`, hash), in order
+    # The pool's prefix-cache changes, in order: (`BlockPool.tier_of`, hash).
+    kv_events: list[tuple[int, BlockHash]] = field(default_factory=list)
     executor_draining: bool = False  # the executor's step answer said it drains
     failed_step: bool = False  # a step failed while the executor still served
     joined_step: bool = False  # a step that ran inside another's pass landed
@@ -233,11 +232,6 @@ def evacuated(request: Request) -> Evacuated:
     return request.req_id, request.output_token_ids, request.output_logprobs
 
 
-def count_direct_tokens(request: Request, num_output_tokens: int) -> None:
-    """The front's copy counts the tokens its worker sent straight to an API process."""
-    request.num_direct_tokens = num_output_tokens - len(request.output_token_ids)
-
-
 def carries_reports(message: Sequence[object]) -> bool:
     """Whether a worker's message holds lane reports: the worker counts those messages as
     unacknowledged until the front, having handled one, acknowledges it."""
@@ -264,7 +258,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         if request.num_cached_tokens < 0:  # the usage reports the first schedule's hit
             request.num_cached_tokens = num_cached
         request.add_reported_output(token_ids, logprobs)
-        count_direct_tokens(request, num_output)
+        request.num_direct_tokens = num_output - len(request.output_token_ids)  # sent straight to `relay`
         if finished is None:  # NOTE: once per token: the common case sets nothing it need not
             if request.status is not RUNNING:
                 request.status = RUNNING
@@ -283,7 +277,7 @@ def apply_report(report: LaneReport, request_of: Callable[[str], Request | None]
         if request is not None:
             # NOTE: a worker may hold fewer: a request that waited there for its KV, ended before
             # the token sampled where it prefilled reached it.
-            count_direct_tokens(request, max(num_output, len(request.output_token_ids)))
+            request.num_direct_tokens = max(0, num_output - len(request.output_token_ids))
             request.status = RequestStatus(status_value)
             event.ended.append(request)
     for req_id, output_token_ids, output_logprobs in report.evacuated:

@@ -71,9 +71,7 @@ class StepJoining:
         # NOTE: nothing else runs from here to the send: the steps in flight are as seen here (a
         # landing that failed meanwhile has taken them out and queued their requests again).
         steps = [s for s in (lane._landing, *lane._in_flight) if s is not None]
-        if not lane.alive or lane._stopping or not steps:
-            return
-        if sum(s.plan.joins_running for s in steps) >= JOIN_MAX_IN_FLIGHT:
+        if not lane.alive or lane._stopping or sum(s.plan.joins_running for s in steps) >= JOIN_MAX_IN_FLIGHT:
             return
         steps = [s for s in steps if not s.plan.joins_running]
         if not steps:

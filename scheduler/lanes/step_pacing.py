@@ -48,9 +48,7 @@ class StepPacing:
         self.last_landed = now
         if num_passes > 1:
             per_pass = seconds / num_passes
-            self.pass_seconds = (
-                per_pass if not self.pass_seconds else 0.8 * self.pass_seconds + 0.2 * per_pass
-            )
+            self.pass_seconds = 0.8 * self.pass_seconds + 0.2 * per_pass if self.pass_seconds else per_pass
         return chosen
 
     def interrupted(self) -> None:

@@ -74,8 +74,7 @@ ROOM_WAIT_S = 0.05  # a lane waiting for room checks its commands this often
 class ReportWindow:
     """Messages of reports sent to the front and not acknowledged yet (on the worker's loop)."""
 
-    def __init__(self, limit: int = MAX_UNACKED_REPORTS) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self._unacked = 0
         self._room = asyncio.Event()
         self._room.set()
@@ -83,21 +82,21 @@ class ReportWindow:
     def sent(self, batch: list[WorkerToFront]) -> None:
         if carries_reports(batch):
             self._unacked += 1
-            if self._unacked >= self.limit:
+            if self._unacked >= MAX_UNACKED_REPORTS:
                 self._room.clear()
 
     def acked(self) -> None:
         self._unacked = max(0, self._unacked - 1)
-        if self._unacked < self.limit:
+        if self._unacked < MAX_UNACKED_REPORTS:
             self._room.set()
 
-    async def has_room(self, timeout_s: float = ROOM_WAIT_S) -> bool:
-        """Waits up to ``timeout_s`` for the front to catch up; whether a lane may step now."""
-        if self._unacked < self.limit:
+    async def has_room(self) -> bool:
+        """Waits up to `ROOM_WAIT_S` for the front to catch up; whether a lane may step now."""
+        if self._unacked < MAX_UNACKED_REPORTS:
             return True
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._room.wait(), timeout_s)
-        return self._unacked < self.limit
+            await asyncio.wait_for(self._room.wait(), ROOM_WAIT_S)
+        return self._unacked < MAX_UNACKED_REPORTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,11 +242,7 @@ class StepWorker:
 
 
 def run_step_worker(
-    conn: Connection,
-    spec: ClientSpec,
-    settings: LaneSettings,
-    log_level: str,
-    json_logs: bool,
+    conn: Connection, spec: ClientSpec, settings: LaneSettings, log_level: str, json_logs: bool
 ) -> None:
     """The worker process's entry point (spawned by `StepWorkerPool`)."""
     from npuserve.deploy.runtime.event_loop import run as run_loop

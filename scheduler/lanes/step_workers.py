@@ -192,13 +192,7 @@ class WorkerHandle:
         pool = self.pool
         process = ctx.Process(
             target=run_step_worker,
-            args=(
-                worker_end,
-                pool.spec,
-                pool.lane_settings,
-                pool.log_level,
-                pool.json_logs,
-            ),
+            args=(worker_end, pool.spec, pool.lane_settings, pool.log_level, pool.json_logs),
             name=f"npuserve-{self.name}",
             daemon=True,
         )
@@ -271,11 +265,7 @@ class StepWorkerPool:
     """The scheduler's worker processes; `open_lane` places an executor on the least-loaded one."""
 
     def __init__(
-        self,
-        count: int,
-        spec: ClientSpec,
-        log_level: str = "info",
-        json_logs: bool = False,
+        self, count: int, spec: ClientSpec, log_level: str = "info", json_logs: bool = False
     ) -> None:
         if count < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {count}")

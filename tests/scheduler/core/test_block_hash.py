@@ -15,7 +15,7 @@ TOKENS = [5, 17, 99, 3, 40_000, 151_935, 0, 12, 7, 8, 9, 10]
 _CHILD = """
 from npuserve.scheduler.core.block_hash import extend_block_hashes
 hashes = []
-extend_block_hashes(hashes, {tokens!r}, 4, b"lora:7")
+extend_block_hashes(hashes, {tokens!r}, 4)
 print(",".join(h.hex() for h in hashes))
 """
 
@@ -37,21 +37,19 @@ def _hashes_in_subprocess(hash_seed: str) -> list[bytes]:
 def test_hashes_are_stable_across_processes() -> None:
     """The same blocks hash to the same bytes in processes with different PYTHONHASHSEEDs."""
     here: list[bytes] = []
-    extend_block_hashes(here, TOKENS, 4, b"lora:7")
+    extend_block_hashes(here, TOKENS, 4)
     assert len(here) == 3 and all(len(h) == 32 for h in here)
     assert _hashes_in_subprocess("1") == here
     assert _hashes_in_subprocess("12345") == here
 
 
-def test_hash_is_a_fixed_function_of_parent_tokens_and_extra_keys() -> None:
-    """A block hash depends on its parent, its tokens and its extra keys, and on nothing else."""
+def test_hash_is_a_fixed_function_of_parent_and_tokens() -> None:
+    """A block hash depends on its parent and its tokens, and on nothing else."""
     block = [1, 2, 3, 4]
     assert hash_block_tokens(None, block) == hash_block_tokens(ROOT_HASH, block)
     assert hash_block_tokens(None, block) == hash_block_tokens(None, tuple(block))
     assert hash_block_tokens(None, block) != hash_block_tokens(None, [1, 2, 3, 5])
     assert hash_block_tokens(None, block) != hash_block_tokens(None, [4, 3, 2, 1])
-    assert hash_block_tokens(None, block, b"a") != hash_block_tokens(None, block, b"b")
-    assert hash_block_tokens(None, block, b"a") != hash_block_tokens(None, block)
 
 
 def test_same_block_after_different_prefixes_differs() -> None:

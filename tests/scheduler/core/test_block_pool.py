@@ -34,13 +34,13 @@ def test_pool_needs_two_blocks() -> None:
 def test_null_block_is_never_handed_out() -> None:
     """Block 0 is not in the free list; draining the pool hands out 1..N-1 and then refuses."""
     pool = BlockPool(5)
-    assert pool.null_block.block_id == NULL_BLOCK_ID == 0
+    assert pool.blocks[NULL_BLOCK_ID].block_id == NULL_BLOCK_ID == 0
     assert free_ids(pool) == [1, 2, 3, 4]
     assert pool.num_free_blocks == 4
     assert ids(pool.get_new_blocks(4)) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="1 blocks with 0 free"):
         pool.get_new_blocks(1)
-    assert pool.null_block.ref_cnt == 0
+    assert pool.blocks[NULL_BLOCK_ID].ref_cnt == 0
     pool.check_integrity()
 
 
@@ -123,12 +123,12 @@ def test_touch_revives_a_cached_free_block_from_the_middle() -> None:
     pool.cache_full_blocks(req, [h(1), h(2), h(3)], 0, 3)
     pool.free_blocks(reversed(req))
     assert free_ids(pool) == [4, 5, 6, 7, 3, 2, 1]
-    hit = pool.get_cached_block(h(2))
+    hit = pool.cached_blocks.get(h(2))
     assert hit is req[1]
     pool.touch([hit])
     assert hit.ref_cnt == 1
     assert free_ids(pool) == [4, 5, 6, 7, 3, 1]
-    assert pool.get_cached_block(h(2)) is hit  # still cached while held
+    assert pool.cached_blocks.get(h(2)) is hit  # still cached while held
     assert pool.num_free_blocks == 6
     pool.check_integrity()
     # Freed again, it goes to the tail, not back to its old place.
@@ -158,12 +158,12 @@ def test_cache_full_blocks_registers_hashes() -> None:
     req = pool.get_new_blocks(4)  # 1..4
     hashes = [h(10), h(11), h(12), h(13)]
     pool.cache_full_blocks(req, hashes, 0, 2)
-    assert pool.get_cached_block(h(10)) is req[0]
-    assert pool.get_cached_block(h(11)) is req[1]
-    assert pool.get_cached_block(h(12)) is None
+    assert pool.cached_blocks.get(h(10)) is req[0]
+    assert pool.cached_blocks.get(h(11)) is req[1]
+    assert pool.cached_blocks.get(h(12)) is None
     assert req[2].block_hash is None
     pool.cache_full_blocks(req, hashes, 2, 3)
-    assert pool.get_cached_block(h(12)) is req[2]
+    assert pool.cached_blocks.get(h(12)) is req[2]
     assert req[2].block_hash == h(12)
     assert set(pool.cached_blocks) == {h(10), h(11), h(12)}
     pool.check_integrity()
@@ -187,7 +187,7 @@ def test_duplicate_hash_keeps_the_first_block() -> None:
     second = pool.get_new_blocks(1)  # 2
     pool.cache_full_blocks(first, [h(5)], 0, 1)
     pool.cache_full_blocks(second, [h(5)], 0, 1)
-    assert pool.get_cached_block(h(5)) is first[0]
+    assert pool.cached_blocks.get(h(5)) is first[0]
     assert second[0].block_hash == h(5)  # hashed, but not the cached copy
     pool.check_integrity()
     pool.free_blocks(second)
@@ -195,7 +195,7 @@ def test_duplicate_hash_keeps_the_first_block() -> None:
     assert free_ids(pool) == [3, 4, 5, 2, 1]
     assert ids(pool.get_new_blocks(4)) == [3, 4, 5, 2]  # hands out the duplicate
     assert second[0].block_hash is None
-    assert pool.get_cached_block(h(5)) is first[0]
+    assert pool.cached_blocks.get(h(5)) is first[0]
     pool.check_integrity()
 
 
@@ -215,16 +215,16 @@ def test_lazy_eviction_keeps_hash_until_handed_out_again() -> None:
     pool.cache_full_blocks(req, [h(1), h(2)], 0, 2)
     pool.free_blocks(reversed(req))
     assert free_ids(pool) == [3, 2, 1]
-    assert pool.get_cached_block(h(1)) is req[0]
-    assert pool.get_cached_block(h(2)) is req[1]
+    assert pool.cached_blocks.get(h(1)) is req[0]
+    assert pool.cached_blocks.get(h(2)) is req[1]
     assert req[0].block_hash == h(1)
 
     assert ids(pool.get_new_blocks(1)) == [3]  # an uncached block: nothing evicted
     assert set(pool.cached_blocks) == {h(1), h(2)}
     assert ids(pool.get_new_blocks(1)) == [2]  # the chain tail goes first
-    assert pool.get_cached_block(h(2)) is None
+    assert pool.cached_blocks.get(h(2)) is None
     assert req[1].block_hash is None
-    assert pool.get_cached_block(h(1)) is req[0]
+    assert pool.cached_blocks.get(h(1)) is req[0]
     pool.check_integrity()
 
 
@@ -241,7 +241,7 @@ def test_forget_unregisters_blocks() -> None:
     pool.forget(req[1:])  # idempotent
     pool.free_blocks(reversed(req))
     assert free_ids(pool) == [4, 5, 3, 2, 1]
-    assert pool.get_cached_block(h(2)) is None
+    assert pool.cached_blocks.get(h(2)) is None
     pool.check_integrity(expect_idle=True)
 
 
@@ -253,7 +253,7 @@ def test_forget_a_duplicate_keeps_the_cached_copy() -> None:
     pool.cache_full_blocks(a, [h(9)], 0, 1)
     pool.cache_full_blocks(b, [h(9)], 0, 1)
     pool.forget(b)
-    assert pool.get_cached_block(h(9)) is a[0]
+    assert pool.cached_blocks.get(h(9)) is a[0]
     assert b[0].block_hash is None
     pool.check_integrity()
 
@@ -336,7 +336,7 @@ def test_integrity_fails_on_evicted_block_still_in_hash_map() -> None:
 def test_integrity_fails_on_null_block_in_free_list() -> None:
     """The null block in the free list is caught."""
     pool, _ = _busy_pool()
-    pool.free_queue.append(pool.null_block)
+    pool.free_queue.append(pool.blocks[NULL_BLOCK_ID])
     with pytest.raises(AssertionError, match="null block"):
         pool.check_integrity()
 
@@ -369,7 +369,7 @@ def test_free_block_queue_small() -> None:
     queue.remove(blocks[5])
     queue.remove(blocks[1])
     assert [b.block_id for b in queue] == [2, 4]
-    assert len(queue) == 2
+    assert queue.num_free_blocks == 2
     queue.append(blocks[5])
     queue.append(blocks[0])
     assert [b.block_id for b in queue] == [2, 4, 5, 0]
@@ -378,7 +378,7 @@ def test_free_block_queue_small() -> None:
         queue.remove(blocks[3])
     for expected in (2, 4, 5, 0):
         assert queue.popleft().block_id == expected
-    assert len(queue) == 0
+    assert queue.num_free_blocks == 0
     with pytest.raises(ValueError, match="no free block"):
         queue.popleft()
 
@@ -391,12 +391,12 @@ def test_free_block_queue_large_pool_stays_correct_and_fast() -> None:
     queue = FreeBlockQueue(blocks)
     for block in blocks[1::2]:  # remove every odd block from the middle
         queue.remove(block)
-    assert len(queue) == n // 2
+    assert queue.num_free_blocks == n // 2
     for block in reversed(blocks[1::2]):  # append them back, highest first
         queue.append(block)
     popped = [queue.popleft().block_id for _ in range(n // 2)]
     assert popped == list(range(0, n, 2))
-    assert len(queue) == n // 2
+    assert queue.num_free_blocks == n // 2
     assert [b.block_id for b in queue] == list(range(n - 1, 0, -2))
 
 
@@ -409,7 +409,7 @@ def test_large_pool_touch_from_the_middle() -> None:
     pool.cache_full_blocks(picked, hashes, 0, len(picked))
     pool.free_blocks(reversed(held))
     assert pool.num_free_blocks == 100_000
-    revived = [pool.get_cached_block(hh) for hh in hashes[::2]]
+    revived = [pool.cached_blocks.get(hh) for hh in hashes[::2]]
     assert all(b is not None for b in revived)
     pool.touch([b for b in revived if b is not None])
     assert pool.num_free_blocks == 100_000 - len(revived)

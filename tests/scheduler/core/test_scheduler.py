@@ -661,14 +661,13 @@ def test_step_ids_increase_and_idle_steps_are_empty() -> None:
 
 
 def test_step_stats_count_prompt_tokens() -> None:
-    """StepStats splits scheduled tokens into prompt work and lists the scheduled requests."""
+    """StepStats splits scheduled tokens into prompt work."""
     run = new_run(max_num_batched_tokens=8)
     run.scheduler.add_request(make_request("a", prompt_of(6), max_tokens=3))
     run.scheduler.add_request(make_request("b", prompt_of(6, 1), max_tokens=3))
     plan, stats = run.scheduler.schedule()
     assert plan.num_scheduled_tokens == {"a": 6, "b": 2}
     assert (stats.num_scheduled_tokens, stats.num_prompt_tokens) == (8, 8)
-    assert [r.req_id for r in stats.requests] == ["a", "b"]
     run.scheduler.update_from_output(plan, run.executor.step(plan))
     plan, stats = run.scheduler.schedule()
     assert plan.num_scheduled_tokens == {"a": 1, "b": 4}
@@ -894,7 +893,7 @@ def test_a_joining_step_admits_whole_prompts_in_its_budget_and_the_outputs_stay(
     assert scheduled is not None
     joiner, stats = scheduled
     assert joiner.joins_running and admits_only(joiner)
-    assert joiner.num_scheduled_tokens == {"b": 6} and [r.req_id for r in stats.requests] == ["b"]
+    assert joiner.num_scheduled_tokens == {"b": 6} and stats.num_scheduled_tokens == 6
     assert [r.req_id for r in sched.waiting] == ["c"]  # c's 8 tokens are past the 4 left
     result, answer = run.executor.step_joined(running, joiner)
     assert answer.sampled_req_ids == ["b"]

@@ -648,7 +648,7 @@ def test_requests_that_come_during_a_multi_pass_step_join_its_next_pass() -> Non
         on_event = _Events(lambda event: event.stats is not None)
         events = on_event.seen
         lane, a = await _start_and_learn_the_pace(running.address, on_event, joins_steps=True)
-        assert lane.joins_steps and runner.info().joins_steps
+        assert lane.joining is not None and runner.info().joins_steps
         since = len(events)
         b, c = _request("b"), _request("c")
         lane.submit([b, c])
