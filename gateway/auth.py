@@ -18,12 +18,8 @@ def requires_key(path: str) -> bool:
 
 def is_authorized(authorization: bytes | None, api_key: bytes) -> bool:
     """Whether an `Authorization` header value carries the key (compared in constant time)."""
-    if authorization is None:
-        return False
-    scheme, _, token = authorization.partition(b" ")
-    if scheme.lower() != b"bearer":
-        return False
-    return hmac.compare_digest(token.strip(), api_key)
+    scheme, _, token = (authorization or b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key)
 
 
 class APIKeyMiddleware:

@@ -9,7 +9,7 @@ field comes back under the name the client sent it as. The calls themselves are 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -90,7 +90,7 @@ class HealthInfo:
 class TokenizeResult:
     tokens: list[int]
     max_model_len: int
-    token_strs: list[str] | None = field(default=None)
+    token_strs: list[str] | None = None
 
 
 # -- requests --------------------------------------------------------------------------------------

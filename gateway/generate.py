@@ -98,7 +98,7 @@ class Choice:
 
     index: int
     prompt_index: int
-    started: bool = False  # the echoed prompt (completions) or the role (chat) was sent
+    started: bool = False  # the echoed prompt was sent (completions)
     text_len: int = 0  # characters of text already produced (completions' text_offset)
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -290,7 +290,6 @@ class ChatFormat:
         return self._outputs[choice.index]
 
     def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
-        choice.started = True
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},

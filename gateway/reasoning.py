@@ -54,11 +54,8 @@ class ThinkTagsParser:
         if self._at is _At.REASONING:
             found = self.buffer.find(self.end)
             if found < 0:
-                keep = 0 if final else partial_marker(self.buffer, self.end)
-                out.reasoning, self.buffer = (
-                    self.buffer[: len(self.buffer) - keep],
-                    self.buffer[len(self.buffer) - keep :],
-                )
+                cut = len(self.buffer) - (0 if final else partial_marker(self.buffer, self.end))
+                out.reasoning, self.buffer = self.buffer[:cut], self.buffer[cut:]
                 return out
             out.reasoning, self.buffer = self.buffer[:found], self.buffer[found + len(self.end) :]
             self._at = _At.AFTER

@@ -400,11 +400,15 @@ class SchedulerClient:
         method: grpc.aio.UnaryUnaryMultiCallable,
         request: object,
         timeout_s: float = SMALL_CALL_TIMEOUT_S,
+        errors: dict[grpc.StatusCode, tuple[int, str]] | None = None,
     ) -> Any:
         try:
             return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            status = (errors or {}).get(exc.code())
+            if status is None:
+                raise from_rpc_error(exc) from None
+            raise APIError(status[0], exc.details() or exc.code().name, code=status[1]) from None
 
     async def tokenize(
         self, req: TokenizeCompletionRequest | TokenizeChatRequest, model: str
@@ -434,19 +438,14 @@ class SchedulerClient:
 
     async def start_profile(self) -> list[str]:
         """Starts the profiler on every executor; the ids of those profiling."""
-        reply = await self._profile_call(self.stub.StartProfile, pb.StartProfileRequest())
+        reply = await self._unary(
+            self.stub.StartProfile, pb.StartProfileRequest(), PROFILE_TIMEOUT_S, _PROFILE_ERRORS
+        )
         return list(reply.executor_ids)
 
     async def stop_profile(self) -> dict[str, list[str]]:
         """Stops the profilers; the trace files each executor wrote, by executor id."""
-        reply = await self._profile_call(self.stub.StopProfile, pb.StopProfileRequest())
+        reply = await self._unary(
+            self.stub.StopProfile, pb.StopProfileRequest(), PROFILE_TIMEOUT_S, _PROFILE_ERRORS
+        )
         return {e.executor_id: list(e.trace_files) for e in reply.executors}
-
-    async def _profile_call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
-        try:
-            return await method(request, timeout=PROFILE_TIMEOUT_S, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            status = _PROFILE_ERRORS.get(exc.code())
-            if status is None:
-                raise from_rpc_error(exc) from None
-            raise APIError(status[0], exc.details() or exc.code().name, code=status[1]) from None

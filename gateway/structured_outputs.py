@@ -137,6 +137,5 @@ def _of_kind(kind: str, value: Any, param: str) -> Constraint:
         return Constraint(pb.StructuredOutputs(choice=pb.ChoiceList(choices=value)), param)
     if not isinstance(value, str) or not value:
         raise bad_request(f"{param} must be a non-empty string", param)
-    if kind == "regex":
-        return Constraint(pb.StructuredOutputs(regex=value), param)
-    return Constraint(pb.StructuredOutputs(grammar=value), param)
+    message = pb.StructuredOutputs(regex=value) if kind == "regex" else pb.StructuredOutputs(grammar=value)
+    return Constraint(message, param)

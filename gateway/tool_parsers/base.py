@@ -131,8 +131,7 @@ class _CallTracker:
             return self.header_sent  # an announced call stays announced
         if not self.streaming:
             out.calls.append(ToolCallDelta(self.index, arguments, self.id, name))
-            return True
-        if self._streamed_arguments(buffer) is None:
+        elif self._streamed_arguments(buffer) is None:
             out.calls.append(ToolCallDelta(self.index, arguments))
         return True
 

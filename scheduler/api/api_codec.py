@@ -81,9 +81,7 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
         chat = msg.chat
         return PromptInput(
             messages=[_message_from_proto(m) for m in chat.messages],
-            add_generation_prompt=chat.add_generation_prompt
-            if chat.HasField("add_generation_prompt")
-            else True,
+            add_generation_prompt=not chat.HasField("add_generation_prompt") or chat.add_generation_prompt,
             chat_template=chat.chat_template if chat.HasField("chat_template") else None,
             add_special_tokens=add_special,
             tools=[_tool_from_proto(i, t) for i, t in enumerate(chat.tools)] or None,

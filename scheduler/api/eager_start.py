@@ -28,9 +28,7 @@ def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     context = contextvars.copy_context()
     try:
         yielded = context.run(coro.send, None)
-    except StopIteration:
-        return None
-    except asyncio.CancelledError:
+    except (StopIteration, asyncio.CancelledError):
         return None
     except Exception:
         log.exception("a coroutine started eagerly failed")
