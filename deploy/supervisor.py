@@ -14,7 +14,7 @@ process at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,7 +135,11 @@ class Supervisor:
             for child in children:  # in FRONT's order: the gateway stops admitting first
                 child.process.terminate()
             signalled += children
-            if not self._wait_exit(children, shutdown, timeout_s + EXIT_MARGIN_S):
+
+            def exited(group: list[Child] = children) -> bool:
+                return not any(child.running for child in group)
+
+            if not shutdown.drain_until(exited, timeout_s + EXIT_MARGIN_S):
                 break
         if shutdown.now.is_set():
             log.info("second signal: stopping every process now")
@@ -143,12 +147,3 @@ class Supervisor:
                 if child.running:
                     child.process.terminate()  # its second signal: stop now
             # NOTE: the others never drained; the caller's stop ends them (SIGTERM, then SIGKILL).
-
-    def _wait_exit(self, children: Sequence[Child], shutdown: Shutdown, timeout_s: float) -> bool:
-        """True when every child ended within ``timeout_s``; False at a second signal or the end."""
-        deadline = time.monotonic() + timeout_s
-        while any(child.running for child in children):
-            if shutdown.now.is_set() or time.monotonic() > deadline:
-                return False
-            shutdown.now.wait(POLL_S / 4)
-        return True

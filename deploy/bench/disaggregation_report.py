@@ -61,19 +61,9 @@ def serving_points(summaries: Sequence[BenchSummary], label: str = "") -> list[L
         if configuration not in DISAGGREGATION_VARIANTS:
             continue
         load = DECODE_ONLY_LOAD if s.variant.endswith(DECODE_ONLY) else "long prompts"
-        points.append(
-            LoadPoint(
-                configuration + label,
-                load,
-                s.output_throughput,
-                s.decode_itl_ms.p50,
-                s.decode_itl_ms.p99,
-                s.decode_ttft_ms.p50,
-                s.decode_ttft_ms.p99,
-                s.long_prompt_ttft_ms.p50,
-                s.long_prompt_ttft_ms.p99,
-            )
-        )
+        itl, ttft, long_ttft = s.decode_itl_ms, s.decode_ttft_ms, s.long_prompt_ttft_ms
+        measures = (s.output_throughput, itl.p50, itl.p99, ttft.p50, ttft.p99, long_ttft.p50, long_ttft.p99)
+        points.append(LoadPoint(configuration + label, load, *measures))
     return points
 
 

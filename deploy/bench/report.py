@@ -235,9 +235,7 @@ def format_serving_table(summaries: Sequence[BenchSummary]) -> str:
 
 
 def serving_json(
-    workload: dict[str, Any],
-    rounds: Sequence[Sequence[BenchSummary]],
-    host: MachineInfo,
+    workload: dict[str, Any], rounds: Sequence[Sequence[BenchSummary]], host: MachineInfo
 ) -> dict[str, Any]:
     """The workload, every variant's summary row (of its median round) and the ratios, each
     round's rows and ratios when there were several, and the machine."""
@@ -384,14 +382,11 @@ def _scale_columns(results: Sequence[Result]) -> list[tuple[str, str, str]]:
 
 
 def _scale_cells(r: Result, columns: list[tuple[str, str, str]]) -> list[str]:
-    cells = []
-    for _, attr, fmt in columns:
-        if not attr:
-            cores = (r.scheduler_cores, r.executors_cores, r.client_cores, r.other_cores)
-            cells.append("/".join(f"{c:.2f}" for c in cores))
-        else:
-            cells.append(cell(getattr(r, attr), fmt))
-    return cells
+    """A row's cells; the one column without a field (`SCALE_COLUMNS`' cores) its four core counts."""
+    cores = "/".join(
+        f"{c:.2f}" for c in (r.scheduler_cores, r.executors_cores, r.client_cores, r.other_cores)
+    )
+    return [cell(getattr(r, attr), fmt) if attr else cores for _, attr, fmt in columns]
 
 
 def format_scale_table(results: Sequence[Result]) -> str:

@@ -118,19 +118,17 @@ def run_npuserve(
         )
         for i, req_id in enumerate(req_ids)
     ]
-    outputs: list[list[int]] = [[] for _ in req_ids]
     start = time.perf_counter()
-    result = runner.execute(
-        StepPlan(next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, int(prompt_len)))
+    prefill = StepPlan(
+        next(step_ids), new_requests, num_scheduled_tokens=dict.fromkeys(req_ids, int(prompt_len))
     )
+    steps = [runner.execute(prefill).sampled_token_ids]  # each step's token per request
     prefilled = time.perf_counter()
     for _ in range(output_len - 1):
-        for out, token in zip(outputs, result.sampled_token_ids, strict=True):
-            out.append(token)
-        result = runner.execute(StepPlan(next(step_ids), num_scheduled_tokens=dict.fromkeys(req_ids, 1)))
+        plan = StepPlan(next(step_ids), num_scheduled_tokens=dict.fromkeys(req_ids, 1))
+        steps.append(runner.execute(plan).sampled_token_ids)
     decoded = time.perf_counter()
-    for out, token in zip(outputs, result.sampled_token_ids, strict=True):
-        out.append(token)
+    outputs = [list(tokens) for tokens in zip(*steps, strict=True)]
     runner.execute(StepPlan(next(step_ids), finished_req_ids=req_ids))
     return CaseResult(
         "npuserve", dtype, batch_size, prompt_len, output_len, prefilled - start, decoded - prefilled, outputs

@@ -103,14 +103,8 @@ def scheduler_args(config: ScaleConfig, addresses: Sequence[str]) -> list[str]:
         max_local_prefill_length=config.local_prefill,
         **passed_on,
     )
-    return [
-        "scheduler",
-        *SCHEDULER.to_flags(scheduler),
-        "--port",
-        "0",
-        "--log-level",
-        config.scheduler_log_level,
-    ]
+    flags = SCHEDULER.to_flags(scheduler)
+    return ["scheduler", *flags, "--port", "0", "--log-level", config.scheduler_log_level]
 
 
 @contextmanager

@@ -131,12 +131,8 @@ class ScaleConfig:
 
     @property
     def max_model_len(self) -> int:
-        longest = self.prompt_len[1] + self.output_len[1]
-        return (
-            max(longest, self.long_prompt_len + self.long_output_len)
-            if max(self.long_prompt_rate)
-            else longest
-        )
+        long_prompts = self.long_prompt_len + self.long_output_len if max(self.long_prompt_rate) else 0
+        return max(self.prompt_len[1] + self.output_len[1], long_prompts)
 
     @property
     def blocks_per_executor(self) -> int:

@@ -339,12 +339,9 @@ def _run_variant(
         return measure(offline, workload, requests, warmup, progress)
     if args.address:
         tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        api_key = resolve_api_key(args.api_key)
         target = GrpcTarget(
-            args.address,
-            variant.name,
-            api_key=resolve_api_key(args.api_key),
-            tls_ca=tls_ca,
-            client_call=args.client_call,
+            args.address, variant.name, api_key=api_key, tls_ca=tls_ca, client_call=args.client_call
         )
         return measure(target, workload, requests, warmup, progress)
     with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:

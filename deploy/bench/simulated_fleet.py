@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import structlog
 from npuserve.deploy.executor_flags import serve_executor_roles
 from npuserve.deploy.flag_table import csv, same_named
 from npuserve.deploy.flags import add_logging_flags, command_error
+from npuserve.deploy.runtime.shutdown import Shutdown
 from npuserve.executor.kv_transfer import ReadBlocksClient
 from npuserve.executor.server import STOP_GRACE_S, RunningExecutor, start_executor_server
 from npuserve.executor.simulated import LatencyModel, SimulatedConfig, SimulatedRunner
@@ -109,8 +108,8 @@ def serve_simulated(config: SimulatedConfig, args: argparse.Namespace) -> None:
     count, num_prefill, stats_file = args.count, args.prefill_executors, args.stats_file
     started = start_simulated(config, args.host, args.port, count, args.executor_id, num_prefill)
     servers = [running for running, _ in started]
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = Shutdown()
+    restore_signals = stop.install()
     try:
         if args.ready_file is not None:
             write_ready_file(args.ready_file, ready_payload(servers))
@@ -122,15 +121,14 @@ def serve_simulated(config: SimulatedConfig, args: argparse.Namespace) -> None:
             latency=dataclasses.asdict(config.latency),
             num_blocks=config.num_blocks,
         )
-        while not stop.wait(args.stats_interval if stats_file is not None else None):
+        while not stop.drain.wait(args.stats_interval if stats_file is not None else None):
             if stats_file is not None:
                 write_ready_file(stats_file, stats_payload(started))
     finally:
         stop_all(servers)
         if stats_file is not None:
             write_ready_file(stats_file, stats_payload(started))
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals()
     log.info("simulated executors stopped", steps=sum(r.stats.num_steps for _, r in started))
 
 

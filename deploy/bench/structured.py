@@ -71,12 +71,9 @@ def step_times(
         executed = time.perf_counter()
         scheduler.update_from_output(plan, result)
         updated = time.perf_counter()
-        for phase, seconds in zip(
-            PHASES,
-            (updated - start, scheduled - start, executed - scheduled, updated - executed),
-            strict=True,
-        ):
-            times[phase].append(seconds)
+        seconds = (updated - start, scheduled - start, executed - scheduled, updated - executed)
+        for phase, value in zip(PHASES, seconds, strict=True):
+            times[phase].append(value)
     scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
     return {phase: values[1:] for phase, values in times.items()}  # the first step is the prefill
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +43,12 @@ class Chunk:
 
     num_tokens: int
     cached_prompt_tokens: int | None = None
+
+    @classmethod
+    def of(cls, completions: Iterable[Any], usage: Any) -> Chunk:
+        """A response's completions (their new ``token_ids``) and its usage (None: not the last)."""
+        cached = usage.cached_prompt_tokens if usage is not None else None
+        return cls(sum(len(c.token_ids) for c in completions), cached)
 
 
 class BenchError(RuntimeError):
@@ -106,11 +112,7 @@ class OfflineTarget:
         async for output in self.engine.generate(PromptInput(token_ids=prompt), params):
             if output.error or any(c.finish_reason in ("error", "abort") for c in output.completions):
                 raise BenchError(output.error or "the request was aborted")
-            usage = output.usage
-            yield Chunk(
-                sum(len(c.token_ids) for c in output.completions),
-                usage.cached_prompt_tokens if usage is not None else None,
-            )
+            yield Chunk.of(output.completions, output.usage)
 
 
 # How a bench's gRPC client sends its generations: over one `GenerateMany` call (as the gateway
@@ -211,11 +213,7 @@ class GrpcTarget:
                 failed = [c for c in response.completions if c.finish_reason in ("error", "abort")]
                 if failed:
                     raise BenchError(failed[0].error_message or f"finish_reason {failed[0].finish_reason}")
-                usage = response.usage if response.HasField("usage") else None
-                yield Chunk(
-                    sum(len(c.token_ids) for c in response.completions),
-                    usage.cached_prompt_tokens if usage is not None else None,
-                )
+                yield Chunk.of(response.completions, response.usage if response.HasField("usage") else None)
         except grpc.aio.AioRpcError as exc:
             raise BenchError(f"{exc.code().name}: {exc.details()}") from None
         except GenerateFailed as exc:

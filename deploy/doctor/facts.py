@@ -34,14 +34,9 @@ ASCEND_ROOT_ENV = "NPUSERVE_ASCEND_ROOT"
 DEV_ROOT_ENV = "NPUSERVE_DEV_ROOT"
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 NETWORK_ENV = (
-    "HCCL_IF_IP",
-    "HCCL_SOCKET_IFNAME",
-    "GLOO_SOCKET_IFNAME",
-    "HCCL_CONNECT_TIMEOUT",
-    "HCCL_BUFFSIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+    "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT", "HCCL_BUFFSIZE",
+    "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
 PACKAGES = ("torch", "torch_npu", "transformers", "npuserve")
 _FAMILY = re.compile(r"V\d+R\d+C\d+")
 
@@ -151,12 +146,8 @@ def collect_facts(
 ) -> HostFacts:
     """Everything the checks need. ``packages``/``npu_smi_output`` default to this machine's."""
     watched = (
-        AUTOLOAD_ENV,
-        "ASCEND_RT_VISIBLE_DEVICES",
-        "ASCEND_HOME_PATH",
-        "ASCEND_TOOLKIT_HOME",
-        "ATB_HOME_PATH",
-    )
+        AUTOLOAD_ENV, "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ATB_HOME_PATH",
+    )  # fmt: skip
     facts = HostFacts(
         ascend_root=ascend_root,
         python=sys.version.split()[0],

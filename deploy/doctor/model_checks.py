@@ -94,11 +94,7 @@ def _dtype_check(model: ModelConfig, config: ExecutorConfig, is_310: bool) -> tu
     choice = config.dtype.strip().lower().removeprefix("torch.")
     name = checkpoint if choice == "auto" else choice
     if name not in DTYPE_NAMES:
-        return fail(
-            "dtype",
-            f"unknown dtype {name!r}",
-            f"pass --dtype {' | '.join(('bfloat16', 'float16', 'float32'))}",
-        ), None
+        return fail("dtype", f"unknown dtype {name!r}", "pass --dtype bfloat16 | float16 | float32"), None
     name = str(DTYPE_NAMES[name]).removeprefix("torch.")
     half = "float16" if is_310 else "bfloat16"
     if config.device == "npu" and name == "float32":
