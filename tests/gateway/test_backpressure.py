@@ -2,11 +2,11 @@
 off once it has taken no byte for `--stream-stall-timeout`, which aborts its request in the
 scheduler, so their output is neither generated nor buffered on.
 
-20 streaming completions, n=128 each, up to the end of the context, sent from raw sockets with a
+10 streaming completions, n=128 each, up to the end of the context, sent from raw sockets with a
 small receive buffer that never read: the gateway's memory grows less than 100 MB over what it
-held before them (with no timeout it buffered their whole output: +700 MB), every request ends
-long before its output could have been generated, each connection ends without `[DONE]`, and
-then a normal request is served and every block pool is whole and idle.
+held before them (with no timeout it buffered their whole output: +700 MB for 20 of them),
+every request ends long before its output could have been generated, each connection ends
+without `[DONE]`, and then a normal request is served and every block pool is whole and idle.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.slow  # starts npuserve processes
 
 STALL_TIMEOUT_S = 2
-NUM_CLIENTS = 20
+NUM_CLIENTS = 10
 N = 128
 MAX_TOKENS = 480  # the demo model's context is 512 tokens
 # NOTE: logprobs make each chunk larger: the socket buffers fill, and the clock starts, sooner.
