@@ -146,10 +146,7 @@ class KvHandOff:
             return
         request.remote_prefill = False
         if reserved:  # NOTE: admitted again as any request, from its prefix hits
-            del self.awaiting[request.req_id]
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
+            self._unreserve(self.awaiting.pop(request.req_id))
             self.waiting.appendleft(request)
 
     def release_held(self, req_ids: Iterable[str]) -> None:
@@ -276,11 +273,16 @@ class KvHandOff:
             waiting.appendleft(ready)
             return True
         _, released = self.awaiting.popitem()
-        self.kv.free(released)  # NOTE: its prefix hits stay cached; nothing was written in the rest
-        released.num_computed_tokens = 0
-        released.status = RequestStatus.WAITING
+        self._unreserve(released)
         waiting.insert(1, released)
         return True
+
+    def _unreserve(self, request: Request) -> None:
+        """A reservation still awaiting its KV, given up (the caller queues it again): its
+        blocks go back (its prefix hits stay cached; nothing was pulled into the rest)."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
 
     def _start_pulled(self, plan: StepPlan, stats: StepStats, budget: int, sampling: list[Request]) -> int:
         """The plan starts the pulls of the reserved requests whose source is known
