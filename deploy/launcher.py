@@ -143,6 +143,11 @@ class Child:
         """SIGTERM, then SIGKILL if it still runs after ``grace_s``; its exit code."""
         if self.process.poll() is None:
             self.process.terminate()
+        return self.wait_or_kill(grace_s)
+
+    def wait_or_kill(self, grace_s: float) -> int:
+        """Its exit code, SIGKILLed if it still runs after ``grace_s``. (It was sent SIGTERM
+        already: a second one tells an npuserve process to skip its drain.)"""
         try:
             return self.process.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -264,7 +269,7 @@ class Launcher:
                 child.process.terminate()
         deadline = time.monotonic() + grace_s
         for child in reversed(self.children):
-            child.stop(max(0.1, deadline - time.monotonic()))
+            child.wait_or_kill(max(0.1, deadline - time.monotonic()))
         for child in self.children:
             if child.ready_file is not None:
                 child.ready_file.unlink(missing_ok=True)

@@ -134,6 +134,31 @@ def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     assert launcher.stop(grace_s=0.5) == {"stubborn": -signal.SIGKILL}
 
 
+# A child that drains at its first SIGTERM (for ever, here) and stops at its second, as npuserve's do.
+DRAINS = (
+    "import signal; signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL)); "
+    + SERVES
+)
+# A child that takes a second to exit once told to.
+SLOW_TO_EXIT = (
+    "import os, signal, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), os._exit(0))); "
+    + SERVES
+)
+
+
+def test_stop_signals_each_child_once_and_kills_those_still_draining(tmp_path: Path) -> None:
+    """Stopped last-started first, the slow child holds the stop for a second, long after the
+    draining one took its SIGTERM: a second SIGTERM then would end its drain, as an operator's
+    second signal does; the stop sends none, and kills it at the end of the grace period."""
+    launcher = Launcher(tmp_path)
+    children = [
+        launcher.start("draining", ["-c", DRAINS], command=PYTHON),
+        launcher.start("slow", ["-c", SLOW_TO_EXIT], command=PYTHON),
+    ]
+    launcher.wait_ready(children, timeout_s=30)
+    assert launcher.stop(grace_s=2) == {"draining": -signal.SIGKILL, "slow": 0}
+
+
 def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
     code = (
         "import sys, time; from pathlib import Path; from npuserve.deploy.launcher import Launcher; "
