@@ -24,7 +24,8 @@ import time
 
 import structlog
 
-from npuserve.executor.warmup import PlanRunner, decode_step, warmup_plans
+from npuserve.executor.warmup import decode_step, warmup_plans
+from npuserve.proto.step_plan import PlanRunner
 
 log = structlog.get_logger(__name__)
 

@@ -61,8 +61,7 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device | Ta
     CPU, which becomes bfloat16, and float32 on NPU, which becomes the NPU's half type.
     """
     choice = name.strip().lower()
-    auto = choice == "auto"
-    dtype = _auto_dtype(config_dtype, device) if auto else _parse_dtype(choice, "dtype")
+    dtype = _auto_dtype(config_dtype, device) if choice == "auto" else _parse_dtype(choice, "dtype")
     check_dtype_supported(device, dtype)
     return dtype
 

@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
 import torch
 
 from npuserve.executor.config import ModelConfig
-from npuserve.executor.graph_device import DeviceGraph, GraphDevice
 from npuserve.executor.input_batch import StepInputs
 from npuserve.kernels import NULL_BLOCK_ID, AttentionMetadata, KernelBackend
 from npuserve.kernels.staging import HostStaging
@@ -48,6 +49,41 @@ log = structlog.get_logger(__name__)
 GIB = 1 << 30
 # (input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden]
 Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
+
+
+class DeviceGraph(Protocol):
+    """``torch.npu.NPUGraph`` / ``torch.cuda.CUDAGraph``: what npuserve calls of one."""
+
+    def replay(self) -> None: ...
+
+
+class GraphDevice:
+    """The graph API of a device family, ``kind`` "npu" (``torch.npu``, ACL graphs) or "cuda"
+    (``torch.cuda``, CUDA graphs). Both follow torch.cuda's: a graph object, a ``graph(g,
+    pool=...)`` context manager that captures into it, ``graph_pool_handle()`` for a pool several
+    graphs share, and ``memory_reserved()``, whose growth over the captures is what the pool
+    holds. The emulated NPU implements the same calls (`npuserve.kernels.npu_emulation.graphs`)."""
+
+    def __init__(self, kind: str) -> None:
+        assert kind in ("npu", "cuda"), kind
+        self.kind = kind
+        self.module: Any = getattr(torch, kind)
+
+    def new_graph(self) -> DeviceGraph:
+        return self.module.NPUGraph() if self.kind == "npu" else self.module.CUDAGraph()
+
+    def pool_handle(self) -> object:
+        return self.module.graph_pool_handle()
+
+    def capture(self, graph: DeviceGraph, pool: object) -> AbstractContextManager[Any]:
+        """Captures the work queued inside the block into ``graph``, its memory from ``pool``."""
+        return self.module.graph(graph, pool=pool)
+
+    def memory_reserved(self) -> int:
+        return int(self.module.memory_reserved())
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
 
 
 @dataclass(slots=True)

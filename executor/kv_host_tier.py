@@ -48,18 +48,14 @@ class HostKvTier:
         self.staging = staging
         self.block_bytes = sum(cache[:, 0].numel() * cache.element_size() for cache in kv_caches)
         self.tally = TransferTally(KV_TRANSFER_HOST_TIER)
-        self.layers = [
-            self._host_blocks(
-                (num_blocks, cache.shape[0], *cache.shape[2:]), cache.dtype
-            )  # [H, 2, bs, Hkv, D]
-            for cache in kv_caches
-        ]
-
-    def _host_blocks(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        transfers = self.staging.transfers
-        if transfers is None:
-            return torch.zeros(shape, dtype=dtype)
-        return transfers.empty_pinned(prod(shape), dtype).view(shape)
+        transfers = staging.transfers
+        self.layers: list[torch.Tensor] = []
+        for cache in kv_caches:
+            shape = (num_blocks, cache.shape[0], *cache.shape[2:])  # [H, 2, bs, Hkv, D]
+            if transfers is None:
+                self.layers.append(torch.zeros(shape, dtype=cache.dtype))
+            else:
+                self.layers.append(transfers.empty_pinned(prod(shape), cache.dtype).view(shape))
 
     def run(self, copies: list[BlockCopy], kv_caches: list[torch.Tensor], num_device_blocks: int) -> None:
         """Queues ``copies`` in order (a `PlanError` for an id out of range, before any copy)."""

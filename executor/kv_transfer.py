@@ -43,16 +43,13 @@ port per rank, published to the pullers, and the cluster's credentials on every 
 pull's `KvTransfer` counts every rank's bytes, and its seconds last until every rank has written
 its shard.
 
-On Ascend a device-to-device path would skip the host. vllm-ascend's disaggregated prefill
-(docs.vllm.ai/projects/ascend, "Disaggregated-prefill" design document) has the decode instance
-pull the prefill instance's blocks with its MooncakeConnector, through Mooncake's TransferEngine
-and its Ascend transport (CANN 8.2.RC1 or later, per the change that adopted it; the NPUs' own
-network: HCCS within a node, RoCE between nodes), or the prefill side push them layer by layer
-(MooncakeLayerwiseConnector); its MooncakeD2RHConnectorV1 stages them in the decode node's host
-memory first, as npuserve does, and its older connector (registered as AscendHcclConnector) moves
-them with CANN's LLM-DataDist. An HCCL point-to-point send/recv would need a communicator spanning
-both executors, which npuserve's executors (one process group each) do not form. npuserve has
-none of these: on an NPU a pull is host-staged as on the CPU, with blocking copies through
+On Ascend a device-to-device path would skip the host: vllm-ascend's disaggregated prefill
+("Disaggregated-prefill" design document) pulls blocks with Mooncake's TransferEngine over the
+NPUs' own network (HCCS within a node, RoCE between nodes; CANN 8.2.RC1 or later), pushes them
+layer by layer (MooncakeLayerwiseConnector), stages them in host memory as npuserve does
+(MooncakeD2RHConnectorV1), or moves them with CANN's LLM-DataDist (AscendHcclConnector). An HCCL
+send/recv would need a communicator spanning both executors, which npuserve's (one process group
+each) do not form. On an NPU a pull is host-staged as on the CPU, with blocking copies through
 pageable host memory (pinned staging buffers would let the copies overlap the network).
 """
 
@@ -140,12 +137,9 @@ class ReadBlocksClient:
     """`ReadBlocks` calls to source executors, over one channel per address, kept (gRPC
     reconnects a channel whose peer restarted; the instance id tells a restarted source apart)."""
 
-    def __init__(
-        self, cluster_token: str | None = None, tls_ca: bytes | None = None, timeout_s: float = PULL_TIMEOUT_S
-    ) -> None:
+    def __init__(self, cluster_token: str | None = None, tls_ca: bytes | None = None) -> None:
         self._token = cluster_token
         self._tls_ca = tls_ca
-        self.timeout_s = timeout_s
         self._stubs: dict[str, pb_grpc.ExecutorStub] = {}
         self._channels: list[grpc.Channel] = []
 
@@ -162,7 +156,7 @@ class ReadBlocksClient:
             instance_id=pull.instance_id,
             tensor_parallel_size=tensor_parallel_size,
         )
-        call = stub.ReadBlocks(request, timeout=self.timeout_s)
+        call = stub.ReadBlocks(request, timeout=PULL_TIMEOUT_S)
         try:
             yield from call
         except grpc.RpcError as exc:

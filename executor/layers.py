@@ -67,9 +67,8 @@ class TensorParallel:
         return self.rank * num_kv_heads // self.size, 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # in place: the sum over ranks
-        if self.size == 1:
-            return x
-        torch.distributed.all_reduce(x)
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [..., n] -> [..., size * n]

@@ -26,8 +26,7 @@ import torch
 
 from npuserve.executor.config import ExecutorConfig, ModelConfig, check_npu_model
 from npuserve.executor.dtypes import dtype_name, resolve_dtype
-from npuserve.executor.graph_device import GraphDevice
-from npuserve.executor.graph_runner import DecodeGraphs, pool_estimate_bytes
+from npuserve.executor.graph_runner import DecodeGraphs, GraphDevice, pool_estimate_bytes
 from npuserve.executor.graph_sizes import capture_sizes
 from npuserve.executor.input_batch import InputBatch, PlanError, StepInputs
 from npuserve.executor.kv_cache import (
@@ -234,9 +233,8 @@ class ModelRunner:
         on_first_pass: FirstPassAnswer | None = None,
         joining: JoiningSteps | None = None,
     ) -> StepResult:
-        """Runs one step, pass by pass (`PassLoop.run`: retries, early answers, the steps that
-        join its passes, the requests dropped when it fails). A plan that contradicts the
-        executor's state raises `PlanError`."""
+        """Runs one step, pass by pass (`PassLoop.run`); `PlanError` for a plan that contradicts
+        the executor's state."""
         return self._passes.run(plan, on_first_pass, joining)
 
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
@@ -260,8 +258,17 @@ class ModelRunner:
         sampled_req_ids = [r for r, keep in zip(scheduled, inputs.sample_mask, strict=True) if keep]
         allowed = None
         if step_pass.index == 0:
-            if plan.num_steps:
-                self._check_num_steps(plan, inputs)
+            # Multi-step requests sample in the first pass and hold blocks for every later one.
+            for index, req_id in enumerate(plan.num_scheduled_tokens if plan.num_steps else ()):
+                if (num_steps := plan.num_steps.get(req_id, 1)) > 1:
+                    check_num_steps(
+                        req_id,
+                        num_steps,
+                        bool(inputs.sample_mask[index]),
+                        int(inputs.seq_lens[index]),
+                        int(self.batch.num_req_blocks[inputs.rows[index]]) * self.block_size,
+                        self.max_model_len,
+                    )
             # NOTE: checked before the forward, so a bad bitmask costs no forward and writes no KV:
             # PlanError for a row of a request that does not sample this step, or of the wrong width.
             bitmask = plan.bitmask
@@ -288,10 +295,8 @@ class ModelRunner:
         result.timings.kv_transfers = [t for t in map(TransferTally.take, tallies) if t.num_bytes]
 
     def read_blocks(self, block_ids: list[int]) -> Iterator[pb.BlockChunk]:
-        """Blocks of this cache for another executor's pull, chunk by chunk, each copied to the
-        host as it is taken (`kv_transfer.read_blocks`, beside the steps: no step writes them);
-        `PlanError` for an id outside 1..num_blocks-1. A tensor-parallel group's reads are its
-        leader's (`GroupLeader.read_blocks`: every rank's shard)."""
+        """Blocks of this cache for another executor's pull, beside the steps (`kv_transfer.read_blocks`;
+        a tensor-parallel group's: `GroupLeader.read_blocks`)."""
         return read_blocks(self.kv_caches, block_ids, self.num_blocks)
 
     def drop_requests(self, req_ids: list[str]) -> None:
@@ -359,21 +364,6 @@ class ModelRunner:
         timings.forward_s += forwarded - prepared
         timings.sample_s += sampled - forwarded
 
-    def _check_num_steps(self, plan: StepPlan, inputs: StepInputs) -> None:
-        """Multi-step requests sample in the first pass and hold blocks for every later one."""
-        batch = self.batch
-        for index, req_id in enumerate(plan.num_scheduled_tokens):
-            num_steps = plan.num_steps.get(req_id, 1)
-            if num_steps > 1:
-                check_num_steps(
-                    req_id,
-                    num_steps,
-                    bool(inputs.sample_mask[index]),
-                    int(inputs.seq_lens[index]),
-                    int(batch.num_req_blocks[inputs.rows[index]]) * self.block_size,
-                    self.max_model_len,
-                )
-
     def _update_states(self, plan: StepPlan) -> None:
         if plan.kv_pulls:
             check_kv_pulls(plan.kv_pulls, self.num_blocks)  # NOTE: before the block copies run
@@ -384,8 +374,15 @@ class ModelRunner:
             if self.host_kv is None:
                 raise PlanError("block copies to a host tier this executor does not have (--kv-host-memory)")
             self.host_kv.run(plan.block_copies, self.kv_caches, self.num_blocks)
-        if plan.kv_pulls:
-            self._run_pulls(plan)
+        # The results name each pull's outcome (`pull_outcomes`). Beside the steps, a pull runs
+        # after those before it (a plan that also runs its request's tokens waits for it); a
+        # tensor-parallel group runs each now, its ranks agreeing on the outcome (`GroupKvPuller`).
+        if plan.kv_pulls and self._pulls is not None:
+            self._pulls.start(plan.kv_pulls)
+            self._pulls.wait_for_blocks(plan)
+        elif plan.kv_pulls:
+            for pull in plan.kv_pulls:
+                self.pull_outcomes.settle(pull.req_id, self._pull(pull))
         batch = self.batch
         if plan.reset:
             for req_id in list(batch.row_of):
@@ -404,18 +401,6 @@ class ModelRunner:
                 raise PlanError(f"request {cached.req_id!r} is not on this executor; send it whole")
             batch.check_blocks(cached.req_id, cached.new_block_ids, int(batch.num_req_blocks[row]))
             batch.append_blocks(row, cached.new_block_ids)
-
-    def _run_pulls(self, plan: StepPlan) -> None:
-        """Starts the plan's pulls beside the steps, in order after those before them (a plan
-        that also runs their requests' tokens waits for them); a tensor-parallel group runs them
-        now, each on its own (its ranks agree on each pull's outcome: `GroupKvPuller`). Either
-        way the results name each one's outcome (`pull_outcomes`)."""
-        if self._pulls is not None:
-            self._pulls.start(plan.kv_pulls)
-            self._pulls.wait_for_blocks(plan)
-            return
-        for pull in plan.kv_pulls:
-            self.pull_outcomes.settle(pull.req_id, self._pull(pull))
 
     @torch.inference_mode()
     def _pull(self, pull: KvPull) -> bool:
@@ -457,10 +442,9 @@ def _logprobs_lists(output: SamplerOutput, num_logprobs: np.ndarray) -> list[Tok
     if output.logprobs is None:
         return [None] * len(output.token_ids)
     assert output.ranks is not None and output.top_token_ids is not None and output.top_logprobs is not None
-    logprobs = output.logprobs.tolist()
-    ranks = output.ranks.tolist()
-    top_ids = output.top_token_ids.tolist()
-    top_lps = output.top_logprobs.tolist()
+    logprobs, ranks, top_ids, top_lps = (
+        t.tolist() for t in (output.logprobs, output.ranks, output.top_token_ids, output.top_logprobs)
+    )
     return [
         None
         if n < 0

@@ -99,11 +99,6 @@ class StartRanks(Protocol):
     ) -> RankProcesses: ...
 
 
-# --------------------------------------------------------------------------------------------
-# Runners
-# --------------------------------------------------------------------------------------------
-
-
 class TensorParallelRunner(ModelRunner):
     """A ModelRunner holding one rank's shard; its KV cache has the fewest blocks of any rank.
     Its pulls take its shard of the blocks through rank 0 (`GroupKvPuller`)."""
@@ -163,8 +158,6 @@ class GroupLeader:
         kv_caches = self.runner.kv_caches
         for layer, first, ids in chunk_spans(kv_caches, block_ids):
             with self._lock:
-                if self.lost is not None:
-                    raise GroupLost(f"tensor-parallel group lost: {self.lost}")
                 self._send(ReadShards(layer, ids))
                 try:
                     shards = gather_shards(self.group, kv_caches, layer, ids)
@@ -184,8 +177,6 @@ class GroupLeader:
         if joining is not None:
             raise ValueError("a tensor-parallel group runs no step inside another")
         with self._lock:
-            if self.lost is not None:
-                raise GroupLost(f"tensor-parallel group lost: {self.lost}")
             self._send(RunStep(plan))
             try:
                 return self.runner.execute(plan, on_first_pass)
@@ -196,6 +187,9 @@ class GroupLeader:
                 raise self._lose(f"step {plan.step_id} failed: {exc}") from exc
 
     def _send(self, message: RankMessage) -> None:
+        """One message to the other ranks (the caller holds the lock); GroupLost once it is lost."""
+        if self.lost is not None:
+            raise GroupLost(f"tensor-parallel group lost: {self.lost}")
         try:
             self.group.send(message)
         except Exception as exc:
@@ -207,7 +201,7 @@ class GroupLeader:
             if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(False):
                 continue
             try:
-                if self.lost is None and not self._stopping.is_set():
+                if not self._stopping.is_set():
                     self._send(Heartbeat())
             except GroupLost:
                 pass
@@ -240,10 +234,8 @@ class GroupLeader:
     def close(self) -> None:
         """Stops the other ranks; raises SystemExit(1) when the group was lost."""
         self._stopping.set()
-        with self._lock:
-            if self.lost is None:
-                with contextlib.suppress(GroupLost):
-                    self._send(StopRanks())
+        with self._lock, contextlib.suppress(GroupLost):
+            self._send(StopRanks())
         if self.ranks is not None:
             # NOTE: after a loss the others may wait in a collective until it times out: end them.
             self.ranks.stop(STOP_RANKS_GRACE_S if self.lost is None else 0.0)
@@ -296,12 +288,6 @@ def _leave(group: RankGroup, why: str) -> NoReturn:
     raise SystemExit(f"npuserve executor: error: tensor-parallel rank {group.rank} {why}") from None
 
 
-def _settings(config: ExecutorConfig, model: ModelConfig) -> str:
-    """What must be equal on every rank for their steps to agree (the model path may differ)."""
-    shape = (model.architecture, model.vocab_size, model.hidden_size, model.num_layers, model.num_heads)
-    return f"{replace(config, model='')!r} {shape}"
-
-
 def start_tensor_parallel(
     config: ExecutorConfig, parallel: ParallelConfig, start_ranks: StartRanks | None
 ) -> GroupLeader:
@@ -329,7 +315,10 @@ def start_tensor_parallel(
         ranks = start_ranks(config, parallel, device, host, store.port)
     try:
         group = RankGroup(parallel, device, store, ranks.exited if ranks is not None else lambda: None)
-        group.check_same("settings", _settings(config, model_config))
+        # What must be equal on every rank for their steps to agree (the model path may differ).
+        m = model_config
+        shape = (m.architecture, m.vocab_size, m.hidden_size, m.num_layers, m.num_heads)
+        group.check_same("settings", f"{replace(config, model='')!r} {shape}")
         runner = TensorParallelRunner(config, model_config, group)
     except BaseException as exc:
         post_failure(store, rank, str(exc))

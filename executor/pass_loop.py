@@ -35,7 +35,7 @@ from npuserve.proto.step_plan import (
     take_first_pass_only,
 )
 
-__all__ = ["PassLoop", "PassRunner", "StepPass", "pass_tokens"]
+__all__ = ["PassLoop", "PassRunner", "StepPass"]
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class StepPass:
     """One forward pass of a step, as the loop hands it to the runner."""
 
     index: int  # 0: the plan's scheduled tokens; later: one token fed back per request that runs it
-    tokens: dict[str, int]  # the step's own new tokens per request, in batch order (`pass_tokens`)
+    tokens: dict[str, int]  # the step's own new tokens per request, in batch order
     joiners: list[StepPlan]  # the steps that join this pass: their prompts run beside ``tokens``
     started: float  # time.perf_counter() as the pass began (the first's: as the step began)
 
@@ -54,33 +54,20 @@ class PassRunner(Protocol):
     def begin_step(self, plan: StepPlan, started: float) -> None:
         """Applies the plan's changes to the requests held (drops, admissions, new blocks) before
         any pass; ``started``: time.perf_counter() as the step began."""
-        ...
 
     def run_pass(self, plan: StepPlan, step_pass: StepPass, result: StepResult) -> list[StepResult]:
         """Runs one pass of ``plan``, the joiners' requests added first: the tokens it samples for
         the plan's requests go to ``result``, each joiner's to a result of its own (returned, in
         the joiners' order). The first pass refuses what the plan gets wrong before it computes."""
-        ...
 
     def await_pass_end(self) -> None:
         """Returns once the pass last run has ended (at once where a pass ends as it returns)."""
-        ...
 
     def end_step(self, plan: StepPlan, result: StepResult, started: float) -> None:
         """Completes a step that ran its passes (or had none to run): its timings in ``result``."""
-        ...
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets these requests, those it holds: a step that named them failed."""
-        ...
-
-
-def pass_tokens(plan: StepPlan, index: int) -> dict[str, int]:
-    """The new tokens each request of ``plan`` runs in pass ``index``: its scheduled tokens in the
-    first; in a later one, for each request with passes that many left, the token fed back."""
-    if index == 0:
-        return plan.num_scheduled_tokens
-    return {req_id: 1 for req_id, num_steps in plan.num_steps.items() if num_steps > index}
 
 
 class PassLoop:
@@ -128,7 +115,12 @@ class PassLoop:
                 if index and joining is not None:
                     runner.await_pass_end()  # NOTE: the steps that come until then join this pass
                 pass_started = started if index == 0 else time.perf_counter()
-                tokens = pass_tokens(plan, index)
+                # A later pass feeds back one token to each request with passes that many left.
+                tokens = (
+                    plan.num_scheduled_tokens
+                    if index == 0
+                    else {req_id: 1 for req_id, num_steps in plan.num_steps.items() if num_steps > index}
+                )
                 joiners = self._take_joiners(joining, joined, sum(tokens.values()))
                 answers = runner.run_pass(plan, StepPass(index, tokens, joiners, pass_started), result)
                 if joining is not None and answers:

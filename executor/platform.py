@@ -90,9 +90,7 @@ def torch_device(where: torch.device | Target) -> torch.device:
     return where.device if isinstance(where, Target) else where
 
 
-# --------------------------------------------------------------------------------------------
-# torch_npu and its version set
-# --------------------------------------------------------------------------------------------
+# -- torch_npu and its version set -----------------------------------------------------------
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -167,9 +165,7 @@ def import_torch_npu() -> ModuleType:
     return module
 
 
-# --------------------------------------------------------------------------------------------
-# Devices
-# --------------------------------------------------------------------------------------------
+# -- Devices ---------------------------------------------------------------------------------
 
 
 def _npu_count() -> int:
@@ -227,17 +223,6 @@ def install_emulation() -> ModuleType:
     return module
 
 
-def _require_cuda(index: int | None) -> torch.device:
-    if not torch.cuda.is_available():
-        raise PlatformError(
-            f"--device cuda: torch {torch.__version__} sees no CUDA device. Check `nvidia-smi`, "
-            f"that CUDA_VISIBLE_DEVICES names existing devices "
-            f"({_visible_devices('CUDA_VISIBLE_DEVICES')}), and that torch is a CUDA build "
-            f"(torch.version.cuda is {torch.version.cuda})."
-        )
-    return torch.device("cuda", index) if index is not None else torch.device("cuda")
-
-
 def _auto_target() -> Target:
     if torch_npu_installed() or npu_emulation.requested():
         try:
@@ -267,7 +252,14 @@ def resolve_target(name: str) -> Target:
     if kind == "cpu":
         return Target(torch.device("cpu"), "cpu")
     if kind == "cuda":
-        return Target(_require_cuda(index), "cuda")
+        if not torch.cuda.is_available():
+            raise PlatformError(
+                f"--device cuda: torch {torch.__version__} sees no CUDA device. Check `nvidia-smi`, "
+                f"that CUDA_VISIBLE_DEVICES names existing devices "
+                f"({_visible_devices('CUDA_VISIBLE_DEVICES')}), and that torch is a CUDA build "
+                f"(torch.version.cuda is {torch.version.cuda})."
+            )
+        return Target(torch.device("cuda", index) if index is not None else torch.device("cuda"), "cuda")
     if kind == "npu":
         return _require_npu(index)
     target = _auto_target()
@@ -280,9 +272,7 @@ def resolve_device(name: str) -> torch.device:
     return resolve_target(name).device
 
 
-# --------------------------------------------------------------------------------------------
-# Ascend runtime: NNAL/ATB, CANN version, chip
-# --------------------------------------------------------------------------------------------
+# -- Ascend runtime: NNAL/ATB, CANN version, chip --------------------------------------------
 
 # torch_npu.npu.get_soc_version() ranges, as vllm-ascend v0.13.0 utils.check_ascend_device_type
 # reads them: 220-225 Atlas A2, 250-255 Atlas A3, 200-205 Ascend 310P.
@@ -375,9 +365,7 @@ def is_ascend_310p(device: torch.device | Target) -> bool:
     return "310P" in npu.get_device_name(index)
 
 
-# --------------------------------------------------------------------------------------------
-# Memory and synchronisation
-# --------------------------------------------------------------------------------------------
+# -- Memory and synchronisation --------------------------------------------------------------
 
 
 def device_memory(device: torch.device | Target) -> tuple[int, int]:

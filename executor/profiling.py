@@ -40,7 +40,9 @@ def profile_kv_budget(runner: ModelRunner) -> int:
     allocated_before = peak_memory_allocated(target)  # the weights, after the reset
 
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * runner.max_model_len)
-    query_lens = _split(num_tokens, runner.max_model_len)  # [B]
+    # As few sequences of at most max_model_len tokens as hold num_tokens.
+    full, rest = divmod(num_tokens, runner.max_model_len)
+    query_lens = np.array([runner.max_model_len] * full + ([rest] if rest else []), dtype=np.int32)  # [B]
     block_size = runner.block_size
     blocks_per_req = cdiv(int(query_lens.max()), block_size)
     num_blocks = 1 + len(query_lens) * blocks_per_req
@@ -85,9 +87,3 @@ def profile_kv_budget(runner: ModelRunner) -> int:
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     return budget
-
-
-def _split(num_tokens: int, max_len: int) -> np.ndarray:
-    """Lengths of as few sequences of at most ``max_len`` tokens as hold ``num_tokens``."""
-    full, rest = divmod(num_tokens, max_len)
-    return np.array([max_len] * full + ([rest] if rest else []), dtype=np.int32)

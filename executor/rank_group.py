@@ -112,7 +112,9 @@ class RankGroup:
         deadline = time.monotonic() + timeout_s
         try:
             while not self.store.check(keys):
-                failure = self.probe() or self._posted_failure()
+                failure = self.probe() or (
+                    self.store.get(_FAILED_KEY).decode() if self.store.check([_FAILED_KEY]) else None
+                )
                 if failure:
                     raise TensorParallelError(f"tensor-parallel group failed to start: {failure}")
                 if time.monotonic() > deadline:
@@ -132,9 +134,6 @@ class RankGroup:
             raise TensorParallelError(
                 f"tensor-parallel rank {self.rank} lost rank 0 while waiting to {what}: {exc}"
             ) from exc
-
-    def _posted_failure(self) -> str | None:
-        return self.store.get(_FAILED_KEY).decode() if self.store.check([_FAILED_KEY]) else None
 
     def check_same(self, name: str, value: str) -> None:
         """TensorParallelError unless every rank reports the same ``value`` as rank 0."""
@@ -163,8 +162,7 @@ class RankGroup:
         """Ranks >= 1: rank 0's next message (waits at most the collective timeout)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
-        message: RankMessage = box[0]
-        return message
+        return box[0]
 
     # NOTE: the exchanges below run inside a step or a message of rank 0's, on every rank alike.
 

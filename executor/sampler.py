@@ -294,16 +294,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 # ------------------------------------------------------------------------------- sampling
 
 
-def compute_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw_logprobs [B, V], token_ids [B] -> (logprob [B], rank [B], top ids [B, n], top lp [B, n])."""
-    sampled = raw_logprobs.gather(1, token_ids[:, None])  # [B, 1]
-    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1  # [B]
-    top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [B, n]
-    return sampled.squeeze(1), ranks, top_ids, top_logprobs
-
-
 class Sampler:
     """Stateless: `Sampler()(logits [B, V], metadata) -> SamplerOutput`."""
 
@@ -327,7 +317,10 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None, None)
         assert metadata.max_num_logprobs is not None
-        return SamplerOutput(token_ids, *compute_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs))
+        sampled = raw_logprobs.gather(1, token_ids[:, None])  # [B, 1]
+        ranks = (raw_logprobs > sampled).sum(dim=-1) + 1  # [B]
+        top_logprobs, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)  # [B, n]
+        return SamplerOutput(token_ids, sampled.squeeze(1), ranks, top_ids, top_logprobs)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -74,11 +74,6 @@ STOP_GRACE_S = 5.0
 NUM_WORKER_THREADS = 8
 
 
-# --------------------------------------------------------------------------------------------
-# Serving
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass
 class RunningExecutor:
     """A started server: where it listens and how to stop it."""
@@ -96,13 +91,6 @@ class RunningExecutor:
         stopped = self.server.stop(grace_s)
         self.servicer.shut_down()
         stopped.wait()
-
-
-def npuserve_version() -> str:
-    try:
-        return importlib.metadata.version("npuserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def start_executor_server(
@@ -133,23 +121,27 @@ def start_executor_server(
     credentials = grpc.ssl_server_credentials([tls]) if tls is not None else None
     bound = _bind(server, host, port, credentials)
     executor_id = executor_id or f"{socket.gethostname()}:{bound}"
-    version = npuserve_version()
+    try:
+        version = importlib.metadata.version("npuserve")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
     info = runner.info()
     profiler = StepProfiler(profile_dir, info.device, executor_id, step_clock)
     servicer = ExecutorServicer(runner, executor_id, version, profiler)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()
-    return RunningExecutor(server, servicer, bound, _connect_address(host, bound), executor_id, version, info)
+    local = host in ("", "0.0.0.0", "::", "[::]", "localhost", "127.0.0.1")
+    address = f"127.0.0.1:{bound}" if local else f"{host}:{bound}"
+    return RunningExecutor(server, servicer, bound, address, executor_id, version, info)
 
 
 def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     target = bind_target(host, port)
     cause: RuntimeError | None = None
     try:
-        if credentials is not None:
-            bound = server.add_secure_port(target, credentials)
-        else:
-            bound = server.add_insecure_port(target)
+        bound = (
+            server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
+        )
     except RuntimeError as exc:
         bound, cause = 0, exc
     if bound == 0:
@@ -158,33 +150,6 @@ def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCre
             "port; choose another --port (0 picks a free one) or --host"
         )
     return bound
-
-
-def _connect_address(host: str, port: int) -> str:
-    wildcard_or_local = {"", "0.0.0.0", "::", "[::]", "localhost", "127.0.0.1"}
-    return f"127.0.0.1:{port}" if host in wildcard_or_local else f"{host}:{port}"
-
-
-def write_executor_ready_file(path: Path, running: RunningExecutor) -> None:
-    """Writes the address and handshake as JSON, atomically (temp file + rename)."""
-    payload = {
-        "address": running.address,
-        "pid": os.getpid(),
-        "executor_id": running.executor_id,
-        "version": running.version,
-        "info": dataclasses.asdict(running.info),
-    }
-    write_ready_file(path, payload)
-
-
-def _advertised(host: str, running: RunningExecutor, registry: RegistryConfig) -> str:
-    """Where the scheduler connects: ``--advertise-address``, else the bound address (the host
-    name when bound to every interface, since 127.0.0.1 means nothing to another machine)."""
-    if registry.advertise_address:
-        return registry.advertise_address
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        return f"{socket.gethostname()}:{running.port}"
-    return running.address
 
 
 def drain_executor(
@@ -263,11 +228,22 @@ def serve_executor(
     restore_signals = shutdown.install()
     settle_heap_for_serving()  # NOTE: the model's modules and weights' Python objects are the start-up heap
     try:
-        if ready_file is not None:
-            write_executor_ready_file(ready_file, running)
+        if ready_file is not None:  # the address and handshake
+            ready = {
+                "address": running.address,
+                "pid": os.getpid(),
+                "executor_id": running.executor_id,
+                "version": running.version,
+                "info": dataclasses.asdict(running.info),
+            }
+            write_ready_file(ready_file, ready)
         if registry is not None:
+            # Where the scheduler connects: the host name when bound to every interface (127.0.0.1
+            # means nothing to another machine).
+            wildcard = host in ("", "0.0.0.0", "::", "[::]")
+            advertised = f"{socket.gethostname()}:{running.port}" if wildcard else running.address
             record = registration_record(
-                _advertised(host, running, registry),
+                registry.advertise_address or advertised,
                 running.executor_id,
                 running.info,
                 running.version,

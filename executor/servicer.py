@@ -45,7 +45,6 @@ class StepRunner(PlanRunner, Protocol):
     @property
     def num_requests(self) -> int:
         """Requests whose state the runner holds (a failed step drops the plan's requests)."""
-        ...
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -111,11 +110,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
-        """The blocks another executor pulls (`kv_transfer`), chunk by chunk, read beside this
-        executor's steps: no step writes the blocks a pull names (the scheduler holds them until
-        the pull has landed), so a read waits for no step, and the pulling executor's steps do
-        not wait for this one's. A draining executor still serves reads (its
-        blocks may be what another executor's requests continue from)."""
+        """The blocks another executor pulls, read beside this executor's steps (`kv_transfer`
+        says why no step waits for a read). A draining executor still serves reads (its blocks
+        may be what another executor's requests continue from)."""
         if request.instance_id and request.instance_id != self.instance_id:
             raise ExecutorRestarted("this executor restarted and holds none of the blocks asked for")
         asked, own = request.tensor_parallel_size or 1, self._info.tensor_parallel_size or 1

@@ -262,10 +262,8 @@ class SimulatedRunner:
         joining: JoiningSteps | None = None,
     ) -> StepResult:
         """Runs one step, as `ModelRunner.execute` does (`PassLoop.run`), in its modelled time:
-        each pass ends `LatencyModel.step_seconds` of its own tokens after the one before, plus
-        `LatencyModel.joined_seconds` of the steps that join it. What is answered at the end of
-        a pass (the early answer, the steps that joined it) is answered once that time has come;
-        the step's result once all its passes' time has."""
+        each pass ends its `LatencyModel` seconds after the one before, and what a pass answers
+        goes out once its time has come."""
         return self._passes.run(plan, on_first_pass, joining)
 
     # -- the passes of a step (`PassRunner`) ------------------------------------------------------
@@ -286,8 +284,11 @@ class SimulatedRunner:
         num_sampled = len(result.sampled_req_ids)
         if step_pass.index == 0:
             self._run_scheduled(plan, result)
-        else:
-            self._run_later_pass(step_pass.tokens, result)
+        else:  # multi-step decoding: each request of the pass takes the token the one before sampled
+            for req_id in step_pass.tokens:
+                state = self._requests[req_id]
+                state.num_computed_tokens = state.num_tokens
+                self._sample_into(result, req_id, state)
         stats.num_sampled += len(result.sampled_req_ids) - num_sampled
         num_tokens = sum(step_pass.tokens.values())
         pass_s = latency.step_seconds(num_tokens, len(step_pass.tokens))
@@ -412,15 +413,6 @@ class SimulatedRunner:
             state.num_computed_tokens = seq_len
             if seq_len == state.num_tokens:
                 self._sample_into(result, req_id, state, masks.get(req_id))
-
-    def _run_later_pass(self, tokens: dict[str, int], result: StepResult) -> None:
-        """Multi-step decoding: a pass after the first feeds back, for each request that runs it
-        (``tokens``), the token the pass before sampled."""
-        requests = self._requests
-        for req_id in tokens:
-            state = requests[req_id]
-            state.num_computed_tokens = state.num_tokens
-            self._sample_into(result, req_id, state)
 
     def _add(self, req: NewRequest) -> None:
         c = self.config

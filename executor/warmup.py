@@ -22,7 +22,6 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 
@@ -30,21 +29,15 @@ from npuserve.proto.kv_layout import cdiv
 from npuserve.proto.step_plan import (
     ExecutorInfo,
     NewRequest,
+    PlanRunner,
     SamplingOptions,
     StepPlan,
-    StepResult,
     computes_on_cpu,
 )
 
 log = structlog.get_logger(__name__)
 
 CPU_MAX_PREFILL_TOKENS = 512
-
-
-class PlanRunner(Protocol):
-    def info(self) -> ExecutorInfo: ...
-
-    def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 @dataclass(frozen=True, slots=True)
