@@ -218,10 +218,8 @@ class BlockPool:
         block.block_hash = None
 
     def check_integrity(self, expect_idle: bool = False) -> None:
-        """free + in use == total, free list consistent, hash map consistent.
-
-        With ``expect_idle``, no block may be held by a request. Raises AssertionError.
-        """
+        """free + in use == total, free list and hash map consistent; with ``expect_idle``, no
+        block held by a request. Raises AssertionError."""
         free = list(self.free_queue)
         free_ids = {b.block_id for b in free}
         assert len(free) == len(free_ids) == self.free_queue.num_free_blocks, "free list corrupt"

@@ -73,10 +73,9 @@ class KVCacheManager:
         new_computed_blocks: Sequence[PrefixHit] = (),
         cache_new: bool = True,
     ) -> list[KVCacheBlock] | None:
-        """Blocks for ``num_new_tokens`` more tokens after the computed ones (and after the
-        prefix-cache hits ``new_computed_blocks``), or None if the pool cannot hold them.
-        ``cache_new=False``: no block is registered in the prefix cache yet (blocks that a pull
-        fills, once it has landed: `cache_computed`)."""
+        """Blocks for ``num_new_tokens`` more tokens after the computed ones and the prefix-cache
+        hits ``new_computed_blocks``, or None if the pool cannot hold them. ``cache_new=False``:
+        none is registered in the prefix cache yet (a pull fills them: `cache_computed`)."""
         blocks = self.req_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = (

@@ -44,7 +44,7 @@ A mixin of `Scheduler`, which provides what is declared here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from npuserve.proto.kv_layout import cdiv
@@ -75,46 +75,26 @@ class KvHandOff:
     waiting: deque[Request]
     running: list[Request]
     _to_drop: list[str]
-    # Prefill-only requests that ended PREFILLED: their blocks stay until `release_held`.
-    held: dict[str, Request]
-    # Requests reserved here while another executor computes their prompt, by stage (the module
-    # says which), each in order.
-    awaiting: dict[str, Request]
-    ready: deque[Request]
-    # Requests still in the queue (no blocks here yet) that were told their source, in order.
-    ready_queued: dict[str, Request]
-    pulling: dict[str, PullInFlight]
-    landed: deque[Request]
-    # The pulls still running for requests that ended meanwhile, by request id: the step that
-    # carried each (their blocks are parked in `kv` until it lands or fails).
-    orphaned: dict[str, int]
-
-    if TYPE_CHECKING:  # provided by `Scheduler`
-
-        def _take_out(self, request: Request) -> None: ...
-
-        def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None: ...
-
-        def _send_whole(self, request: Request, plan: StepPlan) -> None: ...
-
-        def _grant(
-            self,
-            request: Request,
-            num_new: int,
-            num_steps: int,
-            plan: StepPlan,
-            stats: StepStats,
-            sampling: list[Request],
-        ) -> None: ...
+    # Methods of `Scheduler`.
+    _take_out: Callable[[Request], None]
+    _finish: Callable[[Request, RequestStatus], None]
+    _send_whole: Callable[[Request, StepPlan], None]
+    _grant: Callable[[Request, int, int, StepPlan, StepStats, list[Request]], None]
 
     def _init_hand_off(self) -> None:
-        self.held = {}
-        self.awaiting = {}
-        self.ready = deque()
-        self.ready_queued = {}
-        self.pulling = {}
-        self.landed = deque()
-        self.orphaned = {}
+        # Prefill-only requests that ended PREFILLED: their blocks stay until `release_held`.
+        self.held: dict[str, Request] = {}
+        # Requests reserved here while another executor computes their prompt, by stage (the
+        # module says which), each in order.
+        self.awaiting: dict[str, Request] = {}
+        self.ready: deque[Request] = deque()
+        # Requests still in the queue (no blocks here yet) that were told their source, in order.
+        self.ready_queued: dict[str, Request] = {}
+        self.pulling: dict[str, PullInFlight] = {}
+        self.landed: deque[Request] = deque()
+        # The pulls still running for requests that ended meanwhile, by request id: the step that
+        # carried each (their blocks are parked in `kv` until it lands or fails).
+        self.orphaned: dict[str, int] = {}
 
     # -- commands from the front -------------------------------------------------------------------
 
@@ -151,10 +131,9 @@ class KvHandOff:
 
     def release_held(self, req_ids: Iterable[str]) -> None:
         """Frees, with no report, what this executor holds for requests that go on, or ended,
-        elsewhere: the blocks of a prefilled request (pulled, or never to be; they stay in the
-        prefix cache), and a request of its own that is no longer wanted here: a prefill-only
-        one, or one waiting for its KV (a running pull's blocks are parked until it ends). Other
-        ids are ignored (a request that runs here as any other is ended by `finish_requests`)."""
+        elsewhere: a prefilled request's blocks (they stay in the prefix cache), and a prefill-only
+        request or one waiting for its KV (a running pull's blocks are parked until it ends). Other
+        ids are ignored (a request that runs here as any other ends by `finish_requests`)."""
         for req_id in req_ids:
             if self._free_held(req_id):
                 continue
@@ -182,14 +161,13 @@ class KvHandOff:
         return len(self.running) + self.num_reserved
 
     def _hand_off_work(self) -> bool:
-        """Steps to send for the hand-off: pulls to start, landed requests to run, or pulls that
-        run (the steps' results say when they end)."""
+        """Pulls to start, landed requests to run, or pulls that run (results say when they end)."""
         return bool(self.ready or self.landed or self.pulling or self.orphaned)
 
     def worth_sending(self, plan: StepPlan, may_poll: bool = True) -> bool:
         """Whether a plan `schedule` made goes to the executor: it runs tokens, drops requests or
-        starts pulls; or, ``may_poll`` (no other step in flight), it does nothing but pulls run,
-        whose outcomes come with its result."""
+        starts pulls; or, ``may_poll`` (no other step in flight), pulls run (their outcomes come
+        with its result)."""
         if plan.num_scheduled_tokens or plan.finished_req_ids or plan.kv_pulls:
             return True
         return may_poll and bool(self.pulling or self.orphaned)
@@ -238,10 +216,9 @@ class KvHandOff:
     # -- scheduling ----------------------------------------------------------------------------------
 
     def _reserve(self, request: Request, hits: list[PrefixHit], num_hit_tokens: int) -> bool:
-        """Admits the first waiting request, whose prompt another executor computes
-        (`remote_prefill`): its blocks for its tokens and the first token to come, its prefix
-        hits among them; it waits for its KV (`ready` when its source is known already). False
-        when the pool cannot hold them now."""
+        """Admits the first waiting request, whose prompt another executor computes: blocks for
+        its tokens and the next one, its prefix hits among them; it waits for its KV (`ready`
+        when its source is known already). False when the pool cannot hold them now."""
         num_slots = min(request.num_tokens + 1, request.max_model_len) - num_hit_tokens
         if self.kv.allocate_slots(request, num_slots, hits, cache_new=False) is None:
             return False
@@ -258,12 +235,10 @@ class KvHandOff:
         return True
 
     def _make_way(self) -> bool:
-        """The first waiting request cannot be admitted now (no blocks, or no sequence slot):
-        a queued request whose source is known goes before reservations that still await a
-        prefill. It moves to the head of the queue; once it is there, the newest awaiting
-        reservation goes back to the queue, behind it, its blocks freed (its prefill goes on
-        elsewhere; its KV is pulled once it is reserved again). True when either was done (the
-        caller tries again), False when neither can be."""
+        """The first waiting request cannot be admitted now (no blocks, or no sequence slot): a
+        queued request whose source is known moves to the head of the queue; once it is there, the
+        newest awaiting reservation goes back behind it, its blocks freed (the module says why).
+        True when either was done (the caller tries again)."""
         if not (self.awaiting and self.ready_queued):
             return False
         waiting = self.waiting
@@ -286,9 +261,8 @@ class KvHandOff:
 
     def _start_pulled(self, plan: StepPlan, stats: StepStats, budget: int, sampling: list[Request]) -> int:
         """The plan starts the pulls of the reserved requests whose source is known
-        (`_plan_pulls`), and runs those whose pull landed, in order, within ``budget`` tokens:
-        their remaining tokens (the first token), as any request admitted with its prompt
-        computed. Returns the budget left."""
+        (`_plan_pulls`), and runs those whose pull landed, in order, within ``budget`` tokens, as
+        any request admitted with its prompt computed. Returns the budget left."""
         if self.ready:
             self._plan_pulls(plan)
         landed = self.landed
@@ -335,28 +309,25 @@ class KvHandOff:
         """The pulls a result says failed or landed: each one's request computes its prompt here,
         or runs next (`_landed`); an ended request's parked blocks go back. What a result of a
         step before the one that carried a pull says is of an earlier pull of that id."""
-        for req_id in result.failed_pull_req_ids:
-            self._pull_settled(req_id, result.step_id, landed=False)
-        for req_id in result.landed_pull_req_ids:
-            self._pull_settled(req_id, result.step_id, landed=True)
-
-    def _pull_settled(self, req_id: str, step_id: int, landed: bool) -> None:
-        planned = self.orphaned.get(req_id)
-        if planned is not None:
-            if step_id >= planned:
-                del self.orphaned[req_id]
-                self.kv.free_parked(req_id)
-                if req_id not in self.requests:
-                    self._to_drop.append(req_id)  # NOTE: the executor names the outcome no more
-            return
-        pulled = self.pulling.get(req_id)
-        if pulled is None or step_id < pulled.step_id:
-            return  # an outcome taken already (results repeat them), or of an earlier pull
-        del self.pulling[req_id]
-        if landed:
-            self._landed(pulled.request)
-        else:
-            self._pull_failed(pulled.request)
+        step_id = result.step_id
+        for landed, req_ids in ((False, result.failed_pull_req_ids), (True, result.landed_pull_req_ids)):
+            for req_id in req_ids:
+                planned = self.orphaned.get(req_id)
+                if planned is not None:
+                    if step_id >= planned:
+                        del self.orphaned[req_id]
+                        self.kv.free_parked(req_id)
+                        if req_id not in self.requests:
+                            self._to_drop.append(req_id)  # NOTE: the executor names the outcome no more
+                    continue
+                pulled = self.pulling.get(req_id)
+                if pulled is None or step_id < pulled.step_id:
+                    continue  # an outcome taken already (results repeat them), or of an earlier pull
+                del self.pulling[req_id]
+                if landed:
+                    self._landed(pulled.request)
+                else:
+                    self._pull_failed(pulled.request)
 
     def _landed(self, request: Request) -> None:
         """Its pulled tokens are computed: their blocks join the prefix cache, and it runs from

@@ -286,8 +286,7 @@ class Request:
 
     def add_reported_output(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
         """Tokens a scheduler worker sampled, onto the front's copy: no matcher to advance (the
-        worker's has) and no block hashes yet (`reset_for_recompute` extends them if the copy is
-        ever placed again; the worker hashes as it goes)."""
+        worker's has) nor block hashes (`reset_for_recompute` extends them if it is placed again)."""
         self.output_token_ids += token_ids
         self.output_logprobs += logprobs
 

@@ -79,8 +79,7 @@ class Scheduler(KvHandOff):
 
     def waits_on_others(self) -> bool:
         """No step to send for them, but not done: blocks held for another executor's pull, or
-        requests reserved while another executor prefills them (`kv_handoff`; a draining
-        executor waits for these too)."""
+        requests reserved while another prefills them (a draining executor waits for these too)."""
         return bool(self.held or self.awaiting)
 
     def add_request(self, request: Request) -> None:
@@ -118,8 +117,7 @@ class Scheduler(KvHandOff):
         if request.grammar is not None:
             request.grammar.release()
         if status is RequestStatus.PREFILLED:  # NOTE: the blocks stay for a pull (`kv_handoff`)
-            num_tokens = request.num_computed_tokens
-            request.pull = PrefilledBlocks("", "", self.kv.get_block_ids(req_id), num_tokens)
+            request.pull = PrefilledBlocks("", "", self.kv.get_block_ids(req_id), request.num_computed_tokens)
             self.held[req_id] = request
         elif self._free_blocks(request, valid):  # NOTE: parked; dropped once its pull is over
             del self.requests[req_id]
@@ -187,10 +185,9 @@ class Scheduler(KvHandOff):
         return plan, stats
 
     def schedule_joining(self, budget: int) -> tuple[StepPlan, StepStats] | None:
-        """A step that only admits waiting requests, to join the multi-pass step the executor
-        runs (`StepPlan.joins_running`): their prompts, whole, within ``budget`` tokens (what
-        that step's passes leave of the executor's); no constrained request (the joined pass
-        takes no bitmask), none of the running ones. None when no request can start now."""
+        """A step that only admits waiting requests, to join the executor's running multi-pass
+        step (`StepPlan.joins_running`): their prompts, whole, within ``budget`` tokens; none that
+        is constrained (the joined pass takes no bitmask). None when no request can start now."""
         plan = StepPlan(step_id=0, session=self.session, joins_running=True)
         stats = StepStats()
         self._admit(plan, stats, budget, [], joining=True)
@@ -285,10 +282,9 @@ class Scheduler(KvHandOff):
         return request.num_output_tokens + request.num_pending_tokens < request.max_output_tokens
 
     def _num_steps(self, request: Request, num_computed: int) -> int:
-        """The passes a request runs in a multi-step plan: one unless its first pass computes up
-        to its last known token (``num_computed`` after it: it samples), then up to
-        ``num_scheduler_steps`` but no more than the tokens it may still sample; one for a
-        constrained request (each token needs its mask) and for a prefill-only one."""
+        """The passes a request runs in a multi-step plan: where its first pass samples (computes
+        up to ``num_computed``, its last known token), up to ``num_scheduler_steps`` within the
+        tokens it may still sample; else one, as for a constrained or prefill-only request."""
         num_pending = request.num_pending_tokens
         num_output = len(request.output_token_ids)
         known = len(request.prompt_token_ids) + num_output + num_pending

@@ -116,10 +116,8 @@ class AioExecutorClient:
         return cls(address, instance_id, spec.timeout_s, spec.token, spec.tls_ca)
 
     async def submit(self, plan: StepPlan, early_results: bool = False) -> AioPendingStep:
-        """Sends a step now; read its result with ``.result()``, in order.
-
-        ``early_results``: a multi-step plan's first-pass-only requests come in an answer of their
-        own before its result (read both with ``.result()``)."""
+        """Sends a step now; read its answers with ``.result()``, in order. ``early_results``: a
+        multi-step plan's first-pass-only requests come in an answer of their own before its result."""
         request = step_codec.plan_to_proto(plan)
         request.executor_instance_id = self.instance_id  # NOTE: a restarted process refuses it
         request.early_results = early_results and plan.has_first_pass_only
@@ -142,9 +140,8 @@ class AioExecutorClient:
         return await (await self.submit(plan)).result()
 
     async def info(self, timeout_s: float | None = None) -> ExecutorInfo:
-        """The capacity handshake: waits (up to ``timeout_s``, else `timeout_s` of the client)
-        for an executor that is still starting; from then on steps go to the process that
-        answered."""
+        """The capacity handshake: waits (up to ``timeout_s``, else the client's) for an executor
+        that is still starting; from then on steps go to the process that answered."""
         msg = await self._call(self.stub.Info, pb.InfoRequest(), timeout_s, wait_for_ready=True)
         self.executor_id, self.version, self.instance_id = msg.executor_id, msg.version, msg.instance_id
         return step_codec.info_from_proto(msg)
@@ -172,10 +169,9 @@ class AioExecutorClient:
             raise ExecutorError.from_rpc_error(exc) from None
 
     async def health(self) -> bool:
-        """True when the executor answers and serves, as the process the front handshook with;
-        False when it is unreachable, stopping, or another process (asked after a failed step:
-        was that the executor's answer, or was it gone?). A restart on the same address is another
-        process, which holds none of the requests the first one did."""
+        """True when the executor answers and serves, as the process the front handshook with
+        (asked after a failed step: was it gone?); False when it is unreachable, stopping, or
+        another process (a restart on the same address, which holds none of the requests)."""
         try:
             response = await self._call(self.stub.Health, pb.HealthRequest(), HEALTH_CHECK_TIMEOUT_S)
         except (ExecutorError, grpc.aio.UsageError):  # the second: a closed channel

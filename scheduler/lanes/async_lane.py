@@ -98,13 +98,12 @@ class ExecutorLane:
         on_idle: Callable[[], None] | None = None,
         role: str = EXECUTOR_ROLE_MIXED,
     ) -> None:
-        """``role``: the executor's (`ExecutorInfo.role`). ``async_scheduling``: schedule and send each step while the executor runs the one
-        before. ``has_room``: awaited before each new step;
-        False holds it back for now (whoever takes this lane's events is behind).
-        ``joins_steps``: the executor runs a step that joins the one it is running
-        (`ExecutorInfo.joins_steps`); with async scheduling, the requests that come during a
-        multi-pass step start in a step that joins its next pass (`joining`). ``on_idle``:
-        called on the task each time the lane's work ends (nothing left to step)."""
+        """``async_scheduling``: schedule and send each step while the executor runs the one
+        before. ``has_room``: awaited before each new step; False holds it back for now (whoever
+        takes this lane's events is behind). ``joins_steps`` (`ExecutorInfo.joins_steps`): with
+        async scheduling, the requests that come during a multi-pass step start in a step that
+        joins its next pass (`joining`). ``on_idle``: called on the task each time the lane's work
+        ends. ``role``: the executor's (`ExecutorInfo.role`)."""
         self.executor_id = executor_id
         self.client = client
         self.scheduler = scheduler
@@ -176,7 +175,6 @@ class ExecutorLane:
         await self.client.close()
 
     def take_down(self, reason: str) -> None:
-        """The executor left (its registration expired, say): hand every request back."""
         self._command(partial(self._go_down, reason))
 
     def submit(self, requests: list[Request]) -> None:
@@ -186,15 +184,12 @@ class ExecutorLane:
         self._command(partial(self._finish, req_ids, status))
 
     def release_held(self, req_ids: list[str]) -> None:
-        """Frees what the lane holds for requests that go on elsewhere (`Scheduler.release_held`)."""
         self._command(partial(self._release_held, req_ids))
 
     def start_decode(self, prefilled: Prefilled) -> None:
-        """A request waiting here for its KV starts (`Scheduler.start_decode`)."""
         self._command(partial(self.scheduler.start_decode, prefilled))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
-        """Runs ``fn(scheduler)`` on the lane's task between steps (e.g. an integrity check)."""
         future: Future[T] = Future()
         self._command(partial(_run_call, fn, self.scheduler, future))
         return future
@@ -290,14 +285,12 @@ class ExecutorLane:
             try:
                 await self._step()
             except Exception:  # never let the lane die: fail what is running, keep serving
-                self._crashed()
+                log.exception("lane step crashed", executor=self.executor_id)
+                self._in_flight.clear()
+                scheduler = self.scheduler
+                ended = scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR)
+                self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
         self._apply_commands()
-
-    def _crashed(self) -> None:
-        log.exception("lane step crashed", executor=self.executor_id)
-        self._in_flight.clear()
-        ended = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
-        self.on_event(self, LaneEvent(ended=ended, error="internal scheduler error"))
 
     def _go_down(self, reason: str) -> None:
         """Marks the executor lost and hands every request back for another executor."""
@@ -412,7 +405,14 @@ class ExecutorLane:
                 result = await pending.result()
         except Exception as exc:
             answers = not executor_is_down(exc) and await self.client.health()
-            later = self._failed(exc, down_reason(self.executor_id, exc, answers))
+            down = down_reason(self.executor_id, exc, answers)
+            # NOTE: the steps sent after it are drained, then fail with it; none where its
+            # executor is down (the lane went down with every request).
+            later = [] if down is not None else list(self._in_flight)
+            self._in_flight.clear()
+            self.pacing.interrupted()
+            if down is not None:
+                self._go_down(down)
             for after in later:
                 with contextlib.suppress(Exception):
                     await after.pending.result()
@@ -421,17 +421,6 @@ class ExecutorLane:
             self._landed(step, result)
         finally:
             self._landing = None
-
-    def _failed(self, exc: Exception, down: str | None) -> list[InFlightStep]:
-        """A step failed: the steps sent after it (to drain before `_fail_steps`), or none
-        when its executor is ``down`` (why: `down_reason`; the lane went down with every request)."""
-        later = list(self._in_flight)
-        self._in_flight.clear()
-        self.pacing.interrupted()
-        if down is not None:
-            self._go_down(down)
-            return []
-        return later
 
     def _fail_steps(self, steps: list[InFlightStep], exc: Exception) -> None:
         """A step the executor failed while it still serves: its requests run again (once:

@@ -75,6 +75,7 @@ class _Joining:
 
     def __init__(self, steps: _StepQueue, stream: _Stream) -> None:
         self._steps, self._stream = steps, stream
+        self.answer = stream.answer
 
     def take(self, max_tokens: int) -> StepPlan | None:
         step = self._steps.take_if(
@@ -85,9 +86,6 @@ class _Joining:
             )
         )
         return None if step is None else step.plan
-
-    def answer(self, result: StepResult) -> None:
-        self._stream.answer(result)
 
 
 class _PendingStep:

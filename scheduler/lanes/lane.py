@@ -56,7 +56,6 @@ class PendingStep(Protocol):
     async def result(self) -> StepResult:
         """The step's next answer: an early one (`StepResult.partial`) or one of a step that
         joined it, where the client gives those, then its result."""
-        ...
 
 
 class StepClient(Protocol):
@@ -72,7 +71,6 @@ class StepClient(Protocol):
 
     async def health(self) -> bool:
         """Whether the executor answers and serves, as the process the lane's steps went to."""
-        ...
 
     async def close(self) -> None: ...
 
@@ -109,7 +107,6 @@ class Lane(Protocol):
     @property
     def client(self) -> StepClient:
         """The executor's client in this process: health checks, profiling."""
-        ...
 
     @property
     def load(self) -> int: ...
@@ -120,7 +117,6 @@ class Lane(Protocol):
     @property
     def has_work(self) -> bool:
         """A step to send: requests, or finished ones the executor must still drop."""
-        ...
 
     @property
     def num_running(self) -> int: ...
@@ -128,7 +124,6 @@ class Lane(Protocol):
     @property
     def num_scheduler_steps(self) -> int:
         """The passes its steps run now (`--num-scheduler-steps`; under auto, the last choice)."""
-        ...
 
     @property
     def num_used_blocks(self) -> int: ...
@@ -139,19 +134,17 @@ class Lane(Protocol):
     @property
     def prefix_stats(self) -> tuple[int, int]:
         """(prompt tokens looked up, of them found in the prefix cache)."""
-        ...
 
     def cached_tier(self, block_hash: BlockHash) -> int:
         """Where the lane's pool holds a prefix-cache hash (`BlockPool.tier_of`)."""
-        ...
 
     def start(self) -> None: ...
 
     async def aclose(self, timeout_s: float) -> None:
         """Ends the lane and closes its client."""
-        ...
 
-    def take_down(self, reason: str) -> None: ...
+    def take_down(self, reason: str) -> None:
+        """The executor left (its registration expired, say): every request is handed back."""
 
     def submit(self, requests: list[Request]) -> None: ...
 
@@ -161,13 +154,10 @@ class Lane(Protocol):
         """Frees, with no report, what the lane holds for requests that go on (or ended)
         elsewhere: prefilled blocks (pulled, or never to be), or requests of its own no longer
         wanted here (`Scheduler.release_held`)."""
-        ...
 
     def start_decode(self, prefilled: Prefilled) -> None:
         """A request waiting here for its KV (`Request.remote_prefill`) starts: it pulls it from
         where it was prefilled, or computes it (`Scheduler.start_decode`)."""
-        ...
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` between the lane's steps (e.g. an integrity check)."""
-        ...

@@ -102,20 +102,6 @@ _LOAD_FIELDS = attrgetter(*(f.name for f in fields(LaneLoad)))
 _REPORT_FIELDS = attrgetter(*(f.name for f in fields(LaneReport)))
 
 
-def lane_load(lane: ExecutorLane) -> LaneLoad:
-    queries, hits = lane.prefix_stats
-    return LaneLoad(
-        lane.num_waiting,
-        lane.num_running,
-        lane.num_used_blocks,
-        lane.kv_usage,
-        queries,
-        hits,
-        lane.has_work,
-        lane.num_scheduler_steps,
-    )
-
-
 def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: RelayProgress) -> LaneReport:
     """On the worker's loop, right after the event: its compact form and the lane's load
     (``progress``: the lane's, which this advances)."""
@@ -161,6 +147,7 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
         num_sent = progress.pop(request.req_id, None)
         if num_sent is not None and request.relay is not None:  # held: before it ends or moves
             _pack_unsent(relayed, request, request.relay, num_sent)
+    queries, hits = lane.prefix_stats
     return LaneReport(
         lane_key=lane_key,
         updates=updates,
@@ -176,7 +163,16 @@ def make_report(lane_key: str, lane: ExecutorLane, event: LaneEvent, progress: R
         if stats is None
         else (stats.num_preemptions, stats.num_scheduled_tokens, stats.num_prompt_tokens),
         step_seconds=event.step_seconds,
-        load=lane_load(lane),
+        load=LaneLoad(
+            lane.num_waiting,
+            lane.num_running,
+            lane.num_used_blocks,
+            lane.kv_usage,
+            queries,
+            hits,
+            lane.has_work,
+            lane.num_scheduler_steps,
+        ),
         kv_events=kv_events,
         executor_draining=event.executor_draining,
         failed_step=event.failed_step,
@@ -198,12 +194,10 @@ def _pack_unsent(
     least: int = 1,
 ) -> int:
     """Packs the output tokens of ``request`` from ``start`` (the first not sent in this
-    placement) but its last ``keep``, as one item for its API process, if there are at least
-    ``least`` of them (a worker holds fewer than `StreamRelay.every`). Returns the tokens sent
-    from then on.
-
-    The item is the one that process applies (`api_messages.PackedUpdate`): the stream's handle,
-    then the fields of `outputs.SequenceUpdate` for tokens that end nothing."""
+    placement) but its last ``keep``, if there are at least ``least`` (a worker holds fewer than
+    `StreamRelay.every`), as the item its API process applies (`api_messages.PackedUpdate`: the
+    stream's handle, then `outputs.SequenceUpdate`'s fields for tokens that end nothing). Returns
+    the tokens sent from then on."""
     output = request.output_token_ids
     end = len(output) - keep
     if end - start < least:

@@ -1,12 +1,10 @@
 """A scheduler worker process: the step loops of some executors, away from the front's GIL.
 
 The front (the process serving the public API) hands each worker some executors. For each, the
-worker runs an `ExecutorLane` (its own `Scheduler` and block pool, and its own gRPC client
-for the steps), as the front runs its own without workers, all on one event loop: its lanes,
-their grpc.aio streams and the pipe to the front share one thread, so a step costs no thread
-wake-ups (a thread per lane, each with gRPC's threads behind it, spent most of a step's CPU
-handing the GIL around). The worker never chooses where requests go and never talks to clients:
-it applies the front's commands and reports what every step produced.
+worker runs an `ExecutorLane` (its own `Scheduler`, block pool and gRPC client), as the front
+runs its own without workers, all on one event loop beside the pipe to the front (`async_lane`
+says why one thread). The worker never chooses where requests go and never talks to clients: it
+applies the front's commands and reports what every step produced.
 
 The front and the worker talk over one `multiprocessing` pipe (`pipe_link`), in batches of the
 messages of `worker_messages`: `FrontToWorker` one way, `WorkerToFront` the other.
@@ -33,6 +31,7 @@ from npuserve.deploy.runtime.gc_heap import IdleHeapRelease, settle_heap_for_ser
 from npuserve.deploy.runtime.unknown_message import unknown_message
 from npuserve.scheduler.core.request import Request
 from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.lanes import worker_messages as msg
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import ExecutorLane
 from npuserve.scheduler.lanes.background import BackgroundTasks
@@ -45,23 +44,6 @@ from npuserve.scheduler.lanes.step_frames import (
     carries_reports,
     evacuated,
     make_report,
-)
-from npuserve.scheduler.lanes.worker_messages import (
-    AckReports,
-    CallLane,
-    CallRaised,
-    CallReturned,
-    ExitWorker,
-    FinishRequests,
-    FrontToWorker,
-    OpenLane,
-    ReleaseHeld,
-    StartDecode,
-    StopLane,
-    SubmitRequests,
-    TakeLaneDown,
-    WorkerStarted,
-    WorkerToFront,
 )
 from npuserve.scheduler.structured.grammar_compiler import GrammarCompiler, GrammarSettings
 
@@ -79,7 +61,7 @@ class ReportWindow:
         self._room = asyncio.Event()
         self._room.set()
 
-    def sent(self, batch: list[WorkerToFront]) -> None:
+    def sent(self, batch: list[msg.WorkerToFront]) -> None:
         if carries_reports(batch):
             self._unacked += 1
             if self._unacked >= MAX_UNACKED_REPORTS:
@@ -123,12 +105,12 @@ class StepWorker:
     async def run(self) -> None:
         """Serves the front's commands until it says exit or its end of the pipe closes."""
         self.done = asyncio.Event()
-        self.pipe: PipeLink[WorkerToFront, FrontToWorker] = PipeLink(
+        self.pipe: PipeLink[msg.WorkerToFront, msg.FrontToWorker] = PipeLink(
             self.conn, self._received, self._front_gone, asyncio.get_running_loop(), self.window.sent
         )
         self.pipe.start()
         settle_heap_for_serving()
-        self.pipe.send(WorkerStarted())  # NOTE: its imports are done: it steps at full speed from here
+        self.pipe.send(msg.WorkerStarted())  # NOTE: its imports are done: it steps at full speed from here
         try:
             await self.done.wait()
         finally:
@@ -144,36 +126,36 @@ class StepWorker:
         log.info("the scheduler front is gone; worker exiting")
         self.done.set()
 
-    def _received(self, batch: list[FrontToWorker]) -> None:
+    def _received(self, batch: list[msg.FrontToWorker]) -> None:
         """The front's messages, in order; those for a lane this worker no longer has are dropped
         (the front retired it), but for requests, which the front places again."""
         lanes = self.lanes
         for message in batch:
             match message:
-                case AckReports():
+                case msg.AckReports():
                     self.window.acked()
-                case SubmitRequests(lane_key=lane_key, requests=requests):
+                case msg.SubmitRequests(lane_key=lane_key, requests=requests):
                     self._submit(lane_key, requests)
-                case FinishRequests(lane_key=lane_key, req_ids=req_ids, status=status):
+                case msg.FinishRequests(lane_key=lane_key, req_ids=req_ids, status=status):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.finish(req_ids, status)
-                case ReleaseHeld(lane_key=lane_key, req_ids=req_ids):
+                case msg.ReleaseHeld(lane_key=lane_key, req_ids=req_ids):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.release_held(req_ids)
-                case StartDecode(lane_key=lane_key, prefilled=prefilled):
+                case msg.StartDecode(lane_key=lane_key, prefilled=prefilled):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.start_decode(prefilled)
-                case TakeLaneDown(lane_key=lane_key, reason=reason):
+                case msg.TakeLaneDown(lane_key=lane_key, reason=reason):
                     if (lane := lanes.get(lane_key)) is not None:
                         lane.take_down(reason)
-                case OpenLane():
+                case msg.OpenLane():
                     self._open_lane(message)
-                case StopLane(lane_key=lane_key):
+                case msg.StopLane(lane_key=lane_key):
                     if (lane := lanes.pop(lane_key, None)) is not None:
                         self._background.spawn(lane.aclose(LANE_CLOSE_TIMEOUT_S))
-                case CallLane(call_id=call_id, lane_key=lane_key, fn=fn):
+                case msg.CallLane(call_id=call_id, lane_key=lane_key, fn=fn):
                     self._call(call_id, lane_key, fn)
-                case ExitWorker():
+                case msg.ExitWorker():
                     self.done.set()
                     return
                 case _:
@@ -182,21 +164,17 @@ class StepWorker:
     def _submit(self, lane_key: str, requests: list[Request]) -> None:
         lane = self.lanes.get(lane_key)
         if lane is None:  # stopped meanwhile: the front places them again
-            self._report_gone(lane_key, requests)
+            error = f"lane {lane_key} left this scheduler worker"
+            self.pipe.send(LaneReport(lane_key, evacuated=[evacuated(r) for r in requests], error=error))
             return
-        for request in requests:
-            self._attach_grammar(request)
+        for request in requests:  # a constrained request's matcher, here, at its output tokens
+            constraint = request.params.structured_outputs
+            if constraint is not None and self.grammars is not None:
+                request.grammar = self.grammars.grammar_for(constraint).new_state(request.max_output_tokens)
+                request.grammar.sync(request.output_token_ids)
         lane.submit(requests)
 
-    def _attach_grammar(self, request: Request) -> None:
-        """A constrained request's matcher, here, at the request's output tokens."""
-        constraint = request.params.structured_outputs
-        if constraint is None or self.grammars is None:
-            return
-        request.grammar = self.grammars.grammar_for(constraint).new_state(request.max_output_tokens)
-        request.grammar.sync(request.output_token_ids)
-
-    def _open_lane(self, command: OpenLane) -> None:
+    def _open_lane(self, command: msg.OpenLane) -> None:
         # NOTE: the front's handshake named the executor's process: steps go to that one only.
         client = AioExecutorClient.from_spec(self.spec, command.address, command.instance_id)
         lane_key, info = command.lane_key, command.info
@@ -221,22 +199,18 @@ class StepWorker:
         self.lanes[lane_key] = lane
         lane.start()
 
-    def _report_gone(self, lane_key: str, requests: list[Request]) -> None:
-        error = f"lane {lane_key} left this scheduler worker"
-        self.pipe.send(LaneReport(lane_key, evacuated=[evacuated(r) for r in requests], error=error))
-
     def _call(self, call_id: int, lane_key: str, fn: Callable[[Scheduler], object]) -> None:
         lane = self.lanes.get(lane_key)
         if lane is None:
-            self.pipe.send(CallRaised(call_id, f"lane {lane_key} is not in this worker", assertion=False))
+            self.pipe.send(msg.CallRaised(call_id, f"lane {lane_key} is not in this worker", assertion=False))
             return
 
         def reply(future: Future[object]) -> None:
             exc = future.exception()
             if exc is None:
-                self.pipe.send(CallReturned(call_id, future.result()))
+                self.pipe.send(msg.CallReturned(call_id, future.result()))
             else:
-                self.pipe.send(CallRaised(call_id, str(exc), assertion=isinstance(exc, AssertionError)))
+                self.pipe.send(msg.CallRaised(call_id, str(exc), assertion=isinstance(exc, AssertionError)))
 
         lane.call(fn).add_done_callback(reply)
 

@@ -31,28 +31,13 @@ from npuserve.scheduler.core.block_hash import BlockHash
 from npuserve.scheduler.core.block_pool import NOT_CACHED
 from npuserve.scheduler.core.request import Prefilled, Request, RequestStatus
 from npuserve.scheduler.core.scheduler import Scheduler
+from npuserve.scheduler.lanes import worker_messages as msg
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.executor_client import ClientSpec
 from npuserve.scheduler.lanes.pipe_link import PipeLink, join_or_kill
 from npuserve.scheduler.lanes.step_frames import LaneLoad, LaneReport, carries_reports
 from npuserve.scheduler.lanes.step_worker import LaneSettings, run_step_worker
 from npuserve.scheduler.lanes.worker_inbox import WorkerInbox
-from npuserve.scheduler.lanes.worker_messages import (
-    CallLane,
-    CallRaised,
-    CallReturned,
-    ExitWorker,
-    FinishRequests,
-    FrontToWorker,
-    OpenLane,
-    ReleaseHeld,
-    StartDecode,
-    StopLane,
-    SubmitRequests,
-    TakeLaneDown,
-    WorkerStarted,
-    WorkerToFront,
-)
 
 log = structlog.get_logger(__name__)
 
@@ -133,32 +118,34 @@ class RemoteLane:
 
     def start(self) -> None:
         client = self.client
-        self.worker.send(OpenLane(self.key, self.executor_id, client.address, self.info, client.instance_id))
+        self.worker.send(
+            msg.OpenLane(self.key, self.executor_id, client.address, self.info, client.instance_id)
+        )
 
     async def aclose(self, timeout_s: float) -> None:
         """Stops the worker's lane (it closes its own client) and closes the front's."""
-        self.worker.send(StopLane(self.key))
+        self.worker.send(msg.StopLane(self.key))
         self.worker.lanes.pop(self.key, None)
         await self.client.close()
 
     def take_down(self, reason: str) -> None:
-        self.worker.send(TakeLaneDown(self.key, reason))
+        self.worker.send(msg.TakeLaneDown(self.key, reason))
 
     def submit(self, requests: list[Request]) -> None:
         for request in requests:  # NOTE: the worker builds and advances its own matcher
             if request.grammar is not None:
                 request.grammar.release()
                 request.grammar = None
-        self.worker.send(SubmitRequests(self.key, requests))
+        self.worker.send(msg.SubmitRequests(self.key, requests))
 
     def finish(self, req_ids: list[str], status: RequestStatus) -> None:
-        self.worker.send(FinishRequests(self.key, req_ids, status))
+        self.worker.send(msg.FinishRequests(self.key, req_ids, status))
 
     def release_held(self, req_ids: list[str]) -> None:
-        self.worker.send(ReleaseHeld(self.key, req_ids))
+        self.worker.send(msg.ReleaseHeld(self.key, req_ids))
 
     def start_decode(self, prefilled: Prefilled) -> None:
-        self.worker.send(StartDecode(self.key, prefilled))
+        self.worker.send(msg.StartDecode(self.key, prefilled))
 
     def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
         """Runs ``fn(scheduler)`` on the worker's lane, between steps; ``fn`` must pickle (a
@@ -174,17 +161,14 @@ class WorkerHandle:
         self.pool = pool
         self.lanes: dict[str, RemoteLane] = {}
         self.process: BaseProcess | None = None
-        self.link: PipeLink[FrontToWorker, WorkerToFront] | None = None
+        self.link: PipeLink[msg.FrontToWorker, msg.WorkerToFront] | None = None
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self.closing = False
         self.alive = False  # its process runs (False from its death until it is started again)
         self.started = asyncio.Event()  # its process serves its pipe (cleared at each start)
         self.history = RestartHistory()  # its deaths, under serve's restart policy
-
-    @property
-    def name(self) -> str:
-        return f"scheduler-worker-{self.index}"
+        self.name = f"scheduler-worker-{index}"
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -199,8 +183,9 @@ class WorkerHandle:
         process.start()
         worker_end.close()
         assert pool.loop is not None, "the pool starts workers once it has the engine's loop"
-        link: PipeLink[FrontToWorker, WorkerToFront] = PipeLink(
-            front_end, self._received, lambda: self._closed(link), pool.loop
+        # NOTE: a batch from the worker is handled in turn (`WorkerInbox`), on the event loop.
+        link: PipeLink[msg.FrontToWorker, msg.WorkerToFront] = PipeLink(
+            front_end, lambda batch: pool.inbox.put(self, batch), lambda: self._closed(link), pool.loop
         )
         self.process, self.link = process, link
         self.alive = True
@@ -208,7 +193,7 @@ class WorkerHandle:
         link.start()
         log.info("scheduler worker started", worker=self.index, pid=process.pid)
 
-    def send(self, command: FrontToWorker) -> None:
+    def send(self, command: msg.FrontToWorker) -> None:
         if self.link is not None:
             self.link.send(command)
 
@@ -216,31 +201,27 @@ class WorkerHandle:
         future: Future[T] = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self.send(CallLane(call_id, lane_key, fn))
+        self.send(msg.CallLane(call_id, lane_key, fn))
         return future
 
-    def _received(self, batch: list[WorkerToFront]) -> None:
-        """A batch from the worker (on the event loop): handled in turn (`WorkerInbox`)."""
-        self.pool.inbox.put(self, batch)
-
-    def _handle(self, message: WorkerToFront) -> None:
+    def _handle(self, message: msg.WorkerToFront) -> None:
         match message:
             case LaneReport():
                 self.pool.on_report(self, message)
-            case CallReturned(call_id=call_id, value=value):
+            case msg.CallReturned(call_id=call_id, value=value):
                 future = self._calls.pop(call_id, None)
                 if future is not None:
                     future.set_result(value)
-            case CallRaised(call_id=call_id, message=text, assertion=assertion):
+            case msg.CallRaised(call_id=call_id, message=text, assertion=assertion):
                 future = self._calls.pop(call_id, None)
                 if future is not None:
                     future.set_exception(AssertionError(text) if assertion else RuntimeError(text))
-            case WorkerStarted():
+            case msg.WorkerStarted():
                 self.started.set()
             case _:
                 unknown_message("the scheduler front", message)
 
-    def _closed(self, link: PipeLink[FrontToWorker, WorkerToFront]) -> None:
+    def _closed(self, link: PipeLink[msg.FrontToWorker, msg.WorkerToFront]) -> None:
         if link is not self.link:
             return  # an earlier incarnation's pipe
         self.alive = False
@@ -256,7 +237,7 @@ class WorkerHandle:
     def close(self) -> None:
         self.closing = True
         if self.link is not None:
-            self.link.send(ExitWorker())
+            self.link.send(msg.ExitWorker())
             self.link.close()
         join_or_kill(self.process, WORKER_EXIT_TIMEOUT_S)
 
@@ -279,7 +260,7 @@ class StepWorkerPool:
         self.on_reports_handled: Callable[[WorkerHandle], None] = lambda w: None
         self.on_lost: Callable[[WorkerHandle], None] = lambda w: None
         self.loop: asyncio.AbstractEventLoop | None = None  # the engine's, which serves the pipes
-        self._inbox: WorkerInbox[WorkerHandle, WorkerToFront] | None = None
+        self._inbox: WorkerInbox[WorkerHandle, msg.WorkerToFront] | None = None
 
     def start(
         self,
@@ -322,11 +303,11 @@ class StepWorkerPool:
         worker.history.started()
 
     @property
-    def inbox(self) -> WorkerInbox[WorkerHandle, WorkerToFront]:
+    def inbox(self) -> WorkerInbox[WorkerHandle, msg.WorkerToFront]:
         assert self._inbox is not None, "the workers' messages come once the pool has started"
         return self._inbox
 
-    def _handled(self, worker: WorkerHandle, items: list[WorkerToFront]) -> None:
+    def _handled(self, worker: WorkerHandle, items: list[msg.WorkerToFront]) -> None:
         if carries_reports(items):
             self.on_reports_handled(worker)
 

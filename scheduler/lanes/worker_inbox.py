@@ -95,8 +95,7 @@ class WorkerInbox(Generic[Source, Item]):
                 items = message.items
                 while message.next < len(items):
                     if deadline is not None and handled and time.perf_counter() >= deadline:
-                        self._resume = self._loop.call_soon(self._next_slice)
-                        return
+                        return  # the rest in the next turn's slice (below)
                     item = items[message.next]
                     message.next += 1
                     handled += 1

@@ -30,16 +30,13 @@ class StreamProcesses(Protocol):
 
     def behind(self) -> bool:
         """Too many relayed tokens wait to be applied there: the workers' steps wait too."""
-        ...
 
     def forward(self, key: tuple[int, int], pack: RelayedPack) -> None:
         """Tokens a worker packed for API process ``key`` (index, incarnation), passed on as
         they are (dropped if that incarnation is gone)."""
-        ...
 
     async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
         """The output token ids each sequence's stream holds (absent: its process is gone)."""
-        ...
 
 
 class WorkerRelay:
@@ -127,10 +124,15 @@ class WorkerRelay:
             log.exception("the API processes' outputs could not be taken", requests=len(requests))
             outputs = {}
         moving = []
+        unrecovered = f"{reason}; its output could not be recovered"
         for request in requests:
             output = outputs.get(request.req_id)
-            if output is None:
-                self._end_unmoved(request, f"{reason}; its output could not be recovered")
+            if output is None:  # it ends (unless it has already)
+                client = engine._client_of_seq.get(request.req_id)
+                if client is not None and not request.status.is_finished:
+                    engine._mark_failed(request)
+                    client.end(request, RequestStatus.FINISHED_ERROR, unrecovered)
+                    engine._forget_if_finished(client)
                 continue
             request.take_output(output, None)
             request.reset_for_recompute()
@@ -139,15 +141,6 @@ class WorkerRelay:
             "outputs taken from the API processes", requests=len(moving), lost=len(requests) - len(moving)
         )
         engine._fail_over(moving, reason)
-
-    def _end_unmoved(self, request: Request, why: str) -> None:
-        engine = self.engine
-        client = engine._client_of_seq.get(request.req_id)
-        if client is None or request.status.is_finished:
-            return
-        engine._mark_failed(request)
-        client.end(request, RequestStatus.FINISHED_ERROR, why)
-        engine._forget_if_finished(client)
 
     async def _restart_worker(self, worker: WorkerHandle, lanes: list[RemoteLane]) -> None:
         engine = self.engine

@@ -31,7 +31,7 @@ from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.in_process_client import InProcessClient
 from npuserve.scheduler.lanes.lane import LaneEvent, PendingStep
-from npuserve.scheduler.lanes.step_frames import lane_load
+from npuserve.scheduler.lanes.step_frames import make_report
 
 
 def _request(req_id: str) -> Request:
@@ -805,7 +805,7 @@ def _run_auto_passes(
             if request.status.is_finished:
                 break
             await asyncio.sleep(0.01)
-        reported.append(lane_load(lane).num_scheduler_steps)
+        reported.append(make_report("e0", lane, LaneEvent(), {}).load.num_scheduler_steps)
         await _close_after_generating(lane, runner, request)
 
     _run_against(running, run)
