@@ -218,11 +218,9 @@ def _add_logprob(
 
 @functools.lru_cache(maxsize=1 << 16)
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """A token's text as it reads inside a stream, leading space included.
-
-    NOTE: decoded after an anchor token and cut after it: decoding a lone token drops the space
-    that sentencepiece tokenizers put at a word's start, and OpenAI clients join these texts.
-    """
+    """A token's text as it reads inside a stream, leading space included: decoded after an
+    anchor token and cut after it, as decoding a lone token drops the space that sentencepiece
+    tokenizers put at a word's start, and OpenAI clients join these texts."""
     anchor = _anchor(tokenizer)
     prefix = tokenizer.decode(anchor, skip_special_tokens=False)
     return tokenizer.decode([*anchor, token_id], skip_special_tokens=False)[len(prefix) :]

@@ -1,18 +1,14 @@
 """An API server process (`--api-server-count N`): one of N processes serving the public gRPC API
-on the scheduler's port, so that the per-token work of client streams spreads over cores.
+on the scheduler's port (SO_REUSEPORT), so that the per-token work of client streams spreads over
+cores (docs/architecture.md, "API server processes").
 
-Each API process shares the port with the others (SO_REUSEPORT: the kernel spreads connections
-over them) and, for its clients:
-  * checks the API key, validates requests, renders chat templates and tokenizes (`prompts`);
-  * hands each request, as token ids, to the engine's process (the core) and serves the client's
-    stream from the token batches the core relays back: detokenization, stop strings (a stop
-    string found here is sent to the core, which stops computing the sequence), usage, the
-    response messages and their writes;
-  * answers `Tokenize`, `Detokenize` itself, and passes every other call (`Abort`, `Health`,
-    `CheckIntegrity`, profiling, metrics, `ListModels`) to the core, which answers it as it
-    would in one process.
-The core keeps what must be one: the block tables (in its scheduler workers), routing, the
-failover copies of every request, and the metrics.
+For its clients it checks the API key, validates requests, renders chat templates and tokenizes
+(`prompts`), hands each request as token ids to the engine's process (the core), and serves the
+client's stream from the token batches the core relays back: detokenization, stop strings (one
+found here is sent to the core, which stops computing the sequence), usage and the writes. It
+answers `Tokenize` and `Detokenize` itself and passes every other call to the core, which answers
+it as it would in one process. The core keeps what must be one: the block tables (in its
+scheduler workers), routing, the failover copies of every request, and the metrics.
 
 The core and the process talk over one `multiprocessing` pipe (`pipe_link`), in batches of the
 messages of `api_messages`: `ApiToCore` one way, `CoreToApi` the other.
@@ -105,14 +101,9 @@ class CoreLink:
         for message in batch:
             match message:
                 case msg.StreamUpdates(items=items):
-                    applied += len(items)
-                    for item in items:  # NOTE: once per token
-                        self._add(item)
+                    applied += self._add(items)
                 case msg.RelayedUpdates(payload=payload):  # a worker's, passed on by the core as it was
-                    items = pickle.loads(payload)
-                    applied += len(items)
-                    for item in items:  # NOTE: once per token
-                        self._add(item)
+                    applied += self._add(pickle.loads(payload))
                 case msg.EndStream(handle=handle, update=update):
                     applied += 1
                     if (stream := self.streams.get(handle)) is not None:
@@ -143,14 +134,18 @@ class CoreLink:
         stream = self.streams.get(handle)
         return None if stream is None else stream.sequences[choice].token_ids
 
-    def _add(self, item: msg.PackedUpdate) -> None:
-        handle = item[0]
-        stream = self.streams.get(handle)
-        if stream is not None:
-            update = SequenceUpdate._make(item[1:])
-            stop = stream.add(update)
-            if stop is not None:
-                self.pipe.send(msg.StopStringFound(handle, update.choice, stop))
+    def _add(self, items: list[msg.PackedUpdate]) -> int:
+        """Applies stream updates; returns how many there were."""
+        streams = self.streams
+        for item in items:  # NOTE: once per token
+            handle = item[0]
+            stream = streams.get(handle)
+            if stream is not None:
+                update = SequenceUpdate._make(item[1:])
+                stop = stream.add(update)
+                if stop is not None:
+                    self.pipe.send(msg.StopStringFound(handle, update.choice, stop))
+        return len(items)
 
     async def open(
         self,

@@ -72,7 +72,7 @@ class Relay:
         return self.unacked >= MAX_UNACKED_ITEMS
 
     def put(self, message: msg.CoreToApi, count: int = 1) -> None:
-        """``count``: the items ``message`` stands for (a worker's pack: `put_pack`)."""
+        """``count``: the items ``message`` stands for (a worker's pack: `ApiProcessPool.forward`)."""
         if not self.pending:
             self.loop.call_soon(self._flush)
         self.pending.append(message)
@@ -86,10 +86,6 @@ class Relay:
             self.pending_count += 1
         else:
             self.put(StreamUpdates([item]))
-
-    def put_pack(self, pack: RelayedPack) -> None:
-        count, payload = pack
-        self.put(msg.RelayedUpdates(payload), count)
 
     def _flush(self) -> None:
         items, self.pending = self.pending, []
@@ -315,7 +311,8 @@ class ApiProcessPool:
         index, incarnation = key
         handle = self.processes[index]
         if handle.incarnation == incarnation and handle.relay is not None:
-            handle.relay.put_pack(pack)
+            count, payload = pack
+            handle.relay.put(msg.RelayedUpdates(payload), count)
 
     async def delivered(self, requests: list[Request]) -> dict[str, list[int]]:
         groups: dict[tuple[int, int], list[tuple[str, StreamRelay]]] = {}

@@ -28,11 +28,8 @@ class ClientRequest:
     def is_finished(self, req_id: str) -> bool:
         return self._finished[self.index_of[req_id]]
 
-    def mark_finished(self, req_id: str) -> bool:
-        """Marks a sequence finished; False if it was already."""
-        return self._mark_finished(self.index_of[req_id])
-
-    def _mark_finished(self, index: int) -> bool:
+    def mark_finished(self, index: int) -> bool:
+        """Marks the sequence at ``index`` finished; False if it was already."""
         if self._finished[index]:
             return False
         self._finished[index] = True
@@ -74,19 +71,19 @@ class ClientRequest:
         self.started = True
         stop = self.sink.add(self._update(index, request, token_ids, logprobs, finished, request.error))
         if finished is not None or stop is not None:
-            self._mark_finished(index)
+            self.mark_finished(index)
         return stop
 
     def end(self, request: Request, status: RequestStatus, error: str | None) -> None:
         """A sequence ended outside a step (aborted, or its executor failed)."""
         index = self.index_of[request.req_id]
-        if not self._mark_finished(index):
+        if not self.mark_finished(index):
             return
         self.started = True
         self.sink.end(self._update(index, request, [], [], status, error))
 
     def refuse(self, refusal: Exception) -> None:
         """Ends a request that has sent nothing yet with ``refusal`` as the client's status."""
-        for child in self.children:
-            self.mark_finished(child.req_id)
+        for index in range(len(self.children)):
+            self.mark_finished(index)
         self.sink.refuse(refusal)

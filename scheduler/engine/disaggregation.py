@@ -1,30 +1,17 @@
 """Prefill/decode disaggregation, decided by the front: which executor prefills a request, and
-the hand-off of its KV to the one that decodes it.
+the hand-off of its KV to the one that decodes it (the protocol, and why the KV moves in one pull
+once the prefill is over: docs/architecture.md, "Prefill/decode disaggregation").
 
 A request is placed on a decode (or mixed) lane as any other (`router.choose_lane`). When the
 prompt that lane would compute, its cached prefix aside, is longer than
 ``--max-local-prefill-length``, it waits there for its KV (`Request.remote_prefill`): that lane's
-scheduler reserves its blocks at once (its own prefix hits among them) and a sequence slot, and
-schedules nothing for it (`scheduler.core.kv_handoff`). At the same time its twin
-(`Request.prefill_twin`) prefills on a prefill lane, chosen prefix-aware among them: it samples
-the first token and ends PREFILLED, its blocks held there (`Scheduler.held`). The front then
-tells the decode lane where they are (`Lane.start_decode`): its next step starts pulling them
-into the blocks it reserved, beside that step and the next ones (which decode the lane's other
-requests on), and the request decodes from the step after the result that says the pull landed.
-Once the decode lane reports the request again (its next token, its end or its evacuation), the
-prefill lane frees the held blocks, which stay in its prefix cache. A decode lane that cannot
-reserve the blocks yet keeps the request in its queue like any other; the prefill goes on, and its
-blocks wait for the pull (once its prefill is over, the request goes before that lane's
-reservations that still await theirs: `scheduler.core.kv_handoff`).
-
-The pull comes once the prefill is over, not layer by layer while it runs: the decode lane
-cannot start before the first token, which is sampled at the end of the prefill anyway, so a
-layer-wise transfer would save at most the pull's own time, and only where the transfer can
-overlap the compute. Here a pull is host-staged over gRPC (`executor.kv_transfer`), read
-between the source's steps: a read inside the prefill's forward would hold that forward (and
-every request in its batch) on the network. On a CPU serve a pull took a fraction of the
-prefill it followed: 24% for the demo model, 1% for a 1024-wide, 8-layer one (docs/architecture.md,
-"Prefill/decode disaggregation").
+scheduler reserves its blocks and a sequence slot, and schedules nothing for it
+(`scheduler.core.kv_handoff`). Its twin (`Request.prefill_twin`) prefills on a prefill lane,
+chosen prefix-aware: it samples the first token and ends PREFILLED, its blocks held there
+(`Scheduler.held`). The front then tells the decode lane where they are (`Lane.start_decode`),
+whose next steps pull them beside the requests it decodes. Once the decode lane reports the
+request again (its next token, its end or its evacuation), the prefill lane frees the held
+blocks, which stay in its prefix cache.
 
 Failures, decided here:
 

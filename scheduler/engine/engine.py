@@ -30,11 +30,17 @@ from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
 from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.disaggregation import Disaggregation, RemotePrefill
-from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
+from npuserve.scheduler.engine.engine_config import (
+    EngineConfig,
+    NoExecutorError,
+    QueueFullError,
+)
 from npuserve.scheduler.engine.engine_metrics import MetricsRecorder
 from npuserve.scheduler.engine.failover import FailOver
 from npuserve.scheduler.engine.metrics import SchedulerMetrics
-from npuserve.scheduler.engine.outputs import OutputSink
+from npuserve.scheduler.engine.outputs import (
+    OutputSink,
+)
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.background import BackgroundTasks
@@ -85,8 +91,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         self._remote: dict[str, RemotePrefill] = {}  # `disaggregation`
         self._held: dict[str, Lane] = {}
         self.step_workers = step_workers
-        # Requests of a lost scheduler worker, held while it restarts when no other lane is left.
-        self._parked: list[Request] = []
+        self._parked: list[Request] = []  # `failover`
         self._workers_restarting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending = list(executors)
@@ -97,7 +102,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         self._workers = WorkerRelay(self)
         self._retiring: set[Lane] = set()  # down, and closed once their last reports have come
         self._background = BackgroundTasks()
-        self._heap = IdleHeapRelease(lambda: not self._clients)
+        self._heap = IdleHeapRelease(lambda: not self._clients)  # a request being checked is work
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -195,9 +200,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
             raise ValueError(
                 f"executor {executor_id} holds {info.max_model_len} tokens, fewer than {self.max_model_len}"
             )
-        old = self.lanes.get(executor_id)
-        if old is not None:
-            self.remove_executor(executor_id, "replaced by a new instance")
+        self.remove_executor(executor_id, "replaced by a new instance")  # if it had one
         lane: Lane
         if self.step_workers is not None:
             assert isinstance(client, AioExecutorClient), "worker processes drive remote executors"
@@ -276,15 +279,14 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
                 [params] if params.n == 1 else [params.for_sibling(i) for i in range(params.n)]
             )
         ]
-        if grammar is not None:
-            for child in children:
+        every = 1 if params.stop else self.config.stream_interval
+        for choice, child in enumerate(children):
+            if grammar is not None:
                 child.grammar = grammar.new_state(child.max_output_tokens)
+            if stream_at is not None:
+                child.relay = StreamRelay(*stream_at, choice, every)
         if continuation is not None:
             continuation.resume(children)
-        if stream_at is not None:
-            every = 1 if params.stop else self.config.stream_interval
-            for choice, child in enumerate(children):
-                child.relay = StreamRelay(*stream_at, choice, every)
         client = ClientRequest(request_id, children, sink)
         self._clients[request_id] = client
         for child in children:
@@ -316,10 +318,9 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         if client is None or not self.abort(request_id):
             return
         now = time.monotonic()
-        for child in client.children:
-            if not client.is_finished(child.req_id):  # its lane's report will not find it
+        for index, child in enumerate(client.children):
+            if client.mark_finished(index):  # its lane's report will not find it
                 self.recorder.record_finish(child, RequestStatus.FINISHED_ABORTED.value, now)
-            client.mark_finished(child.req_id)
         self._forget_if_finished(client)
 
     def _place(self, siblings: list[Request]) -> Lane:
@@ -447,7 +448,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         if client is None or index >= len(client.children):
             return
         request = client.children[index]
-        if client.mark_finished(request.req_id):
+        if client.mark_finished(index):
             self._stop_by_string(self._lane_of[request.req_id], request, stop, time.monotonic())
             self._forget_if_finished(client)
 

@@ -30,11 +30,8 @@ RECONNECT_INTERVAL_S = 1.0  # between attempts to reconnect the `--executors` th
 
 
 async def handshake(make_client: ClientFactory, address: str, probe_timeout_s: float | None = None) -> Joined:
-    """Connects and runs the capacity handshake.
-
-    ``probe_timeout_s`` bounds this handshake only (probing a down executor must not wait for
-    the step timeout); steps keep the client's own timeout.
-    """
+    """Connects and runs the capacity handshake. ``probe_timeout_s`` bounds this handshake only
+    (probing a down executor must not wait for the step timeout); steps keep the client's own."""
     client = make_client(address)
     try:
         info = await client.info(probe_timeout_s)

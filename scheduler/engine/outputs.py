@@ -55,9 +55,8 @@ class GenerateOutput:
 
 
 class SequenceUpdate(NamedTuple):
-    """What a step (or an end outside a step) did to one sequence, as its client stream needs it.
-
-    A plain tuple: it crosses from the core to an API server process in batches (pickled)."""
+    """What a step (or an end outside a step) did to one sequence, as its client stream needs it:
+    a plain tuple, as it crosses from the core to an API server process in (pickled) batches."""
 
     choice: int  # the sequence's index among the request's n
     token_ids: list[int]

@@ -54,10 +54,8 @@ class _Probe:
 
 
 class RedisMembership:
-    """Runs on the event loop; Redis calls run on worker threads.
-
-    Ownership: every attribute is touched only on the event loop thread.
-    """
+    """Runs on the event loop, which alone touches its attributes; Redis calls run on worker
+    threads."""
 
     def __init__(
         self, make_client: ClientFactory, url: str, prefix: str = "npuserve", poll_interval_s: float = 0.5

@@ -108,7 +108,7 @@ def test_a_relay_sends_a_turns_items_as_one_and_is_behind_until_acknowledged() -
         half = MAX_UNACKED_ITEMS // 2
         for i in range(half):
             relay.put_update(update(i, i))
-        relay.put_pack((len(pack), pickle.dumps(pack)))
+        relay.put(RelayedUpdates(pickle.dumps(pack)), len(pack))
         relay.put(EndStream(3, end))
         for i in range(half, MAX_UNACKED_ITEMS - 2):
             relay.put_update(update(i, i))
