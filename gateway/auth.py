@@ -12,16 +12,6 @@ from npuserve.gateway.errors import APIError, send_error
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/start_profile", "/stop_profile")
 
 
-def requires_key(path: str) -> bool:
-    return path == "/v1" or path.startswith(PROTECTED_PREFIXES)
-
-
-def is_authorized(authorization: bytes | None, api_key: bytes) -> bool:
-    """Whether an `Authorization` header value carries the key (compared in constant time)."""
-    scheme, _, token = (authorization or b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key)
-
-
 class APIKeyMiddleware:
     """Refuses requests to the API routes that lack the key, with an OpenAI 401 body."""
 
@@ -30,9 +20,11 @@ class APIKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and requires_key(scope["path"]):
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if not is_authorized(header, self.api_key):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith(PROTECTED_PREFIXES)):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = header.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)):
                 error = APIError(
                     401,
                     "missing or invalid API key: send `Authorization: Bearer KEY`",

@@ -167,23 +167,18 @@ def chat_request(
         )
     except ValueError as exc:
         raise bad_request(f"the request cannot be encoded: {exc}") from None
-    if tools is not None:
-        _apply_tool_plan(msg.sampling, tools, req.skip_special_tokens)
+    tools = tools or ToolPlan()
+    if tools.parser is not None and tools.parser.keeps_special_tokens and req.skip_special_tokens is None:
+        msg.sampling.skip_special_tokens = False  # the parser reads markers that are special tokens
+    if tools.schema is not None:
+        if msg.sampling.HasField("structured_outputs"):
+            raise bad_request(
+                "tool_choice: a required or named tool choice constrains the output already; "
+                "leave out response_format, structured_outputs and guided_*",
+                "tool_choice",
+            )
+        msg.sampling.structured_outputs.json_schema = json.dumps(tools.schema)
     return msg
-
-
-def _apply_tool_plan(sampling: pb.SamplingParams, tools: ToolPlan, skip_special_tokens: bool | None) -> None:
-    if tools.parser is not None and tools.parser.keeps_special_tokens and skip_special_tokens is None:
-        sampling.skip_special_tokens = False  # the parser reads markers that are special tokens
-    if tools.schema is None:
-        return
-    if sampling.HasField("structured_outputs"):
-        raise bad_request(
-            "tool_choice: a required or named tool choice constrains the output already; "
-            "leave out response_format, structured_outputs and guided_*",
-            "tool_choice",
-        )
-    sampling.structured_outputs.json_schema = json.dumps(tools.schema)
 
 
 def _chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest) -> pb.ChatPrompt:
@@ -252,21 +247,6 @@ def update_of(msg: pb.GenerateResponse) -> Update:
         u = msg.usage
         update.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
     return update
-
-
-def tokenize_result(reply: pb.TokenizeResponse, return_token_strs: bool) -> TokenizeResult:
-    strs = list(reply.token_strs) if return_token_strs else None
-    return TokenizeResult(list(reply.token_ids), reply.max_model_len, strs)
-
-
-def model_infos(reply: pb.ListModelsResponse) -> list[ModelInfo]:
-    return [ModelInfo(m.id, m.max_model_len, m.root, m.created) for m in reply.models]
-
-
-def health_info(reply: pb.HealthResponse) -> HealthInfo:
-    return HealthInfo(
-        reply.serving, reply.ready_executors, reply.total_executors, reply.message, reply.degraded
-    )
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ a 5xx means the gateway or the scheduler behind it failed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,25 +19,19 @@ from starlette.types import Send
 RETRY_AFTER_S = 1
 
 
+@dataclasses.dataclass(eq=False)
 class APIError(Exception):
     """An error reply: HTTP status, OpenAI error fields, and extra headers."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -83,7 +78,7 @@ def from_status(code: grpc.StatusCode, details: str | None, field: str | None = 
     if code not in _HTTP_OF_STATUS:
         return APIError(500, f"the scheduler failed: {message}", "server_error", code=code.name.lower())
     status, kind, error_code = _HTTP_OF_STATUS[code]
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
     param = "model" if status == 404 else field
     return APIError(status, message, kind, param, error_code, headers)
 
@@ -91,23 +86,18 @@ def from_status(code: grpc.StatusCode, details: str | None, field: str | None = 
 def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first field pydantic refused, as `messages[0].role` style paths."""
     first = errors[0]
-    param = field_path(first.get("loc", ()))
+    param = ""
+    for part in first.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        else:
+            param += f".{part}" if param else str(part)
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return bad_request(message, param or None)
-
-
-def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path
 
 
 async def send_error(send: Send, error: APIError) -> None:

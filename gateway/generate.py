@@ -104,6 +104,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    output: ChoiceOutput | None = None  # its parsers, streamed through a `ChatFormat` that has some
 
     def add(self, delta: ChoiceDelta) -> None:
         """Keeps ``delta``'s text, logprobs and finish for the whole response."""
@@ -280,14 +281,6 @@ class ChatFormat:
     def __init__(self, logprobs: bool, shape: OutputShape | None = None) -> None:
         self.logprobs = logprobs
         self.shape = None if shape is None or shape.plain else shape
-        self._outputs: dict[int, ChoiceOutput] = {}
-
-    def _output(self, choice: Choice) -> ChoiceOutput | None:
-        if self.shape is None:
-            return None
-        if choice.index not in self._outputs:
-            self._outputs[choice.index] = ChoiceOutput(self.shape)
-        return self._outputs[choice.index]
 
     def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
         return {
@@ -300,7 +293,9 @@ class ChatFormat:
     def delta_chunk(
         self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None
     ) -> dict[str, Any] | None:
-        output = self._output(choice)
+        if self.shape is not None and choice.output is None:
+            choice.output = ChoiceOutput(self.shape)
+        output = choice.output
         finish_reason = delta.finish_reason
         if output is None:
             message = {"content": delta.text} if delta.text else {}

@@ -32,23 +32,6 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 STALL_CHECKS_PER_TIMEOUT = 4
 
 
-def raw_response(error: APIError) -> bytes:
-    """``error`` as a whole HTTP/1.1 response that closes the connection."""
-    body = error.json_bytes()
-    lines = [
-        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
-        "content-type: application/json",
-        f"content-length: {len(body)}",
-        *(
-            f"{name.lower()}: {value}"
-            for name, value in error.headers.items()
-            if name.lower() != "connection"
-        ),
-        "connection: close",
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
 class GuardedHttpProtocol(HttpToolsProtocol):
     """`HttpToolsProtocol` with a deadline on request headers, a cap on open connections and a
     deadline on a client that stops reading; `guarded_protocol` makes one with the limits set."""
@@ -144,7 +127,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         )
 
     def _refuse(self, error: APIError) -> None:
-        self.transport.write(raw_response(error))
+        """Answers ``error`` as a whole HTTP/1.1 response, and closes the connection."""
+        body = error.json_bytes()
+        lines = [
+            f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+            "content-type: application/json",
+            f"content-length: {len(body)}",
+            *(
+                f"{name.lower()}: {value}"
+                for name, value in error.headers.items()
+                if name.lower() != "connection"
+            ),
+            "connection: close",
+        ]
+        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
         self.transport.close()
 
     def _log_refusal(self, event: str, **fields: object) -> None:

@@ -64,10 +64,31 @@ class RequestLimits:
     def check(self, raw: Mapping[str, Any]) -> None:
         """400 naming the first parameter of a parsed request body (any route's) that is over a
         limit. Values of the wrong type pass: validation refuses them after."""
-        self._check_prompt(raw.get("prompt"))
-        self._check_messages(raw.get("messages"))
-        self._check_tools(raw.get("tools"))
-        self._check_stop(raw.get("stop"))
+        prompt = raw.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            if type(prompt[0]) is int:  # one prompt of token ids (a bool is no id)
+                num_ids = len(prompt)
+            else:
+                self._check_length(prompt, "max_prompts", "prompt", "prompts")
+                num_ids = sum(len(item) for item in prompt if isinstance(item, list))
+            self._check_size(num_ids, "max_token_ids", "prompt", "token ids")
+        messages = raw.get("messages")
+        self._check_length(messages, "max_messages", "messages", "messages")
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            self._check_length(calls, "max_tools", f"messages[{i}].tool_calls", "tool calls", "message")
+        tools = raw.get("tools")
+        self._check_length(tools, "max_tools", "tools", "tools")
+        if isinstance(tools, list):
+            size = len(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
+            self._check_size(size, "max_tools_bytes", "tools", "bytes of JSON")
+        stops = [raw["stop"]] if isinstance(raw.get("stop"), str) else raw.get("stop")
+        self._check_length(stops, "max_stop", "stop", "stop strings")
+        if isinstance(stops, list):
+            longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+            self._check_size(
+                longest, "max_stop_chars", "stop", "characters", "stop string", "string_above_max_length"
+            )
         self._check_length(raw.get("stop_token_ids"), "max_stop", "stop_token_ids", "stop token ids")
         self._check_length(raw.get("tokens"), "max_token_ids", "tokens", "token ids")
 
@@ -84,41 +105,6 @@ class RequestLimits:
         param = "n" if n > 1 else max_tokens_param
         what = f"tokens to generate ({sequences} sequences of up to {each}; lower n or {max_tokens_param})"
         self._check_size(sequences * each, "max_output_tokens", param, what)
-
-    def _check_prompt(self, prompt: Any) -> None:
-        if not isinstance(prompt, list) or not prompt:
-            return
-        if type(prompt[0]) is int:  # one prompt of token ids (a bool is no id)
-            num_ids = len(prompt)
-        else:
-            self._check_length(prompt, "max_prompts", "prompt", "prompts")
-            num_ids = sum(len(item) for item in prompt if isinstance(item, list))
-        self._check_size(num_ids, "max_token_ids", "prompt", "token ids")
-
-    def _check_messages(self, messages: Any) -> None:
-        if not isinstance(messages, list):
-            return
-        self._check_length(messages, "max_messages", "messages", "messages")
-        for i, message in enumerate(messages):
-            calls = message.get("tool_calls") if isinstance(message, dict) else None
-            self._check_length(calls, "max_tools", f"messages[{i}].tool_calls", "tool calls", "message")
-
-    def _check_tools(self, tools: Any) -> None:
-        if not isinstance(tools, list):
-            return
-        self._check_length(tools, "max_tools", "tools", "tools")
-        size = len(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
-        self._check_size(size, "max_tools_bytes", "tools", "bytes of JSON")
-
-    def _check_stop(self, stop: Any) -> None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list):
-            return
-        self._check_length(stops, "max_stop", "stop", "stop strings")
-        longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
-        self._check_size(
-            longest, "max_stop_chars", "stop", "characters", "stop string", "string_above_max_length"
-        )
 
     def _check_length(self, values: Any, limit: str, param: str, what: str, per: str = "request") -> None:
         """A JSON array ``values`` (anything else passes) of at most ``limit`` items."""

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -220,13 +221,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     tools: Tools = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: Annotated[ToolChoice | None, BeforeValidator(parse_tool_choice)] = None
     parallel_tool_calls: bool = True
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, value: Any) -> ToolChoice | None:
-        return parse_tool_choice(value)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

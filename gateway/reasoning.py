@@ -32,7 +32,6 @@ class _At(Enum):
 class ThinkTagsParser:
     """Reasoning between `start` and `end` tags at the beginning of the answer."""
 
-    name = ""
     start = "<think>"
     end = "</think>"
 
@@ -72,8 +71,4 @@ class ThinkTagsParser:
         return cls().feed(text, final=True)
 
 
-class Qwen3ReasoningParser(ThinkTagsParser):
-    name = "qwen3"
-
-
-REASONING_PARSERS: dict[str, type[ThinkTagsParser]] = {Qwen3ReasoningParser.name: Qwen3ReasoningParser}
+REASONING_PARSERS: dict[str, type[ThinkTagsParser]] = {"qwen3": ThinkTagsParser}

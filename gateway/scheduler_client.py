@@ -1,7 +1,7 @@
 """The gateway's gRPC client for the scheduler: one channel, one method per scheduler call.
 
-Requests and replies are mapped by `convert`; this module only makes the calls. Every failed
-call surfaces as an `APIError` carrying the HTTP status its gRPC status maps to and, for a
+Requests and generation updates are mapped by `convert` (the small calls' replies, here, into
+its dataclasses). Every failed call surfaces as an `APIError` carrying the HTTP status its gRPC status maps to and, for a
 refused field, the field the scheduler named (in the scheduler API's terms: `convert` puts it
 in the client's).
 """
@@ -60,45 +60,6 @@ _PROFILE_ERRORS = {
 }
 
 
-# -- how a generation in flight when its scheduler went away ends, where it cannot go on --------
-
-
-def lost_twice() -> APIError:
-    return APIError(
-        500,
-        "the scheduler went down twice while generating this request; it is not sent a third time",
-        "server_error",
-        code="scheduler_lost_twice",
-    )
-
-
-def unresumable() -> APIError:
-    return unavailable(
-        "the scheduler went down while generating this request, and a request with a finished "
-        "choice (n > 1) cannot be resumed; retry"
-    )
-
-
-def not_resumed() -> APIError:
-    return APIError(
-        500,
-        "the scheduler restarted while generating this request, and the one now serving cannot resume it",
-        "server_error",
-        code="generation_not_resumed",
-    )
-
-
-def fell_behind(limit_bytes: int) -> APIError:
-    """The end of a stream whose client read it more slowly than it was generated."""
-    return APIError(
-        400,
-        f"the client read this stream more slowly than it was generated: more than {limit_bytes} "
-        "bytes of its output waited in the gateway (--max-stream-buffer-bytes), so the request was "
-        "aborted; read faster, or ask for less output at once (n, logprobs)",
-        code="stream_buffer_full",
-    )
-
-
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
     """The HTTP error for a failed scheduler call, with the field it names."""
     return from_status(exc.code(), exc.details(), error_field(exc))
@@ -126,9 +87,9 @@ class GenerateCall:
 
     A generation in flight when its call broke (answered, or sent over a connected channel: it
     reached a scheduler that then died, or the API server process serving the call did) is sent
-    again once only: if that call breaks too, it fails (`lost_twice`), so a request that brings
-    its scheduler down cannot do so more than twice. One with n > 1 that has a finished choice
-    cannot be resumed, and fails as before (`unresumable`)."""
+    again once only: if that call breaks too, it fails (500, `scheduler_lost_twice`), so a
+    request that brings its scheduler down cannot do so more than twice. One with n > 1 that has
+    a finished choice cannot be resumed, and fails as before (503)."""
 
     def __init__(
         self, client: SchedulerClient, request: pb.GenerateRequest, stub_index: int, budget: UnreadBudget
@@ -159,8 +120,8 @@ class GenerateCall:
     async def _sent_again(self, code: grpc.StatusCode, call_ended: bool, refusable: bool) -> bool:
         """Whether the generation was sent again after its call ended with ``code``: only one
         whose call broke (``refusable``: such an end can be the scheduler's refusal, a `Generate`
-        call's) and whose scheduler is there again in time. Raises `lost_twice` and
-        `unresumable` for one that must not or cannot go on."""
+        call's) and whose scheduler is there again in time. Raises for one that must not or
+        cannot go on."""
         if not call_ended or code != grpc.StatusCode.UNAVAILABLE:
             return False
         until = self._send_again_until()
@@ -172,14 +133,33 @@ class GenerateCall:
         if self._call_answered or self._sent_connected:
             if self._lost_in_flight:
                 log.warning("generation lost in flight twice", request_id=self._request.request_id or None)
-                raise lost_twice()
+                raise APIError(
+                    500,
+                    "the scheduler went down twice while generating this request; it is not sent a third time",
+                    "server_error",
+                    code="scheduler_lost_twice",
+                )
             self._lost_in_flight = True
         request = self._request if not self._answered else self._delivered.resuming(self._first_request)
         if request is None:
-            raise unresumable()
+            raise unavailable(
+                "the scheduler went down while generating this request, and a request with a "
+                "finished choice (n > 1) cannot be resumed; retry"
+            )
         if not await self._back(answers, until):
             return False
-        self._note_sent_again(request, answers)
+        request_id = request.request_id or None
+        if self._answered:
+            log.info(
+                "generation resumed",
+                request_id=request_id,
+                output_tokens=self._delivered.num_tokens,
+                scheduler_answered=answers,
+            )
+            self._client.on_resume()
+        else:
+            log.info("generation sent again", request_id=request_id, scheduler_answered=answers)
+            self._client.on_resend()
         self._request = request
         self._send()
         return True
@@ -210,26 +190,19 @@ class GenerateCall:
             self._resend_until = now + SCHEDULER_RETURN_WAIT_S
         return self._resend_until if now < self._resend_until else None
 
-    def _note_sent_again(self, request: pb.GenerateRequest, scheduler_answered: bool) -> None:
-        request_id = request.request_id or None
-        if self._answered:
-            log.info(
-                "generation resumed",
-                request_id=request_id,
-                output_tokens=self._delivered.num_tokens,
-                scheduler_answered=scheduler_answered,
-            )
-            self._client.on_resume()
-        else:
-            log.info("generation sent again", request_id=request_id, scheduler_answered=scheduler_answered)
-            self._client.on_resend()
-
     async def next(self) -> Update | None:
         if self._stream is not None:
             try:
                 msg = await self._stream.read()
             except StreamOverrun as exc:
-                raise fell_behind(exc.limit_bytes) from None
+                raise APIError(
+                    400,
+                    f"the client read this stream more slowly than it was generated: more than "
+                    f"{exc.limit_bytes} bytes of its output waited in the gateway "
+                    "(--max-stream-buffer-bytes), so the request was aborted; read faster, or ask "
+                    "for less output at once (n, logprobs)",
+                    code="stream_buffer_full",
+                ) from None
             except GenerateFailed as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     self._client.multiplexed = False
@@ -251,19 +224,22 @@ class GenerateCall:
                 msg = None
         if msg is None:
             return None
-        if not self._call_answered:
-            self._first_response(msg)
+        if not self._call_answered:  # the current call's first response
+            self._answered = self._call_answered = True
+            self._client.scheduler_seen_at = time.monotonic()
+            # NOTE: a continuation the scheduler did not go on from (one that predates
+            # continuations starts over) would repeat or skip text: it fails.
+            resumed = self._request is not self._first_request
+            if resumed and msg.resumed_tokens != self._delivered.num_tokens:
+                self.cancel()
+                raise APIError(
+                    500,
+                    "the scheduler restarted while generating this request, and the one now serving cannot resume it",
+                    "server_error",
+                    code="generation_not_resumed",
+                )
         self._delivered.add(msg)
         return convert.update_of(msg)
-
-    def _first_response(self, msg: pb.GenerateResponse) -> None:
-        """Notes the current call's first response; raises `not_resumed` where the scheduler
-        did not go on from a continuation's tokens (one that predates continuations starts over)."""
-        self._answered = self._call_answered = True
-        self._client.scheduler_seen_at = time.monotonic()
-        if self._request is not self._first_request and msg.resumed_tokens != self._delivered.num_tokens:
-            self.cancel()
-            raise not_resumed()
 
     def streaming(self) -> None:
         """What the generation keeps unread from now on waits for the client, being streamed
@@ -288,8 +264,8 @@ class SchedulerClient:
     A `GenerateMany` call is read as fast as the scheduler writes, so a client slower than its
     output does not hold back the others on the call: the generations of its response keep what
     it has not read, once they are `GenerateCall.streaming`, up to ``max_stream_buffer_bytes``
-    together (0: no bound), past which they are aborted and the response ends in `fell_behind`.
-    (A `Generate` call of its own is held back by gRPC's flow control instead; a response that
+    together (0: no bound), past which they are aborted and the response ends in a 400
+    (`stream_buffer_full`). (A `Generate` call of its own is held back by gRPC's flow control instead; a response that
     is not streamed is held whole anyway, bounded by the request's limits.)"""
 
     def __init__(
@@ -418,19 +394,23 @@ class SchedulerClient:
         except ValueError as exc:
             raise bad_request(f"the request cannot be encoded: {exc}") from None
         reply = await self._unary(self.stub.Tokenize, request)
-        return convert.tokenize_result(reply, req.return_token_strs)
+        strs = list(reply.token_strs) if req.return_token_strs else None
+        return TokenizeResult(list(reply.token_ids), reply.max_model_len, strs)
 
     async def detokenize(self, tokens: list[int], model: str) -> str:
         reply = await self._unary(self.stub.Detokenize, pb.DetokenizeRequest(model=model, token_ids=tokens))
         return reply.text
 
     async def list_models(self) -> list[ModelInfo]:
-        return convert.model_infos(await self._unary(self.stub.ListModels, pb.ListModelsRequest()))
+        reply = await self._unary(self.stub.ListModels, pb.ListModelsRequest())
+        return [ModelInfo(m.id, m.max_model_len, m.root, m.created) for m in reply.models]
 
     async def health(self, timeout_s: float = SMALL_CALL_TIMEOUT_S) -> HealthInfo:
         reply = await self._unary(self.stub.Health, pb.HealthRequest(), timeout_s)
         self.scheduler_seen_at = time.monotonic()
-        return convert.health_info(reply)
+        return HealthInfo(
+            reply.serving, reply.ready_executors, reply.total_executors, reply.message, reply.degraded
+        )
 
     async def metrics_text(self) -> str:
         reply = await self._unary(self.stub.GetMetrics, pb.GetMetricsRequest())

@@ -64,16 +64,15 @@ class GatewayConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if self.max_connections <= 0:
-            raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
-        timeouts = {
+        positive = {
+            "--max-connections": self.max_connections,
             "--request-header-timeout": self.request_header_timeout_s,
             "--request-body-timeout": self.request_body_timeout_s,
             "--keep-alive-timeout": self.keep_alive_timeout_s,
         }
-        for flag, seconds in timeouts.items():
-            if not seconds > 0:
-                raise ValueError(f"{flag} must be positive, got {seconds}")
+        for flag, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
         if not self.stream_stall_timeout_s >= 0:
             raise ValueError(f"--stream-stall-timeout must be 0 or more, got {self.stream_stall_timeout_s}")
         if self.max_stream_buffer_bytes < 0:
@@ -97,23 +96,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.set_inheritable(True)
-    return sock
-
-
-def public_url(host: str, port: int) -> str:
-    """The URL of the address bound, as bound (`0.0.0.0`: every interface, as vLLM prints it)."""
-    host = host or "0.0.0.0"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 async def serve_gateway(config: GatewayConfig) -> int:
     app = create_app(
         config.scheduler,
@@ -127,7 +109,13 @@ async def serve_gateway(config: GatewayConfig) -> int:
         max_stream_buffer_bytes=config.max_stream_buffer_bytes,
     )
     try:
-        sock = bind_socket(config.host, config.port)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.set_inheritable(True)
     except OSError as exc:
         log.error("cannot listen", host=config.host, port=config.port, error=str(exc))
         return 1
@@ -156,11 +144,17 @@ async def serve_gateway(config: GatewayConfig) -> int:
             log.error("the gateway did not start")
             return 1
         await asyncio.sleep(0.01)
-    url = public_url(config.host, sock.getsockname()[1])
+    host, port = config.host or "0.0.0.0", sock.getsockname()[1]  # as bound, as vLLM prints it
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     log.info("gateway serving", url=url, scheduler=config.scheduler, api_key=bool(config.api_key))
     client = app.state.gateway.client
     await _wait_for_scheduler(client, server, config.scheduler_wait_s)
-    refused = await _key_refused(client) if not server.should_exit else None
+    refused = None
+    if not server.should_exit:
+        try:
+            await client.list_models()  # NOTE: not Health, which is open: it says nothing of the key
+        except APIError as exc:
+            refused = exc.message if exc.code == "unauthenticated" else None
     if refused is not None:
         log.error("the scheduler refuses this gateway's key", reason=refused)
         print(
@@ -197,15 +191,6 @@ async def _stop_on_signals(
 def _stop_now(server: uvicorn.Server) -> None:
     log.info("gateway stopping at once (second signal)")
     server.should_exit = server.force_exit = True
-
-
-async def _key_refused(client: SchedulerClient) -> str | None:
-    """Why the scheduler refuses this gateway's key (Health is open, so it says nothing), or None."""
-    try:
-        await client.list_models()
-    except APIError as exc:
-        return exc.message if exc.code == "unauthenticated" else None
-    return None
 
 
 async def _wait_for_scheduler(client: SchedulerClient, server: uvicorn.Server, timeout_s: float) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from npuserve.gateway.errors import bad_request
 from npuserve.gateway.tool_parsers import JsonCallsParser, ToolParser
@@ -45,7 +45,8 @@ class _Model(BaseModel):
 class FunctionDefinition(_Model):
     name: str
     description: str | None = None
-    parameters: dict[str, Any]  # NOTE: required here, so every call can be checked against it
+    # NOTE: required here, so every call can be checked against it
+    parameters: Annotated[dict[str, Any], AfterValidator(check_parameters_schema)]
     strict: bool | None = None
 
     @field_validator("name")
@@ -54,11 +55,6 @@ class FunctionDefinition(_Model):
         if not FUNCTION_NAME.fullmatch(value):
             raise ValueError("must be 1 to 64 letters, digits, underscores or dashes")
         return value
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_parameters_schema(value)
 
 
 class Tool(_Model):
@@ -212,13 +208,11 @@ def _rebased(schema: Any, prefix: str) -> Any:
     out = {k: _rebased(v, prefix) for k, v in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = _rebased_pointer(ref[1:], prefix)
+        pointer = ref[1:]
+        out["$ref"] = f"#/$defs/{prefix}{pointer.rstrip('/')}"
+        for container in ("/$defs/", "/definitions/"):
+            if pointer.startswith(container):
+                name, _, rest = pointer[len(container) :].partition("/")
+                out["$ref"] = f"#/$defs/{prefix}.{name}" + (f"/{rest}" if rest else "")
+                break
     return out
-
-
-def _rebased_pointer(pointer: str, prefix: str) -> str:
-    for container in ("/$defs/", "/definitions/"):
-        if pointer.startswith(container):
-            name, _, rest = pointer[len(container) :].partition("/")
-            return f"#/$defs/{prefix}.{name}" + (f"/{rest}" if rest else "")
-    return f"#/$defs/{prefix}{pointer.rstrip('/')}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npuserve.gateway.tool_parsers.base import Parsed, ToolCall, ToolCallDelta, ToolParser, merge_calls
+from npuserve.gateway.tool_parsers.base import ToolCallDelta, ToolParser, merge_calls
 from npuserve.gateway.tool_parsers.hermes import HermesToolParser
 from npuserve.gateway.tool_parsers.json_calls import JsonCallsParser
 from npuserve.gateway.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -15,8 +15,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 __all__ = [
     "TOOL_PARSERS",
     "JsonCallsParser",
-    "Parsed",
-    "ToolCall",
     "ToolCallDelta",
     "ToolParser",
     "merge_calls",

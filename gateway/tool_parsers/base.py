@@ -79,8 +79,7 @@ class _CallTracker:
         self.sent_to = 0  # buffer index up to which the arguments were sent (streamed object)
 
     def update(self, buffer: str, out: Parsed) -> None:
-        """Scans on, adding what became certain to `out`; on close, a whole-mode call or an
-        invalid one is settled here (see `settle`)."""
+        """Scans on, adding what became certain of a streamed call to `out` (see `settle`)."""
         self.scanner.scan(buffer)
         if self.streaming and not self.scanner.invalid:
             self._stream(buffer, out)

@@ -81,11 +81,24 @@ class ObjectScanner:
                 self._escape = True
             elif c == '"':
                 self._in_string = False
-                if self._depth == 1:
-                    self._string_ended(text, i)
+                if self._depth == 1 and self._at is _At.IN_KEY:
+                    try:
+                        self._key = json.loads(text[self._key_start : i + 1])
+                        self._at = _At.COLON
+                    except ValueError:
+                        self._at = _At.INVALID
+                elif self._depth == 1 and self._at is _At.IN_VALUE:
+                    self._value_ended(i + 1)
             return
-        if self._depth > 1:
-            self._nested(i, c)
+        if self._depth > 1:  # inside a member's value
+            if c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 1:
+                    self._value_ended(i + 1)
             return
         if self._at is _At.IN_VALUE and self._primitive:
             if c not in WHITESPACE and c not in ",}":
@@ -94,27 +107,6 @@ class ObjectScanner:
         if c in WHITESPACE:
             return
         self._top_level(i, c)
-
-    def _nested(self, i: int, c: str) -> None:
-        if c == '"':
-            self._in_string = True
-        elif c in "{[":
-            self._depth += 1
-        elif c in "}]":
-            self._depth -= 1
-            if self._depth == 1:
-                self._value_ended(i + 1)
-
-    def _string_ended(self, text: str, i: int) -> None:
-        if self._at is _At.IN_KEY:
-            try:
-                self._key = json.loads(text[self._key_start : i + 1])
-            except ValueError:
-                self._at = _At.INVALID
-                return
-            self._at = _At.COLON
-        elif self._at is _At.IN_VALUE:
-            self._value_ended(i + 1)
 
     def _value_ended(self, end: int) -> None:
         self.members[self._key].end = end

@@ -178,22 +178,16 @@ def _fill_masks(states: list[GrammarState]) -> None:
         if not state.mask.any():
             why = state.matcher.get_error() if state.matcher.is_error() else "no token can continue it"
             state.error = f"structured_outputs: the output cannot continue ({why})"
-        elif state.max_tokens is not None:
-            _close_before_budget(state, state.max_tokens - state.num_accepted)
-
-
-def _close_before_budget(state: GrammarState, remaining: int) -> None:
-    """Keeps the output closable as the budget runs out: masks out what would not fit, then
-    narrows the mask to the constraint's closing path (see `grammar_closing`); a sequence that
-    follows the path keeps it without a new search (the search from where it is now would find
-    the same rest)."""
-    assert state.matcher is not None
-    vocab, bounds = state.grammar.vocab, state.grammar.closing
-    if bounds is None or remaining > bounds.window:
-        return
-    if state.closing is not None and narrow_to(state.mask[0], state.closing, vocab):
-        return
-    state.closing = close_within(state.mask[0], state.matcher, vocab, remaining, bounds.limit)
+        elif state.max_tokens is not None and (bounds := state.grammar.closing) is not None:
+            # Keeps the output closable as the budget runs out: masks out what would not fit, then
+            # narrows the mask to the constraint's closing path (see `grammar_closing`); a sequence
+            # that follows the path keeps it without a new search (one from where it is now would
+            # find the same rest).
+            remaining, vocab = state.max_tokens - state.num_accepted, state.grammar.vocab
+            if remaining > bounds.window:
+                continue
+            if state.closing is None or not narrow_to(state.mask[0], state.closing, vocab):
+                state.closing = close_within(state.mask[0], state.matcher, vocab, remaining, bounds.limit)
 
 
 def step_bitmask(sampling: list[Request]) -> TokenBitmask | None:

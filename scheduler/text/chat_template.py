@@ -157,17 +157,13 @@ def _tojson(
     )
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 @lru_cache(maxsize=1)
 def _jinja_env() -> ImmutableSandboxedEnvironment:
     """The sandboxed environment transformers renders chat templates in (templates are untrusted code)."""
     env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 

@@ -150,8 +150,13 @@ class IncrementalDetokenizer:
             start = max(0, len(prompt) - 2 * (len(prompt) - start))
             ids = list(prompt[start:])
             text = self._decode(ids)
-        self._ids = ids
-        self._read_offset, text = self._complete_chars_end(ids, text)
+        self._ids, self._read_offset = ids, len(ids)
+        if text.endswith(REPLACEMENT_CHAR):  # the prompt's trailing partial bytes count as output
+            for back in range(1, min(MAX_PARTIAL_CHAR_TOKENS, len(ids)) + 1):
+                head = self._decode(ids[: len(ids) - back])
+                if not head.endswith(REPLACEMENT_CHAR):
+                    self._read_offset, text = len(ids) - back, head
+                    break
         self._prefix_text = text
         self._steady = self._read_offset == len(ids) and _ends_whole(text)
 
@@ -166,17 +171,6 @@ class IncrementalDetokenizer:
         if not isinstance(first, tuple) or not first[1]:
             return False
         return all(isinstance(pieces[token_id], tuple) for token_id in ids[1:])
-
-    def _complete_chars_end(self, ids: list[int], text: str) -> tuple[int, str]:
-        """How many of `ids` (whose text is ``text``) end on a whole character, and their text:
-        a prompt's trailing partial bytes count as output."""
-        if not text.endswith(REPLACEMENT_CHAR):
-            return len(ids), text
-        for back in range(1, min(MAX_PARTIAL_CHAR_TOKENS, len(ids)) + 1):
-            head = self._decode(ids[: len(ids) - back])
-            if not head.endswith(REPLACEMENT_CHAR):
-                return len(ids) - back, head
-        return len(ids), text
 
     def _next_texts(self, new_token_ids: Sequence[int]) -> str:
         """`_next_text` of each id in turn, joined (a multi-step update carries several ids): its

@@ -59,7 +59,10 @@ def prompt_size_bound(tokenizer_json: dict[str, Any]) -> PromptSizeBound | None:
         shrink, uncounted = _normalizer_shrink(tokenizer_json.get("normalizer"))
         _check_pre_tokenizer(tokenizer_json.get("pre_tokenizer"))
         model = tokenizer_json.get("model") or {}
-        _check_model(model)
+        kind, byte_fallback = model.get("type"), bool(model.get("byte_fallback"))
+        bounded = byte_fallback or (kind == "BPE" and not model.get("fuse_unk"))
+        if kind not in ("BPE", "Unigram") or not bounded:
+            raise _Unbounded(f"model {kind} may cover any run of unknown characters with one token")
         added = tokenizer_json.get("added_tokens") or []
         if any(t.get("lstrip") or t.get("rstrip") for t in added):
             raise _Unbounded("an added token absorbs the whitespace around it")
@@ -118,13 +121,3 @@ def _check_pre_tokenizer(pre_tokenizer: dict[str, Any] | None) -> None:
             raise _Unbounded("a Split pre-tokenizer that removes its matches")
     elif kind not in _LENGTH_KEEPING_PRE_TOKENIZERS:
         raise _Unbounded(f"pre-tokenizer {kind}")
-
-
-def _check_model(model: dict[str, Any]) -> None:
-    kind = model.get("type")
-    byte_fallback = bool(model.get("byte_fallback"))
-    if kind == "BPE" and (byte_fallback or not model.get("fuse_unk")):
-        return
-    if kind == "Unigram" and byte_fallback:
-        return
-    raise _Unbounded(f"model {kind} may cover any run of unknown characters with one token")

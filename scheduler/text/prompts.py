@@ -141,13 +141,8 @@ class PromptProcessor:
         return await asyncio.get_running_loop().run_in_executor(self._threads, work)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._check_text_fits(text)
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens)
-        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens, release_gil=True))
-
-    def _check_text_fits(self, text: str) -> None:
-        """Refuses a text whose length alone shows it holds at least `max_model_len` tokens."""
+        """The ids of `text`; refused when its length alone shows it holds at least
+        `max_model_len` tokens."""
         bound = self.tokenizer.size_bound
         max_model_len = self.limits.max_model_len
         if bound is not None and (at_least := bound.min_tokens(text)) >= max_model_len:
@@ -157,6 +152,9 @@ class PromptProcessor:
                 "token must be generated.",
                 "prompt",
             )
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens, release_gil=True))
 
     async def _render_chat(self, prompt: PromptInput) -> str:
         assert prompt.messages is not None

@@ -53,8 +53,7 @@ class SandboxUnavailable(RuntimeError):
     a job fails at once rather than waiting for a worker that may never come."""
 
 
-Handler = Callable[[Any], JobAnswer]
-Setup = Callable[[], Handler]
+Setup = Callable[[], Callable[[Any], JobAnswer]]  # a worker's setup, returning its job handler
 
 
 def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str, memory_bytes: int) -> None:
@@ -64,7 +63,13 @@ def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when workers end
     set_process_name(role)
     handler = setup()
-    _limit_address_space(memory_bytes)
+    statm = Path("/proc/self/statm")  # its first field: the address space's size, in pages
+    if statm.is_file():  # NOTE: the limit counts from what the setup left
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        soft = int(statm.read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
+        resource.setrlimit(
+            resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
+        )
     conn.send(WorkerReady())
     while True:
         try:
@@ -72,17 +77,6 @@ def _serve(conn: multiprocessing.connection.Connection, setup: Setup, role: str,
         except (EOFError, OSError):
             return
         conn.send(handler(job))  # NOTE: an exception ends the worker: its job's outcome is WorkerDied
-
-
-def _limit_address_space(memory_bytes: int) -> None:
-    statm = Path("/proc/self/statm")  # its first field: the address space's size, in pages
-    if not statm.is_file():
-        return
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    soft = int(statm.read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE") + memory_bytes
-    resource.setrlimit(
-        resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
-    )
 
 
 class _Worker:

@@ -163,19 +163,11 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def eos_token_id(self) -> int | None:
-        """The tokenizer's eos id, else the first eos id of generation_config.json."""
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the tokenizer's eos, then those of generation_config.json."""
         token = self.special_tokens.get("eos_token")
         eos = None if token is None else self._backend.token_to_id(token)
-        if eos is None and self._generation_eos_ids:
-            return self._generation_eos_ids[0]
-        return eos
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Every id that ends generation: the tokenizer's eos and those of generation_config.json."""
-        ids = [] if self.eos_token_id is None else [self.eos_token_id]
-        return tuple(dict.fromkeys([*ids, *self._generation_eos_ids]))
+        return tuple(dict.fromkeys([*([] if eos is None else [eos]), *self._generation_eos_ids]))
 
     # -- chat -----------------------------------------------------------------------------------
 

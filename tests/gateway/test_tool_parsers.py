@@ -9,7 +9,7 @@ import json
 import pytest
 
 from npuserve.gateway.chat_output import ChoiceOutput, OutputShape, finish_reason, whole_message
-from npuserve.gateway.reasoning import Qwen3ReasoningParser, Split
+from npuserve.gateway.reasoning import REASONING_PARSERS, Split
 from npuserve.gateway.tool_calls import ToolPlan
 from npuserve.gateway.tool_parsers import TOOL_PARSERS, JsonCallsParser, ToolParser, merge_calls
 
@@ -147,9 +147,9 @@ REASONING_CASES = [
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), REASONING_CASES)
 def test_qwen3_reasoning_whole_and_streamed(text: str, reasoning: str, content: str) -> None:
-    assert Qwen3ReasoningParser.parse(text) == Split(reasoning, content)
+    assert REASONING_PARSERS["qwen3"].parse(text) == Split(reasoning, content)
     for size in range(1, len(text) + 1):
-        p = Qwen3ReasoningParser()
+        p = REASONING_PARSERS["qwen3"]()
         splits = [p.feed(text[i : i + size]) for i in range(0, len(text), size)] + [p.feed("", final=True)]
         got = Split("".join(s.reasoning for s in splits), "".join(s.content for s in splits))
         assert got == Split(reasoning, content), size
@@ -161,7 +161,7 @@ REASONED_CALL = (
     "<think>Weather needs a tool.</think>\n"
     'I will check.<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 )
-SHAPE = OutputShape(ToolPlan(TOOL_PARSERS["hermes"]), Qwen3ReasoningParser)
+SHAPE = OutputShape(ToolPlan(TOOL_PARSERS["hermes"]), REASONING_PARSERS["qwen3"])
 
 
 def test_whole_message_has_reasoning_content_and_tool_calls() -> None:

@@ -150,14 +150,14 @@ def test_decode_random_ids_matches_transformers(tok: Tokenizer, hf: Any, skip_sp
 
 
 def test_decode_skips_special_tokens_by_default(tok: Tokenizer) -> None:
-    ids = [*tok.encode("Hello"), tok.eos_token_id]
+    ids = [*tok.encode("Hello"), tok.eos_token_ids[0]]
     assert tok.decode(ids) == "Hello"
     assert tok.decode(ids, skip_special_tokens=False) == "<s> Hello</s>"
 
 
 def test_vocabulary_facts_match_transformers(tok: Tokenizer, hf: Any) -> None:
     assert tok.vocab_size == len(hf) == 512
-    assert tok.eos_token_id == hf.eos_token_id == 2
+    assert tok.eos_token_ids[0] == hf.eos_token_id == 2
     assert tok.eos_token_ids == (2,)
     ids = list(range(0, 512, 7))
     assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
@@ -173,7 +173,7 @@ def test_generation_config_eos_ids_are_added(stories_dir: Path, tmp_path: Path) 
     model_dir = make_model_dir(stories_dir, tmp_path / "m")
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     tok = Tokenizer.from_pretrained(model_dir)
-    assert tok.eos_token_id == 2
+    assert tok.eos_token_ids[0] == 2
     assert tok.eos_token_ids == (2, 7)
 
 
