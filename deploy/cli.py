@@ -69,12 +69,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the executors, the scheduler and the gateway, keeps them up (`supervisor`), and
     drains them in order at SIGTERM/SIGINT."""
-    from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles, serve_parallel_flags
+    from npuserve.deploy.executor_flags import EXECUTOR, PARALLEL, serve_executor_roles
     from npuserve.deploy.flags import command_error, logging_flags, resolve_api_key, resolve_cluster_token
     from npuserve.deploy.gateway_flags import chat_parser_settings, gateway_flags
     from npuserve.deploy.launcher import STOP_GRACE_S, Launcher, LaunchError, device_env
     from npuserve.deploy.runtime.cpu_priority import control_plane_nice
-    from npuserve.deploy.runtime.shutdown import Shutdown, shutdown_timeout_flags
+    from npuserve.deploy.runtime.shutdown import Shutdown
     from npuserve.deploy.scheduler_flags import SCHEDULER, serve_scheduler_config
     from npuserve.deploy.supervisor import Supervisor
     from npuserve.proto.auth import API_KEY, CLUSTER_TOKEN, GATEWAY_API_KEY, exposure_problem
@@ -94,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         roles = serve_executor_roles(num_executors, args.prefill_executors)
     except ValueError as exc:
         return command_error("serve", exc)
-    common = [*logging_flags(args), *shutdown_timeout_flags(args)]
+    common = [*logging_flags(args), f"--shutdown-timeout={args.shutdown_timeout:g}"]
     launcher = Launcher()
     supervisor = Supervisor(launcher)
     shutdown = Shutdown()
@@ -105,7 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # Children run in sessions of their own, so a terminal's Ctrl-C reaches only serve, which
     # drains them in order.
     # NOTE: forwarded as given (each executor validates them): serve itself never imports torch.
-    executor_flags = [*EXECUTOR.forward(args, exclude=["role"]), *serve_parallel_flags(args), *common]
+    # Each executor is rank 0 of a tensor-parallel group of its own on this node.
+    parallel = PARALLEL.forward(args, only=["size", "connect_timeout_s", "collective_timeout_s"])
+    executor_flags = [*EXECUTOR.forward(args, exclude=["role"]), *parallel, *common]
     if args.cpu_threads is None:  # NOTE: a core for the scheduler and the gateway, if it costs little
         executor_flags += ["--cpu-threads", "auto"]
 
@@ -113,7 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return ["executor", *executor_flags, "--role", role, "--port", str(port)]
 
     def scheduler_args(port: int) -> list[str]:
-        executors = [address_of[s.name] for s in supervisor.live_executors()]
+        executors = [address_of[s.child.name] for s in supervisor.live_executors()]
         config = serve_scheduler_config(args, executors=executors)
         return ["scheduler", *SCHEDULER.to_flags(config), *common, "--port", str(port)]
 

@@ -248,12 +248,6 @@ def serve_executor_roles(num_executors: int, num_prefill: int) -> list[str]:
     return [EXECUTOR_ROLE_PREFILL] * num_prefill + [EXECUTOR_ROLE_DECODE] * (num_executors - num_prefill)
 
 
-def serve_parallel_flags(args: argparse.Namespace) -> list[str]:
-    """The group size and timeouts `npuserve serve` gives each executor (each is rank 0 of its own
-    group on this node)."""
-    return PARALLEL.forward(args, only=["size", "connect_timeout_s", "collective_timeout_s"])
-
-
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """From `PARALLEL`'s flags; the rank and master fall back to the environment. The ranks this
     process starts get its ``--log-level``/``--log-format``."""

@@ -45,12 +45,6 @@ def resolve_cluster_token(given: str | None) -> str | None:
     return given or os.environ.get(CLUSTER_TOKEN_ENV) or None
 
 
-def add_api_key_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--api-key``: the key clients present as `Authorization: Bearer KEY`; ``what`` says what
-    this command does with it."""
-    parser.add_argument("--api-key", help=f"{what} (default: ${API_KEY.env})")
-
-
 # The scheduler's --api-key (in its flag table).
 API_KEY_OPTIONS: dict[str, Any] = {
     "help": f"require `authorization: Bearer KEY` metadata on every call but Health (default: ${API_KEY.env})"

@@ -215,14 +215,6 @@ GATEWAY: FlagTable[GatewayConfig] = FlagTable(
     ],
 )
 STANDALONE_FIELDS = ("served_model_name", "scheduler_api_key", "scheduler_tls_ca")
-SERVE_API_KEY_HELP = (
-    f"require `Authorization: Bearer KEY` on /v1/* and the scheduler's gRPC API (default: ${API_KEY.env})"
-)
-SERVE_STALL_HELP = (
-    "seconds a client may take no byte of a response (a stream) the gateway holds for it; then its "
-    "connection is closed and its request aborted (0: never; the scheduler keeps its own default "
-    "for its gRPC clients, the gateway's calls)"
-)
 
 
 def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
@@ -240,8 +232,15 @@ def add_gateway_command_flags(gateway: argparse.ArgumentParser) -> None:
 def add_serve_gateway_flags(serve: argparse.ArgumentParser) -> None:
     """The gateway's own flags that `npuserve serve` takes (it has ``--host``/``--port`` of its own)."""
     overrides = {
-        "api_key": {"help": SERVE_API_KEY_HELP},
-        "stream_stall_timeout_s": {"help": SERVE_STALL_HELP},
+        "api_key": {
+            "help": "require `Authorization: Bearer KEY` on /v1/* and the scheduler's gRPC API "
+            f"(default: ${API_KEY.env})"
+        },
+        "stream_stall_timeout_s": {
+            "help": "seconds a client may take no byte of a response (a stream) the gateway holds for it; "
+            "then its connection is closed and its request aborted (0: never; the scheduler keeps its "
+            "own default for its gRPC clients, the gateway's calls)"
+        },
     }
     GATEWAY.add(serve, exclude=STANDALONE_FIELDS, overrides=overrides)
 

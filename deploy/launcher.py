@@ -2,12 +2,9 @@
 the tests all launch their children here.
 
 A child is the same Python running ``npuserve.deploy.cli`` (or another npuserve module) with
-``--ready-file``: it writes that file (`proto.ready_file`) once it serves, and `wait_ready`
-returns what it wrote, or fails naming every child that is not ready and how each that exited
-did. `restart` starts a child again as it was started (or with new arguments). Children are
-stopped together (SIGTERM, then SIGKILL after a grace period), and (Linux) when the launcher
-itself dies, through the parent-death signal. No orphan survives the launcher. `npuserve serve`
-restarts and drains its children through `supervisor`.
+``--ready-file``, which it writes (`proto.ready_file`) once it serves. Children are stopped
+together (SIGTERM, then SIGKILL after a grace period), and (Linux) through the parent-death
+signal when the launcher itself dies: no orphan survives it.
 """
 
 from __future__ import annotations
@@ -38,17 +35,12 @@ STOP_GRACE_S = 10.0
 LOG_TAIL_CHARS = 3000
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """SIGTERM this process when its parent dies (Linux; elsewhere nothing)."""
+def _child_setup(nice: int, own_process_group: bool) -> None:  # pragma: no cover - in the child
+    """Before exec, in a Linux child: it dies with its parent (SIGTERM), leads a process group of
+    its own if asked (still writing to the terminal), and runs ``nice`` lower (before any thread
+    starts, so every thread it makes inherits it)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _child_setup(nice: int, own_process_group: bool) -> None:  # pragma: no cover - in the child
-    """Before exec, in a Linux child: it dies with its parent, leads a process group of its own
-    if asked (still writing to the terminal), and runs ``nice`` lower (before any thread starts,
-    so every thread it makes inherits it)."""
-    die_with_parent()
     if own_process_group:
         os.setpgid(0, 0)
         # NOTE: out of the terminal's foreground group, a write to it stops the child where the

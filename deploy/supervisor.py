@@ -49,10 +49,6 @@ class Supervised:
     restart_at: float | None = None  # dead, waiting for its backoff
     given_up: bool = False
 
-    @property
-    def name(self) -> str:
-        return self.child.name
-
 
 @dataclass
 class Supervisor:
@@ -104,20 +100,20 @@ class Supervisor:
             s.given_up = True
             log.error(
                 "crash loop: giving the process up",
-                name=s.name,
+                name=s.child.name,
                 deaths=self.policy.describe(),
                 exit_code=code,
                 restarts=s.history.restarts,
             )
             return
-        log.warning("process died; restarting it", name=s.name, exit_code=code, restart_in_s=wait_s)
+        log.warning("process died; restarting it", name=s.child.name, exit_code=code, restart_in_s=wait_s)
         s.restart_at = now + wait_s
 
     def _restart(self, s: Supervised) -> None:
         s.restart_at = None
         s.child = self.launcher.restart(s.child, s.restart_args())
         s.history.started()
-        log.info("process restarted", name=s.name, pid=s.child.pid, restarts=s.history.restarts)
+        log.info("process restarted", name=s.child.name, pid=s.child.pid, restarts=s.history.restarts)
 
     def live_executors(self) -> list[Supervised]:
         return [s for s in self.of_role("executor") if not s.given_up]

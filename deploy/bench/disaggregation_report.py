@@ -113,10 +113,11 @@ def effects(points: Sequence[LoadPoint]) -> list[dict[str, Any]]:
     return out
 
 
-def effects_over_rounds(rounds: Sequence[Sequence[LoadPoint]]) -> list[dict[str, Any]]:
-    """`effects` per configuration and load, round by round, with the median of the ITL p99
-    changes (the rounds ran interleaved: each round's pair shared the machine's state)."""
-    per_round = [effects(points) for points in rounds]
+def serving_effects(rounds: Sequence[Sequence[BenchSummary]]) -> list[dict[str, Any]]:
+    """The serving bench's `effects` per configuration and load, round by round, with the median
+    of the ITL p99 changes (the rounds ran interleaved: each round's pair shared the machine's
+    state); none without a decode-only baseline."""
+    per_round = [effects(serving_points(r)) for r in rounds]
     out = []
     for index, first in enumerate(per_round[0] if per_round else []):
         column = [r[index] for r in per_round]
@@ -130,11 +131,6 @@ def effects_over_rounds(rounds: Sequence[Sequence[LoadPoint]]) -> list[dict[str,
             }
         )
     return out
-
-
-def serving_effects(rounds: Sequence[Sequence[BenchSummary]]) -> list[dict[str, Any]]:
-    """The serving bench's `effects_over_rounds` (none without a decode-only baseline)."""
-    return effects_over_rounds([serving_points(r) for r in rounds])
 
 
 def serving_points_by_round(rounds: Sequence[Sequence[BenchSummary]]) -> list[LoadPoint]:

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -424,12 +424,3 @@ def plot_scale(results: Sequence[Result], path: Path) -> None:
             if attr in ("steps_per_s", "ttft_p99_ms"):
                 ax.set_yscale("log")
         axes[0].legend()
-
-
-def scale_json(config: Any, results: Sequence[Result], notes: list[str], host: MachineInfo) -> dict[str, Any]:
-    return {
-        "config": asdict(config),
-        "results": [asdict(r) for r in results],
-        "notes": notes,
-        "machine": host.row(),
-    }

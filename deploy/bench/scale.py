@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from npuserve.deploy.bench import machine, report
@@ -143,7 +144,7 @@ def started_cluster(
 # -- the sweep ----------------------------------------------------------------------------------
 
 
-def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
+def run_sweep(config: ScaleConfig) -> list[Result]:
     """Per round, executor count and prefill executors, a cluster; in it a window per concurrency
     and long-prompt rate."""
     workdir = config.workdir or Path(tempfile.mkdtemp(prefix="npuserve-scale-"))
@@ -162,8 +163,7 @@ def run_sweep(config: ScaleConfig, progress: bool = True) -> list[Result]:
                 profile_path = run_dir / f"profile-c{concurrency}-r{rate:g}.txt" if profiled else None
                 result = asyncio.run(run_load(config, cluster, concurrency, rate, round_number, profile_path))
                 results.append(result)
-                if progress:
-                    print(_progress_line(result), file=sys.stderr, flush=True)
+                print(_progress_line(result), file=sys.stderr, flush=True)
     return results
 
 
@@ -298,7 +298,8 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             print()
             print(format_profile(result))
     print(f"\n({time.monotonic() - started_at:.0f} s)")
-    report.save_json(args.output_json, "bench-scale", report.scale_json(config, results, notes, host))
+    payload = {"config": asdict(config), "results": [asdict(r) for r in results], "notes": notes}
+    report.save_json(args.output_json, "bench-scale", {**payload, "machine": host.row()})
     if args.plot:
         points = scale_points(results)
         if points:
@@ -309,17 +310,10 @@ def run_scale_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from npuserve.deploy.grpc_env import set_grpc_environment
-    from npuserve.deploy.runtime.logs import configure_logging
+    """`python -m npuserve.deploy.bench.scale`: `npuserve bench-scale`."""
+    from npuserve.deploy.cli import main as cli_main
 
-    set_grpc_environment()  # NOTE: first, as `npuserve bench-scale` does: its children inherit it
-    parser = argparse.ArgumentParser(
-        prog="python -m npuserve.deploy.bench.scale", formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_scale_bench_flags(parser)
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_format == "json")
-    sys.exit(run_scale_bench(args))
+    cli_main(["bench-scale", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ STREAMS_PER_CHANNEL = 256
 AWAITING_SAMPLE_S = 0.1  # how often the window samples the streams without a token yet
 SATURATED_GAIN = 1.10  # a step up that raises tokens/s by less than this is saturated
 TTFT_EXPLODED = 10.0  # TTFT p99 this many times its value at the lowest load has exploded
-# The simulated executors' niceness. They stand in for NPUs on other hosts: their steps are
-# modelled as sleeps, and the CPU they use here (gRPC, the step pipelines' threads) is the
-# bench's, taken from the scheduler when it wakes. At the lowest priority they get the cores the
-# scheduler and the client leave, as executors on hosts of their own would leave them. At 16
-# executors x 1,024 streams under `--num-scheduler-steps auto` (2 cores, interleaved runs) the
-# streams without a first token went from a mean of 92 at nice 0 to 74 at nice 10 (four pairs),
-# and, after the first-pass joins, from 51.9 at nice 10 to 48.2 at nice 19 (three pairs; 56.9
-# at nice 5 and 48.3 at nice 15, two runs each), for the same tokens/s; at 64 executors, 1,024 and
-# 4,096 streams, nice 19 gave 77k and 114k tokens/s against 74k and 115k.
+# The simulated executors' niceness. They stand in for NPUs on other hosts (their steps are
+# sleeps), so the CPU they use here (gRPC, step pipelines) is taken from the scheduler; at the
+# lowest priority they get what the scheduler and the client leave. At 16 executors x 1,024
+# streams (2 cores, interleaved runs) the mean of streams without a first token went 92 -> 74
+# from nice 0 to 10, and 51.9 -> 48.2 from 10 to 19, for the same tokens/s; at 64 executors
+# nice 19 gave 77k and 114k tokens/s (1,024 and 4,096 streams) against 74k and 115k.
 SIMULATED_EXECUTOR_NICE = 19
 
 

@@ -45,10 +45,6 @@ class LoadState:
     def in_window(self, t: float) -> bool:
         return self.window[0] <= t < self.window[1]
 
-    def count_error(self, exc: grpc.aio.AioRpcError | GenerateFailed) -> None:
-        """One failed call, counted under its status code's name."""
-        self.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
-
 
 class Load:
     """Keeps ``concurrency`` Generate streams running against one scheduler."""
@@ -114,8 +110,8 @@ class Load:
                     state.tokens_in_window += num_new
         except (grpc.aio.AioRpcError, GenerateFailed) as exc:
             state.awaiting_first_token -= first and not long_prompt
-            if not state.stopping:
-                state.count_error(exc)
+            if not state.stopping:  # counted under its status code's name
+                state.errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc.code.name] += 1
             return False
         if not long_prompt:
             end = time.perf_counter()

@@ -132,11 +132,6 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def proc_nice(pid: int) -> int:
-    """A process's niceness (from /proc/PID/stat)."""
-    return int(_stat_fields(Path(f"/proc/{pid}/stat"))[16])
-
-
 def children_cpu_by_name(pid: int) -> dict[str, float]:
     """CPU seconds of a process's live child processes (the scheduler's step workers, API
     processes and render workers), summed by process name (`process_name`: their role)."""
@@ -192,7 +187,7 @@ async def take_snapshot(stub: pb_grpc.SchedulerStub, cluster: Cluster) -> Snapsh
         front_cpu_s=front_cpu,
         children_cpu_s=children,
         executors_cpu_s=proc_cpu_seconds(cluster.executors_pid),
-        executors_nice=proc_nice(cluster.executors_pid),
+        executors_nice=int(_stat_fields(Path(f"/proc/{cluster.executors_pid}/stat"))[16]),
         client_cpu_s=time.process_time(),
         machine_busy_s=machine_busy_seconds(),
         metrics=metric_values(text),

@@ -34,17 +34,12 @@ from npuserve.deploy.bench.workload import BenchRequest, WorkloadConfig, build_w
 from npuserve.deploy.demo_model import DEMO_MODEL_DIR
 from npuserve.deploy.executor_flags import EXECUTOR, serve_executor_roles
 from npuserve.deploy.flag_table import same_named
-from npuserve.deploy.flags import (
-    add_api_key_flag,
-    add_logging_flags,
-    command_error,
-    logging_flags,
-    resolve_api_key,
-)
+from npuserve.deploy.flags import add_logging_flags, command_error, logging_flags, resolve_api_key
 from npuserve.deploy.launcher import Launcher, LaunchError, device_env
 from npuserve.deploy.runtime.cpu_priority import control_plane_nice
 from npuserve.deploy.scheduler_flags import BENCH_FIELDS, SCHEDULER
 from npuserve.executor.cpu_threads import AUTO_CPU_THREADS
+from npuserve.proto.auth import API_KEY
 
 # The engine flags, in `npuserve bench --help`'s order, and where the bench words them its own way.
 ENGINE_FIELDS = (
@@ -205,7 +200,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", help="HOST:PORT of a running scheduler (default: launch one, or run offline)"
     )
-    add_api_key_flag(parser, "present `authorization: Bearer KEY` to the scheduler at --address")
+    parser.add_argument(
+        "--api-key",
+        help=f"present `authorization: Bearer KEY` to the scheduler at --address (default: ${API_KEY.env})",
+    )
     parser.add_argument("--tls-ca", type=Path, help="PEM CA certificates: reach --address over TLS")
     parser.add_argument(
         "--client-call",
@@ -330,23 +328,22 @@ def _run_variant(
     warmup = warmup_requests(workload, _vocab_size(model), args.max_num_batched_tokens)
     if variant.decode_only:
         requests = [r for r in requests if not r.long_prompt]
-    progress = not args.disable_tqdm
-    if variant.kind == "offline":
-        config = EXECUTOR.from_args(args, model=model, load_format=load_format)
-        if variant.kv_host_memory_gib is not None:
-            config.kv_host_memory_gib = variant.kv_host_memory_gib
-        offline = OfflineTarget(config, args.num_executors, variant.enable_prefix_caching, variant.name)
-        return measure(offline, workload, requests, warmup, progress)
-    if args.address:
-        tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
-        api_key = resolve_api_key(args.api_key)
-        target = GrpcTarget(
-            args.address, variant.name, api_key=api_key, tls_ca=tls_ca, client_call=args.client_call
-        )
-        return measure(target, workload, requests, warmup, progress)
-    with launched_server(_server_spec(args, model, load_format, variant), args.startup_timeout) as address:
-        target = GrpcTarget(address, variant.name, client_call=args.client_call)
-        return measure(target, workload, requests, warmup, progress)
+    with contextlib.ExitStack() as stack:
+        target: Target
+        if variant.kind == "offline":
+            config = EXECUTOR.from_args(args, model=model, load_format=load_format)
+            if variant.kv_host_memory_gib is not None:
+                config.kv_host_memory_gib = variant.kv_host_memory_gib
+            target = OfflineTarget(config, args.num_executors, variant.enable_prefix_caching, variant.name)
+        elif args.address:
+            tls_ca = args.tls_ca.read_bytes() if args.tls_ca else None
+            api_key = resolve_api_key(args.api_key)
+            target = GrpcTarget(args.address, variant.name, api_key, tls_ca, args.client_call)
+        else:
+            spec = _server_spec(args, model, load_format, variant)
+            address = stack.enter_context(launched_server(spec, args.startup_timeout))
+            target = GrpcTarget(address, variant.name, client_call=args.client_call)
+        return measure(target, workload, requests, warmup, progress=not args.disable_tqdm)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -33,10 +33,6 @@ WORDS = {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItem
 SCHEMA = {"type": "object", "properties": {"words": WORDS}, "required": ["words"]}
 
 
-def _schema(i: int) -> dict[str, object]:
-    return {"type": "object", "properties": {f"k{i}": WORDS}, "required": [f"k{i}"]}
-
-
 PHASES = ("step", "schedule", "execute", "update")
 
 
@@ -79,7 +75,10 @@ def step_times(
 
 
 async def compile_times(grammars: GrammarCompiler, count: int) -> tuple[float, float]:
-    constraints = [StructuredOutputs.json_schema(_schema(i)) for i in range(count)]
+    schemas = [
+        {"type": "object", "properties": {f"k{i}": WORDS}, "required": [f"k{i}"]} for i in range(count)
+    ]
+    constraints = [StructuredOutputs.json_schema(schema) for schema in schemas]
     start = time.perf_counter()
     for c in constraints:
         await grammars.compile(c)

@@ -115,6 +115,7 @@ class OfflineTarget:
             yield Chunk.of(output.completions, output.usage)
 
 
+CONNECT_TIMEOUT_S = 60.0  # for a scheduler to answer at the address
 # How a bench's gRPC client sends its generations: over one `GenerateMany` call (as the gateway
 # does), or a `Generate` call each (as a client of single requests does).
 CLIENT_CALLS = ("generate-many", "generate")
@@ -165,14 +166,12 @@ class GrpcTarget:
         self,
         address: str,
         name: str = "grpc",
-        connect_timeout_s: float = 60.0,
         api_key: str | None = None,
         tls_ca: bytes | None = None,
         client_call: str = CLIENT_CALLS[0],
     ) -> None:
         self.address = address
         self.name = name
-        self.connect_timeout_s = connect_timeout_s
         self.max_model_len = 0
         self._tls_ca = tls_ca
         self._clients = ApiClients(client_call, bearer_metadata(api_key))
@@ -182,7 +181,7 @@ class GrpcTarget:
         options = message_size_options(MAX_API_MESSAGE_BYTES)
         first = aio_client_channel(self.address, options, self._tls_ca)
         try:
-            await asyncio.wait_for(first.channel_ready(), self.connect_timeout_s)
+            await asyncio.wait_for(first.channel_ready(), CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:
             await first.close()
             raise BenchError(f"no scheduler answers at {self.address}") from None

@@ -75,16 +75,6 @@ def _device_memory(device: str, ascend: AscendChecks):
     return DeviceMemory(host_total, host_free, "host memory")
 
 
-def _cuda_check() -> Check:
-    if _cuda_available():
-        return ok("cuda", "a CUDA device is visible")
-    return fail(
-        "cuda",
-        "torch sees no CUDA device",
-        "check `nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch is a CUDA build",
-    )
-
-
 def diagnose(args: argparse.Namespace, facts: HostFacts) -> tuple[str, list[Check]]:
     """(the device checked, every check) for the flags of `add_doctor_flags`."""
     ascend = AscendChecks(facts, strict=args.device == "npu")
@@ -93,8 +83,11 @@ def diagnose(args: argparse.Namespace, facts: HostFacts) -> tuple[str, list[Chec
     checks.append(device_check)
     if args.device in ("npu", "auto"):
         checks += ascend.all()
-    if device == "cuda":
-        checks.append(_cuda_check())
+    if device == "cuda" and _cuda_available():
+        checks.append(ok("cuda", "a CUDA device is visible"))
+    elif device == "cuda":
+        fix = "check `nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch is a CUDA build"
+        checks.append(fail("cuda", "torch sees no CUDA device", fix))
     if args.model:
         from npuserve.deploy.doctor.model_checks import model_checks
 

@@ -22,7 +22,6 @@ import importlib.metadata
 import os
 import platform
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +68,6 @@ class VersionFile:
 @dataclass(slots=True)
 class HostFacts:
     ascend_root: Path
-    python: str
-    machine: str
     packages: dict[str, str | None]  # distribution -> version (None: not installed)
     env: dict[str, str]  # the variables the checks read, as set
     driver: VersionFile | None = None
@@ -142,16 +139,13 @@ def collect_facts(
     dev_root: Path,
     env: Mapping[str, str],
     packages: dict[str, str | None] | None = None,
-    npu_smi_output: tuple[str | None, str] | None = None,
 ) -> HostFacts:
-    """Everything the checks need. ``packages``/``npu_smi_output`` default to this machine's."""
+    """Everything the checks need. ``packages`` default to this machine's."""
     watched = (
         AUTOLOAD_ENV, "ASCEND_RT_VISIBLE_DEVICES", "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ATB_HOME_PATH",
     )  # fmt: skip
     facts = HostFacts(
         ascend_root=ascend_root,
-        python=sys.version.split()[0],
-        machine=platform.machine(),
         packages=packages if packages is not None else installed_packages(),
         env={name: env[name] for name in (*watched, *NETWORK_ENV) if name in env},
         driver=read_version_file(ascend_root / "driver" / "version.info"),
@@ -160,7 +154,7 @@ def collect_facts(
         nnal=_first_naming(_nnal_candidates(ascend_root, env), "Ascend-cann-atb"),
         davinci=sorted(p.name for p in dev_root.glob("davinci[0-9]*")),
     )
-    output, error = npu_smi_output if npu_smi_output is not None else run_npu_smi()
+    output, error = run_npu_smi()
     if output is not None:
         facts.npu_smi = parse_npu_smi_info(output)
     facts.npu_smi_error = error

@@ -1,22 +1,17 @@
 """Who yields the host's cores when executors compute on them.
 
-`npuserve serve` on one machine with executors on the CPU (the `cpu` device, or the npu backend
-emulated on it: the demo, CI, a laptop) runs everything on the same cores. An executor keeps one
-torch thread per core busy for the length of a step (intra-op parallel regions); the scheduler's
-and the gateway's processes work in bursts between steps. At the same priority the kernel's fair
-share lets such a burst preempt a compute thread in the middle of a parallel region, and the
-whole region then waits for that one thread. So when an executor computes on this host's CPU,
-the scheduler and the gateway start at nice 10 (`CONTROL_PLANE_NICE`): a burst then runs mostly
-in the executor's idle moments, and still gets about a tenth of a busy core, so nothing starves.
+With executors on this host's CPU (the `cpu` device, or the npu backend emulated on it: the demo,
+CI, a laptop), an executor keeps one torch thread per core busy through a step's parallel
+regions, while the scheduler and the gateway work in bursts between steps. At equal priority a
+burst preempts a compute thread mid-region and the whole region waits for it. So next to such
+executors the scheduler and the gateway start at nice 10 (`CONTROL_PLANE_NICE`): their bursts
+run mostly in the executors' idle moments, yet get about a tenth of a busy core, so none starves.
+(The executors also leave them a core where that costs little: `--cpu-threads auto`.)
 
-NOTE: not SCHED_IDLE, though it took stories260K over gRPC 16-18% further than nice 10 on 2 cores
-(a compute thread that wakes takes its core back at once): an idle-policy task gets a core only
-when no other task in its group wants one, so any CPU-bound work sharing serve's session (a load
-generator, a build) starves it. With two busy loops in serve's session a 64-token completion took
-23-26 s under SCHED_IDLE against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0.
-
-Executors there also leave a core to the control plane where that costs their model little
-(`npuserve serve` gives them `--cpu-threads auto`: `npuserve.executor.cpu_threads`).
+NOTE: not SCHED_IDLE, though it ran stories260K 16-18% faster than nice 10 on 2 cores: an
+idle-policy task gets a core only when nothing else in its group wants one, so any CPU-bound
+work in serve's session (a load generator, a build) starves it: with two busy loops there a
+64-token completion took 23-26 s against 0.4-0.7 s at nice 10 and 0.6-0.7 s at nice 0.
 
 NOTE: Linux shares the CPU between sessions first (autogroups), and a priority counts only
 within its session: serve keeps every child in serve's session (`Launcher`'s process groups).

@@ -1,50 +1,30 @@
 """The heap of a long-running server process: what it built while starting is frozen out of the
 collections that follow, and what its work freed goes back to the system once it is idle.
 
-A full collection walks every object the collector tracks, and nothing else runs in the process
-meanwhile. Most of those objects are the start-up heap (modules, torch's and the model's, the
-tokenizer, protobuf and gRPC descriptors), which lives as long as the process:
-* an executor of the demo model tracks 194k objects once warmed up; a full collection took
-  93-98 ms, a step's stall each time one came (after the freeze: nothing to walk);
-* in the scale bench at 16 executors x 1,024 streams the scheduler's front made a full
-  collection every few seconds, each holding its event loop 85 ms on average (up to 105 ms),
-  so every stream's next token and every new request waited that long; after the freeze,
-  45 ms (what the requests in flight hold).
-`gc.freeze()` moves the start-up heap to a generation the collector never walks (as vLLM's engine
-core does once it has started).
+A full collection walks every tracked object, and nothing else runs in the process meanwhile;
+most of them are the start-up heap (modules, torch and the model, the tokenizer, protobuf and gRPC
+descriptors). An executor of the demo model tracks 194k objects: a full collection stalled a step
+93-98 ms. In the scale bench at 16 executors x 1,024 streams the scheduler's front held its event
+loop 85 ms (up to 105) per full collection, every few seconds; after `gc.freeze()` (as vLLM's
+engine core does once started), 45 ms: what the requests in flight hold.
 
 The youngest generation is then collected after `YOUNG_GENERATION_THRESHOLD` net allocations
-instead of Python's 700. A step's or a report's handling makes a burst of short-lived containers
-(token lists, updates, protobuf wrappers) that reference counting frees as soon as the burst is
-done; 700 of them alive at once started a collection that walked every one, token lists element
-by element, and every tenth of those walked what had survived before. In the scale bench at
-16 executors x 1,024 streams the front made about 30 young collections a second and a worker 20:
-660-680 ms of the front's CPU and 450-520 ms of a worker's in a 20 s run (about 5% and 6% of
-what each spent) went to collections; with the higher threshold, one collection or none in the
-same run. What that saves is smaller than the bench's run-to-run spread on a 2-core machine:
-over four interleaved pairs the scheduler's CPU per output token at 16 x 1,024 changed by +1%
-to -24%. Only what is garbage and in a reference cycle at once waits longer: up to that many
-objects.
+instead of Python's 700: a step's or a report's burst of short-lived containers (token lists,
+updates, protobuf wrappers), which reference counting frees anyway, started a collection that
+walked them all. At 16 x 1,024 the front made ~30 young collections a second and a worker 20,
+about 5% and 6% of their CPU; with the higher threshold, one or none in a 20 s run (a saving
+within the bench's run-to-run spread on 2 cores). Only cyclic garbage waits longer.
 
-Once a process has served a large request, what it allocated for it is free but stays the
-process's: glibc's allocator keeps freed memory for later allocations, and returns to the system
-only what lies at the top of its heap. So a process that has gone idle, and stays so for
-`IDLE_RELEASE_DELAY_S`, releases its heap (`IdleHeapRelease`): a full collection, then glibc's
-`malloc_trim`, which hands every free page of its arenas back to the system. That happens once
-each time the process's work ends, never while it has any. It holds the event loop 1-2 ms in a
-scheduler's front and 15-60 ms in a scheduler worker (whose collection walks its block pool of
-100k-200k blocks): only a request that comes at that moment waits for it.
-* One completion of 1,024 prompts of 471 tokens on the demo model (the largest it takes) grew
-  the scheduler worker from 101 to 120 MB, the front from 92 to 112 and the gateway from 76 to
-  92, for as long as they ran; with the release, the worker went back to 113 MB and the gateway
-  to 88, the front to 110.
-* 128 prompts of 4,000 tokens whose ids are all below 257 (ints Python shares, so the prompts
-  sit in glibc's heap), over a simulated executor: the front 91 -> 114 -> 95 MB, the worker
-  81 -> 92 -> 84.
-What no release gives back is memory Python's own small-object allocator holds: an arena of it
-(1 MiB) goes back only once every object in it is freed, and a few objects that live on keep
-theirs. A prompt's token ids above 256 are objects of their own, hundreds of thousands in a
-large request: most of what stays in the front above. The next request reuses those arenas.
+glibc keeps what a large request freed for later allocations, returning only the top of its heap.
+So a process idle for `IDLE_RELEASE_DELAY_S` after its work ended releases its heap
+(`IdleHeapRelease`): a full collection, then `malloc_trim`, which hands every free page of its
+arenas back. It holds the event loop 1-2 ms in a scheduler's front and 15-60 ms in a scheduler
+worker (whose block pool it walks): only a request arriving at that moment waits. One completion
+of 1,024 prompts of 471 tokens on the demo model grew the worker 101 -> 120 MB and the gateway
+76 -> 92; the release took them back to 113 and 88. 128 prompts of 4,000 tokens below id 257
+(shared ints: the prompts sit in glibc's heap) took the front 91 -> 114 -> 95 MB. No release
+returns Python's small-object arenas (1 MiB, freed only once all their objects are): a large
+request's token ids above 256 are objects of their own, and the next request reuses them.
 """
 
 from __future__ import annotations

@@ -35,11 +35,6 @@ def add_shutdown_timeout_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def shutdown_timeout_flags(args: argparse.Namespace) -> list[str]:
-    """``--shutdown-timeout`` as given, for a child process."""
-    return [f"--shutdown-timeout={args.shutdown_timeout:g}"]
-
-
 class Shutdown:
     """SIGTERM/SIGINT as two events: ``drain`` at the first signal, ``now`` at the second."""
 

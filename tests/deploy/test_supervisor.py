@@ -43,7 +43,7 @@ def test_a_crash_loop_is_given_up_and_only_losing_every_executor_ends_serving(tm
         tmp_path,
         {"executor-0": ("executor", DIES), "executor-1": ("executor", LIVES), "gateway": ("gateway", DIES)},
     )
-    by_name = {s.name: s for s in supervisor.supervised}
+    by_name = {s.child.name: s for s in supervisor.supervised}
     try:
         waits = []
         for _ in range(5):
