@@ -5,18 +5,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from npuserve.kernels.backends.base import KernelBackend
-from npuserve.kernels.layout import (
-    NPU_ATTENTION_HEAD_DIMS,
-    NPU_BLOCK_SIZE,
-    kv_cache_block_bytes,
-    kv_cache_shape,
-    slot_mapping,
-)
+from npuserve.kernels.layout import NPU_BLOCK_SIZE, kv_cache_block_bytes, kv_cache_shape, slot_mapping
 from npuserve.kernels.metadata import AttentionMetadata, build_attention_metadata
 from npuserve.proto.kv_layout import NULL_BLOCK_ID, cdiv
 
 __all__ = [
-    "NPU_ATTENTION_HEAD_DIMS",
     "NPU_BLOCK_SIZE",
     "NULL_BLOCK_ID",
     "AttentionMetadata",

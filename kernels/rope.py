@@ -31,14 +31,11 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling) -> 
     inv_freq = 1.0 / (theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        return _llama3_inverse_frequencies(inv_freq, scaling)
-    assert scaling.rope_type == "default", scaling.rope_type
-    return inv_freq
-
-
-def _llama3_inverse_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    if scaling.rope_type == "default":
+        return inv_freq
+    assert scaling.rope_type == "llama3", scaling.rope_type
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    s = scaling
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -76,8 +76,7 @@ class DeviceTransfers:
         target.copy_(source, non_blocking=True)
 
     def new_event(self) -> CopyEvent:
-        event: CopyEvent = self.device_module.Event()  # type: ignore[attr-defined]
-        return event
+        return self.device_module.Event()  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)

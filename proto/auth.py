@@ -186,8 +186,9 @@ class _BearerClientInterceptor(
     def __init__(self, secret: str) -> None:
         self._metadata = bearer_metadata(secret) or ()
 
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        """Every kind of call: ``request`` is the request, or the iterator of them."""
+        with_secret = _CallDetails(
             details.method,
             details.timeout,
             (*(details.metadata or ()), *self._metadata),
@@ -195,10 +196,7 @@ class _BearerClientInterceptor(
             getattr(details, "wait_for_ready", None),
             getattr(details, "compression", None),
         )
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        """Every kind of call: ``request`` is the request, or the iterator of them."""
-        return continuation(self._details(details), request)
+        return continuation(with_secret, request)
 
     intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
 

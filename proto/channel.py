@@ -41,8 +41,7 @@ def client_channel(address: str, options: list[tuple[str, int]], tls_ca: bytes |
     """A blocking channel to ``address``: TLS verified against ``tls_ca`` (PEM roots) when given."""
     if tls_ca is None:
         return grpc.insecure_channel(address, options=options)
-    credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
-    return grpc.secure_channel(address, credentials, options=options)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options=options)
 
 
 def aio_client_channel(
@@ -51,5 +50,4 @@ def aio_client_channel(
     """`client_channel` for asyncio code."""
     if tls_ca is None:
         return grpc.aio.insecure_channel(address, options=options)
-    credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
-    return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options=options)

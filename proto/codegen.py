@@ -37,7 +37,8 @@ def generate(out_dir: Path) -> list[Path]:
         written = []
         for name in generated_names():
             target = out_dir / name
-            target.write_text(_relative_imports((produced / name).read_text()))
+            # `from npuserve.proto import x_pb2` -> `from . import x_pb2`: independent of the install name.
+            target.write_text(_ABSOLUTE_IMPORT.sub(r"from . import \1", (produced / name).read_text()))
             written.append(target)
     return written
 
@@ -59,15 +60,6 @@ def _run_protoc(out: Path) -> None:
         raise RuntimeError(f"protoc failed on {', '.join(PROTO_FILES)} (its errors are printed above)")
 
 
-def _relative_imports(source: str) -> str:
-    """`from npuserve.proto import x_pb2` -> `from . import x_pb2`: independent of the install name."""
-    return _ABSOLUTE_IMPORT.sub(r"from . import \1", source)
-
-
-def main() -> None:
+if __name__ == "__main__":
     for path in generate(PROTO_DIR):
         print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

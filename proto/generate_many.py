@@ -286,9 +286,7 @@ class GenerateManyClient:
         call = self._open
         if call is None:
             call = self._open = _OpenCall(self, self._stub, self._metadata)
-        stream = GenerateStream(
-            call, next(self._stream_ids), budget if budget is not None else UnreadBudget()
-        )
+        stream = GenerateStream(call, next(self._stream_ids), budget or UnreadBudget())
         call.streams[stream.stream_id] = stream
         call.send(pb.GenerateManyAction(stream_id=stream.stream_id, generate=request))
         return stream

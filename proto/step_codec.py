@@ -43,9 +43,7 @@ class CodecError(ValueError):
     """A message that does not describe a valid step plan or result."""
 
 
-# --------------------------------------------------------------------------------------------
-# StepPlan <-> StepRequest
-# --------------------------------------------------------------------------------------------
+# -- StepPlan <-> StepRequest ----------------------------------------------------------------------
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
@@ -70,23 +68,11 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
         msg.bitmask.req_ids.extend(plan.bitmask.req_ids)
         msg.bitmask.words = plan.bitmask.words
     if plan.num_steps:
-        steps = plan.num_steps
-        msg.num_steps.extend([steps.get(r, 1) for r in plan.num_scheduled_tokens])
+        msg.num_steps.extend([plan.num_steps.get(r, 1) for r in plan.num_scheduled_tokens])
     if plan.block_copies:
-        msg.block_copies.extend(
-            pb.BlockCopy(to_host=c.to_host, src=c.src, dst=c.dst) for c in plan.block_copies
-        )
+        msg.block_copies.extend(pb.BlockCopy(**c._asdict()) for c in plan.block_copies)
     if plan.kv_pulls:
-        msg.kv_pulls.extend(
-            pb.KvPull(
-                address=p.address,
-                instance_id=p.instance_id,
-                src_block_ids=p.src_block_ids,
-                dst_block_ids=p.dst_block_ids,
-                req_id=p.req_id,
-            )
-            for p in plan.kv_pulls
-        )
+        msg.kv_pulls.extend(pb.KvPull(**dataclasses.asdict(p)) for p in plan.kv_pulls)
     return msg
 
 
@@ -207,9 +193,11 @@ def _sampling_from_proto(req_id: str, msg: pb.SamplingOptions) -> SamplingOption
     return options
 
 
-# --------------------------------------------------------------------------------------------
-# StepResult <-> StepResponse
-# --------------------------------------------------------------------------------------------
+# -- StepResult <-> StepResponse -------------------------------------------------------------------
+
+
+# StepTimings' scalar fields, each under its own name in both (`kv_transfers` is mapped apart).
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(StepTimings) if f.name != "kv_transfers")
 
 
 def result_to_proto(result: StepResult) -> pb.StepResponse:
@@ -219,15 +207,8 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
         sampled_req_ids=result.sampled_req_ids,
         sampled_token_ids=result.sampled_token_ids,
         timings=pb.StepTimings(
-            prepare_s=t.prepare_s,
-            forward_s=t.forward_s,
-            sample_s=t.sample_s,
-            total_s=t.total_s,
-            graph_passes=t.graph_passes,
-            eager_passes=t.eager_passes,
-            kv_transfers=[
-                pb.KvTransfer(kind=k.kind, num_bytes=k.num_bytes, seconds=k.seconds) for k in t.kv_transfers
-            ],
+            **{name: getattr(t, name) for name in _TIMING_FIELDS},
+            kv_transfers=[pb.KvTransfer(**k._asdict()) for k in t.kv_transfers],
         ),
         draining=result.draining,
         partial=result.partial,
@@ -236,17 +217,14 @@ def result_to_proto(result: StepResult) -> pb.StepResponse:
     )
     asked = [(i, lp) for i, lp in enumerate(result.logprobs) if lp is not None]
     if asked:  # NOTE: only the tokens whose request asked for logprobs travel
-        _logprobs_to_proto(asked, msg.logprobs)
+        out = msg.logprobs
+        out.indices.extend([i for i, _ in asked])
+        out.logprobs.extend([lp.logprob for _, lp in asked])
+        out.ranks.extend([lp.rank for _, lp in asked])
+        out.num_top.extend([len(lp.top_token_ids) for _, lp in asked])
+        out.top_token_ids.extend([t for _, lp in asked for t in lp.top_token_ids])
+        out.top_logprobs.extend([t for _, lp in asked for t in lp.top_logprobs])
     return msg
-
-
-def _logprobs_to_proto(asked: list[tuple[int, TokenLogprobs]], out: pb.SampledLogprobs) -> None:
-    out.indices.extend([i for i, _ in asked])
-    out.logprobs.extend([lp.logprob for _, lp in asked])
-    out.ranks.extend([lp.rank for _, lp in asked])
-    out.num_top.extend([len(lp.top_token_ids) for _, lp in asked])
-    out.top_token_ids.extend([t for _, lp in asked for t in lp.top_token_ids])
-    out.top_logprobs.extend([t for _, lp in asked for t in lp.top_logprobs])
 
 
 def result_from_proto(msg: pb.StepResponse) -> StepResult:
@@ -263,12 +241,7 @@ def result_from_proto(msg: pb.StepResponse) -> StepResult:
         sampled_token_ids=msg.sampled_token_ids[:],
         logprobs=_logprobs_from_proto(msg, num_sampled),
         timings=StepTimings(
-            prepare_s=t.prepare_s,
-            forward_s=t.forward_s,
-            sample_s=t.sample_s,
-            total_s=t.total_s,
-            graph_passes=t.graph_passes,
-            eager_passes=t.eager_passes,
+            **{name: getattr(t, name) for name in _TIMING_FIELDS},
             kv_transfers=[KvTransfer(k.kind, k.num_bytes, k.seconds) for k in t.kv_transfers],
         ),
         draining=msg.draining,
@@ -299,9 +272,7 @@ def _logprobs_from_proto(msg: pb.StepResponse, num_sampled: int) -> list[TokenLo
     return logprobs
 
 
-# --------------------------------------------------------------------------------------------
-# ExecutorInfo
-# --------------------------------------------------------------------------------------------
+# -- ExecutorInfo ----------------------------------------------------------------------------------
 
 
 # Every ExecutorInfo field travels under its own name (`executor_id`, `version`: the message's own).

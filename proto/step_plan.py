@@ -274,18 +274,14 @@ class PlanRunner(Protocol):
 def take_first_pass_only(result: StepResult, num_steps: dict[str, int]) -> StepResult:
     """Moves the tokens of requests that run only the first pass (absent from ``num_steps``) out
     of ``result``, which holds a multi-step plan's first pass, into a partial result of their own."""
+    rows = list(zip(result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True))
+    result.sampled_req_ids, result.sampled_token_ids, result.logprobs = [], [], []
     early = StepResult(step_id=result.step_id, partial=True)
-    kept = StepResult(step_id=result.step_id)
-    for req_id, token_id, logprobs in zip(
-        result.sampled_req_ids, result.sampled_token_ids, result.logprobs, strict=True
-    ):
-        into = kept if req_id in num_steps else early
+    for req_id, token_id, logprobs in rows:
+        into = result if req_id in num_steps else early
         into.sampled_req_ids.append(req_id)
         into.sampled_token_ids.append(token_id)
         into.logprobs.append(logprobs)
-    result.sampled_req_ids = kept.sampled_req_ids
-    result.sampled_token_ids = kept.sampled_token_ids
-    result.logprobs = kept.logprobs
     return early
 
 

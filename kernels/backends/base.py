@@ -22,9 +22,7 @@ class KernelBackend(ABC):
     def host_transfers(self, device: torch.device) -> HostTransfers | None:
         """Pinned host memory and asynchronous copies to ``device``; None where the device is
         the host (the CPU)."""
-        if device.type == "cpu":
-            return None
-        return DeviceTransfers(getattr(torch, device.type))
+        return None if device.type == "cpu" else DeviceTransfers(getattr(torch, device.type))
 
     def update_graph_attention(  # noqa: B027 - optional hook
         self, captured: list[Any], metadata: AttentionMetadata

@@ -23,6 +23,7 @@ Operators (signatures checked against vllm-ascend ``attention_v1.py``, ``ops/lay
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,13 @@ CAUSAL_MASK_SIZE = 2048
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 
 
+@functools.cache
+def _causal_mask(device: torch.device) -> torch.Tensor:
+    """[2048, 2048] int8, built once per device."""
+    upper = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool).triu(1)
+    return upper.to(torch.int8).to(device)
+
+
 @dataclass(slots=True)
 class _CapturedAttention:
     """One layer's attention call in a captured graph, and what its updates need."""
@@ -57,7 +65,6 @@ class NpuBackend(KernelBackend):
     name = "npu"
 
     def __init__(self) -> None:
-        self._causal_masks: dict[torch.device, torch.Tensor] = {}
         # (table the model passed, the same table on the device in the activation dtype)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._update_stream: Any = None  # torch.npu.Stream of the graph updates, made on first use
@@ -102,7 +109,7 @@ class NpuBackend(KernelBackend):
             query=query.contiguous(),  # the kernel rejects non-contiguous queries
             key=key,
             value=value,
-            atten_mask=self._causal_mask(query.device),
+            atten_mask=_causal_mask(query.device),
             block_table=metadata.block_table,
             input_layout="TND",
             block_size=block_size,
@@ -174,15 +181,6 @@ class NpuBackend(KernelBackend):
         emulated: HostTransfers | None = getattr(torch_npu.npu, "emulated_host_memory", None)
         return emulated if emulated is not None else DeviceTransfers(torch_npu.npu)
 
-    def _causal_mask(self, device: torch.device) -> torch.Tensor:
-        """[2048, 2048] int8, built once per device."""
-        mask = self._causal_masks.get(device)
-        if mask is None:
-            upper = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool).triu(1)
-            mask = upper.to(torch.int8).to(device)
-            self._causal_masks[device] = mask
-        return mask
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_npu.npu_rms_norm(x, weight, eps)[0]
 
@@ -201,25 +199,21 @@ class NpuBackend(KernelBackend):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert cos_sin_cache.shape[-1] == head_size, "partial rotary is not supported"
-        table = self._device_rope_table(cos_sin_cache, query)
-        # The operator rotates in place and needs contiguous [T, N * D] rows and int64 positions.
-        query, key = query.contiguous(), key.contiguous()
-        torch_npu._npu_rotary_embedding(positions.to(torch.int64), query, key, head_size, table, True)
-        return query, key
-
-    def _device_rope_table(self, cos_sin_cache: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         # NOTE: ATB Rope copies the cos/sin table on its first call and keeps that copy for the
         # life of the process (op-plugin keeps it in a static), so one process serves one
         # table: a second, different table would be silently ignored, hence the check.
         if self._rope_table is None:
-            converted = cos_sin_cache.to(device=like.device, dtype=like.dtype).contiguous()
+            converted = cos_sin_cache.to(device=query.device, dtype=query.dtype).contiguous()
             self._rope_table = (cos_sin_cache, converted)
-        source, converted = self._rope_table
+        source, table = self._rope_table
         assert source is cos_sin_cache or source.data_ptr() == cos_sin_cache.data_ptr(), (
             "the Ascend rotary kernel serves one cos/sin table per process"
         )
-        assert converted.dtype == like.dtype, (converted.dtype, like.dtype)
-        return converted
+        assert table.dtype == query.dtype, (table.dtype, query.dtype)
+        # The operator rotates in place and needs contiguous [T, N * D] rows and int64 positions.
+        query, key = query.contiguous(), key.contiguous()
+        torch_npu._npu_rotary_embedding(positions.to(torch.int64), query, key, head_size, table, True)
+        return query, key
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return torch_npu.npu_swiglu(x.contiguous())  # rejects non-contiguous input

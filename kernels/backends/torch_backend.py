@@ -104,27 +104,22 @@ class TorchBackend(KernelBackend):
         head_size: int,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions, cos_sin_cache, query.dtype)
-        return _rotate(query, cos, sin, head_size), _rotate(key, cos, sin, head_size)
-
-    def _cos_sin(
-        self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D/2] cos and sin of the step's positions, gathered once and reused by every
-        layer (the same ``positions`` tensor comes back in each layer of one forward)."""
-        cached = self._rope_cache
+        # [T, 1, D/2] cos and sin of the step's positions, gathered once and reused by every
+        # layer (the same ``positions`` tensor comes back in each layer of one forward).
+        cached, dtype = self._rope_cache, query.dtype
         if (
             cached is not None
             and cached[0] is positions
             and cached[1] is cos_sin_cache
             and cached[2] == dtype
         ):
-            return cached[3], cached[4]
-        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
-        # Like Hugging Face, rotate in the activations' dtype even when the table is float32.
-        cos, sin = cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
-        self._rope_cache = (positions, cos_sin_cache, dtype, cos, sin)
-        return cos, sin
+            cos, sin = cached[3], cached[4]
+        else:
+            cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+            # Like Hugging Face, rotate in the activations' dtype even when the table is float32.
+            cos, sin = cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+            self._rope_cache = (positions, cos_sin_cache, dtype, cos, sin)
+        return _rotate(query, cos, sin, head_size), _rotate(key, cos, sin, head_size)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

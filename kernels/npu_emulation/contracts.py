@@ -27,6 +27,7 @@ import torch
 from npuserve.kernels.layout import NPU_ATTENTION_HEAD_DIMS
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (*HALF_DTYPES, torch.float32)
 # FIA "sparse_mode" table: modes 2/3/4 take the compressed mask of exactly this size.
 COMPRESSED_MASK_SIZE = 2048
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
@@ -70,9 +71,7 @@ def _int_list(values: object, op: str, name: str) -> list[int]:
     return list(values)
 
 
-# --------------------------------------------------------------------------------------------
-# _npu_reshape_and_cache
-# --------------------------------------------------------------------------------------------
+# -- _npu_reshape_and_cache ------------------------------------------------------------------------
 
 
 def check_reshape_and_cache(
@@ -125,9 +124,7 @@ def check_reshape_and_cache(
     require(bool((slot_indices < num_slots).all()), op, f"slot index beyond the cache's {num_slots} slots")
 
 
-# --------------------------------------------------------------------------------------------
-# npu_fused_infer_attention_score (TND, paged, sparse_mode 3: the only form npuserve uses)
-# --------------------------------------------------------------------------------------------
+# -- npu_fused_infer_attention_score (TND, paged, sparse_mode 3: the only form npuserve uses) ------
 
 
 def check_causal_mask(atten_mask: torch.Tensor | None, op: str) -> None:
@@ -276,9 +273,7 @@ def _check_block_size(block_size: int, max_query_len: int, op: str) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Norms, activation, rotary embedding
-# --------------------------------------------------------------------------------------------
+# -- Norms, activation, rotary embedding -----------------------------------------------------------
 
 
 def check_rms_norm(x: torch.Tensor, gamma: torch.Tensor) -> None:
@@ -290,23 +285,19 @@ def check_rms_norm(x: torch.Tensor, gamma: torch.Tensor) -> None:
         op,
         "gamma must equal self's trailing dims",
     )
-    # RMS "约束说明" (A2/A3): (self, gamma) dtype pairs.
-    allowed = {
-        (torch.float16, torch.float32),
-        (torch.bfloat16, torch.float32),
-        (torch.float16, torch.float16),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.float32),
-    }
-    require((x.dtype, gamma.dtype) in allowed, op, f"unsupported dtypes self {x.dtype}, gamma {gamma.dtype}")
+    # RMS "约束说明" (A2/A3): gamma in float32 or in self's dtype.
+    require(
+        x.dtype in FLOAT_DTYPES and gamma.dtype in (torch.float32, x.dtype),
+        op,
+        f"unsupported dtypes self {x.dtype}, gamma {gamma.dtype}",
+    )
 
 
 def check_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor) -> None:
     op = "npu_add_rms_norm"
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # ADD-RMS "参数说明": x1, x2 float32/float16/bfloat16, 1-8 dims, not empty; gamma has x1's dtype
     # and x1's trailing dims.
-    require(x1.dtype in dtypes and x2.dtype in dtypes, op, f"unsupported dtypes {x1.dtype}, {x2.dtype}")
+    require({x1.dtype, x2.dtype} <= set(FLOAT_DTYPES), op, f"unsupported dtypes {x1.dtype}, {x2.dtype}")
     require(1 <= x1.dim() <= 8, op, "x1 must have 1-8 dims")
     require(x1.numel() > 0 and x2.numel() > 0, op, "empty tensors are not supported")
     # INFERRED: the add is elementwise; the docs give x1 and x2 no broadcasting.
@@ -322,7 +313,7 @@ def check_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor) 
 def check_swiglu(x: torch.Tensor, dim: int) -> None:
     op = "npu_swiglu"
     # SWIGLU "参数说明": 1-8 dims, even along dim, contiguous, not empty, float32/float16/bfloat16.
-    require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), op, f"unsupported dtype {x.dtype}")
+    require(x.dtype in FLOAT_DTYPES, op, f"unsupported dtype {x.dtype}")
     require(1 <= x.dim() <= 8, op, "input must have 1-8 dims")
     require(-x.dim() <= dim < x.dim(), op, f"dim {dim} out of range")
     require(x.numel() > 0, op, "empty tensors are not supported")
@@ -342,7 +333,7 @@ def check_rotary_embedding(
     op = "_npu_rotary_embedding"
     # ATB-ROPE test: query/key [T, N * D] in float16; positions one per token; table [P, D]
     # as cat(cos, sin) in float32 (the table's dtype may differ from the query's).
-    require(query.dtype in (*HALF_DTYPES, torch.float32), op, f"query dtype {query.dtype}")
+    require(query.dtype in FLOAT_DTYPES, op, f"query dtype {query.dtype}")
     require(key.dtype == query.dtype, op, "key dtype must equal query's")
     require(query.dim() == 2 and key.dim() == 2, op, "query/key must be [T, N * head_size]")
     num_tokens = positions.numel()

@@ -58,23 +58,20 @@ def graph_task_update_end(stream: object = None) -> None:
 
 
 @dataclass(slots=True)
-class _EventWait:
+class _EventTask:
+    """A captured ``ExternalEvent.wait`` (``reset`` False) or ``reset``."""
+
     event: ExternalEvent
+    reset: bool
 
     def run(self) -> None:
-        if not self.event.recorded:
+        if self.reset:
+            self.event.recorded = False
+        elif not self.event.recorded:
             raise GraphReplayError(
                 "the graph waits on an ExternalEvent that was not recorded since the last replay: "
                 "on a device the replay would hang (update the captured tasks, then record the event)"
             )
-
-
-@dataclass(slots=True)
-class _EventReset:
-    event: ExternalEvent
-
-    def run(self) -> None:
-        self.event.recorded = False
 
 
 class ExternalEvent:
@@ -87,12 +84,12 @@ class ExternalEvent:
     def wait(self, stream: object = None) -> None:
         capture = _capture()
         if capture is not None:
-            capture.add(_EventWait(self))
+            capture.add(_EventTask(self, reset=False))
 
     def reset(self, stream: object = None) -> None:
         capture = _capture()
         if capture is not None:
-            capture.add(_EventReset(self))
+            capture.add(_EventTask(self, reset=True))
         else:
             self.recorded = False
 

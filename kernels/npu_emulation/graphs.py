@@ -69,13 +69,21 @@ def capturing() -> bool:
     return _capture() is not None
 
 
-# --------------------------------------------------------------------------------------------
-# Tasks: what a graph runs at replay
-# --------------------------------------------------------------------------------------------
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """The tensors among the leaves of ``tree`` (an operator's arguments, or its result)."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storages(tree: object) -> set[int]:
+    """The storages of the tensors in ``tree``, by address."""
+    return {t.untyped_storage().data_ptr() for t in _tensors(tree)}
+
+
+# -- Tasks: what a graph runs at replay ------------------------------------------------------------
 
 
 def _copy_results(outputs: list[torch.Tensor], result: object) -> None:
-    fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    fresh = _tensors(result)
     assert len(fresh) == len(outputs), (len(fresh), len(outputs))
     for captured, value in zip(outputs, fresh, strict=True):
         if captured.data_ptr() != value.data_ptr():
@@ -129,9 +137,7 @@ class TaskGroupHandle:
     updated: bool = False  # since the last replay
 
 
-# --------------------------------------------------------------------------------------------
-# Capture
-# --------------------------------------------------------------------------------------------
+# -- Capture ---------------------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -179,11 +185,7 @@ class _Capture:
             self.suspended -= 1
 
     def note_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for item in tree_flatten((args, kwargs))[0]:
-            if isinstance(item, torch.Tensor):
-                ptr = item.untyped_storage().data_ptr()
-                if ptr not in self.pool_storages:
-                    self.external_storages.add(ptr)
+        self.external_storages |= _storages((args, kwargs)) - self.pool_storages.keys()
 
     def note_outputs(self, outputs: list[torch.Tensor]) -> None:
         """Outputs on storage no input had before: the pool's."""
@@ -203,13 +205,10 @@ class _Capture:
         self.note_inputs(args, kwargs)
         with self.suspend():
             result = (at_capture or fn)(*args, **kwargs)
-        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        outputs = _tensors(result)
         self.note_outputs(outputs)
         self.add(OperatorTask(name, fn, args, kwargs, outputs))
         return result
-
-    def pool_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.pool_storages.values())
 
     def poison(self) -> None:
         with torch.inference_mode():
@@ -233,13 +232,6 @@ def _task_kind(func: Any) -> str:
     if any(r.alias_info is not None for r in schema.returns):
         return "view"
     return "functional"
-
-
-def _aliases_input(outputs: list[torch.Tensor], args: Any, kwargs: Any) -> bool:
-    inputs = {
-        t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-    }
-    return all(t.untyped_storage().data_ptr() in inputs for t in outputs)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -269,9 +261,9 @@ class _RecordingMode(TorchDispatchMode):
             raise GraphCaptureError(f"host sync while capturing: {func} returns a value to the host")
         capture.note_inputs(args, kwargs)
         result = func(*args, **kwargs)
-        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        outputs = _tensors(result)
         kind = _task_kind(func)
-        if kind == "view" and not _aliases_input(outputs, args, kwargs):
+        if kind == "view" and not _storages(outputs) <= _storages((args, kwargs)):
             kind = "functional"  # NOTE: "may alias" (reshape, contiguous): this call copied
         if kind in ("functional", "allocation"):
             capture.note_outputs(outputs)
@@ -332,15 +324,13 @@ def host_query(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         with capture.suspend():
             result = fn(*args, **kwargs)
-        capture.note_outputs([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
+        capture.note_outputs(_tensors(result))
         return result
 
     return call
 
 
-# --------------------------------------------------------------------------------------------
-# Task group updates (`graph_api.graph_task_update_begin/end` open and close them)
-# --------------------------------------------------------------------------------------------
+# -- Task updates (the calls around them: `graph_api`) --------------------------------------------
 
 
 @dataclass(slots=True)
@@ -350,7 +340,7 @@ class _Update:
 
 
 def _data_ptrs(tree: object) -> list[int]:
-    return [t.data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    return [t.data_ptr() for t in _tensors(tree)]
 
 
 def _update_task(
@@ -375,9 +365,7 @@ def _update_task(
     return kwargs.get("out")
 
 
-# --------------------------------------------------------------------------------------------
-# NPUGraph, torch.npu.graph, graph_pool_handle
-# --------------------------------------------------------------------------------------------
+# -- NPUGraph, torch.npu.graph, graph_pool_handle --------------------------------------------------
 
 
 def graph_pool_handle() -> PoolHandle:
@@ -421,7 +409,7 @@ class NPUGraph:
         if capture.group is not None:
             raise GraphCaptureError("capture ended inside an open task group")
         assert self._pool is not None
-        self._pool.bytes += capture.pool_bytes()
+        self._pool.bytes += sum(t.untyped_storage().nbytes() for t in capture.pool_storages.values())
         capture.poison()
         self.captured = True
 

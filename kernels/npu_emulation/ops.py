@@ -42,8 +42,7 @@ def fused_infer_attention_score(
     """Returns ``(attention_out [T, H, D], softmax_lse)``; softmax_lse is the (1,) zero tensor the
     operator returns without ``softmax_lse_flag`` (FIA "返回值说明")."""
     query_ends, kv_lens = contracts.check_fused_infer_attention(query, key, value, **kwargs)
-    block_table, scale = kwargs["block_table"], kwargs.get("scale", 1.0)
-    out = _paged_attention(query, key, value, block_table, scale, query_ends, kv_lens)
+    out = _paged_attention(query, key, value, kwargs, query_ends, kv_lens)
     return out, torch.zeros(1, dtype=query.dtype)
 
 
@@ -51,11 +50,11 @@ def _paged_attention(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [num_blocks, block_size, Hkv * D], checked
     value: torch.Tensor,
-    block_table: torch.Tensor,  # [B, max_blocks_per_seq]
-    scale: float,
+    kwargs: dict[str, Any],  # the operator's: ``block_table`` [B, max_blocks_per_seq], ``scale``
     query_ends: list[int],
     kv_lens: list[int],
 ) -> torch.Tensor:  # [T, H, D]
+    block_table, scale = kwargs["block_table"], kwargs.get("scale", 1.0)
     num_heads, head_size = query.shape[1], query.shape[2]
     block_size = key.shape[1]
     kv_heads = key.shape[2] // head_size
@@ -96,8 +95,7 @@ def fused_infer_attention_score_out(
     ``full_graph_fia``). Returns ``out``."""
     query_ends, kv_lens = check_fused_infer_attention_score_out(query, key, value, **kwargs)
     attention_out, softmax_lse = out = kwargs["out"]
-    block_table, scale = kwargs["block_table"], kwargs.get("scale", 1.0)
-    attention_out.copy_(_paged_attention(query, key, value, block_table, scale, query_ends, kv_lens))
+    attention_out.copy_(_paged_attention(query, key, value, kwargs, query_ends, kv_lens))
     softmax_lse.view(-1)[:1].zero_()  # what the operator returns without softmax_lse_flag
     return out
 

@@ -126,13 +126,6 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
     default_stream = _Stream()
     state: dict[str, Any] = {"device": 0, "stream": default_stream}
 
-    def memory_reserved(device: object = None) -> int:
-        """What graph pools hold: the only device memory the emulation reserves."""
-        return graphs.reserved_bytes()
-
-    def synchronize(device: object = None) -> None:
-        graphs.refuse_host_sync("torch.npu.synchronize()")
-
     @contextmanager
     def stream(stream: _Stream | None) -> Iterator[None]:
         """``torch.npu.stream(s)``: makes ``s`` the current stream inside the block."""
@@ -175,8 +168,9 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
             # NOTE: tensors live in host memory, where the emulation tracks no allocations.
             "reset_peak_memory_stats": lambda device=None: None,
             "max_memory_allocated": lambda device=None: 0,
-            "memory_reserved": memory_reserved,
-            "synchronize": synchronize,
+            # What graph pools hold: the only device memory the emulation reserves.
+            "memory_reserved": lambda device=None: graphs.reserved_bytes(),
+            "synchronize": lambda device=None: graphs.refuse_host_sync("torch.npu.synchronize()"),
             "empty_cache": lambda: None,
             "Stream": _Stream,
             "current_stream": lambda device=None: state["stream"],
@@ -197,35 +191,6 @@ def build_npu_module(machine: EmulatedMachine) -> ModuleType:
     return npu
 
 
-def _operators() -> dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]]:
-    """The torch_npu operators by name, each with what a graph capture runs of it: None for
-    the operator itself (it returns new tensors), or its checks (it writes only its arguments)."""
-    return {
-        "_npu_reshape_and_cache": (ops.reshape_and_cache, contracts.check_reshape_and_cache),
-        "npu_rms_norm": (ops.rms_norm, None),
-        "npu_add_rms_norm": (ops.add_rms_norm, None),
-        "npu_swiglu": (ops.swiglu, None),
-        "_npu_rotary_embedding": (ops.RotaryEmbedding(), contracts.check_rotary_embedding),
-    }
-
-
-def _atb_ops_module(machine: EmulatedMachine) -> ModuleType:
-    """``torch_npu.op_plugin.atb._atb_ops``: `_register_atb_extensions` raises the OSError the real
-    one raises when libatb.so did not load at import (op-plugin ``op_plugin/python/atb/_atb_ops.py``)."""
-    module = ModuleType("torch_npu.op_plugin.atb._atb_ops")
-
-    def _register_atb_extensions() -> None:
-        if not machine.nnal_installed:
-            raise OSError(
-                2,
-                "Please check that the nnal package is installed. "
-                "Please run 'source set_env.sh' in the NNAL installation path.",
-            )
-
-    vars(module).update({"_register_atb_extensions": _register_atb_extensions})
-    return module
-
-
 def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
     """The stand-in ``torch_npu`` and its submodules, keyed by module name (for sys.modules)."""
     torch_npu = ModuleType("torch_npu")
@@ -234,13 +199,33 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
     npu = build_npu_module(machine)
     op_plugin = ModuleType("torch_npu.op_plugin")
     atb = ModuleType("torch_npu.op_plugin.atb")
-    atb_ops = _atb_ops_module(machine)
+    atb_ops = ModuleType("torch_npu.op_plugin.atb._atb_ops")
+
+    def _register_atb_extensions() -> None:
+        """Raises the OSError the real one raises when libatb.so did not load at import
+        (op-plugin ``op_plugin/python/atb/_atb_ops.py``)."""
+        if not machine.nnal_installed:
+            raise OSError(
+                2,
+                "Please check that the nnal package is installed. "
+                "Please run 'source set_env.sh' in the NNAL installation path.",
+            )
+
+    # The torch_npu operators by name, each with what a graph capture runs of it: None for the
+    # operator itself (it returns new tensors), or its checks (it writes only its arguments).
+    operators: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
+        "_npu_reshape_and_cache": (ops.reshape_and_cache, contracts.check_reshape_and_cache),
+        "npu_rms_norm": (ops.rms_norm, None),
+        "npu_add_rms_norm": (ops.add_rms_norm, None),
+        "npu_swiglu": (ops.swiglu, None),
+        "_npu_rotary_embedding": (ops.RotaryEmbedding(), contracts.check_rotary_embedding),
+    }
     vars(torch_npu).update(
         {
             "__version__": machine.torch_npu_version,
             "__npuserve_emulated__": True,
             "npu": npu,
-            **{name: graphs.graph_operator(name, *fns) for name, fns in _operators().items()},
+            **{name: graphs.graph_operator(name, *fns) for name, fns in operators.items()},
             "_npu_fused_infer_attention_score_get_max_workspace": graphs.host_query(
                 ops.fused_infer_attention_score_max_workspace
             ),
@@ -257,6 +242,7 @@ def build_torch_npu(machine: EmulatedMachine) -> dict[str, ModuleType]:
     )
     vars(op_plugin).update({"atb": atb})
     vars(atb).update({"_atb_ops": atb_ops})
+    vars(atb_ops).update({"_register_atb_extensions": _register_atb_extensions})
     return dict(zip(MODULE_NAMES, (torch_npu, npu, op_plugin, atb, atb_ops), strict=True))
 
 
