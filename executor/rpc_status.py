@@ -19,6 +19,7 @@ import structlog
 
 from npuserve.executor.input_batch import PlanError
 from npuserve.executor.step_profiler import ProfilerStateError, ProfilingDisabled
+from npuserve.proto.auth import same_kind_handler
 from npuserve.proto.step_codec import CodecError
 
 log = structlog.get_logger(__name__)
@@ -62,17 +63,11 @@ class StatusInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        codecs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), **codecs)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method), **codecs)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method), **codecs)
-        return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method), **codecs)
+        unary = handler.unary_unary or handler.stream_unary
+        stream = handler.unary_stream or handler.stream_stream
+        return same_kind_handler(
+            handler, unary and _guard_unary(unary, method), stream and _guard_stream(stream, method)
+        )
 
 
 def _guard_unary(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:

@@ -137,7 +137,7 @@ class AioTokenInterceptor(_Check, grpc.aio.ServerInterceptor):
         return handler if problem is None else _refusing_async(handler, problem)
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, unary: Any, stream: Any) -> grpc.RpcMethodHandler:
+def same_kind_handler(handler: grpc.RpcMethodHandler, unary: Any, stream: Any) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind and codecs running ``unary`` or ``stream`` (by response)."""
     codecs = {
         "request_deserializer": handler.request_deserializer,
@@ -160,7 +160,7 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # unreachable: makes this a generator, as a streaming handler must be
 
-    return _same_kind(handler, refuse, refuse_stream)
+    return same_kind_handler(handler, refuse, refuse_stream)
 
 
 def _refusing_async(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -171,7 +171,7 @@ def _refusing_async(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMet
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # unreachable: makes this an async generator, as a streaming handler must be
 
-    return _same_kind(handler, refuse, refuse_stream)
+    return same_kind_handler(handler, refuse, refuse_stream)
 
 
 # -- client side ------------------------------------------------------------------------------------
