@@ -98,6 +98,8 @@ def test_the_dashboard_covers_the_serving_story() -> None:
         "Scheduler queue",
         "Preemptions",
         "HTTP errors",
+        "Requests by executor role",
+        "KV transfer throughput",
         *EXECUTOR_PANELS,
     ):
         assert wanted in titles
