@@ -72,7 +72,17 @@ def plan_to_proto(plan: StepPlan) -> pb.StepRequest:
     if plan.block_copies:
         msg.block_copies.extend(pb.BlockCopy(**c._asdict()) for c in plan.block_copies)
     if plan.kv_pulls:
-        msg.kv_pulls.extend(pb.KvPull(**dataclasses.asdict(p)) for p in plan.kv_pulls)
+        # NOTE: not dataclasses.asdict, which deep-copies the block-id lists an int at a time.
+        msg.kv_pulls.extend(
+            pb.KvPull(
+                address=p.address,
+                instance_id=p.instance_id,
+                src_block_ids=p.src_block_ids,
+                dst_block_ids=p.dst_block_ids,
+                req_id=p.req_id,
+            )
+            for p in plan.kv_pulls
+        )
     return msg
 
 
