@@ -184,8 +184,8 @@ class _Capture:
         finally:
             self.suspended -= 1
 
-    def note_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.external_storages |= _storages((args, kwargs)) - self.pool_storages.keys()
+    def note_inputs(self, input_storages: set[int]) -> None:
+        self.external_storages |= input_storages - self.pool_storages.keys()
 
     def note_outputs(self, outputs: list[torch.Tensor]) -> None:
         """Outputs on storage no input had before: the pool's."""
@@ -202,7 +202,7 @@ class _Capture:
         kwargs: dict[str, Any],
         at_capture: Callable[..., Any] | None = None,
     ) -> Any:
-        self.note_inputs(args, kwargs)
+        self.note_inputs(_storages((args, kwargs)))
         with self.suspend():
             result = (at_capture or fn)(*args, **kwargs)
         outputs = _tensors(result)
@@ -259,11 +259,12 @@ class _RecordingMode(TorchDispatchMode):
             )
         if any(str(r.type) in _SCALAR_RESULTS for r in func._schema.returns):
             raise GraphCaptureError(f"host sync while capturing: {func} returns a value to the host")
-        capture.note_inputs(args, kwargs)
+        input_storages = _storages((args, kwargs))
+        capture.note_inputs(input_storages)
         result = func(*args, **kwargs)
         outputs = _tensors(result)
         kind = _task_kind(func)
-        if kind == "view" and not _storages(outputs) <= _storages((args, kwargs)):
+        if kind == "view" and not _storages(outputs) <= input_storages:
             kind = "functional"  # NOTE: "may alias" (reshape, contiguous): this call copied
         if kind in ("functional", "allocation"):
             capture.note_outputs(outputs)
