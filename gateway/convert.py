@@ -1,9 +1,9 @@
 """The OpenAI requests in the scheduler's protobuf terms, and its replies and errors back.
 
-Requests go out as `GenerateRequest`s built from the OpenAI models; replies come back as the
-small dataclasses below, so the rest of the gateway never sees a protobuf message; a refused
-field comes back under the name the client sent it as. The calls themselves are made by
-`scheduler_client`.
+Requests go out as `GenerateRequest`s built from the OpenAI models; generation updates come
+back as the small dataclasses below, so the rest of the gateway never sees a protobuf message; a
+refused field comes back under the name the client sent it as. The calls themselves are made by
+`scheduler_client`, which maps the small calls' replies.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def completion_requests(req: CompletionRequest, request_id: str, model: str) -> 
 
 
 def chat_request(
-    req: ChatCompletionRequest, request_id: str, model: str, tools: ToolPlan | None = None
+    req: ChatCompletionRequest, request_id: str, model: str, tools: ToolPlan
 ) -> pb.GenerateRequest:
     """The scheduler request of a chat completion; `tools`: its tool plan (the constraint that
     enforces `required` or a named function, and whether its parser needs special tokens)."""
@@ -167,7 +167,6 @@ def chat_request(
         )
     except ValueError as exc:
         raise bad_request(f"the request cannot be encoded: {exc}") from None
-    tools = tools or ToolPlan()
     if tools.parser is not None and tools.parser.keeps_special_tokens and req.skip_special_tokens is None:
         msg.sampling.skip_special_tokens = False  # the parser reads markers that are special tokens
     if tools.schema is not None:

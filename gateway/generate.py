@@ -104,7 +104,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    output: ChoiceOutput | None = None  # its parsers, streamed through a `ChatFormat` that has some
+    output: ChoiceOutput | None = None  # its parsers, set by a streaming `ChatFormat` that has some
 
     def add(self, delta: ChoiceDelta) -> None:
         """Keeps ``delta``'s text, logprobs and finish for the whole response."""
@@ -283,6 +283,8 @@ class ChatFormat:
         self.shape = None if shape is None or shape.plain else shape
 
     def opening_chunk(self, choice: Choice) -> dict[str, Any] | None:
+        if self.shape is not None:
+            choice.output = ChoiceOutput(self.shape)
         return {
             "index": choice.index,
             "delta": {"role": "assistant", "content": ""},
@@ -293,8 +295,6 @@ class ChatFormat:
     def delta_chunk(
         self, choice: Choice, delta: ChoiceDelta, prompt_text: str | None
     ) -> dict[str, Any] | None:
-        if self.shape is not None and choice.output is None:
-            choice.output = ChoiceOutput(self.shape)
         output = choice.output
         finish_reason = delta.finish_reason
         if output is None:

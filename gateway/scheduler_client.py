@@ -1,9 +1,9 @@
 """The gateway's gRPC client for the scheduler: one channel, one method per scheduler call.
 
-Requests and generation updates are mapped by `convert` (the small calls' replies, here, into
-its dataclasses). Every failed call surfaces as an `APIError` carrying the HTTP status its gRPC status maps to and, for a
-refused field, the field the scheduler named (in the scheduler API's terms: `convert` puts it
-in the client's).
+Requests and generation updates are mapped by `convert`; the small calls' replies, here, into
+its dataclasses. Every failed call surfaces as an `APIError` carrying the HTTP status its gRPC
+status maps to and, for a refused field, the field the scheduler named (in the scheduler API's
+terms: `convert` puts it in the client's).
 """
 
 from __future__ import annotations

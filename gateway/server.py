@@ -33,7 +33,7 @@ from npuserve.gateway.errors import APIError
 from npuserve.gateway.http_protocol import guarded_protocol
 from npuserve.gateway.limits import DEFAULT_MAX_STREAM_BUFFER_BYTES, RequestLimits
 from npuserve.gateway.scheduler_client import SchedulerClient
-from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S
+from npuserve.proto.channel import DEFAULT_STREAM_STALL_TIMEOUT_S, bind_target
 from npuserve.proto.ready_file import write_ready_file
 
 log = structlog.get_logger(__name__)
@@ -145,7 +145,7 @@ async def serve_gateway(config: GatewayConfig) -> int:
             return 1
         await asyncio.sleep(0.01)
     host, port = config.host or "0.0.0.0", sock.getsockname()[1]  # as bound, as vLLM prints it
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    url = f"http://{bind_target(host, port)}"
     log.info("gateway serving", url=url, scheduler=config.scheduler, api_key=bool(config.api_key))
     client = app.state.gateway.client
     await _wait_for_scheduler(client, server, config.scheduler_wait_s)

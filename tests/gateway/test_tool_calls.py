@@ -15,7 +15,7 @@ from npuserve.gateway import convert
 from npuserve.gateway.chat_output import ParserSettings
 from npuserve.gateway.errors import APIError
 from npuserve.gateway.protocol import ChatCompletionRequest, validate
-from npuserve.gateway.tool_calls import Tool, tool_call_schema, tool_plan
+from npuserve.gateway.tool_calls import Tool, ToolPlan, tool_call_schema, tool_plan
 from npuserve.gateway.tool_parsers import TOOL_PARSERS, JsonCallsParser
 from npuserve.proto import scheduler_pb2 as pb
 from npuserve.scheduler.api.api_codec import prompt_from_proto
@@ -195,7 +195,7 @@ CONVERSATION = [
 
 def test_tools_calls_and_results_reach_the_template_as_transformers_passes_them() -> None:
     request = chat(messages=CONVERSATION, tools=[WEATHER], tool_choice="none")
-    prompt = prompt_from_proto(convert.chat_request(request, "r", ""))
+    prompt = prompt_from_proto(convert.chat_request(request, "r", "", ToolPlan()))
     assert prompt.tools == [WEATHER]
     assert prompt.messages == [
         {"role": "user", "content": "Weather in Paris?"},
