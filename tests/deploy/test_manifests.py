@@ -321,18 +321,17 @@ def test_compose_gives_each_executor_one_npu_and_the_driver() -> None:
 
 
 def test_the_disaggregated_compose_file_gives_two_executors_prefill_and_six_decode() -> None:
-    """Its commands replace the base file's: each must be the base one with only the role (and,
-    for the scheduler, the local prefill bound) added, so the two cannot drift apart."""
+    """Its commands replace the base file's: each must be the base one with only the role added,
+    so the two cannot drift apart."""
     base = compose_services()
     over = yaml.safe_load((DEPLOY / "compose.disaggregated.yaml").read_text())["services"]
-    assert set(over) == {"scheduler", *(n for n in base if n.startswith("executor-"))}
+    assert set(over) == {n for n in base if n.startswith("executor-")}
     roles = []
     for name, service in over.items():
         command = service["command"]
-        added = {"scheduler": ["--max-local-prefill-length", "1000"]}.get(name, ["--role", command[-1]])
-        assert command == base[name]["command"] + added, name
-        roles.append(parse_npuserve(command, f"compose.disaggregated {name}").__dict__.get("role"))
-    assert sorted(map(str, roles)) == ["None"] + ["decode"] * 6 + ["prefill"] * 2
+        assert command == [*base[name]["command"], "--role", command[-1]], name
+        roles.append(parse_npuserve(command, f"compose.disaggregated {name}").role)
+    assert sorted(roles) == ["decode"] * 6 + ["prefill"] * 2
 
 
 def test_compose_files_and_build_context_exist() -> None:
