@@ -25,8 +25,8 @@ class ClientRequest:
     def finished(self) -> bool:
         return self._num_unfinished == 0
 
-    def is_finished(self, req_id: str) -> bool:
-        return self._finished[self.index_of[req_id]]
+    def is_finished(self, index: int) -> bool:
+        return self._finished[index]
 
     def mark_finished(self, index: int) -> bool:
         """Marks the sequence at ``index`` finished; False if it was already."""

@@ -30,17 +30,11 @@ from npuserve.scheduler.engine.client_entry import ClientEntryPoints
 from npuserve.scheduler.engine.client_request import ClientRequest
 from npuserve.scheduler.engine.continuation import Continuation
 from npuserve.scheduler.engine.disaggregation import Disaggregation, RemotePrefill
-from npuserve.scheduler.engine.engine_config import (
-    EngineConfig,
-    NoExecutorError,
-    QueueFullError,
-)
+from npuserve.scheduler.engine.engine_config import EngineConfig, NoExecutorError, QueueFullError
 from npuserve.scheduler.engine.engine_metrics import MetricsRecorder
 from npuserve.scheduler.engine.failover import FailOver
 from npuserve.scheduler.engine.metrics import SchedulerMetrics
-from npuserve.scheduler.engine.outputs import (
-    OutputSink,
-)
+from npuserve.scheduler.engine.outputs import OutputSink
 from npuserve.scheduler.lanes.aio_executor_client import AioExecutorClient
 from npuserve.scheduler.lanes.async_lane import ExecutorLane, always_room
 from npuserve.scheduler.lanes.background import BackgroundTasks
@@ -102,7 +96,7 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         self._workers = WorkerRelay(self)
         self._retiring: set[Lane] = set()  # down, and closed once their last reports have come
         self._background = BackgroundTasks()
-        self._heap = IdleHeapRelease(lambda: not self._clients)  # a request being checked is work
+        self._heap = IdleHeapRelease(lambda: not self._clients)
         self._gauge_task: asyncio.Task[None] | None = None
         self.limits = ModelLimits(self.model_name, self.max_model_len, self.vocab_size)
         self.prompts = PromptProcessor(tokenizer, self.limits, config.trust_request_chat_template)
@@ -306,8 +300,8 @@ class Engine(ClientEntryPoints, FailOver, Disaggregation):
         client = self._clients.get(request_id)
         if client is None:
             return False
-        for child in client.children:
-            if not client.is_finished(child.req_id):
+        for index, child in enumerate(client.children):
+            if not client.is_finished(index):
                 self._lane_of[child.req_id].finish([child.req_id], RequestStatus.FINISHED_ABORTED)
         log.info("request aborted", request_id=request_id)
         return True
