@@ -41,12 +41,12 @@ import torch
 
 from npuserve.executor.config import ModelConfig
 from npuserve.executor.input_batch import StepInputs
+from npuserve.executor.kv_cache import GIB
 from npuserve.kernels import NULL_BLOCK_ID, AttentionMetadata, KernelBackend
 from npuserve.kernels.staging import HostStaging
 
 log = structlog.get_logger(__name__)
 
-GIB = 1 << 30
 # (input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden]
 Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
 

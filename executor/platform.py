@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from npuserve.executor.version_matrix import cann_fit, release
+from npuserve.executor.version_matrix import cann_fit
 from npuserve.kernels import npu_emulation
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,13 @@ def _major_minor(version: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def _torch_release(version: str) -> str:
+    """``2.8.0+cpu`` and ``2.8.0.post2`` -> ``2.8.0``: the torch release a torch_npu is published
+    for (not `version_matrix.release`, which keeps a post or rc suffix)."""
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", version)
+    return match.group(1) if match else version
+
+
 def check_version_set(torch_version: str, torch_npu_version: str) -> None:
     """Raises PlatformError unless torch and torch_npu share a major.minor version."""
     if _major_minor(torch_version) == _major_minor(torch_npu_version):
@@ -108,7 +115,7 @@ def check_version_set(torch_version: str, torch_npu_version: str) -> None:
     raise PlatformError(
         f"torch {torch_version} and torch_npu {torch_npu_version} are not one version set: "
         f"torch_npu must be built for the same torch major.minor. Install the torch_npu for "
-        f"your torch (pip install 'torch_npu=={release(torch_version)}.*'), or the torch for your torch_npu "
+        f"your torch (pip install 'torch_npu=={_torch_release(torch_version)}.*'), or the torch for your torch_npu "
         f"(pip install 'torch=={npu_major}.{npu_minor}.*'), and use the CANN release that "
         f"torch_npu version names ({VERSION_SET_EXAMPLE})."
     )
@@ -117,7 +124,7 @@ def check_version_set(torch_version: str, torch_npu_version: str) -> None:
 def _install_hint() -> str:
     return (
         f"torch_npu is not installed. Install it for torch {torch.__version__}: "
-        f"pip install 'npuserve[ascend]' 'torch_npu=={release(torch.__version__)}.*', with the CANN "
+        f"pip install 'npuserve[ascend]' 'torch_npu=={_torch_release(torch.__version__)}.*', with the CANN "
         f"release that torch_npu version names ({VERSION_SET_EXAMPLE}), then {CANN_SET_ENV}."
     )
 

@@ -69,6 +69,8 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 STOP_GRACE_S = 5.0
+# Hosts that bind every interface: the executor is reached there by another name.
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Steps are serialised by a lock, so a few threads suffice: one per open StepStream, plus
 # Info/Health answered while a step runs.
 NUM_WORKER_THREADS = 8
@@ -130,8 +132,8 @@ def start_executor_server(
     servicer = ExecutorServicer(runner, executor_id, version, profiler)
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     server.start()
-    local = host in ("", "0.0.0.0", "::", "[::]", "localhost", "127.0.0.1")
-    address = f"127.0.0.1:{bound}" if local else f"{host}:{bound}"
+    local = host in (*WILDCARD_HOSTS, "localhost", "127.0.0.1")
+    address = f"127.0.0.1:{bound}" if local else bind_target(host, bound)
     return RunningExecutor(server, servicer, bound, address, executor_id, version, info)
 
 
@@ -240,7 +242,7 @@ def serve_executor(
         if registry is not None:
             # Where the scheduler connects: the host name when bound to every interface (127.0.0.1
             # means nothing to another machine).
-            wildcard = host in ("", "0.0.0.0", "::", "[::]")
+            wildcard = host in WILDCARD_HOSTS
             advertised = f"{socket.gethostname()}:{running.port}" if wildcard else running.address
             record = registration_record(
                 registry.advertise_address or advertised,

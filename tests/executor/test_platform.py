@@ -115,6 +115,12 @@ def test_version_mismatch_names_both_versions_and_what_to_install() -> None:
     assert "CANN" in message
 
 
+def test_a_torch_post_or_rc_build_asks_for_the_torch_npu_of_its_release() -> None:
+    for torch_version in ("2.9.1.post3", "2.9.1.rc1"):
+        with pytest.raises(PlatformError, match=re.escape("pip install 'torch_npu==2.9.1.*'")):
+            check_version_set(torch_version, "2.8.0.post2")
+
+
 def test_minor_versions_compare_as_numbers() -> None:
     with pytest.raises(PlatformError, match=re.escape("torch_npu==2.13.0")):
         check_version_set("2.13.0", "2.1.0.post3")

@@ -189,6 +189,16 @@ def test_a_step_past_its_timeout_is_deadline_exceeded(faulty_executor: str) -> N
         assert client.step(StepPlan(step_id=3)) == StepResult(step_id=3)
 
 
+def test_an_ipv6_host_is_reached_at_its_bracketed_address(local_runner: ModelRunner) -> None:
+    running = start_executor_server(FaultyRunner(local_runner.info()), "::1", 0, "v6")
+    try:
+        assert running.address == f"[::1]:{running.port}"
+        with BlockingClient(running.address, timeout_s=10) as client:
+            assert client.health()
+    finally:
+        running.stop(grace_s=0)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_cleanly(stories_dir: Path, tmp_path: Path) -> None:
     running = _start_executor(stories_dir, tmp_path)
