@@ -44,7 +44,7 @@ A mixin of `Scheduler`, which provides what is declared here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from npuserve.proto.kv_layout import cdiv
@@ -75,11 +75,24 @@ class KvHandOff:
     waiting: deque[Request]
     running: list[Request]
     _to_drop: list[str]
-    # Methods of `Scheduler`.
-    _take_out: Callable[[Request], None]
-    _finish: Callable[[Request, RequestStatus], None]
-    _send_whole: Callable[[Request, StepPlan], None]
-    _grant: Callable[[Request, int, int, StepPlan, StepStats, list[Request]], None]
+
+    if TYPE_CHECKING:  # provided by `Scheduler`
+
+        def _take_out(self, request: Request) -> None: ...
+
+        def _finish(self, request: Request, status: RequestStatus, valid: bool = True) -> None: ...
+
+        def _send_whole(self, request: Request, plan: StepPlan) -> None: ...
+
+        def _grant(
+            self,
+            request: Request,
+            num_new: int,
+            num_steps: int,
+            plan: StepPlan,
+            stats: StepStats,
+            sampling: list[Request],
+        ) -> None: ...
 
     def _init_hand_off(self) -> None:
         # Prefill-only requests that ended PREFILLED: their blocks stay until `release_held`.
@@ -182,7 +195,7 @@ class KvHandOff:
     def _free_blocks(self, request: Request, valid: bool) -> bool:
         """An ended request's blocks go back; those of one whose pull runs are parked until it
         lands or fails (True: the executor, which never held the request, is told to drop it
-        only then, after it has named the pull's outcome: `_pull_settled`)."""
+        only then, after it has named the pull's outcome: `_pulls_settled`)."""
         pulled = self.pulling.get(request.req_id)
         if pulled is None or pulled.request is not request:
             self.kv.free(request, valid=valid)

@@ -52,6 +52,14 @@ class FailOver:
             request.grammar.release()
         self.recorder.record_finish(request, "error", time.monotonic())
 
+    def _end_failed(self, request: Request, why: str) -> None:
+        """Ends one sequence that cannot go on (unless it has already ended) with ``why``."""
+        client = self._client_of_seq.get(request.req_id)
+        if client is not None and not request.status.is_finished:
+            self._mark_failed(request)
+            client.end(request, RequestStatus.FINISHED_ERROR, why)
+            self._forget_if_finished(client)
+
     def _fail_over(self, requests: list[Request], reason: str, count: bool = True) -> None:
         """Moves requests of a lost executor to others; each resumes from the tokens it has.
         While a scheduler worker restarts and no other lane is up, they wait for it."""

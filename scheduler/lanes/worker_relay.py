@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from npuserve.scheduler.core.request import Request, RequestStatus
+from npuserve.scheduler.core.request import Request
 from npuserve.scheduler.lanes.background import BackgroundTasks
 from npuserve.scheduler.lanes.step_frames import LaneReport, RelayedPack, apply_report
 from npuserve.scheduler.lanes.step_workers import RemoteLane, WorkerHandle
@@ -128,11 +128,7 @@ class WorkerRelay:
         for request in requests:
             output = outputs.get(request.req_id)
             if output is None:  # it ends (unless it has already)
-                client = engine._client_of_seq.get(request.req_id)
-                if client is not None and not request.status.is_finished:
-                    engine._mark_failed(request)
-                    client.end(request, RequestStatus.FINISHED_ERROR, unrecovered)
-                    engine._forget_if_finished(client)
+                engine._end_failed(request, unrecovered)
                 continue
             request.take_output(output, None)
             request.reset_for_recompute()
